@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` (main job on the built-in tiny model)
+# and `make test`. Each creates its own virtualenv in .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_DIR := build/demo
+
+# torch 2.13.0 (CPU wheel on this machine's disk) expects triton 3.7.1; a bare `triton` takes 3.9.
+PINS := torch==2.13.0 triton==3.7.1 numpy
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(PINS)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: venv demo test clean
+venv: $(BIN)/.installed
+
+demo: venv
+	rm -rf $(DEMO_DIR)
+	$(BIN)/dspark-compile synth --preset tiny --out $(DEMO_DIR)/ckpt
+	$(BIN)/dspark-compile generate $(DEMO_DIR)/ckpt --prompt-ids 1,2,3,4,5,6,7,8 --max-new-tokens 32
+
+test: venv
+	$(BIN)/python -m pytest -q -x tests
+
+clean:
+	rm -rf $(VENV) build

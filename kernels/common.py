@@ -1,0 +1,91 @@
+"""Reference math shared by several kernels' references and by the models.
+
+Everything here is plain PyTorch and is *the* definition of the numerics: a fused kernel is
+correct when it matches these functions, and the models call these functions so that the
+exported step contains exactly the subgraphs the fusion passes look for.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+SCALE_AMAX_FLOOR = 1e-4  # DeepSeek's amax floor for power-of-two (UE8M0) scales
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32 (weight multiplied in fp32), one cast back to x's dtype at the end."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def rope_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False):
+    """GPT-J (interleaved pairs) rotation of x[..., 2p], x[..., 2p+1] by angle p; fp32 math.
+
+    x: [..., R]; cos/sin: broadcastable to [..., R/2]. Returns fp32.
+    """
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    if inverse:
+        sin = -sin
+    out_even = even * cos - odd * sin
+    out_odd = odd * cos + even * sin
+    return torch.stack((out_even, out_odd), dim=-1).flatten(-2)
+
+
+def rope_last(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rope_dim: int,
+              inverse: bool = False) -> torch.Tensor:
+    """Apply GPT-J RoPE to the last `rope_dim` dims of x at `positions`; result in x.dtype.
+
+    x: [T, ..., D]; positions: [T]; cos_sin: [max_pos, rope_dim] (cos for the first half of the
+    columns, sin for the second).
+    """
+    cs = cos_sin[positions]                     # [T, rope_dim]
+    half = rope_dim // 2
+    shape = (cs.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cs[:, :half].reshape(shape), cs[:, half:].reshape(shape)
+    rot = rope_gptj(x[..., -rope_dim:], cos, sin, inverse=inverse).to(x.dtype)
+    return torch.cat((x[..., :-rope_dim], rot), dim=-1)
+
+
+def ue8m0_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scale 2^ceil(log2(max(amax, 1e-4) / 448)) (fp32)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.float().clamp_min(SCALE_AMAX_FLOOR) / FP8_MAX)))
+
+
+def fp8_group_quant(x: torch.Tensor, group: int):
+    """Per-`group` FP8 e4m3 quantization along the last dim with UE8M0 scales.
+
+    Returns (q float8_e4m3fn [..., K], scale fp32 [..., K/group]).
+    """
+    xf = x.float().unflatten(-1, (-1, group))
+    scale = ue8m0_scale(xf.abs().amax(-1))
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale
+
+
+def fp8_group_dequant(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Inverse of :func:`fp8_group_quant` (fp32)."""
+    return (q.float().unflatten(-1, (-1, group)) * scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def scale_to_e8m0_byte(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 power-of-two scale -> uint8 exponent byte (exponent + 127), as fp8_ds_mla stores it."""
+    return (torch.log2(scale).round() + 127).clamp(0, 254).to(torch.uint8)
+
+
+def e8m0_byte_to_scale(b: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(b.to(torch.float32) - 127.0)
+
+
+def masked_row_write(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """dst[slots[i]] = rows[i] for slots >= 0; slot -1 writes nothing to a real slot.
+
+    Convention of every cache in this project: its last slot (dst[-1]) is scratch that no
+    reader trusts. Fixed-shape PyTorch cannot skip a write, so slot -1 is redirected there;
+    Triton kernels skip it instead. Either way every real slot is untouched.
+    """
+    idx = torch.where(slots >= 0, slots, torch.full_like(slots, dst.shape[0] - 1))
+    dst.index_put_((idx,), rows.to(dst.dtype))
