@@ -77,7 +77,6 @@ class ModelConfig:
     dspark_markov_rank: int = 0
     dspark_noise_token_id: int = 0
     n_mtp_layers: int = 0
-    dspark_confidence_head: bool = False
     bos_token_id: int = 0
     eos_token_id: int = 1
 
@@ -209,7 +208,6 @@ class ModelConfig:
                 dspark_markov_rank=r.int("dspark_markov_rank", min_value=1),
                 dspark_noise_token_id=noise,
                 n_mtp_layers=r.int("n_mtp_layers", default=3, min_value=1),
-                dspark_confidence_head=bool(raw.get("dspark_confidence_head", False)),
             )
         else:
             for name in ("dspark_target_layer_ids", "dspark_markov_rank"):
