@@ -1,0 +1,302 @@
+"""Synthetic DeepSeek-V4 (+ DSpark draft) checkpoints: every tensor of the schema, random but
+well-conditioned, in the native formats (FP8 block-scaled, MXFP4 experts, I64 tid2eid).
+
+Values are drawn per *unit* (a plain tensor, or an FP8 / MXFP4 weight with its scale) from a
+generator seeded by `sha256(seed, unit name)`, so a tensor's value does not depend on which
+other tensors are generated, on the order, or on sharding: `synth_tensors(cfg, seed)` and the
+files `synth_checkpoint` writes hold the same bytes (on the same device type; CPU and CUDA
+generators draw different numbers).
+
+Scales (:class:`SynthScales`) aim at a model that neither explodes nor saturates, with varied
+logits: linears keep unit variance (std 1/sqrt(fan_in)); output projections into the residual
+are damped (`branch_gain`) so the token's own embedding stays visible at the head (the draft and
+the target share embed/head, so they then agree some of the time, not always); norms are
+1 + noise; mHC mixing logits are O(0.5) so sigmoids stay in their linear range while the
+Sinkhorn combination is clearly non-uniform (a transposed C is detectable); the Markov bias is
+small next to the base logits.
+
+Generation streams per unit: `iter_synth_tensors` holds at most one unit's float source at a
+time, so a Flash slice (~24 GB) can be built directly in GPU memory (`synth_tensors(...,
+device="cuda")`) or written to disk (`synth_checkpoint`) without a second copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .config import ModelConfig
+from .presets import preset
+from .quant_formats import fp8_block_quant, mxfp4_quant
+from .safetensors_writer import nbytes, write_safetensors
+from .schema import TensorSpec, checkpoint_schema
+
+# A checkpoint larger than this is sharded even without an explicit shard size.
+DEFAULT_SHARD_BYTES = 4 << 30
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class SynthScales:
+    embed_std: float = 1.0
+    logit_std: float = 3.0        # std of head logits for a unit-RMS final hidden
+    branch_gain: float = 0.5      # wo_b and expert w2 (everything written into the residual)
+    norm_noise: float = 0.05      # norm weights = 1 + norm_noise * N(0, 1)
+    hc_logit_std: float = 0.5     # std of the mHC mixing logits mu (fn std = this / sqrt(hc*D))
+    hc_base_std: float = 0.5      # pre / post / head biases
+    hc_comb_base_std: float = 1.0  # Sinkhorn logits bias: makes C clearly non-uniform
+    hc_scale_noise: float = 0.1   # hc_*_scale = 1 + noise
+    sink_std: float = 1.0
+    ape_std: float = 0.05
+    gate_bias_std: float = 0.02
+    markov_bias_std: float = 0.5  # std of W2 . W1[x] (w1, w2 std = sqrt(this / sqrt(r)))
+
+
+# ---- units: a plain tensor, or a quantized weight with its scale ---------------------------
+
+@dataclass(frozen=True)
+class _Unit:
+    base: str                 # seed key: the tensor name, or the linear's name for a pair
+    names: tuple[str, ...]    # tensors it produces, in order
+    kind: str                 # plain | fp8 | mxfp4 | tid2eid
+
+    def nbytes(self, schema: dict[str, TensorSpec]) -> int:
+        return sum(nbytes(schema[n].shape, schema[n].dtype) for n in self.names)
+
+
+def _units(schema: dict[str, TensorSpec]) -> list[_Unit]:
+    units = []
+    for name, spec in schema.items():
+        if spec.kind in ("fp8_weight", "mxfp4_weight"):
+            base = name[: -len(".weight")]
+            scale = f"{base}.scale"
+            if scale not in schema:
+                raise ValueError(f"schema: quantized weight '{name}' has no '{scale}'")
+            units.append(_Unit(base, (name, scale), spec.kind.split("_")[0]))
+        elif spec.kind in ("fp8_scale", "mxfp4_scale"):
+            continue  # produced with its weight
+        else:
+            units.append(_Unit(name, (name,), "tid2eid" if spec.kind == "tid2eid" else "plain"))
+    return units
+
+
+def _seed(seed: int, key: str) -> int:
+    h = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class _Draw:
+    """Normal / uniform draws from one unit's generator on `device`."""
+
+    def __init__(self, seed: int, key: str, device: torch.device):
+        self.device = device
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(_seed(seed, key))
+
+    def normal(self, shape, std=1.0, mean=0.0) -> torch.Tensor:
+        x = torch.randn(tuple(shape), generator=self.gen, device=self.device, dtype=torch.float32)
+        return x.mul_(std).add_(mean) if (std != 1.0 or mean != 0.0) else x
+
+    def uniform(self, shape) -> torch.Tensor:
+        return torch.rand(tuple(shape), generator=self.gen, device=self.device, dtype=torch.float32)
+
+
+def _is_output_proj(base: str) -> bool:
+    return base.endswith(("attn.wo_b", "shared_experts.w2")) or (".experts." in base
+                                                                 and base.endswith(".w2"))
+
+
+def _plain(name: str, spec: TensorSpec, d: _Draw, cfg: ModelConfig, sc: SynthScales) -> torch.Tensor:
+    D, shape = cfg.hidden_size, spec.shape
+    stem = name[: -len(".weight")] if name.endswith(".weight") else name
+    leaf = stem.rsplit(".", 1)[-1]  # e.g. attn_norm, hc_ffn_fn, bias, markov_w1, gate
+    if name == "embed.weight":
+        x = d.normal(shape, sc.embed_std)
+    elif name == "head.weight":
+        x = d.normal(shape, sc.logit_std / math.sqrt(D))
+    elif leaf.endswith("norm"):  # attn_norm, ffn_norm, q_norm, kv_norm, compressor norm, main_norm, norm
+        x = d.normal(shape, sc.norm_noise, 1.0)
+    elif leaf in ("markov_w1", "markov_w2"):
+        x = d.normal(shape, math.sqrt(sc.markov_bias_std / math.sqrt(cfg.dspark_markov_rank)))
+    elif leaf.startswith("hc_") and leaf.endswith("_fn"):
+        x = d.normal(shape, sc.hc_logit_std / math.sqrt(shape[1]))
+    elif leaf.startswith("hc_") and leaf.endswith("_scale"):
+        x = d.normal(shape, sc.hc_scale_noise, 1.0)
+    elif leaf == "hc_head_base":
+        x = d.normal(shape, sc.hc_base_std)
+    elif leaf.startswith("hc_") and leaf.endswith("_base"):
+        m = cfg.hc_mult
+        x = torch.cat((d.normal((2 * m,), sc.hc_base_std), d.normal((m * m,), sc.hc_comb_base_std)))
+    elif leaf == "attn_sink":
+        x = d.normal(shape, sc.sink_std)
+    elif leaf == "ape":
+        x = d.normal(shape, sc.ape_std)
+    elif leaf == "bias":  # ffn.gate.bias: selection only, small so scores drive selection
+        x = d.normal(shape, sc.gate_bias_std)
+    elif len(shape) == 2:  # gate, compressor wkv/wgate, indexer weights_proj, confidence proj
+        x = d.normal(shape, 1.0 / math.sqrt(shape[1]))
+    else:
+        raise ValueError(f"synth: no value rule for tensor '{name}' {shape} {spec.dtype}")
+    return x.to(spec.dtype)
+
+
+def _gen_unit(u: _Unit, schema: dict[str, TensorSpec], cfg: ModelConfig, seed: int,
+              device: torch.device, sc: SynthScales) -> list[tuple[str, torch.Tensor]]:
+    d = _Draw(seed, u.base, device)
+    spec = schema[u.names[0]]
+    if u.kind == "plain":
+        return [(u.names[0], _plain(u.names[0], spec, d, cfg, sc))]
+    if u.kind == "tid2eid":
+        # distinct expert ids per row: the k largest of E uniforms
+        V, k = spec.shape
+        return [(u.names[0], d.uniform((V, cfg.n_routed_experts)).topk(k, dim=-1).indices.to(torch.int64))]
+    gain = sc.branch_gain if _is_output_proj(u.base) else 1.0
+    if u.kind == "fp8":
+        rows, cols = spec.shape
+        w = d.normal((rows, cols), gain / math.sqrt(cols))
+        q, s = fp8_block_quant(w, cfg.fp8_block)
+    else:  # mxfp4: stored [rows, cols/2] bytes
+        rows, cols = spec.shape[0], spec.shape[1] * 2
+        w = d.normal((rows, cols), gain / math.sqrt(cols))
+        q, s = mxfp4_quant(w)
+    del w
+    return [(u.names[0], q), (u.names[1], s)]
+
+
+def _resolve_cfg(cfg) -> ModelConfig:
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    if isinstance(cfg, str):
+        return ModelConfig.from_dict(preset(cfg))
+    if isinstance(cfg, dict):
+        return ModelConfig.from_dict(cfg)
+    raise TypeError(f"expected a ModelConfig, preset name or config dict, got {type(cfg).__name__}")
+
+
+def synth_schema(cfg: ModelConfig, include_draft: bool = True,
+                 include_optional: bool = True) -> dict[str, TensorSpec]:
+    schema = checkpoint_schema(cfg)
+    return {n: s for n, s in schema.items()
+            if (include_draft or not n.startswith("mtp.")) and (include_optional or not s.optional)}
+
+
+def iter_synth_tensors(cfg, seed: int = 0, device="cpu", include_draft: bool = True,
+                       scales: SynthScales | None = None, names=None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) in schema order, one unit at a time. `names` restricts the output
+    to those tensors (a quantized weight and its scale are generated together)."""
+    cfg = _resolve_cfg(cfg)
+    sc = scales or SynthScales()
+    dev = torch.device(device)
+    schema = synth_schema(cfg, include_draft)
+    want = None if names is None else set(names)
+    if want is not None and want - set(schema):
+        raise KeyError(f"iter_synth_tensors: not in the schema: {sorted(want - set(schema))[:3]}")
+    for u in _units(schema):
+        if want is not None and not want.intersection(u.names):
+            continue
+        for name, t in _gen_unit(u, schema, cfg, seed, dev, sc):
+            if want is None or name in want:
+                yield name, t
+
+
+def synth_tensors(cfg, seed: int = 0, device="cpu", include_draft: bool = True,
+                  scales: SynthScales | None = None) -> dict[str, torch.Tensor]:
+    """Every schema tensor (the optional confidence head included) in memory on `device`."""
+    return dict(iter_synth_tensors(cfg, seed, device, include_draft, scales))
+
+
+# ---- writing ------------------------------------------------------------------------------
+
+def _plan_shards(units: list[_Unit], schema, shard_bytes: int | None) -> list[list[_Unit]]:
+    total = sum(u.nbytes(schema) for u in units)
+    if shard_bytes is None:
+        if total <= DEFAULT_SHARD_BYTES:
+            return [units]
+        shard_bytes = DEFAULT_SHARD_BYTES
+    shards, cur, size = [], [], 0
+    for u in units:  # greedy in schema order; a unit larger than a shard gets its own shard
+        n = u.nbytes(schema)
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(u)
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: int = 0,
+                     shard_size_bytes: int | None = None, device="cpu", include_draft: bool = True,
+                     overwrite: bool = False, scales: SynthScales | None = None) -> Path:
+    """Write config.json + safetensors for a preset name or a config.json-style dict.
+
+    One `model.safetensors` unless `shard_size_bytes` is given or the checkpoint exceeds
+    DEFAULT_SHARD_BYTES; then `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`.
+    Written into a temporary sibling directory and renamed into place when complete, so
+    `out_dir` never holds a partial checkpoint. Returns `out_dir`.
+    """
+    if isinstance(preset_or_config, str):
+        raw = preset(preset_or_config)
+    elif isinstance(preset_or_config, dict):
+        raw = json.loads(json.dumps(preset_or_config))  # private copy, and proof it is JSON
+    else:
+        raise TypeError("synth_checkpoint: expected a preset name or a config dict, got "
+                        f"{type(preset_or_config).__name__}")
+    if shard_size_bytes is not None and shard_size_bytes <= 0:
+        raise ValueError(f"shard size must be positive, got {shard_size_bytes} bytes")
+    cfg = ModelConfig.from_dict(raw)
+    if not include_draft:
+        raw = {k: v for k, v in raw.items() if not k.startswith("dspark_")}
+    out = Path(out_dir)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    schema = synth_schema(cfg, include_draft)
+    units = _units(schema)
+    shards = _plan_shards(units, schema, shard_size_bytes)
+    sc = scales or SynthScales()
+    dev = torch.device(device)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            fname = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            specs = [(n, schema[n].shape, schema[n].dtype) for u in shard for n in u.names]
+            stream = (nt for u in shard for nt in _gen_unit(u, schema, cfg, seed, dev, sc))
+            total += write_safetensors(tmp / fname, specs, stream)
+            weight_map.update({n: fname for n, _, _ in specs})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        else:  # overwrite: park the old one, swap, then delete it
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / "old")
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+    os.replace(tmp, out)
