@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import fp8_group_quant, rmsnorm
+from .common import fp8_group_quant, rmsnorm, upcast
 
 ACT_QUANT_GROUP = 128
 
@@ -30,7 +30,7 @@ def act_quant_reference(x: torch.Tensor):
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(g, limit)) * clamp(u, -limit, limit) in fp32, rounded to g's dtype (limit 0 = off)."""
-    gf, uf = g.float(), u.float()
+    gf, uf = upcast(g), upcast(u)
     if limit > 0:
         gf = gf.clamp(max=limit)
         uf = uf.clamp(-limit, limit)

@@ -35,28 +35,35 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
                           w2: torch.Tensor, s2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
-    """y[t] = sum_k w[t,k] * W2_e (swiglu(W1_e x, W3_e x)), e = topk_ids[t,k]; fp32 output.
+    """y[t] = sum_k w[t,k] * W2_e (swiglu(W1_e x, W3_e x)), e = topk_ids[t,k].
+
+    Output is fp32 (fp64 when x is fp64, so exact-precision runs stay exact).
 
     x [T, D]; topk_ids [T, k] int64 in [0, E); topk_weights [T, k] fp32;
     w1/w3 [E, I, D/2], s1/s3 [E, I, D/32]; w2 [E, D, I/2], s2 [E, D, I/32].
     """
     E = w1.shape[0]
-    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    acc = _out_dtype(x)
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=acc, device=x.device)
     for e in range(E):
         # routing weight of expert e per token (0 when not selected): fixed shape [T]
-        we = (topk_weights.float() * (topk_ids == e)).sum(-1)
+        we = (topk_weights.to(acc) * (topk_ids == e)).sum(-1)
         W1 = mxfp4_dequant(w1[e], s1[e], x.dtype)
         W3 = mxfp4_dequant(w3[e], s3[e], x.dtype)
         W2 = mxfp4_dequant(w2[e], s2[e], x.dtype)
         h = swiglu(x @ W1.T, x @ W3.T, swiglu_limit)
         # the reference weights h before W2 (same result in exact arithmetic as after)
-        h = (h.float() * we[:, None]).to(x.dtype)
-        y = y + (h @ W2.T).float()
+        h = (h.to(acc) * we[:, None]).to(x.dtype)
+        y = y + (h @ W2.T).to(acc)
     return y
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _moe_fake(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu_limit):
-    return x.new_empty(x.shape[0], w2.shape[1], dtype=torch.float32)
+    return x.new_empty(x.shape[0], w2.shape[1], dtype=_out_dtype(x))
 
 
 @dspark_op("moe_experts", reference=moe_experts_reference, fake=_moe_fake)

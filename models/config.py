@@ -135,7 +135,7 @@ class ModelConfig:
                               f"num_hidden_layers={L}")
         ratios = tuple(ratios[:L])  # the tail belongs to the MTP / DSpark layers
         for i, x in enumerate(ratios):
-            if x < 0 or x == 1 or x == 2:
+            if x != 0 and x < 4:
                 raise ConfigError("compress_ratios", f"entry {i} = {x}; expected 0 (SWA only) or a "
                                   "ratio >= 4")
 
@@ -194,7 +194,8 @@ class ModelConfig:
         draft = {}
         if block:
             ids = raw.get("dspark_target_layer_ids")
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise ConfigError("dspark_target_layer_ids", "must be a non-empty list of layer ids")
             for i in ids:
                 if not 0 <= i < L:
@@ -217,6 +218,9 @@ class ModelConfig:
         eos = raw.get("eos_token_id", 1)
         if isinstance(eos, list):
             eos = eos[0] if eos else 1
+        for name, v in (("bos_token_id", raw.get("bos_token_id", 0) or 0), ("eos_token_id", eos)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
+                raise ConfigError(name, f"expected a token id in [0, vocab_size={vocab}), got {v!r}")
         cfg = cls(
             vocab_size=vocab,
             hidden_size=r.int("hidden_size", min_value=1),
@@ -252,9 +256,10 @@ class ModelConfig:
             eos_token_id=int(eos),
             **draft,
         )
-        if cfg.moe_intermediate_size % 32 or cfg.hidden_size % 32:
-            raise ConfigError("moe_intermediate_size", "MXFP4 experts need hidden_size and "
-                              "moe_intermediate_size to be multiples of 32")
+        for name in ("hidden_size", "moe_intermediate_size"):
+            if getattr(cfg, name) % 32:
+                raise ConfigError(name, "MXFP4 experts need hidden_size and moe_intermediate_size "
+                                  f"to be multiples of 32, got {getattr(cfg, name)}")
         return cfg
 
 
@@ -312,12 +317,25 @@ def _yarn(d: dict, theta: float, field_name: str) -> RopeSpec:
     for key in ("mscale", "mscale_all_dim"):
         if d.get(key) not in (None, 0, 0.0):
             raise ConfigError(f"{field_name}.{key}", "YaRN magnitude scaling is not used by DeepSeek-V4")
-    try:
-        return RopeSpec(theta=theta, factor=float(d["factor"]),
-                        original_max_position_embeddings=int(d["original_max_position_embeddings"]),
-                        beta_fast=float(d.get("beta_fast", 32)), beta_slow=float(d.get("beta_slow", 1)))
-    except KeyError as e:
-        raise ConfigError(f"{field_name}.{e.args[0]}", "missing for YaRN") from None
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in d:
+            raise ConfigError(f"{field_name}.{key}", "missing for YaRN")
+    orig = d["original_max_position_embeddings"]
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig < 1:
+        raise ConfigError(f"{field_name}.original_max_position_embeddings",
+                          f"expected a positive integer, got {orig!r}")
+    return RopeSpec(theta=theta, factor=_number(d["factor"], f"{field_name}.factor", positive=True),
+                    original_max_position_embeddings=orig,
+                    beta_fast=_number(d.get("beta_fast", 32), f"{field_name}.beta_fast"),
+                    beta_slow=_number(d.get("beta_slow", 1), f"{field_name}.beta_slow"))
+
+
+def _number(v, field_name: str, positive: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(field_name, f"expected a finite number, got {v!r}")
+    if positive and v <= 0:
+        raise ConfigError(field_name, f"must be > 0, got {v!r}")
+    return float(v)
 
 
 def _parse_rope(raw: dict) -> tuple[RopeSpec, RopeSpec]:
@@ -327,14 +345,19 @@ def _parse_rope(raw: dict) -> tuple[RopeSpec, RopeSpec]:
         if "main" not in rp or "compress" not in rp:
             raise ConfigError("rope_parameters", "nested form needs both 'main' and 'compress'")
         main, comp = rp["main"], rp["compress"]
+        for key, part in (("main", main), ("compress", comp)):
+            if not isinstance(part, dict):
+                raise ConfigError(f"rope_parameters.{key}", "must be an object")
         if "rope_theta" not in main:
             raise ConfigError("rope_parameters.main.rope_theta", "missing")
         if "rope_theta" not in comp:
             raise ConfigError("rope_parameters.compress.rope_theta", "missing")
-        main_spec = _yarn(main, float(main["rope_theta"]), "rope_parameters.main")
+        main_spec = _yarn(main, _number(main["rope_theta"], "rope_parameters.main.rope_theta",
+                                        positive=True), "rope_parameters.main")
         if main_spec.factor != 1.0:
             raise ConfigError("rope_parameters.main", "SWA-only layers never use YaRN")
-        return main_spec, _yarn(comp, float(comp["rope_theta"]), "rope_parameters.compress")
+        return main_spec, _yarn(comp, _number(comp["rope_theta"], "rope_parameters.compress.rope_theta",
+                                              positive=True), "rope_parameters.compress")
     if rp is not None and not isinstance(rp, dict):
         raise ConfigError("rope_parameters", "must be an object")
     # Flat form. HF-normalised configs may carry the YaRN block as a flat `rope_parameters`.
@@ -347,8 +370,8 @@ def _parse_rope(raw: dict) -> tuple[RopeSpec, RopeSpec]:
         raise ConfigError("compress_rope_theta", "missing")
     if scaling is not None and not isinstance(scaling, dict):
         raise ConfigError("rope_scaling", "must be an object or null")
-    comp = _yarn(scaling or {}, float(ctheta), "rope_scaling")
-    return RopeSpec(theta=float(theta)), comp
+    comp = _yarn(scaling or {}, _number(ctheta, "compress_rope_theta", positive=True), "rope_scaling")
+    return RopeSpec(theta=_number(theta, "rope_theta", positive=True)), comp
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,206 @@
+"""DeepSeek-V4 attention: MQA over one 512-d latent that is both key and value.
+
+Per layer (reference/dsv4_target.md §3): q/kv projections and norms, QKV post-processing
+(q weightless per-head norm + RoPE, kv RoPE + FP8 quant + SWA insert), then on compressed
+layers the compressor (and on C4 layers the lightning indexer's top-k), then one softmax over
+SWA window ∪ compressed candidates with the sink in the denominator only, inverse RoPE at the
+query position, grouped low-rank output projection.
+
+Candidates are read back from the caches after this forward's writes, so a token attends to
+its own (quantized) KV exactly as vLLM does, and causality inside a multi-token forward comes
+from masks on absolute positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_compile.kernels.act_quant import (ACT_QUANT_GROUP, act_quant_reference,
+                                              rmsnorm_quant_reference)
+from dspark_compile.kernels.common import (e8m0_byte_to_scale, fp8_group_dequant, masked_row_write,
+                                           rmsnorm, rope_last)
+from dspark_compile.kernels.qkv_postprocess import (KV_QUANT_GROUP, kv_quant_reference,
+                                                    qkv_postprocess_reference, qkv_rope_reference)
+
+from .batch import Batch
+from .compressor import Compressor
+from .config import ModelConfig, Precision
+from .linear import BF16Linear, FP8Linear, RMSNormWeight, acc_dtype
+
+
+def read_kv(state: dict, prefix: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized KV rows [B, n, d] of a cache (fp8_ds_mla style or float)."""
+    if f"{prefix}_kv" in state:
+        return state[f"{prefix}_kv"][rows].to(dtype)
+    nope = state[f"{prefix}_nope"][rows].to(torch.float32)
+    scale = e8m0_byte_to_scale(state[f"{prefix}_scale"][rows])
+    nope = (nope.unflatten(-1, (-1, KV_QUANT_GROUP)) * scale.unsqueeze(-1)).flatten(-2)
+    return torch.cat((nope, state[f"{prefix}_rope"][rows].to(torch.float32)), -1).to(dtype)
+
+
+def write_kv(state: dict, prefix: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Store RoPE'd kv rows [M, d] at flat slots (quantized when the cache is FP8)."""
+    if f"{prefix}_kv" in state:
+        masked_row_write(state[f"{prefix}_kv"].flatten(0, 1), slots, kv)
+        return
+    nope = state[f"{prefix}_nope"]
+    q8, sbytes, rope = kv_quant_reference(kv, nope.shape[-1])
+    masked_row_write(nope.flatten(0, 1), slots, q8)
+    masked_row_write(state[f"{prefix}_scale"].flatten(0, 1), slots, sbytes)
+    masked_row_write(state[f"{prefix}_rope"].flatten(0, 1), slots, rope)
+
+
+def norm_and_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, prec: Precision):
+    """RMSNorm whose output feeds an FP8 GEMM: (y, (q, s) or None)."""
+    if prec.act_quant:
+        y, q, s = rmsnorm_quant_reference(x, weight, eps)
+        return y, (q, s)
+    return rmsnorm(x, weight, eps), None
+
+
+def sink_attention(q: torch.Tensor, keys: list, masks: list, sink: torch.Tensor, scale: float,
+                   acc: torch.dtype) -> torch.Tensor:
+    """Softmax over the union of candidate sets with a denominator-only sink.
+
+    q [B, T, H, d]; keys[i] [B, n_i, d] (shared by all T) or [B, T, n_i, d]; masks[i]
+    [B, T, n_i] bool. Returns o [B, T, H, d] in acc dtype (0 where nothing is valid).
+    """
+    qf = q.to(acc)
+    scores, vals = [], []
+    for k, m in zip(keys, masks):
+        eq = "bthd,bnd->bthn" if k.dim() == 3 else "bthd,btnd->bthn"
+        s = torch.einsum(eq, qf, k.to(acc)) * scale
+        scores.append(s.masked_fill(~m[:, :, None, :], float("-inf")))
+        vals.append(k.to(acc))
+    B, T, H, _ = q.shape
+    sink_col = sink.to(acc).view(1, 1, H, 1).expand(B, T, H, 1)
+    p = torch.softmax(torch.cat(scores + [sink_col], dim=-1), dim=-1)
+    o, start = 0, 0
+    for s, v in zip(scores, vals):
+        n = s.shape[-1]
+        ps = p[..., start:start + n]
+        eq = "bthn,bnd->bthd" if v.dim() == 3 else "bthn,btnd->bthd"
+        o = o + torch.einsum(eq, ps, v)
+        start += n
+    return o
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of C4 layers: top-k compressed entries per query."""
+
+    def __init__(self, cfg: ModelConfig, prec: Precision):
+        super().__init__()
+        self.cfg, self.prec = cfg, prec
+        self.wq_b = FP8Linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, prec, cfg.fp8_block)
+        self.weights_proj = BF16Linear(cfg.index_n_heads, cfg.hidden_size, prec)
+        self.compressor = Compressor(cfg, 4, cfg.index_head_dim, prec)
+
+    def forward(self, x, qr, qr_q, batch: Batch, state: dict, p: str, cos_sin: torch.Tensor):
+        cfg, acc = self.cfg, acc_dtype(self.prec.dtype)
+        B, T = batch.B, batch.T
+        entries, blk, closes = self.compressor(x, batch, state[f"{p}.idx_kv"], state[f"{p}.idx_score"], cos_sin)
+        k_cache = state[f"{p}.idx_k"]
+        n_entries = k_cache.shape[1]
+        masked_row_write(k_cache.flatten(0, 1), Compressor.entry_slots(batch, blk, closes, n_entries),
+                         entries.reshape(-1, cfg.index_head_dim))
+        qi = self.wq_b(qr, qr_q).view(B * T, cfg.index_n_heads, cfg.index_head_dim)
+        qi = rope_last(qi, cos_sin, batch.flat_pos(), cos_sin.shape[-1]).view(B, T, cfg.index_n_heads, -1)
+        w = self.weights_proj(x, out_dtype=acc) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        keys = k_cache[batch.rows].to(acc)                                     # [B, NE, d_i]
+        logits = torch.relu(torch.einsum("bthd,bnd->bthn", qi.to(acc), keys))
+        score = (logits * w.view(B, T, -1, 1)).sum(2)                          # [B, T, NE]
+        visible = torch.arange(n_entries, device=x.device) < ((batch.pos + 1) // 4)[..., None]
+        score = score.masked_fill(~visible, float("-inf"))
+        k = min(cfg.index_topk, n_entries)
+        top, idx = score.topk(k, dim=-1)
+        return idx, top > float("-inf")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, prec: Precision, cos_sin: torch.Tensor):
+        super().__init__()
+        self.cfg, self.ratio, self.prec = cfg, ratio, prec
+        # the layer's RoPE table (compressed table with YaRN when ratio > 0); not a checkpoint tensor
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        H, d, D, blk = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size, cfg.fp8_block
+        self.register_buffer("attn_sink", torch.zeros(H))
+        self.q_norm = RMSNormWeight(cfg.q_lora_rank)
+        self.kv_norm = RMSNormWeight(d)
+        self.wq_a = FP8Linear(cfg.q_lora_rank, D, prec, blk)
+        self.wq_b = FP8Linear(H * d, cfg.q_lora_rank, prec, blk)
+        self.wkv = FP8Linear(d, D, prec, blk)
+        self.wo_a = FP8Linear(cfg.o_groups * cfg.o_lora_rank, (H // cfg.o_groups) * d, prec, blk)
+        self.wo_b = FP8Linear(D, cfg.o_groups * cfg.o_lora_rank, prec, blk)
+        if ratio:
+            self.compressor = Compressor(cfg, ratio, d, prec)
+        if ratio == 4:
+            self.indexer = Indexer(cfg, prec)
+
+    def project_q_kv(self, x, xq):
+        """Shared by target and draft layers: (q [M, H, d], qr, qr_q, kv [M, d]) before RoPE."""
+        cfg = self.cfg
+        qr, qr_q = norm_and_quant(self.wq_a(x, xq), self.q_norm.weight, cfg.rms_norm_eps, self.prec)
+        kv = rmsnorm(self.wkv(x, xq), self.kv_norm.weight, cfg.rms_norm_eps)
+        q = self.wq_b(qr, qr_q).view(-1, cfg.num_attention_heads, cfg.head_dim)
+        return q, qr, qr_q, kv
+
+    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """o [M, H, d] -> inverse RoPE at the query position -> grouped wo_a -> wo_b."""
+        cfg = self.cfg
+        o = rope_last(o, self.cos_sin, positions, cfg.qk_rope_head_dim, inverse=True)
+        G = cfg.o_groups
+        flat = o.reshape(o.shape[0], -1)                                      # [M, H*d]
+        acc = acc_dtype(self.prec.dtype)
+        if self.prec.act_quant:
+            q, s = act_quant_reference(flat)
+            flat = fp8_group_dequant(q, s, ACT_QUANT_GROUP)
+        w = self.wo_a.dequant_weight().view(G, cfg.o_lora_rank, -1)
+        z = torch.einsum("mgi,goi->mgo", flat.to(acc).view(o.shape[0], G, -1), w)
+        return self.wo_b(z.reshape(o.shape[0], -1).to(self.prec.dtype))
+
+    def forward(self, x, xq, batch: Batch, state: dict, p: str) -> torch.Tensor:
+        cfg, prec = self.cfg, self.prec
+        acc = acc_dtype(prec.dtype)
+        B, T = batch.B, batch.T
+        cos_sin = self.cos_sin
+        q, qr, qr_q, kv = self.project_q_kv(x, xq)
+        pos = batch.flat_pos()
+        swa_ring = state[f"{p}.swa_nope" if prec.kv_fp8 else f"{p}.swa_kv"].shape[1]
+        slots = batch.ring_slots(swa_ring)
+        if prec.kv_fp8:
+            q = qkv_postprocess_reference(q, kv, pos, cos_sin, slots, state[f"{p}.swa_nope"].flatten(0, 1),
+                                          state[f"{p}.swa_scale"].flatten(0, 1),
+                                          state[f"{p}.swa_rope"].flatten(0, 1), cfg.rms_norm_eps)
+        else:
+            q, kv_r = qkv_rope_reference(q, kv, pos, cos_sin, cfg.rms_norm_eps)
+            masked_row_write(state[f"{p}.swa_kv"].flatten(0, 1), slots, kv_r)
+
+        # SWA candidates: ring slot s holds position P - ((P - s) mod ring) for query position P
+        P = batch.pos[..., None]                                              # [B, T, 1]
+        s = torch.arange(swa_ring, device=x.device)
+        slot_pos = P - torch.remainder(P - s, swa_ring)
+        keys = [read_kv(state, f"{p}.swa", batch.rows, acc)]
+        masks = [(slot_pos >= 0) & (slot_pos > P - cfg.sliding_window)]
+
+        if self.ratio:
+            if self.ratio == 4:
+                top_idx, top_ok = self.indexer(x, qr, qr_q, batch, state, p, cos_sin)
+            entries, blk, closes = self.compressor(x, batch, state[f"{p}.cmp_kv"], state[f"{p}.cmp_score"],
+                                                   cos_sin)
+            ckey = f"{p}.ckv_nope" if prec.kv_fp8 else f"{p}.ckv_kv"
+            n_entries = state[ckey].shape[1]
+            write_kv(state, f"{p}.ckv", Compressor.entry_slots(batch, blk, closes, n_entries),
+                     entries.reshape(-1, cfg.head_dim))
+            ckv = read_kv(state, f"{p}.ckv", batch.rows, acc)                # [B, NE, d]
+            if self.ratio == 4:
+                sel = ckv[torch.arange(B, device=x.device)[:, None, None], top_idx]  # [B, T, k, d]
+                keys.append(sel)
+                masks.append(top_ok)
+            else:
+                j = torch.arange(n_entries, device=x.device)
+                keys.append(ckv)
+                masks.append(j < (batch.pos[..., None] + 1) // self.ratio)
+
+        q = q.view(B, T, cfg.num_attention_heads, cfg.head_dim)
+        o = sink_attention(q, keys, masks, self.attn_sink, cfg.head_dim ** -0.5, acc)
+        return self.output(o.to(prec.dtype).view(B * T, cfg.num_attention_heads, -1), pos)

@@ -1,0 +1,44 @@
+"""What one forward needs to know about its rows, in fixed-shape tensors.
+
+B rows of T tokens each (a bucket of the step: T = N + 1 verify tokens; prefill: one chunk).
+`rows` maps batch row -> state row (padded rows -> the trash row); `pos` holds absolute
+positions. Writes of padded rows use slot -1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    rows: torch.Tensor       # [B] int64 state row per batch row (trash row for padding)
+    pos: torch.Tensor        # [B, T] int64 absolute positions
+    tokens: torch.Tensor     # [B, T] int64 token ids (already bounded to [0, vocab))
+    valid: torch.Tensor      # [B] bool: a live request row
+
+    @classmethod
+    def make(cls, rows, pos, tokens, trash: int, vocab: int) -> "Batch":
+        valid = rows < trash
+        tokens = torch.where((tokens >= 0) & (tokens < vocab), tokens, torch.zeros_like(tokens))
+        return cls(rows=rows, pos=pos, tokens=tokens, valid=valid)
+
+    @property
+    def B(self) -> int:
+        return self.pos.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.pos.shape[1]
+
+    def flat_pos(self) -> torch.Tensor:
+        return self.pos.reshape(-1)
+
+    def ring_slots(self, ring: int, write: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat slots [B*T] into a [rows, ring, ...] tensor at pos % ring; -1 where not written."""
+        slots = self.rows[:, None] * ring + self.pos % ring
+        ok = self.valid[:, None].expand_as(slots)
+        if write is not None:
+            ok = ok & write
+        return torch.where(ok, slots, torch.full_like(slots, -1)).reshape(-1)

@@ -1,0 +1,90 @@
+"""MoE FFN (reference/dsv4_target.md §4): router, routed MXFP4 experts (one dspark op), shared
+FP8 expert, SwiGLU clamp on both.
+
+Router: fp32 logits, score sqrt(softplus); selection by `tid2eid[token]` on hash layers, else
+top-k of score + bias (bias only selects); weights = unbiased scores, renormalised, x routed
+scaling factor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers dspark::moe_experts)
+from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
+
+from .config import ModelConfig, Precision
+from .linear import FP8Linear, acc_dtype
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, hash_layer: bool):
+        super().__init__()
+        self.cfg, self.hash_layer = cfg, hash_layer
+        self.register_buffer("weight", torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.bfloat16))
+        if hash_layer:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok,
+                                                        dtype=torch.int64))
+        else:
+            self.register_buffer("bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor):
+        cfg = self.cfg
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        logits = x.to(acc) @ self.weight.to(acc).T
+        score = torch.sqrt(F.softplus(logits))
+        if self.hash_layer:
+            # tokens are bounded by Batch.make; the clamp keeps the gather addressable regardless
+            idx = self.tid2eid[tokens.clamp(0, cfg.vocab_size - 1)]
+        else:
+            idx = (score + self.bias.to(acc)).topk(cfg.num_experts_per_tok, dim=-1).indices
+        w = score.gather(-1, idx)
+        if cfg.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+        return idx, w * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """All routed experts of a layer, stacked: w{1,3} [E, I, D/2], w2 [E, D, I/2] (MXFP4 bytes)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        for w, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+            self.register_buffer(f"{w}_weight", torch.zeros(E, rows, cols // 2, dtype=torch.int8))
+            self.register_buffer(f"{w}_scale", torch.zeros(E, rows, cols // 32, dtype=torch.float8_e8m0fnu))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig, prec: Precision):
+        super().__init__()
+        I, D, blk = cfg.moe_intermediate_size, cfg.hidden_size, cfg.fp8_block
+        self.prec, self.limit = prec, cfg.swiglu_limit
+        self.w1 = FP8Linear(I, D, prec, blk)
+        self.w3 = FP8Linear(I, D, prec, blk)
+        self.w2 = FP8Linear(D, I, prec, blk)
+
+    def forward(self, x, xq):
+        g, u = self.w1(x, xq), self.w3(x, xq)
+        if self.prec.act_quant:
+            q, s = swiglu_quant_reference(g, u, self.limit)
+            return self.w2(None, (q, s))
+        return self.w2(swiglu(g, u, self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, hash_layer: bool, prec: Precision):
+        super().__init__()
+        self.cfg, self.prec = cfg, prec
+        self.gate = Gate(cfg, hash_layer)
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedExpert(cfg, prec)
+
+    def forward(self, x: torch.Tensor, xq, tokens: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x, tokens)
+        e = self.experts
+        routed = torch.ops.dspark.moe_experts(x, idx, w, e.w1_weight, e.w1_scale, e.w3_weight, e.w3_scale,
+                                              e.w2_weight, e.w2_scale, float(self.cfg.swiglu_limit))
+        acc = acc_dtype(self.prec.dtype)
+        return (routed.to(acc) + self.shared_experts(x, xq).to(acc)).to(self.prec.dtype)

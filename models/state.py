@@ -1,0 +1,91 @@
+"""Decode state: preallocated, fixed-shape tensors per request row, updated in place.
+
+Every tensor has `max_rows + 1` rows: the last row is the *trash row*. Padded batch rows point
+at it (reads are harmless garbage, outputs ignored) and their writes are masked (slot -1, which
+the PyTorch references redirect to the trash row's last slot and the Triton kernels skip).
+
+Rings are indexed by absolute position modulo their length. Their lengths leave room for one
+forward's worth of tokens beyond what any reader needs, so rows written for drafts that get
+rejected can never overwrite something still needed: they only hold positions that the next
+step rewrites before anyone reads them (reference/dspark_draft.md §4.3).
+
+    SWA KV ring          sliding_window + max_step_tokens      (fp8_ds_mla style or float)
+    compressor ring      coff·ratio + max_step_tokens          (fp32 kv | score)
+    compressed KV        max_seq_len // ratio entries          (fp8_ds_mla style or float)
+    indexer K            max_seq_len // 4 entries              (compute dtype)
+    draft context ring   sliding_window (committed rows only)  (compute dtype)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import CacheConfig, ModelConfig, Precision
+
+
+@dataclass(frozen=True)
+class Spec:
+    shape: tuple
+    dtype: torch.dtype
+
+
+def coff(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
+
+
+def _kv_specs(prefix: str, rows: int, n: int, cfg: ModelConfig, prec: Precision) -> dict:
+    if prec.kv_fp8:
+        nope = cfg.nope_dim
+        return {f"{prefix}_nope": Spec((rows, n, nope), torch.float8_e4m3fn),
+                f"{prefix}_scale": Spec((rows, n, nope // 64), torch.uint8),
+                f"{prefix}_rope": Spec((rows, n, cfg.qk_rope_head_dim), torch.bfloat16)}
+    return {f"{prefix}_kv": Spec((rows, n, cfg.head_dim), prec.dtype)}
+
+
+def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[str, Spec]:
+    if prec.kv_fp8 and cfg.nope_dim % 64:
+        raise ValueError(f"FP8 KV needs head_dim - qk_rope_head_dim ({cfg.nope_dim}) to be a multiple of 64")
+    if cfg.has_draft and cache.max_step_tokens < cfg.dspark_block_size + 1:
+        raise ValueError(f"CacheConfig.max_step_tokens={cache.max_step_tokens} < dspark_block_size + 1")
+    R = cache.max_rows + 1
+    acc = torch.float64 if prec.dtype == torch.float64 else torch.float32  # compressor state
+    T = cache.max_step_tokens
+    specs: dict[str, Spec] = {}
+    for l, ratio in enumerate(cfg.compress_ratios):
+        p = f"layers.{l}"
+        specs.update(_kv_specs(f"{p}.swa", R, cfg.sliding_window + T, cfg, prec))
+        if ratio:
+            c = coff(ratio)
+            ring = c * ratio + T
+            specs[f"{p}.cmp_kv"] = Spec((R, ring, c * cfg.head_dim), acc)
+            specs[f"{p}.cmp_score"] = Spec((R, ring, c * cfg.head_dim), acc)
+            specs.update(_kv_specs(f"{p}.ckv", R, cache.max_seq_len // ratio, cfg, prec))
+        if ratio == 4:
+            ring = 2 * ratio + T
+            specs[f"{p}.idx_kv"] = Spec((R, ring, 2 * cfg.index_head_dim), acc)
+            specs[f"{p}.idx_score"] = Spec((R, ring, 2 * cfg.index_head_dim), acc)
+            specs[f"{p}.idx_k"] = Spec((R, cache.max_seq_len // ratio, cfg.index_head_dim), prec.dtype)
+    if cfg.has_draft:
+        N, V = cfg.dspark_block_size, cfg.vocab_size
+        for i in range(cfg.n_mtp_layers):
+            specs[f"mtp.{i}.ctx"] = Spec((R, cfg.sliding_window, cfg.head_dim), prec.dtype)
+        # per-row speculative-decoding state: next inputs [anchor, d1..dN], last committed
+        # position, draft distributions (probabilistic rows) and sampling parameters.
+        specs["row.tokens"] = Spec((R, N + 1), torch.int64)
+        specs["row.draft_probs"] = Spec((R, N, V), torch.float32)
+    specs["row.last_pos"] = Spec((R,), torch.int64)
+    specs["row.temperature"] = Spec((R,), torch.float32)
+    specs["row.top_k"] = Spec((R,), torch.int64)
+    specs["row.top_p"] = Spec((R,), torch.float32)
+    specs["row.seed"] = Spec((R,), torch.int64)
+    return specs
+
+
+def allocate_state(cfg: ModelConfig, cache: CacheConfig, prec: Precision, device="cpu") -> dict:
+    return {name: torch.zeros(s.shape, dtype=s.dtype, device=device)
+            for name, s in state_specs(cfg, cache, prec).items()}
+
+
+def trash_row(state: dict) -> int:
+    return state["row.last_pos"].shape[0] - 1

@@ -1,0 +1,135 @@
+"""The draft-plus-verify step over a fixed batch bucket, and the eager prefill that precedes it.
+
+One step for B request rows (reference/dspark_draft.md §5.1), N = dspark_block_size:
+
+    verify    target forward over [anchor, d1..dN] at last+1 .. last+N+1   -> logits, aux
+    reject    greedy / standard rejection                                  -> tokens, num_sampled
+    context   store aux rows r < num_sampled into each draft layer's ring
+    draft     [anchor', noise x (N-1)] at last'+1 .. last'+N               -> base logits
+    sample    Markov sampler (N sequential steps)                          -> drafts, draft probs
+    next      row state := [anchor', drafts], last' = last + num_sampled
+
+Capture-safe: fixed shapes, no host syncs, randomness keyed by (seed, position) tensors. The only
+inputs that change per call are `rows` (state row per batch row; the trash row for padding);
+everything else is per-row state updated in place. Outputs: committed tokens [B, N+1] (-1 past
+num_sampled) and num_sampled [B] (0 for padded rows).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_compile.kernels.markov_sampler import markov_sample_reference
+from dspark_compile.kernels.rejection import rejection_sample_reference
+from dspark_compile.kernels.sampling import sample_reference
+
+from .batch import Batch
+from .draft import draft_forward, markov_weights, store_context
+
+
+def sampling_of(state: dict, rows: torch.Tensor):
+    return (state["row.temperature"][rows], state["row.top_k"][rows], state["row.top_p"][rows],
+            state["row.seed"][rows])
+
+
+def bound_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Fold ids outside [0, vocab) to 0 before they reach any embedding or table gather."""
+    return torch.where((ids >= 0) & (ids < vocab), ids, torch.zeros_like(ids))
+
+
+def draft_block(model, state: dict, rows: torch.Tensor, anchor: torch.Tensor, last: torch.Tensor):
+    """Draft N tokens after `anchor` (at last+1) for each row; returns (drafts, probs)."""
+    cfg = model.cfg
+    N = cfg.dspark_block_size
+    B = rows.shape[0]
+    ar = torch.arange(N, device=rows.device)
+    ids = torch.cat((anchor[:, None], torch.full((B, N - 1), cfg.dspark_noise_token_id,
+                                                 dtype=torch.int64, device=rows.device)), 1)
+    base = draft_forward(model, ids, last[:, None] + 1 + ar, rows, last, state)
+    w1, w2 = markov_weights(model)
+    return markov_sample_reference(base, anchor, w1, w2, *sampling_of(state, rows), last + 2)
+
+
+class DraftVerifyStep(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if model.mtp is None:
+            raise ValueError("DraftVerifyStep needs a model with the DSpark draft (mtp.*)")
+        self.model = model
+
+    def forward(self, rows: torch.Tensor, state: dict):
+        model, cfg = self.model, self.model.cfg
+        N, V = cfg.dspark_block_size, cfg.vocab_size
+        trash = state["row.last_pos"].shape[0] - 1
+        last = state["row.last_pos"][rows]
+        tok_in = state["row.tokens"][rows]
+        ar = torch.arange(N + 1, device=rows.device)
+        batch = Batch.make(rows, last[:, None] + 1 + ar, tok_in, trash, V)
+
+        logits, aux = model(batch, state, aux_layers=cfg.dspark_target_layer_ids)
+        tokens, num = rejection_sample_reference(logits, tok_in[:, 1:], state["row.draft_probs"][rows],
+                                                 *sampling_of(state, rows), last + 2)
+        num = torch.where(batch.valid, num, torch.zeros_like(num))
+        tokens = torch.where(batch.valid[:, None] & (ar[None, :] < num[:, None]), tokens,
+                             torch.full_like(tokens, -1))
+
+        # only the anchor and accepted drafts are real context for the draft
+        ring = state["mtp.0.ctx"].shape[1]
+        slots = batch.ring_slots(ring, write=ar[None, :] < num[:, None])
+        store_context(model, aux.reshape(batch.B * (N + 1), -1), batch.flat_pos(), slots, state)
+
+        anchor = bound_ids(tokens.gather(1, (num - 1).clamp_min(0)[:, None]).squeeze(1), V)
+        new_last = last + num
+        drafts, probs = draft_block(model, state, rows, anchor, new_last)
+
+        state["row.tokens"].index_put_((rows,), torch.cat((anchor[:, None], drafts), 1))
+        state["row.draft_probs"].index_put_((rows,), probs)
+        state["row.last_pos"].index_put_((rows,), new_last)
+        return tokens, num
+
+
+@torch.no_grad()
+def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, speculative: bool) -> int:
+    """Eager prompt forward for one request row; returns the first generated token.
+
+    Writes every cache of `row` for positions 0..L-1 (in chunks of at most `chunk` tokens),
+    seeds the draft context from the prompt's aux states, samples the first token from the
+    target, and (speculative) drafts the first block so the step can start verifying.
+    """
+    cfg = model.cfg
+    dev = state["row.last_pos"].device
+    trash = state["row.last_pos"].shape[0] - 1
+    rows = torch.tensor([row], device=dev)
+    L = len(prompt)
+    ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
+    aux_layers = cfg.dspark_target_layer_ids if speculative else ()
+    for start in range(0, L, chunk):
+        end = min(start + chunk, L)
+        pos = torch.arange(start, end, device=dev)[None]
+        batch = Batch.make(rows, pos, ids[None, start:end], trash, cfg.vocab_size)
+        logits, aux = model(batch, state, aux_layers=aux_layers)
+        if speculative:
+            ring = state["mtp.0.ctx"].shape[1]
+            store_context(model, aux.reshape(end - start, -1), batch.flat_pos(), batch.ring_slots(ring), state)
+    first = sample_reference(logits[:, -1], *sampling_of(state, rows), torch.tensor([L], device=dev))
+    first = bound_ids(first, cfg.vocab_size)
+    last = torch.tensor([L - 1], device=dev)
+    state["row.last_pos"][row] = L - 1
+    if speculative:
+        drafts, probs = draft_block(model, state, rows, first, last)
+        state["row.tokens"][row] = torch.cat((first, drafts[0]))
+        state["row.draft_probs"][row] = probs[0]
+    return int(first)
+
+
+@torch.no_grad()
+def target_decode_step(model, state: dict, rows: torch.Tensor, tokens: torch.Tensor):
+    """Plain (non-speculative) decoding: feed `tokens` [B] at last+1, return (next tokens, logits)."""
+    cfg = model.cfg
+    trash = state["row.last_pos"].shape[0] - 1
+    last = state["row.last_pos"][rows]
+    batch = Batch.make(rows, (last + 1)[:, None], tokens[:, None], trash, cfg.vocab_size)
+    logits, _ = model(batch, state)
+    nxt = bound_ids(sample_reference(logits[:, 0], *sampling_of(state, rows), last + 2), cfg.vocab_size)
+    state["row.last_pos"].index_put_((rows,), torch.where(batch.valid, last + 1, last))
+    return nxt, logits[:, 0]

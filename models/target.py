@@ -1,0 +1,72 @@
+"""The DeepSeek-V4 target model: embed -> blocks -> hc_head -> norm -> LM head.
+
+Buffers are named after the checkpoint (models/schema.py) so loading is a name check; the one
+exception is the routed experts, stacked per layer (see models/weights.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_compile.kernels.common import rmsnorm
+
+from .attention import Attention
+from .batch import Batch
+from .block import Block
+from .config import ModelConfig, Precision
+from .linear import RMSNormWeight, acc_dtype
+from .mhc import HCHead
+from .rope import rope_table
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(vocab, dim, dtype=torch.bfloat16))
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig, prec: Precision, max_positions: int, with_draft: bool = True):
+        super().__init__()
+        self.cfg, self.prec = cfg, prec
+        main = rope_table(cfg.rope_main, cfg.qk_rope_head_dim, max_positions)
+        comp = rope_table(cfg.rope_compress, cfg.qk_rope_head_dim, max_positions)
+        self.register_buffer("rope_main", main, persistent=False)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.head = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = RMSNormWeight(cfg.hidden_size)
+        self.hc_head = HCHead(cfg)
+        self.layers = nn.ModuleList(
+            Block(cfg, Attention(cfg, r, prec, comp if r else main), i < cfg.num_hash_layers, prec)
+            for i, r in enumerate(cfg.compress_ratios))
+        if with_draft and cfg.has_draft:
+            from .draft import DraftStage  # the draft builds on these modules
+            self.mtp = nn.ModuleList(DraftStage(cfg, i, prec, main) for i in range(cfg.n_mtp_layers))
+        else:
+            self.mtp = None
+
+    def embed_streams(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[M] ids -> [M, m, D]: all hyper-connection streams start as the embedding."""
+        e = self.embed.weight[tokens].to(self.prec.dtype)
+        return e.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def logits(self, X: torch.Tensor, hc_head: HCHead, norm_weight: torch.Tensor) -> torch.Tensor:
+        """[M, m, D] -> fp32 (fp64 in exact mode) logits [M, V]; shared with the draft's head."""
+        h = rmsnorm(hc_head(X), norm_weight, self.cfg.rms_norm_eps)
+        acc = acc_dtype(self.prec.dtype)
+        return h.to(acc) @ self.head.weight.to(acc).T
+
+    def forward(self, batch: Batch, state: dict, aux_layers: tuple = ()):
+        """Returns logits [B, T, V] and, if asked, the hc-mean of the streams after each layer
+        in `aux_layers` concatenated: [B, T, len * D] (the DSpark draft's conditioning)."""
+        B, T = batch.B, batch.T
+        tokens = batch.tokens.reshape(-1)
+        X = self.embed_streams(tokens)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}"
+            X = layer(X, tokens, lambda x, xq, a=layer.attn, p=p: a(x, xq, batch, state, p))
+            if i in aux_layers:
+                aux.append(X.to(acc_dtype(self.prec.dtype)).mean(1).to(self.prec.dtype))
+        logits = self.logits(X, self.hc_head, self.norm.weight).view(B, T, -1)
+        return logits, (torch.cat(aux, -1).view(B, T, -1) if aux else None)
