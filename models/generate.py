@@ -1,0 +1,135 @@
+"""Eager reference decoding: plain target decoding and DSpark speculative decoding.
+
+Both run batches of requests over one decode state; requests that finish (max tokens or a stop
+id) become padded rows (the trash row) for the remaining steps, exactly as the compiled runtime
+does. These loops are the reference the compiled engine is compared against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import CacheConfig
+from .state import allocate_state, trash_row
+from .step import DraftVerifyStep, prefill, target_decode_step
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0     # <= 0: greedy
+    top_k: int = 0               # <= 0: off
+    top_p: float = 1.0           # >= 1: off
+    seed: int = 0
+    max_new_tokens: int = 32
+    stop_ids: tuple = ()
+
+    def validate(self, vocab: int) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature != self.temperature or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for s in self.stop_ids:
+            if not 0 <= s < vocab:
+                raise ValueError(f"stop id {s} outside [0, {vocab})")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    steps: int = 0
+    # accepted[k] = number of (row, step) pairs where at least k+1 drafts were accepted
+    accepted_at: list[int] = field(default_factory=list)
+    row_steps: int = 0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.row_steps if self.row_steps else 0.0 for a in self.accepted_at]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """E[accepted drafts] + 1: tokens committed per row-step."""
+        return (sum(self.accepted_at) / self.row_steps + 1.0) if self.row_steps else 0.0
+
+
+def validate_prompts(prompts: list[list[int]], vocab: int) -> None:
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i}: token ids {bad[:5]} outside [0, {vocab})")
+
+
+def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
+    state["row.temperature"][row] = sp.temperature
+    state["row.top_k"][row] = sp.top_k
+    state["row.top_p"][row] = sp.top_p
+    state["row.seed"][row] = sp.seed
+
+
+def _finish(out: list[int], new: list[int], sp: SamplingParams) -> bool:
+    """Append committed tokens, honouring stop ids and max tokens; True when the request is done."""
+    for t in new:
+        out.append(t)
+        if t in sp.stop_ids or len(out) >= sp.max_new_tokens:
+            return True
+    return False
+
+
+def cache_config_for(prompts, params, block: int, chunk: int = 64) -> CacheConfig:
+    need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) + block + 2
+    return CacheConfig(max_rows=len(prompts), max_seq_len=need, max_step_tokens=max(chunk, block + 1))
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], params: list[SamplingParams], speculative: bool,
+             cache: CacheConfig | None = None, device="cpu") -> GenerationResult:
+    cfg = model.cfg
+    validate_prompts(prompts, cfg.vocab_size)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    for sp in params:
+        sp.validate(cfg.vocab_size)
+    if speculative and model.mtp is None:
+        raise ValueError("speculative decoding needs the DSpark draft (mtp.*) in the checkpoint")
+    N = cfg.dspark_block_size if speculative else 0
+    cache = cache or cache_config_for(prompts, params, N)
+    state = allocate_state(cfg, cache, model.prec, device)
+    trash = trash_row(state)
+    outs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for r, (p, sp) in enumerate(zip(prompts, params)):
+        if len(p) + sp.max_new_tokens + N + 2 > cache.max_seq_len:
+            raise ValueError(f"prompt {r}: {len(p)} + {sp.max_new_tokens} new tokens exceed "
+                             f"max_seq_len={cache.max_seq_len}")
+        set_row_sampling(state, r, sp)
+        first = prefill(model, state, r, p, cache.max_step_tokens, speculative)
+        done[r] = _finish(outs[r], [first], sp)
+    res = GenerationResult(tokens=outs, accepted_at=[0] * N)
+    step = DraftVerifyStep(model) if speculative else None
+    while not all(done):
+        live = torch.tensor([trash if d else r for r, d in enumerate(done)], device=device)
+        if speculative:
+            tokens, num = step(live, state)
+            res.steps += 1
+            for r in range(len(prompts)):
+                if done[r]:
+                    continue
+                n = int(num[r])
+                res.row_steps += 1
+                for k in range(n - 1):
+                    res.accepted_at[k] += 1
+                done[r] = _finish(outs[r], tokens[r, :n].tolist(), params[r])
+        else:
+            last_tok = torch.tensor([o[-1] for o in outs], device=device)
+            nxt, _ = target_decode_step(model, state, live, last_tok)
+            res.steps += 1
+            for r in range(len(prompts)):
+                if not done[r]:
+                    done[r] = _finish(outs[r], [int(nxt[r])], params[r])
+    return res
