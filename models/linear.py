@@ -13,19 +13,12 @@ from dspark_compile.kernels.act_quant import ACT_QUANT_GROUP, act_quant_referenc
 from dspark_compile.kernels.common import fp8_group_dequant
 
 from .config import Precision
+from .quant_formats import fp8_block_dequant
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for a compute dtype: fp32 for 16-bit types, itself otherwise."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def fp8_block_dequant(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    rows, cols = weight.shape
-    s = torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
-    s = s.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (weight.to(torch.float32) * s).to(dtype)
 
 
 class RMSNormWeight(nn.Module):
