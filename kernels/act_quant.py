@@ -1,4 +1,4 @@
-"""Activation quantization in front of FP8 block-scaled GEMMs (reference; Triton in issue 4).
+"""Activation quantization in front of FP8 block-scaled GEMMs: reference, Triton kernels, ops.
 
 Per token, groups of 128 along K, float8_e4m3fn with power-of-two (UE8M0) scales
 `2^ceil(log2(max(amax, 1e-4) / 448))`.
@@ -11,14 +11,27 @@ Per token, groups of 128 along K, float8_e4m3fn with power-of-two (UE8M0) scales
 - `act_quant_reference`: the quant alone.
 
 Bytes per token that must move (Flash shared expert, I = 2048): read g, u 8 KB (bf16), write
-2 KB fp8 + 64 B scales.
+2 KB fp8 + 64 B scales. rmsnorm_quant (hidden 4096): read x 8 KB + weight (cached), write y 8 KB +
+4 KB fp8 + 128 B scales.
+
+Kernels (one launch per op, fp32 math from the loaded values): act_quant and swiglu_quant tile a
+token's row into BLOCK_G groups of 128 per program, grid (token, group block); rmsnorm_quant needs
+the whole row for its mean and runs one program per token. FP8 and scale bytes are computed with
+the exact helpers of kernels/tl_helpers.py, so given the same activations they equal the
+reference's bytes; swiglu's exp and rmsnorm's summation order can move an activation by one ulp
+of its dtype before the quant (see the tests for the bounds).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .common import fp8_group_quant, rmsnorm, upcast
+from .registry import add_compile_configs, dspark_op
+from .tl_helpers import (compile_config, exp2_int, fp8e4m3_bits, interpreting, launch, next_pow2,
+                         round_to, ue8m0_exponent)
 
 ACT_QUANT_GROUP = 128
 
@@ -46,3 +59,230 @@ def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
     y = rmsnorm(x, weight, eps)
     q, s = act_quant_reference(y)
     return y, q, s
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _quant_groups(h, q_row, s_row, offs_g, gmask, cols, SOFT: tl.constexpr):
+    """h [BLOCK_G, 128] fp32 (values of the activation dtype) -> e4m3 bytes + fp32 2^e scales."""
+    e = ue8m0_exponent(tl.max(tl.abs(h), axis=1))
+    # h / 2^e is exact as h * 2^-e (power of two): the reference's division, bit for bit.
+    hq = tl.minimum(tl.maximum(h * exp2_int(-e)[:, None], -448.0), 448.0)
+    tl.store(q_row + cols, fp8e4m3_bits(hq, SOFT), mask=gmask[:, None])
+    tl.store(s_row + offs_g, exp2_int(e), mask=gmask)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, NG, stride_xt, stride_qt, stride_st,
+                      BLOCK_G: tl.constexpr, SOFT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = offs_g < NG
+    cols = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=gmask[:, None], other=0.0).to(tl.float32)
+    _quant_groups(x, q_ptr + t * stride_qt, s_ptr + t * stride_st, offs_g, gmask, cols, SOFT)
+
+
+@triton.jit
+def _swiglu_quant_kernel(g_ptr, u_ptr, q_ptr, s_ptr, h_ptr, NG, stride_gt, stride_ut, stride_qt,
+                         stride_st, stride_ht, limit, BLOCK_G: tl.constexpr,
+                         STORE_H: tl.constexpr, SOFT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = offs_g < NG
+    cols = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    g = tl.load(g_ptr + t * stride_gt + cols, mask=gmask[:, None], other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t * stride_ut + cols, mask=gmask[:, None], other=0.0).to(tl.float32)
+    clamp = limit > 0
+    g = tl.where(clamp, tl.minimum(g, limit), g)
+    u = tl.where(clamp, tl.minimum(tl.maximum(u, -limit), limit), u)
+    # torch's CPU silu is x / (1 + exp(-x)); only exp's last-ulp rounding can differ.
+    silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
+    dt = g_ptr.dtype.element_ty
+    h = round_to(silu * u, dt, SOFT)
+    if STORE_H:  # test hook: expose the rounded activation the quant consumed
+        tl.store(h_ptr + t * stride_ht + cols, h.to(h_ptr.dtype.element_ty), mask=gmask[:, None])
+    _quant_groups(h, q_ptr + t * stride_qt, s_ptr + t * stride_st, offs_g, gmask, cols, SOFT)
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, stride_xt, stride_yt, stride_qt,
+                          stride_st, eps, NG_P2: tl.constexpr, SOFT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, NG_P2)
+    gmask = offs_g < K // 128
+    cols = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=gmask[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=gmask[:, None], other=0.0).to(tl.float32)
+    # reference: (xf * rsqrt(mean(xf^2) + eps)) * w, mean = sum / K, IEEE division and sqrt
+    ms = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=1), axis=0), K * 1.0)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    dt = y_ptr.dtype.element_ty
+    y = round_to((x * rstd) * w, dt, SOFT)
+    tl.store(y_ptr + t * stride_yt + cols, y.to(dt), mask=gmask[:, None])
+    _quant_groups(y, q_ptr + t * stride_qt, s_ptr + t * stride_st, offs_g, gmask, cols, SOFT)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SM_COUNT_HINT = 132        # H200; only shapes the group-block heuristic
+RMSNORM_MAX_K = 16384      # one program holds a whole row
+
+
+def _rows(x: torch.Tensor, name: str):
+    """x [..., K] -> ([T, K] view with a contiguous last dim, leading shape, K)."""
+    if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a bf16/fp16/fp32 [..., K] tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    K = x.shape[-1]
+    if K % ACT_QUANT_GROUP:
+        raise ValueError(f"{name}.shape[-1] = {K} must be a multiple of {ACT_QUANT_GROUP}")
+    x2 = x.reshape(-1, K)
+    if K and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, x.shape[:-1], K
+
+
+def _outputs(lead, K, device):
+    T = 1
+    for n in lead:
+        T *= n
+    q = torch.empty((T, K), dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty((T, K // ACT_QUANT_GROUP), dtype=torch.float32, device=device)
+    return q, s, T
+
+
+def _group_block(T, NG):
+    """Groups per program: 1 while that leaves fewer than ~2 waves of programs, else 4."""
+    return 1 if T * NG < 8 * SM_COUNT_HINT else 4
+
+
+def _shaped(q, s, lead, K):
+    return q.reshape(*lead, K), s.reshape(*lead, K // ACT_QUANT_GROUP)
+
+
+def act_quant_launch(x):
+    if x.dtype == torch.float64:  # exact-precision model runs: no kernel, the reference
+        return act_quant_reference(x)
+    x2, lead, K = _rows(x, "x")
+    q, s, T = _outputs(lead, K, x.device)
+    NG = K // ACT_QUANT_GROUP
+    if T and NG:
+        bg = _group_block(T, NG)
+        kernel = _act_quant_kernel
+        launch(kernel)[(T, triton.cdiv(NG, bg))](
+            x2, q.view(torch.uint8), s, NG, x2.stride(0), q.stride(0), s.stride(0),
+            BLOCK_G=bg, SOFT=interpreting(kernel), num_warps=bg)
+    return _shaped(q, s, lead, K)
+
+
+def swiglu_quant_launch(g, u, limit, h_out=None):
+    """`h_out` (test hook, [T, K] of g's dtype) receives the activation before the quant."""
+    if g.dtype == torch.float64 and h_out is None:
+        return swiglu_quant_reference(g, u, limit)
+    if g.shape != u.shape or g.dtype != u.dtype:
+        raise ValueError(f"g and u must have one shape and dtype, got {g.dtype} {tuple(g.shape)} "
+                         f"and {u.dtype} {tuple(u.shape)}")
+    g2, lead, K = _rows(g, "g")
+    u2, _, _ = _rows(u, "u")
+    q, s, T = _outputs(lead, K, g.device)
+    NG = K // ACT_QUANT_GROUP
+    if T and NG:
+        bg = _group_block(T, NG)
+        kernel = _swiglu_quant_kernel
+        h = q if h_out is None else h_out
+        launch(kernel)[(T, triton.cdiv(NG, bg))](
+            g2, u2, q.view(torch.uint8), s, h, NG, g2.stride(0), u2.stride(0), q.stride(0),
+            s.stride(0), h.stride(0), float(limit), BLOCK_G=bg, STORE_H=h_out is not None,
+            SOFT=interpreting(kernel), num_warps=bg)
+    return _shaped(q, s, lead, K)
+
+
+def rmsnorm_quant_launch(x, weight, eps):
+    if x.dtype == torch.float64:
+        return rmsnorm_quant_reference(x, weight, eps)
+    x2, lead, K = _rows(x, "x")
+    if weight.shape != (K,) or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be a float [{K}] vector, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if K > RMSNORM_MAX_K:
+        raise ValueError(f"rmsnorm_quant holds a row per program: K = {K} > {RMSNORM_MAX_K}")
+    weight = weight.contiguous()
+    q, s, T = _outputs(lead, K, x.device)
+    y = torch.empty((T, K), dtype=x.dtype, device=x.device)
+    if T and K:
+        ng_p2 = next_pow2(K // ACT_QUANT_GROUP)
+        kernel = _rmsnorm_quant_kernel
+        launch(kernel)[(T,)](
+            x2, weight, y, q.view(torch.uint8), s, K, x2.stride(0), y.stride(0), q.stride(0),
+            s.stride(0), float(eps), NG_P2=ng_p2, SOFT=interpreting(kernel),
+            num_warps=_rmsnorm_warps(ng_p2))
+    q, s = _shaped(q, s, lead, K)
+    return y.reshape(*lead, K), q, s
+
+
+def _rmsnorm_warps(ng_p2):
+    return max(1, min(16, ng_p2 // 4))  # 4 groups of 128 per warp: 16 fp32 per thread
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+def _quant_fake(x):
+    K = x.shape[-1]
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], K // ACT_QUANT_GROUP), dtype=torch.float32))
+
+
+def _swiglu_quant_fake(g, u, limit):
+    return _quant_fake(g)
+
+
+def _rmsnorm_quant_fake(x, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),) + _quant_fake(x)
+
+
+@dspark_op("act_quant", reference=act_quant_reference, fake=_quant_fake)
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return act_quant_launch(x)
+
+
+@dspark_op("swiglu_quant", reference=swiglu_quant_reference, fake=_swiglu_quant_fake)
+def swiglu_quant(g: torch.Tensor, u: torch.Tensor,
+                 limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_quant_launch(g, u, limit)
+
+
+@dspark_op("rmsnorm_quant", reference=rmsnorm_quant_reference, fake=_rmsnorm_quant_fake)
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rmsnorm_quant_launch(x, weight, eps)
+
+
+# SM12x readiness: every (BLOCK_G, num_warps) the launchers pick, bf16 activations; rmsnorm_quant
+# at the Flash rows it normalises before an FP8 GEMM (q_lora 1024, hidden 4096).
+_STRIDES = dict(stride_qt="i32", stride_st="i32")
+for _bg in (1, 4):
+    add_compile_configs("act_quant", [compile_config(
+        _act_quant_kernel,
+        dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", NG="i32", stride_xt="i32", **_STRIDES),
+        dict(BLOCK_G=_bg, SOFT=False), _bg)])
+    add_compile_configs("swiglu_quant", [compile_config(
+        _swiglu_quant_kernel,
+        dict(g_ptr="*bf16", u_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", h_ptr="*bf16", NG="i32",
+             stride_gt="i32", stride_ut="i32", stride_ht="i32", limit="fp32", **_STRIDES),
+        dict(BLOCK_G=_bg, STORE_H=False, SOFT=False), _bg)])
+for _k in (1024, 4096):
+    _ng = next_pow2(_k // ACT_QUANT_GROUP)
+    add_compile_configs("rmsnorm_quant", [compile_config(
+        _rmsnorm_quant_kernel,
+        dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", K="i32",
+             stride_xt="i32", stride_yt="i32", eps="fp32", **_STRIDES),
+        dict(NG_P2=_ng, SOFT=False), _rmsnorm_warps(_ng))])

@@ -1,0 +1,201 @@
+"""SM12x readiness: cross-compile every declared kernel configuration for sm_120 / sm_121.
+
+Consumer and workstation Blackwell (SM120, SM121) give a block at most 99 KB of shared memory, and
+a kernel tuned on an H200 can silently spill there. No GPU is needed to check: Triton compiles for
+`GPUTarget("cuda", 120, 32)` on any machine, and the `cuobjdump` bundled with Triton reports each
+cubin's registers (REG), static shared memory (SHARED) and local memory (LOCAL, i.e. spills or
+stack arrays). Triton's own shared memory is *dynamic* and not in SHARED, so the check adds the
+compiled kernel's `metadata.shared`.
+
+`resource_report(arch)` compiles every entry that kernel files declared through
+`registry.add_compile_configs` (after importing every module of this package, so kernels added
+later are picked up without a list to update) and returns one dict per configuration;
+`dspark-compile build --arch sm_120` stores it in the engine manifest. `check_report` raises on
+any configuration over the limits.
+
+Works under TRITON_INTERPRET=1 too (tests set it): `triton.jit` then returns interpreter objects,
+for our kernels and for Triton's own @jit standard library (tl.max, tl.sum, tl.philox, ...), so
+each kernel -- and every jit function it reaches, through globals or through `tl` -- is rebuilt as
+a real `JITFunction` from the same Python source before compiling.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import tempfile
+import types
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from .registry import KERNELS
+
+ARCHS = {"sm_120": 120, "sm_121": 121}
+SMEM_LIMIT_BYTES = 99 * 1024   # per block, SM120/SM121
+WARP_SIZE = 32
+
+
+def import_all_kernel_modules() -> list[str]:
+    """Import every module of dspark_compile.kernels so that all ops and configs are registered."""
+    pkg = importlib.import_module(__package__)
+    names = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        name = f"{__package__}.{info.name}"
+        importlib.import_module(name)
+        names.append(name)
+    return names
+
+
+def as_jit(kernel) -> JITFunction:
+    """A compilable JITFunction for `kernel`, also when Triton's interpreter decorated it."""
+    if isinstance(kernel, JITFunction):
+        return kernel
+    fn = getattr(kernel, "fn", None)
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"{kernel!r} is neither a triton.jit kernel nor an interpreted one")
+    return _rebuild(fn)
+
+
+_REBUILT: dict = {}
+
+
+def _rebuild(fn: types.FunctionType) -> JITFunction:
+    # Same code object (so Triton reads the same source), fresh globals in which every interpreted
+    # helper is replaced by its rebuilt JITFunction (Triton resolves calls through __globals__).
+    if fn in _REBUILT:
+        return _REBUILT[fn]
+    scope = dict(fn.__globals__)
+    clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    functools.update_wrapper(clone, fn)
+    del clone.__wrapped__  # inspect must read clone's own (identical) source, not follow fn
+    jit = _REBUILT[fn] = JITFunction(clone)   # memoised before recursing: helpers call each other
+    for name, value in fn.__globals__.items():
+        if _is_interpreted(value) or _is_triton_language(value):
+            scope[name] = _compilable(value)
+    return jit
+
+
+def _compilable(value):
+    return _rebuild(value.fn) if _is_interpreted(value) else _language_proxy(value)
+
+
+def _is_triton_language(value) -> bool:
+    return isinstance(value, types.ModuleType) and value.__name__.startswith("triton.language")
+
+
+def _language_proxy(mod: types.ModuleType) -> types.ModuleType:
+    """A copy of a triton.language module whose interpreted jit functions (tl.max, tl.sum,
+    tl.philox, ... are @jit functions of Triton's own standard library) are rebuilt too."""
+    if mod in _REBUILT:
+        return _REBUILT[mod]
+    proxy = _REBUILT[mod] = types.ModuleType(mod.__name__, mod.__doc__)
+    proxy.__dict__.update(vars(mod))
+    for name, value in vars(mod).items():
+        if _is_interpreted(value) or (_is_triton_language(value) and value is not mod):
+            setattr(proxy, name, _compilable(value))
+    return proxy
+
+
+def _is_interpreted(obj) -> bool:
+    return type(obj).__name__ == "InterpretedFunction" and isinstance(getattr(obj, "fn", None),
+                                                                       types.FunctionType)
+
+
+def _attrs(jit: JITFunction, signature: dict) -> dict:
+    """Pointers 16-byte aligned, as torch allocations are and as the JIT specialises them: without
+    it the compiler would not vectorise and the registers counted would not be the launched ones."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names)
+            if str(signature.get(name, "")).startswith("*")}
+
+
+def compile_entry(entry, capability: int):
+    """Compile one (kernel, signature, constexprs, num_warps) entry for sm_<capability>."""
+    kernel, signature, constexprs, num_warps = entry
+    jit = as_jit(kernel)
+    src = ASTSource(jit, dict(signature), dict(constexprs), _attrs(jit, signature))
+    target = GPUTarget("cuda", capability, WARP_SIZE)
+    return triton.compile(src, target=target, options={"num_warps": num_warps})
+
+
+def cuobjdump_path() -> str:
+    try:
+        from triton import knobs
+        path = knobs.nvidia.cuobjdump.path
+        if path and os.path.exists(path):
+            return path
+    except Exception:  # older layouts: fall back to the bundled binary
+        pass
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Triton's bundled cuobjdump not found at {path}")
+    return path
+
+
+_RES_RE = re.compile(r"\b(REG|STACK|SHARED|LOCAL|CONSTANT\[\d+\]|TEXTURE|SURFACE|SAMPLER):(\d+)")
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """Parse `cuobjdump --dump-resource-usage` of a cubin: {"REG": .., "SHARED": .., "LOCAL": ..}."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump_path(), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    res = {k: int(v) for k, v in _RES_RE.findall(out)}
+    missing = {"REG", "SHARED", "LOCAL"} - set(res)
+    if missing:
+        raise RuntimeError(f"cuobjdump output lacks {sorted(missing)}:\n{out}")
+    return res
+
+
+def _arch_capability(arch: str) -> int:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    return ARCHS[arch]
+
+
+def resource_report(arch: str) -> list[dict]:
+    """One record per declared configuration of every registered kernel, compiled for `arch`."""
+    capability = _arch_capability(arch)
+    import_all_kernel_modules()
+    report = []
+    for op_name in sorted(KERNELS):
+        for entry in KERNELS[op_name].compile_configs:
+            kernel, _, constexprs, num_warps = entry
+            compiled = compile_entry(entry, capability)
+            res = cubin_resources(compiled.asm["cubin"])
+            dyn = int(compiled.metadata.shared)
+            report.append({
+                "op": op_name,
+                "kernel": as_jit(kernel).__name__,
+                "arch": arch,
+                "num_warps": num_warps,
+                "constexprs": {k: _jsonable(v) for k, v in constexprs.items()},
+                "registers": res["REG"],
+                "shared_static_bytes": res["SHARED"],
+                "shared_dynamic_bytes": dyn,
+                "shared_bytes": res["SHARED"] + dyn,
+                "local_bytes": res["LOCAL"],
+                "stack_bytes": res.get("STACK", 0),
+                "ok": res["SHARED"] + dyn <= SMEM_LIMIT_BYTES and res["LOCAL"] == 0,
+            })
+    return report
+
+
+def check_report(report: list[dict]) -> None:
+    """Raise naming every configuration over SM12x's limits (shared memory, spills)."""
+    bad = [f"{r['op']}/{r['kernel']} {r['arch']} warps={r['num_warps']} {r['constexprs']}: "
+           f"shared {r['shared_bytes']} B (limit {SMEM_LIMIT_BYTES}), local {r['local_bytes']} B"
+           for r in report if not r["ok"]]
+    if bad:
+        raise RuntimeError("kernel configurations exceed SM12x limits:\n  " + "\n  ".join(bad))
+
+
+def _jsonable(v):
+    return v if isinstance(v, (bool, int, float, str)) or v is None else str(v)

@@ -1,0 +1,128 @@
+"""Triton device helpers shared by the kernels, and the one way to launch a kernel.
+
+The references in kernels/common.py define the numerics; these helpers reproduce them *bit for
+bit* so that a kernel's FP8 bytes and scale bytes equal the reference's:
+
+- `ue8m0_exponent(amax)`: the exponent e of the reference scale
+  `2^ceil(log2(max(amax, 1e-4) / 448))`, in integer arithmetic. The reference computes the
+  division and the log2 in fp32, and fp32 log2 of a value a few ulps above a power of two rounds
+  *down onto* the integer (so ceil does not go up). Transcendental functions differ between
+  Triton's interpreter (numpy), PTX `lg2.approx` and torch's CPU log2, so instead this helper
+  decides that case exactly, as a correctly rounded log2 would. It was checked against torch's CPU
+  `ue8m0_scale` on every exponent with mantissas around the boundary and on 2M random amax values
+  (tests/kernels/test_act_quant.py keeps a sweep of it).
+- `fp8e4m3_bits(x, SOFT)`: float32 in [-448, 448] -> e4m3 byte, round to nearest even (what the
+  hardware `cvt.rn.satfinite.e4m3x2.f32` and torch's `.to(float8_e4m3fn)` do).
+- `round_to(x, dtype, SOFT)`: round fp32 to `dtype` (nearest even) and return it as fp32 again,
+  for math that continues on the rounded value (the reference rounds q after the norm, then
+  rotates).
+
+`SOFT` selects integer emulation of the casts. Triton's CPU interpreter converts fp32 -> bf16 by
+truncation and fp32 -> fp8 without correct rounding, so launchers set SOFT=True exactly when the
+kernel runs in the interpreter; on a GPU (SOFT=False) the hardware conversions are used, which
+round to nearest even as well, so both paths compute the same bytes.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+def interpreting(kernel) -> bool:
+    """True when `kernel` runs in Triton's CPU interpreter (TRITON_INTERPRET=1 at decoration)."""
+    return not isinstance(kernel, JITFunction)
+
+
+def launch(kernel):
+    """`kernel` made traceable by torch (wrap_triton) when it is a real JIT kernel.
+
+    torch 2.11's wrap_triton rejects interpreter kernels; the interpreter launches them directly.
+    """
+    if isinstance(kernel, JITFunction):
+        from torch.library import wrap_triton
+        return wrap_triton(kernel)
+    return kernel
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def ue8m0_exponent(amax):
+    """int32 e with 2^e == reference ue8m0_scale(amax); amax fp32 >= 0 (finite)."""
+    a = tl.maximum(amax, 1e-4)
+    bits = a.to(tl.int32, bitcast=True)
+    E = (bits >> 23) & 0xFF
+    M = (bits & 0x7FFFFF) | 0x800000           # 24-bit significand, a normal (a >= 1e-4)
+    # a / 448 = (4M/7) * 2^(E-158). When M >= 1.75 * 2^23, RN(4M/7) = (4M+3)//7 is the 24-bit
+    # significand of the fp32 quotient y = 2^k (1 + j 2^-23) with k = E - 135; otherwise the
+    # quotient's significand is >= 8/7 and ceil(log2 y) = E - 135 with no ambiguity.
+    k = E - 135
+    j = (4 * M + 3) // 7 - 8388608
+    # fp32 log2(y) = k + log2(1 + j 2^-23) rounds onto k (ceil stays k) while log2(1 + j 2^-23)
+    # is under half the spacing of fp32 numbers next to k: j <= J(k), with n = k (k > 0) or
+    # -k-1 (k <= 0) and J = floor(ln2 * 2^(floor(log2 n) - 1)).
+    n = tl.where(k > 0, k, -k - 1)
+    J = tl.where(n >= 64, 22, tl.where(n >= 32, 11, tl.where(n >= 16, 5,
+                 tl.where(n >= 8, 2, tl.where(n >= 4, 1, 0)))))
+    up = (M > 14680064) & (j > J)               # 14680064 = 7 * 2^21
+    return k + up.to(tl.int32)
+
+
+@triton.jit
+def exp2_int(e):
+    """2.0**e as fp32 for int32 e in [-126, 127], exactly (built from the exponent bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8e4m3_bits(x, SOFT: tl.constexpr):
+    """fp32 x in [-448, 448] -> uint8 float8_e4m3fn byte (round to nearest even, -0 kept)."""
+    if SOFT:
+        b = x.to(tl.int32, bitcast=True)
+        sign = (b >> 24) & 0x80
+        a = b & 0x7FFFFFFF
+        E = a >> 23
+        # normal e4m3 (|x| >= 2^-6): keep 3 mantissa bits with round-half-even, rebias 127 -> 7
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960
+        # subnormal e4m3: round(|x| * 2^9) half-even from the 24-bit significand; >= 2^25 = 0
+        m24 = (a & 0x7FFFFF) | 0x800000
+        s = tl.minimum(141 - E, 31)
+        sub = (m24 + (1 << (s - 1)) - 1 + ((m24 >> s) & 1)) >> s
+        code = tl.where(E >= 121, normal, sub)
+        return (sign | code).to(tl.uint8)
+    else:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 -> dtype (round to nearest even) -> fp32; an exact no-op for dtype fp32."""
+    if dtype == tl.float32:
+        return x
+    elif SOFT and dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return r.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+def compile_config(kernel, types: dict, constexprs: dict, num_warps: int):
+    """One `add_compile_configs` entry: (kernel, signature, constexprs, num_warps).
+
+    `types` gives every runtime argument's Triton type ("*bf16", "i64", "fp32", ...);
+    `constexprs` every constexpr's value. The signature is built in parameter order with
+    "constexpr" for the constexprs, as Triton's own JIT builds it; a missing or unknown name is
+    an error here rather than a confusing compiler failure later.
+    """
+    names = list(kernel.arg_names)
+    unknown = (set(types) | set(constexprs)) - set(names)
+    missing = set(names) - set(types) - set(constexprs)
+    if unknown or missing:
+        raise ValueError(f"compile config of {kernel.__name__}: unknown {sorted(unknown)}, "
+                         f"missing {sorted(missing)}")
+    signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+    return (kernel, signature, dict(constexprs), int(num_warps))
