@@ -163,17 +163,19 @@ def _check_against_schema(found, schema: dict[str, TensorSpec], cfg: ModelConfig
 
 def validate_tid2eid(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Every hash-routing id is an expert id in [0, n_routed_experts)."""
-    E = cfg.n_routed_experts
     for name, spec in checkpoint_schema(cfg).items():
-        if spec.kind != "tid2eid" or name not in tensors:
-            continue
-        t = tensors[name]
-        bad = (t < 0) | (t >= E)
-        if bool(bad.any()):
-            r, c = (int(i) for i in bad.nonzero()[0])
-            raise CheckpointError(f"tensor '{name}': expert id {int(t[r, c])} at [{r}, {c}] is "
-                                  f"outside [0, n_routed_experts={E}) ({int(bad.sum())} bad entries)",
-                                  tensor=name)
+        if spec.kind == "tid2eid" and name in tensors:
+            _check_tid2eid(name, tensors[name], cfg.n_routed_experts)
+
+
+def _check_tid2eid(name: str, t: torch.Tensor, E: int, file: str | None = None) -> None:
+    bad = (t < 0) | (t >= E)
+    if bool(bad.any()):
+        r, c = (int(i) for i in bad.nonzero()[0])
+        where = f" in {file}" if file else ""
+        raise CheckpointError(f"tensor '{name}'{where}: expert id {int(t[r, c])} at [{r}, {c}] is "
+                              f"outside [0, n_routed_experts={E}) ({int(bad.sum())} bad entries)",
+                              tensor=name, file=file)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -215,17 +217,20 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | dict | None = None, dev
                     except Exception as e:
                         raise CheckpointError(f"tensor '{name}' in {file}: cannot read its data "
                                               f"({e})", tensor=name, file=file) from None
+                    _check_loaded(name, file, t, schema[name], cfg)
                     tensors[name] = t.to(dev) if dev.type != "cpu" else t
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{file}: not a readable safetensors file ({e})", file=file) from None
-    # Defensive: what safetensors handed back must be what the header promised.
-    for name, t in tensors.items():
-        spec = schema[name]
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise CheckpointError(f"tensor '{name}' in {found[name][0]}: read as "
-                                  f"{tuple(t.shape)} {t.dtype}, expected {spec.shape} {spec.dtype}",
-                                  tensor=name, file=found[name][0])
-    validate_tid2eid(tensors, cfg)
     return cfg, tensors
+
+
+def _check_loaded(name: str, file: str, t: torch.Tensor, spec: TensorSpec, cfg: ModelConfig) -> None:
+    """On the host copy, before it moves to the device (no device sync, any device works)."""
+    # Defensive: what safetensors handed back must be what the header promised.
+    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+        raise CheckpointError(f"tensor '{name}' in {file}: read as {tuple(t.shape)} {t.dtype}, "
+                              f"expected {spec.shape} {spec.dtype}", tensor=name, file=file)
+    if spec.kind == "tid2eid":
+        _check_tid2eid(name, t, cfg.n_routed_experts, file)

@@ -1,0 +1,435 @@
+"""Checkpoint I/O: synthetic writer -> strict loader round trips, and every class of bad
+checkpoint rejected with a CheckpointError naming the tensor and the file."""
+import json
+import math
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dspark_compile.models import synth as synth_mod
+from dspark_compile.models.checkpoint import CheckpointError, load_checkpoint, validate_tid2eid
+from dspark_compile.models.config import ConfigError, ModelConfig
+from dspark_compile.models.presets import preset
+from dspark_compile.models.quant_formats import fp8_block_dequant, mxfp4_dequant
+from dspark_compile.models.schema import checkpoint_schema, target_schema
+from dspark_compile.models.synth import (SynthScales, iter_synth_tensors, synth_checkpoint,
+                                          synth_tensors)
+
+TINY = ModelConfig.from_dict(preset("tiny"))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (float8 types have no CPU comparison kernels; compare their bytes)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def tiny_tensors():
+    return synth_tensors(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return synth_checkpoint("tiny", tmp_path_factory.mktemp("ck") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory):
+    return synth_checkpoint("tiny", tmp_path_factory.mktemp("ck") / "sharded", seed=0,
+                            shard_size_bytes=3 << 20)
+
+
+def write_checkpoint(root, files: dict[str, dict], index: dict | None = None, config=None):
+    """Hand-made checkpoint: {file name: {tensor name: tensor}} (+ weight_map) + config.json."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config or preset("tiny")))
+    for fname, tensors in files.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / fname))
+    if index is not None:
+        (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return root
+
+
+def split_two(tensors: dict):
+    """Two shards: target tensors in A, draft tensors in B, and the matching weight_map."""
+    a = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    b = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    wm = {**{k: "a.safetensors" for k in a}, **{k: "b.safetensors" for k in b}}
+    return {"a.safetensors": a, "b.safetensors": b}, wm
+
+
+def load_error(root, **kw) -> CheckpointError:
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(root, **kw)
+    return ei.value
+
+
+# ---- round trips -------------------------------------------------------------------------------
+
+def test_round_trip_single_file(tiny_dir, tiny_tensors):
+    assert sorted(os.listdir(tiny_dir)) == ["config.json", "model.safetensors"]
+    assert json.loads((tiny_dir / "config.json").read_text()) == preset("tiny")
+    cfg, tensors = load_checkpoint(tiny_dir)
+    assert cfg == TINY
+    schema = checkpoint_schema(TINY)
+    assert set(tensors) == set(schema) == set(tiny_tensors)
+    for name, spec in schema.items():
+        t = tensors[name]
+        assert tuple(t.shape) == spec.shape and t.dtype == spec.dtype, name
+        assert same(t, tiny_tensors[name]), name
+    # formats stay raw: no numeric casts on the way in
+    assert tensors["layers.2.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["layers.2.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert tensors["layers.2.ffn.experts.3.w2.weight"].dtype == torch.int8
+    assert tensors["layers.2.ffn.experts.3.w2.scale"].dtype == torch.float8_e8m0fnu
+    assert tensors["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+
+
+def test_round_trip_sharded(sharded_dir, tiny_tensors):
+    out = sharded_dir
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tiny_tensors)
+    assert set(index["weight_map"].values()) == set(shards)
+    total = sum(t.numel() * t.element_size() for t in tiny_tensors.values())
+    assert index["metadata"]["total_size"] == total
+    for p in out.glob("*.safetensors"):  # every shard respects the limit (no unit is bigger)
+        assert p.stat().st_size <= (3 << 20) + 200_000
+    cfg, tensors = load_checkpoint(out)
+    assert set(tensors) == set(tiny_tensors)
+    assert all(same(tensors[n], tiny_tensors[n]) for n in tensors)
+
+
+def test_seed_determinism(tiny_tensors):
+    # same seed, same bytes: the round trips compare files against a separate synth_tensors call
+    names = ["embed.weight", "layers.1.ffn.experts.0.w1.weight"]
+    again = dict(iter_synth_tensors(TINY, seed=0, names=names))
+    assert list(again) == names and all(same(again[n], tiny_tensors[n]) for n in names)
+    other = dict(iter_synth_tensors(TINY, seed=1, names=names))
+    assert not same(other["embed.weight"], tiny_tensors["embed.weight"])
+    assert not same(other["layers.1.ffn.experts.0.w1.weight"],
+                    tiny_tensors["layers.1.ffn.experts.0.w1.weight"])
+
+
+def test_include_draft_false_skips_mtp(tiny_dir):
+    cfg, tensors = load_checkpoint(tiny_dir, include_draft=False)
+    assert cfg.has_draft
+    assert set(tensors) == set(target_schema(TINY))
+
+
+def test_target_only_checkpoint(tmp_path, tiny_tensors):
+    out = synth_checkpoint("tiny", tmp_path / "target", include_draft=False)
+    cfg, tensors = load_checkpoint(out)
+    assert not cfg.has_draft and set(tensors) == set(target_schema(TINY))
+    # a checkpoint with draft tensors whose config has no draft fields: strict, with a hint
+    raw = json.loads((out / "config.json").read_text())
+    root = write_checkpoint(tmp_path / "base", {"model.safetensors": tiny_tensors}, config=raw)
+    err = load_error(root)
+    assert "unexpected" in str(err) and err.tensor.startswith("mtp.") and "include_draft=False" in str(err)
+    _, tensors = load_checkpoint(root, include_draft=False)
+    assert set(tensors) == set(target_schema(TINY))
+
+
+def test_optional_confidence_head_may_be_absent(tmp_path, tiny_tensors):
+    name = "mtp.2.confidence_head.proj.weight"
+    assert checkpoint_schema(TINY)[name].optional
+    t = {k: v for k, v in tiny_tensors.items() if k != name}
+    root = write_checkpoint(tmp_path / "ck", {"model.safetensors": t})
+    _, tensors = load_checkpoint(root)
+    assert name not in tensors and len(tensors) == len(tiny_tensors) - 1
+
+
+def test_cfg_override_and_device(tiny_dir):
+    cfg, tensors = load_checkpoint(tiny_dir, cfg=preset("tiny"), device="meta")
+    assert cfg == TINY
+    assert all(t.device.type == "meta" for t in tensors.values())
+
+
+# ---- synthetic values are well-conditioned ------------------------------------------------------
+
+def test_synth_values_well_conditioned(tiny_tensors):
+    cfg, T = TINY, tiny_tensors
+    for name, t in T.items():
+        if t.is_floating_point() and t.element_size() > 1:
+            assert torch.isfinite(t.float()).all(), name
+    for name, t in T.items():  # dequantize every quantized weight: finite, unit-variance scale
+        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            w = fp8_block_dequant(t, T[name[:-len("weight")] + "scale"], cfg.fp8_block)
+        elif name.endswith(".weight") and t.dtype == torch.int8:
+            w = mxfp4_dequant(t, T[name[:-len("weight")] + "scale"])
+        else:
+            continue
+        assert torch.isfinite(w).all(), name
+        fan_in_std = w.std().item() * math.sqrt(w.shape[1])
+        assert 0.3 < fan_in_std < 1.3, (name, fan_in_std)
+    # norms ~ 1 + small noise
+    norm = T["layers.3.attn.kv_norm.weight"].float()
+    assert (norm - 1).abs().max() < 0.3 and norm.std() > 0.01
+    # tid2eid: valid, distinct expert ids per row, and all experts used
+    for i in range(cfg.num_hash_layers):
+        ids = T[f"layers.{i}.ffn.gate.tid2eid"]
+        assert ids.min() >= 0 and ids.max() < cfg.n_routed_experts
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
+        assert ids.unique().numel() == cfg.n_routed_experts
+    validate_tid2eid(T, cfg)
+    # mHC: mixing logits O(0.5) for a unit-RMS input -> unsaturated sigmoids
+    fn, base = T["layers.2.hc_attn_fn"], T["layers.2.hc_attn_base"]
+    x = torch.randn(64, fn.shape[1], generator=torch.Generator().manual_seed(0))
+    mu = x @ fn.T * T["layers.2.hc_attn_scale"][0]
+    pre = mu[:, :4] + base[:4]
+    assert pre.abs().max() < 4 and mu.std() > 0.2
+    assert base[8:].std() > 0.5  # Sinkhorn logits: C clearly non-uniform
+    # logits of the embedding alone (head . rmsnorm(embed)): varied, non-degenerate
+    e = T["embed.weight"].float()
+    h = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True))
+    logits = h @ T["head.weight"].float().T
+    assert 1.5 < logits.std() < 6
+    assert logits.argmax(-1).unique().numel() > cfg.vocab_size // 4
+    # Markov bias W2 . W1[x] small next to the base logits
+    w1 = T["mtp.2.markov_head.markov_w1.weight"].float()
+    w2 = T["mtp.2.markov_head.markov_w2.weight"].float()
+    bias = w1 @ w2.T
+    assert 0.1 < bias.std() < logits.std() / 2
+
+
+def test_synth_scales_are_a_knob():
+    T = dict(iter_synth_tensors(TINY, seed=0, scales=SynthScales(logit_std=6.0), names=["head.weight"]))
+    assert list(T) == ["head.weight"]
+    base = dict(iter_synth_tensors(TINY, seed=0, names=["head.weight"]))  # same draw, 2x scale
+    assert torch.equal(T["head.weight"].float(), (base["head.weight"].float() * 2))
+
+
+# ---- writer behaviour ---------------------------------------------------------------------------
+
+def test_synth_refuses_non_empty_out_and_overwrites_on_request(tmp_path):
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        synth_checkpoint("tiny", out)
+    assert os.listdir(out) == ["keep.txt"]
+    synth_checkpoint("tiny", out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp or trash directory left behind
+
+
+def test_synth_failure_leaves_nothing(tmp_path, monkeypatch):
+    calls = []
+
+    def boom(path, specs, tensors, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(path, specs, tensors, metadata)
+
+    real = synth_mod.write_safetensors
+    monkeypatch.setattr(synth_mod, "write_safetensors", boom)
+    with pytest.raises(OSError, match="disk full"):
+        synth_checkpoint("tiny", tmp_path / "ck", shard_size_bytes=3 << 20)
+    assert os.listdir(tmp_path) == []
+
+
+def test_synth_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="shard size"):
+        synth_checkpoint("tiny", tmp_path / "a", shard_size_bytes=0)
+    with pytest.raises(ValueError, match="unknown preset"):
+        synth_checkpoint("huge", tmp_path / "b")
+    raw = preset("tiny")
+    raw["o_groups"] = 3
+    with pytest.raises(ConfigError, match="o_groups"):
+        synth_checkpoint(raw, tmp_path / "c")
+    assert os.listdir(tmp_path) == []
+
+
+# ---- bad checkpoints ---------------------------------------------------------------------------
+
+def test_missing_tensor(tmp_path, tiny_tensors):
+    t = dict(tiny_tensors)
+    del t["layers.3.attn.compressor.ape"]
+    err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
+    assert err.tensor == "layers.3.attn.compressor.ape"
+    assert "missing" in str(err) and "layers.3.attn.compressor.ape" in str(err)
+    assert "model.safetensors" in str(err)
+
+
+def test_missing_draft_tensor_hints_target_only(tmp_path, tiny_tensors):
+    t = {k: v for k, v in tiny_tensors.items() if k != "mtp.0.main_proj.scale"}
+    root = write_checkpoint(tmp_path / "ck", {"model.safetensors": t})
+    err = load_error(root)
+    assert err.tensor == "mtp.0.main_proj.scale" and "include_draft=False" in str(err)
+    load_checkpoint(root, include_draft=False)  # the target alone is complete
+
+
+def test_unexpected_tensor(tmp_path, tiny_tensors):
+    t = {**tiny_tensors, "layers.0.attn.bogus": torch.zeros(3)}
+    err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
+    assert err.tensor == "layers.0.attn.bogus" and err.file == "model.safetensors"
+    assert "unexpected" in str(err) and "layers.0.attn.bogus" in str(err)
+
+
+def test_wrong_shape(tmp_path, tiny_tensors):
+    t = {**tiny_tensors, "layers.1.attn.attn_sink": torch.zeros(5)}
+    err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
+    assert err.tensor == "layers.1.attn.attn_sink" and err.file == "model.safetensors"
+    assert "shape [5], expected [4]" in str(err)
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("layers.2.attn.wq_a.scale", lambda t: t.view(torch.uint8)),               # e8m0 stored as U8
+    ("layers.2.attn.wq_a.weight", lambda t: t.to(torch.bfloat16)),             # FP8 upcast
+    ("layers.4.ffn.experts.1.w3.weight", lambda t: t.view(torch.uint8)),       # I8 vs U8
+    ("layers.0.ffn.gate.tid2eid", lambda t: t.to(torch.int32)),
+    ("layers.5.hc_ffn_fn", lambda t: t.to(torch.bfloat16)),
+])
+def test_wrong_dtype(tmp_path, tiny_tensors, name, bad):
+    t = {**tiny_tensors, name: bad(tiny_tensors[name])}
+    err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
+    assert err.tensor == name and err.file == "model.safetensors" and "dtype" in str(err)
+
+
+def test_index_names_missing_shard(tmp_path, tiny_tensors):
+    files, wm = split_two(tiny_tensors)
+    del files["b.safetensors"]
+    err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
+    assert err.file == "b.safetensors" and "does not exist" in str(err)
+    assert err.tensor.startswith("mtp.")
+
+
+def test_tensor_in_other_shard_than_index_says(tmp_path, tiny_tensors):
+    files, wm = split_two(tiny_tensors)
+    wm["mtp.0.main_norm.weight"] = "a.safetensors"
+    err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
+    assert err.tensor == "mtp.0.main_norm.weight" and err.file == "b.safetensors"
+    assert "a.safetensors" in str(err) and "b.safetensors" in str(err)
+
+
+def test_tensor_listed_in_no_shard(tmp_path, tiny_tensors):
+    files, wm = split_two(tiny_tensors)
+    del wm["layers.0.attn_norm.weight"]
+    err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
+    assert err.tensor == "layers.0.attn_norm.weight" and err.file == "a.safetensors"
+    assert "lists it in no shard" in str(err)
+
+
+def test_index_maps_tensor_to_shard_without_it(tmp_path, tiny_tensors):
+    files, wm = split_two(tiny_tensors)
+    del files["a.safetensors"]["norm.weight"]
+    err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
+    assert err.tensor == "norm.weight" and err.file == "a.safetensors"
+    assert "do not contain" in str(err)
+
+
+def test_duplicate_tensor_across_shards(tmp_path, tiny_tensors):
+    files, wm = split_two(tiny_tensors)
+    files["b.safetensors"]["embed.weight"] = tiny_tensors["embed.weight"]
+    err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
+    assert err.tensor == "embed.weight" and "two shards" in str(err)
+    assert "a.safetensors" in str(err) and "b.safetensors" in str(err)
+
+
+def test_truncated_file(tmp_path, tiny_dir):
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "config.json").write_bytes((tiny_dir / "config.json").read_bytes())
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    (root / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    err = load_error(root)
+    assert err.file == "model.safetensors" and "model.safetensors" in str(err)
+    assert "truncated or corrupt" in str(err)
+
+
+def test_truncated_shard(tmp_path, sharded_dir):
+    out = tmp_path / "ck"
+    shutil.copytree(sharded_dir, out)
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    err = load_error(out)
+    assert err.file == shard.name and shard.name in str(err)
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda d: b"\x00" * 8 + d[8:],                                         # header length 0
+    lambda d: struct.pack("<Q", 1 << 40) + d[8:],                          # absurd header length
+    lambda d: d[:8] + b"{not json" + d[17:],                               # garbage header
+    lambda d: b"",                                                          # empty file
+])
+def test_corrupt_file(tmp_path, tiny_dir, corrupt):
+    root = tmp_path / "ck"
+    root.mkdir()
+    (root / "config.json").write_bytes((tiny_dir / "config.json").read_bytes())
+    (root / "model.safetensors").write_bytes(corrupt((tiny_dir / "model.safetensors").read_bytes()))
+    err = load_error(root)
+    assert err.file == "model.safetensors" and "not a readable safetensors file" in str(err)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "cannot read the shard index"),
+    ('{"metadata": {}}', "no 'weight_map'"),
+    ('{"weight_map": {"embed.weight": "../x.safetensors"}}', "not a file name"),
+    ('{"weight_map": {"embed.weight": 3}}', "not a file name"),
+])
+def test_bad_index(tmp_path, tiny_tensors, text, match):
+    files, _ = split_two(tiny_tensors)
+    root = write_checkpoint(tmp_path / "ck", files)
+    (root / "model.safetensors.index.json").write_text(text)
+    err = load_error(root)
+    assert err.file == "model.safetensors.index.json" and match in str(err)
+
+
+def test_no_or_ambiguous_files(tmp_path, tiny_tensors):
+    root = write_checkpoint(tmp_path / "empty", {})
+    assert "no *.safetensors" in str(load_error(root))
+    files, _ = split_two(tiny_tensors)
+    root = write_checkpoint(tmp_path / "two", files)
+    assert "no model.safetensors.index.json" in str(load_error(root))
+    assert "not found" in str(load_error(tmp_path / "nowhere"))
+
+
+def test_any_single_safetensors_name(tmp_path, tiny_tensors):
+    root = write_checkpoint(tmp_path / "ck", {"weights.safetensors": tiny_tensors})
+    _, tensors = load_checkpoint(root)
+    assert len(tensors) == len(tiny_tensors)
+
+
+def test_missing_config_is_config_error(tmp_path, tiny_tensors):
+    root = write_checkpoint(tmp_path / "ck", {"model.safetensors": tiny_tensors})
+    (root / "config.json").unlink()
+    with pytest.raises(ConfigError, match="config.json"):
+        load_checkpoint(root)
+
+
+@pytest.mark.parametrize("value", [8, -1])
+def test_tid2eid_out_of_range(tmp_path, tiny_tensors, value):
+    ids = tiny_tensors["layers.1.ffn.gate.tid2eid"].clone()
+    ids[17, 1] = value
+    t = {**tiny_tensors, "layers.1.ffn.gate.tid2eid": ids}
+    err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
+    assert err.tensor == "layers.1.ffn.gate.tid2eid"
+    assert f"expert id {value} at [17, 1]" in str(err) and "n_routed_experts=8" in str(err)
+    assert err.file == "model.safetensors"
+    with pytest.raises(CheckpointError, match="layers.1.ffn.gate.tid2eid"):
+        validate_tid2eid(t, TINY)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_synth_and_load_on_cuda(tmp_path):
+    schema = checkpoint_schema(TINY)
+    T = synth_tensors(TINY, seed=0, device="cuda")
+    assert set(T) == set(schema)
+    for name, t in T.items():
+        assert t.is_cuda and tuple(t.shape) == schema[name].shape and t.dtype == schema[name].dtype
+    out = synth_checkpoint("tiny", tmp_path / "ck", device="cuda")
+    cfg, L = load_checkpoint(out, device="cuda")
+    assert all(t.is_cuda for t in L.values())
+    assert all(same(L[n].cpu(), T[n].cpu()) for n in L)
