@@ -132,11 +132,15 @@ _RUNTIME_VIEWS = {"aten::_unsafe_view", "aten::_reshape_alias"}
 
 def arg_value(node: Node, name: str, default=None):
     """The value bound to schema argument `name` (positional or keyword)."""
-    if schema_of(node) is None:
+    s = schema_of(node)
+    if s is None:
         return node.kwargs.get(name, default)
     for a, v in _bound_args(node):
         if a.name == name:
             return v
+    for a in s.arguments:  # not passed: the schema's default
+        if a.name == name and a.has_default_value():
+            return a.default_value
     return default
 
 
@@ -192,11 +196,11 @@ def is_random(node: Node) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded not in t.tags:
         return False
-    args = {a.name: v for a, v in _bound_args(node)}
-    if "dropout_p" in args:                                  # attention kernels
-        return args["dropout_p"] not in (0, 0.0)
-    if "dropout" in t._schema.name and "p" in args:          # dropout / native_dropout
-        return args["p"] not in (0, 0.0) and args.get("train", True) is not False
+    names = {a.name for a in t._schema.arguments}
+    if "dropout_p" in names:                                 # attention kernels
+        return arg_value(node, "dropout_p", 0.0) not in (0, 0.0)
+    if "dropout" in t._schema.name and "p" in names:         # dropout / native_dropout
+        return arg_value(node, "p") not in (0, 0.0) and arg_value(node, "train", True) is not False
     return True
 
 

@@ -9,7 +9,8 @@ which at real sizes costs more than the step itself. This check names every node
   the returned tensor back into the input after every call);
 - a node reads a state (or a view of it) and produces a tensor of the state's full shape that
   is not the state itself (`index_put`, `clone`, `_to_copy`, `cache * 1`, a custom op returning
-  a fresh cache ...);
+  a fresh cache ...), or reads the whole state and produces a tensor at least as large
+  (`cat([cache, new_rows])`);
 - a copy op reads a full-shape view of the state (`clone`, `_to_copy`, `.to(dtype)`), or
   `copy_` overwrites / reads the whole state.
 
@@ -66,6 +67,16 @@ def _is_real_view(node) -> bool:
     return True
 
 
+def _static_numel(t) -> int:
+    """Element count when static, else -1 (symbolic sizes never count as a copy)."""
+    n = 1
+    for d in t.shape:
+        if not isinstance(d, int):
+            return -1
+        n *= d
+    return n
+
+
 def find_whole_cache_copies(program, state_input_names: Sequence[str]) -> list[str]:
     gm = graph_module_of(program)
     states = _state_placeholders(program, gm, state_input_names)
@@ -106,6 +117,10 @@ def find_whole_cache_copies(program, state_input_names: Sequence[str]) -> list[s
                 break
             if p in _COPY_PACKETS and arg_full:
                 findings.append(f"{where}: copies all of state '{name}'")
+                break
+            if arg_full and any(_static_numel(v) >= _static_numel(av) > 0 for v in vals_of(node)):
+                findings.append(f"{where}: writes all of state '{name}' into a new tensor "
+                                "at least as large")
                 break
     return findings
 

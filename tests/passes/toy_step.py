@@ -10,6 +10,8 @@ Loaded by the tests' conftest through importlib (tests are not a package).
 """
 from __future__ import annotations
 
+import io
+
 import torch
 
 import dspark_compile.kernels.moe  # noqa: F401  (registers dspark::moe_experts)
@@ -87,3 +89,24 @@ def make_inputs(seed: int, T: int = 4):
 def export_toy(T: int = 4, seed: int = 0):
     model = ToyStep(seed).eval()
     return model, torch.export.export(model, make_inputs(0, T))
+
+
+# ---------------------------------------------------------------- test helpers
+def roundtrip(ep):
+    """torch.export.save + load through memory."""
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    return torch.export.load(buf)
+
+
+def assert_same_behaviour(model, program, make_inputs, seeds=(11, 12)):
+    """Eager model and program agree on outputs and on every (mutated) input."""
+    for seed in seeds:
+        a, b = make_inputs(seed), make_inputs(seed)
+        with torch.no_grad():
+            ref = model(*a)
+            got = program.module()(*b)
+        torch.testing.assert_close(got, ref, rtol=1.3e-6, atol=1e-5)
+        for x, y in zip(b, a):
+            torch.testing.assert_close(x, y, rtol=1.3e-6, atol=1e-5)

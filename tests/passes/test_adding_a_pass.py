@@ -1,0 +1,43 @@
+"""The worked example of docs/adding_a_pass.md, executed from the markdown itself."""
+import re
+from pathlib import Path
+
+import dspark_compile.passes as passes
+from dspark_compile.passes import isolated_registry
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "adding_a_pass.md"
+
+
+def code_blocks() -> dict:
+    """{'passes/fuse_silu.py': source, 'tests/passes/test_fuse_silu.py': source}"""
+    blocks = {}
+    for body in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S):
+        first = body.splitlines()[0]
+        m = re.match(r"# file: (\S+)", first)
+        assert m, f"every python block in {DOC.name} starts with '# file: <path>'"
+        blocks[m.group(1)] = body
+    return blocks
+
+
+def test_doc_has_one_pass_file_and_its_test():
+    blocks = code_blocks()
+    assert set(blocks) == {"passes/fuse_silu.py", "tests/passes/test_fuse_silu.py"}
+    assert blocks["passes/fuse_silu.py"].count("@register_pass(") == 1
+
+
+def test_doc_example_pass_and_its_test_run():
+    blocks = code_blocks()
+    with isolated_registry() as reg:
+        # executed as if it were the module dspark_compile.passes.fuse_silu (relative imports)
+        pass_ns = {"__name__": "dspark_compile.passes.fuse_silu",
+                   "__package__": "dspark_compile.passes"}
+        exec(compile(blocks["passes/fuse_silu.py"], "passes/fuse_silu.py", "exec"), pass_ns)
+        assert "fuse_silu" in reg and reg["fuse_silu"].expect_match
+        test_ns = {"__name__": "doc_test_fuse_silu"}
+        exec(compile(blocks["tests/passes/test_fuse_silu.py"], "test_fuse_silu.py", "exec"),
+             test_ns)
+        tests = [v for k, v in test_ns.items() if k.startswith("test_") and callable(v)]
+        assert tests
+        for t in tests:
+            t()
+    assert "fuse_silu" not in passes.REGISTRY  # the doc's pass does not leak into other tests
