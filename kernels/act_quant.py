@@ -158,8 +158,14 @@ def _outputs(lead, K, device):
     return q, s, T
 
 
-def _group_block(T, NG):
-    """Groups per program: 1 while that leaves fewer than ~2 waves of programs, else 4."""
+def _group_block(T, NG, kernel, block_g):
+    """Groups of 128 per program. GPU: 1 while that leaves under ~8 programs per SM (spread the
+    few tokens of small batches over the chip), else 4. Triton's interpreter pays per operation,
+    not per element, so there one program takes a whole row. `block_g` overrides (tests)."""
+    if block_g is not None:
+        return block_g
+    if interpreting(kernel):
+        return next_pow2(NG)
     return 1 if T * NG < 8 * SM_COUNT_HINT else 4
 
 
@@ -167,22 +173,22 @@ def _shaped(q, s, lead, K):
     return q.reshape(*lead, K), s.reshape(*lead, K // ACT_QUANT_GROUP)
 
 
-def act_quant_launch(x):
+def act_quant_launch(x, block_g=None):
     if x.dtype == torch.float64:  # exact-precision model runs: no kernel, the reference
         return act_quant_reference(x)
     x2, lead, K = _rows(x, "x")
     q, s, T = _outputs(lead, K, x.device)
     NG = K // ACT_QUANT_GROUP
     if T and NG:
-        bg = _group_block(T, NG)
         kernel = _act_quant_kernel
+        bg = _group_block(T, NG, kernel, block_g)
         launch(kernel)[(T, triton.cdiv(NG, bg))](
             x2, q.view(torch.uint8), s, NG, x2.stride(0), q.stride(0), s.stride(0),
-            BLOCK_G=bg, SOFT=interpreting(kernel), num_warps=bg)
+            BLOCK_G=bg, SOFT=interpreting(kernel), num_warps=min(bg, 4))
     return _shaped(q, s, lead, K)
 
 
-def swiglu_quant_launch(g, u, limit, h_out=None):
+def swiglu_quant_launch(g, u, limit, h_out=None, block_g=None):
     """`h_out` (test hook, [T, K] of g's dtype) receives the activation before the quant."""
     if g.dtype == torch.float64 and h_out is None:
         return swiglu_quant_reference(g, u, limit)
@@ -194,13 +200,13 @@ def swiglu_quant_launch(g, u, limit, h_out=None):
     q, s, T = _outputs(lead, K, g.device)
     NG = K // ACT_QUANT_GROUP
     if T and NG:
-        bg = _group_block(T, NG)
         kernel = _swiglu_quant_kernel
+        bg = _group_block(T, NG, kernel, block_g)
         h = q if h_out is None else h_out
         launch(kernel)[(T, triton.cdiv(NG, bg))](
             g2, u2, q.view(torch.uint8), s, h, NG, g2.stride(0), u2.stride(0), q.stride(0),
             s.stride(0), h.stride(0), float(limit), BLOCK_G=bg, STORE_H=h_out is not None,
-            SOFT=interpreting(kernel), num_warps=bg)
+            SOFT=interpreting(kernel), num_warps=min(bg, 4))
     return _shaped(q, s, lead, K)
 
 

@@ -293,14 +293,19 @@ def _check_slots(slots, T, name="slots"):
         raise ValueError(f"{name} must be int32/int64 [{T}], got {slots.dtype} {tuple(slots.shape)}")
 
 
-def _q_blocks(H, D):
+def _q_blocks(H, D, kernel, block_h=None):
+    """Heads per program: Q_TILE_ELEMS worth on a GPU (2 heads of 512 at Flash dims). Triton's
+    interpreter pays per operation, not per element: there one program takes all heads.
+    `block_h` overrides (tests)."""
     block_d = next_pow2(D)
-    block_h = max(1, min(next_pow2(H), Q_TILE_ELEMS // block_d))
+    if block_h is None:
+        block_h = next_pow2(H) if interpreting(kernel) else Q_TILE_ELEMS // block_d
+        block_h = max(1, min(next_pow2(H), block_h))
     return block_h, block_d, triton.cdiv(H, block_h)
 
 
 def qkv_postprocess_launch(q, kv, positions, cos_sin, slots, cache_nope, cache_scale, cache_rope,
-                           eps):
+                           eps, block_h=None):
     if _fp64(q, kv, cos_sin):
         return qkv_postprocess_reference(q, kv, positions, cos_sin, slots, cache_nope, cache_scale,
                                          cache_rope, eps)
@@ -322,8 +327,8 @@ def qkv_postprocess_launch(q, kv, positions, cos_sin, slots, cache_nope, cache_s
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
-    block_h, block_d, n_hb = _q_blocks(H, D)
     kernel = _qkv_postprocess_kernel
+    block_h, block_d, n_hb = _q_blocks(H, D, kernel, block_h)
     launch(kernel)[(T, n_hb + 1)](
         q, kv, positions, cos_sin, slots, q_out, cache_nope.view(torch.uint8), cache_scale,
         cache_rope, H, S, cos_sin.shape[0], q.stride(0), q.stride(1), q_out.stride(0),
@@ -334,7 +339,7 @@ def qkv_postprocess_launch(q, kv, positions, cos_sin, slots, cache_nope, cache_s
     return q_out
 
 
-def qkv_rope_launch(q, kv, positions, cos_sin, eps):
+def qkv_rope_launch(q, kv, positions, cos_sin, eps, block_h=None):
     if _fp64(q, kv, cos_sin):
         return qkv_rope_reference(q, kv, positions, cos_sin, eps)
     T, H, D, R = _check_inputs(q, kv, positions, cos_sin)
@@ -343,8 +348,8 @@ def qkv_rope_launch(q, kv, positions, cos_sin, eps):
     kv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     if T == 0:
         return q_out, kv_out
-    block_h, block_d, n_hb = _q_blocks(H, D)
     kernel = _qkv_rope_kernel
+    block_h, block_d, n_hb = _q_blocks(H, D, kernel, block_h)
     launch(kernel)[(T, n_hb + 1)](
         q, kv, positions, cos_sin, q_out, kv_out, H, cos_sin.shape[0], q.stride(0), q.stride(1),
         q_out.stride(0), q_out.stride(1), kv.stride(0), kv_out.stride(0), cos_sin.stride(0),
