@@ -54,6 +54,7 @@ WEIGHTS_FILE = "weights.safetensors"
 PROGRAM_DIR = "programs"
 KERNELS_DIR = "kernels"
 _CHUNK = 8 << 20
+_ALIGN = 64  # bytes; what torch's allocators give every fresh tensor
 
 # Computed by save_engine; a caller's manifest_fields may not set them.
 _COMPUTED = {"format_version", "dspark_compile_version", "torch_version", "triton_version",
@@ -226,6 +227,11 @@ def _load_weights(path: Path, summary: dict, device) -> dict:
         if list(t.shape) != summary[name]["shape"]:
             raise ArtifactError(f"weight '{name}' has shape {list(t.shape)}, manifest says "
                                 f"{summary[name]['shape']}", path=WEIGHTS_FILE)
+        if t.data_ptr() % _ALIGN:
+            # safetensors places tensors at arbitrary byte offsets; BLAS and Triton pick other
+            # (slower, differently rounded) kernels for misaligned pointers, so the engine
+            # would not reproduce the build's numerics bit for bit.
+            t = t.clone()
         out[name] = t
     return out
 

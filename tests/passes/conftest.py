@@ -18,6 +18,9 @@ def load_toy():
     return sys.modules[name]
 
 
+load_toy()  # also registers dspark_test::ring_store, which some tests call directly
+
+
 @pytest.fixture(scope="session")
 def toy():
     return load_toy()

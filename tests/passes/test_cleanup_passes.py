@@ -222,3 +222,21 @@ def test_dce_keeps_assertions():
     assert n_asserts >= 1
     run(ep, ["dce"], _scalar_inputs)
     assert targets(ep).count(aten._assert_scalar.default) == n_asserts
+
+
+def test_remove_noops_removes_to_copy_and_forced_copies():
+    # `.to(copy=True)` is a copy in the exported IR and `_to_copy` once decomposed; neither is
+    # observable here.
+    def fn(x, cache, slots):
+        return x.to(torch.float32, copy=True) * 2 + x.to(torch.float32)
+
+    model, ep = export(fn, _xc)
+    run(ep, ["remove_noops"], _xc)
+    assert aten.to.dtype not in targets(ep)
+    check_kept_behaviour(model, ep, _xc)
+
+    decomposed = torch.export.export(Module(fn).eval(), _xc(0)).run_decompositions()
+    assert aten._to_copy.default in targets(decomposed)
+    run(decomposed, ["remove_noops"], _xc)
+    assert aten._to_copy.default not in targets(decomposed)
+    check_kept_behaviour(model, decomposed, _xc)

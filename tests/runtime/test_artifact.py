@@ -1,0 +1,433 @@
+"""Engine artifact: atomic build, manifest validation (each mismatch named), corrupted and
+truncated files named, round trip loaded in a fresh process."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import dspark_compile.kernels.moe  # noqa: F401  (the toy calls dspark::moe_experts)
+from dspark_compile import artifact
+from dspark_compile.artifact import (ArtifactError, load_engine, load_manifest, save_engine,
+                                     update_manifest_field)
+from dspark_compile.passes import PassManager
+from dspark_compile.versions import environment_fields
+
+D, E, I, S = 64, 2, 32, 16
+BUCKETS = (1, 4)
+
+
+class Step(torch.nn.Module):
+    """Weights as the real step has them (parameters, persistent and non-persistent buffers,
+    MXFP4 experts with E8M0 scales), a cache input updated in place, a dspark:: op, and a
+    literal constant export lifts into the program."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.proj = torch.nn.Linear(D, D)
+        self.router = torch.nn.Linear(D, E)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        self.register_buffer("norm", torch.randn(D, generator=g).to(torch.bfloat16))
+        self.register_buffer("rope", torch.randn(D, generator=g), persistent=False)
+        pk = lambda *s: torch.randint(-128, 128, s, generator=g, dtype=torch.int8)  # noqa: E731
+        e8 = lambda *s: torch.randint(121, 127, s, generator=g,  # noqa: E731
+                                      dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        self.register_buffer("w1", pk(E, I, D // 2))
+        self.register_buffer("s1", e8(E, I, D // 32))
+        self.register_buffer("w3", pk(E, I, D // 2))
+        self.register_buffer("s3", e8(E, I, D // 32))
+        self.register_buffer("w2", pk(E, D, I // 2))
+        self.register_buffer("s2", e8(E, D, I // 32))
+
+    def forward(self, x, slots, kv_cache):
+        h = self.proj(x) * self.norm.float() + self.rope
+        kv_cache.index_copy_(0, slots, h)
+        w, ids = self.router(h).softmax(-1).topk(1, dim=-1)
+        y = torch.ops.dspark.moe_experts(h, ids, w, self.w1, self.s1, self.w3, self.s3,
+                                         self.w2, self.s2, 7.0)
+        return y * torch.tensor([2.0]) + kv_cache.sum(0), ids
+
+
+def make_inputs(seed, T):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, D, generator=g), torch.randperm(S, generator=g)[:T],
+            torch.randn(S, D, generator=g))
+
+
+def build_programs(model):
+    programs, stats = {}, {}
+    for T in BUCKETS:
+        ep = torch.export.export(model, make_inputs(0, T))
+        pm = PassManager()
+        stats[T] = pm.run(ep, state_inputs=("kv_cache",))
+        programs[T] = ep
+    return programs, pm.manifest_entries(), stats
+
+
+def fields(passes, stats, **extra):
+    return {"model_config_hash": "cfg-0", "passes": passes, "pass_config_hash": "pc-0",
+            "pass_stats": {str(b): [{k: r[k] for k in ("name", "time_ms", "nodes_before",
+                                                       "nodes_after", "matches")}
+                                    for r in rows] for b, rows in stats.items()},
+            **extra}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One engine built for the module; tests work on copies of it."""
+    root = tmp_path_factory.mktemp("built")
+    model = Step().eval()
+    programs, passes, stats = build_programs(model)
+    manifest = save_engine(root / "engine", programs, manifest_fields=fields(passes, stats),
+                           extra_files={"kernels/cpu/resources.txt": "moe_experts: reference"})
+    return model, root / "engine", manifest, passes, stats
+
+
+@pytest.fixture
+def engine(built, tmp_path):
+    dst = tmp_path / "engine"
+    shutil.copytree(built[1], dst)
+    return dst
+
+
+# ------------------------------------------------------------------ round trip
+FRESH = textwrap.dedent("""
+    import sys, torch
+    from dspark_compile.artifact import load_engine
+    assert not hasattr(torch.ops.dspark, "moe_experts"), "op registered before load_engine"
+    manifest, programs, weights = load_engine(sys.argv[1])
+    cases = torch.load(sys.argv[2])
+    for b, (inputs, outputs) in cases.items():
+        state = [t.clone() for t in inputs]
+        got = programs[b].module()(*state)
+        for g, r in zip(got, outputs[:2]):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+        torch.testing.assert_close(state[2], outputs[2], rtol=0, atol=0)   # cache updated
+    p1, p4 = programs[1], programs[4]
+    assert p1.state_dict["proj.weight"] is not None
+    assert p1.state_dict["proj.weight"].data_ptr() == p4.state_dict["proj.weight"].data_ptr()
+    assert weights["s1"].dtype == torch.float8_e8m0fnu
+    print("FRESH-OK", sorted(programs))
+""")
+
+
+def _expected(model, path):
+    cases = {}
+    for b in BUCKETS:
+        inputs = make_inputs(100 + b, b)
+        state = [t.clone() for t in inputs]
+        with torch.no_grad():
+            y, ids = model(*state)
+        cases[b] = (inputs, (y, ids, state[2]))
+    torch.save(cases, path)
+
+
+def test_round_trip_in_a_fresh_process(built, tmp_path):
+    model, engine_dir, *_ = built
+    _expected(model, tmp_path / "cases.pt")
+    script = tmp_path / "load.py"
+    script.write_text(FRESH)
+    r = subprocess.run([sys.executable, str(script), str(engine_dir), str(tmp_path / "cases.pt")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FRESH-OK [1, 4]" in r.stdout
+
+
+def test_plain_torch_load_needs_the_ops_registered(built, tmp_path):
+    # Why load_engine registers ops first: without it a fresh process cannot load the program.
+    code = ("import sys, torch; torch.export.load(sys.argv[1])")
+    r = subprocess.run([sys.executable, "-c", code, str(built[1] / "programs/step_b1.pt2")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode != 0 and "moe_experts" in r.stderr
+
+
+def test_load_in_process_shares_weights_and_matches_eager(built):
+    model, engine_dir, *_ = built
+    manifest, programs, weights = load_engine(engine_dir)
+    for b in BUCKETS:
+        a, c = make_inputs(7, b), make_inputs(7, b)
+        got = programs[b].module()(*a)
+        with torch.no_grad():
+            ref = model(*c)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        torch.testing.assert_close(a[2], c[2], rtol=0, atol=0)
+        assert programs[b].state_dict["proj.weight"].data_ptr() == weights["proj.weight"].data_ptr()
+        assert programs[b].constants["rope"] is weights["rope"]
+        assert isinstance(programs[b].state_dict["proj.weight"], torch.nn.Parameter)
+
+
+def test_weights_are_stored_once_not_in_the_programs(built, tmp_path):
+    model, engine_dir, manifest, *_ = built
+    sizes = {k: v["size"] for k, v in manifest["files"].items()}
+    weights = {**model.state_dict(), "rope": model.rope}
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert sizes["weights.safetensors"] > weight_bytes
+    ep = torch.export.export(model, make_inputs(0, 4))
+    torch.export.save(ep, str(tmp_path / "with_weights.pt2"))
+    embedded = os.path.getsize(tmp_path / "with_weights.pt2")
+    for b in BUCKETS:
+        assert manifest["programs"][str(b)]["shared_weights"] == sorted(weights)
+        # a plain save embeds every weight; the engine's programs carry none of them
+        assert embedded - sizes[f"programs/step_b{b}.pt2"] >= weight_bytes
+
+
+def test_loaded_weights_are_aligned(built):
+    # safetensors puts tensors at arbitrary offsets; misaligned weights make BLAS/Triton take
+    # other, differently rounded paths (the engine would not match the build bit for bit).
+    _, _, weights = load_engine(built[1])
+    assert all(t.data_ptr() % 64 == 0 for t in weights.values())
+
+
+# ------------------------------------------------------------------ manifest
+def test_manifest_records_everything(built):
+    _, engine_dir, manifest, passes, _ = built
+    env = environment_fields()
+    assert manifest["format_version"] == artifact.FORMAT_VERSION
+    for k in ("dspark_compile_version", "torch_version", "triton_version", "cuda_version",
+              "target_sm"):
+        assert manifest[k] == env[k]
+    assert manifest["target_sm"] == ("cpu" if not torch.cuda.is_available() else env["target_sm"])
+    assert manifest["model_config_hash"] == "cfg-0"
+    assert manifest["buckets"] == [1, 4]
+    assert manifest["passes"] == passes and all(len(p["source_hash"]) == 64 for p in passes)
+    assert [r["name"] for r in manifest["pass_stats"]["4"]] == [p["name"] for p in passes]
+    assert manifest["graph_memory_bytes"] == {"1": None, "4": None}
+    assert "dspark::moe_experts.default" in manifest["dspark_ops"]
+    t = manifest["weights"]["tensors"]
+    assert t["proj.weight"]["shape"] == [D, D] and len(t["proj.weight"]["sha256"]) == 64
+    assert t["s1"]["dtype"] == "float8_e8m0fnu" and t["s1"]["stored_as"] == "uint8"
+    assert t["norm"]["dtype"] == "bfloat16"
+    assert set(manifest["files"]) == {"programs/step_b1.pt2", "programs/step_b4.pt2",
+                                      "weights.safetensors", "kernels/cpu/resources.txt"}
+    for rel, info in manifest["files"].items():
+        assert info["size"] == os.path.getsize(engine_dir / rel) and len(info["sha256"]) == 64
+    on_disk = json.loads((engine_dir / "manifest.json").read_text())
+    assert on_disk == manifest
+
+
+def test_update_manifest_field_is_atomic_and_keeps_it_valid(engine):
+    update_manifest_field(engine, "graph_memory_bytes.4", 123456)
+    m = load_manifest(engine)
+    assert m["graph_memory_bytes"] == {"1": None, "4": 123456}
+    assert sorted(os.listdir(engine)) == ["kernels", "manifest.json", "programs",
+                                          "weights.safetensors"]
+    with pytest.raises(ArtifactError, match="maintained by the build"):
+        update_manifest_field(engine, "checksum", "x")
+
+
+ENV_CASES = {
+    "torch_version": "2.11.0",
+    "triton_version": "3.6.0",
+    "cuda_version": "12.8",
+    "dspark_compile_version": "0.0.1",
+    "target_sm": "sm_120",
+    "format_version": 999,
+}
+
+
+@pytest.mark.parametrize("field", sorted(ENV_CASES))
+def test_environment_mismatch_names_the_field(engine, field):
+    update_manifest_field(engine, field, ENV_CASES[field])
+    running = environment_fields().get(field, artifact.FORMAT_VERSION)
+    with pytest.raises(ArtifactError) as e:
+        load_manifest(engine)
+    assert e.value.field == field
+    assert str(e.value) == (f"manifest field '{field}': engine built with {ENV_CASES[field]}, "
+                            f"running {running} — rebuild")
+    with pytest.raises(ArtifactError, match=f"manifest field '{field}'"):
+        load_engine(engine)
+
+
+def test_skip_and_expect_override_environment_checks(engine):
+    update_manifest_field(engine, "target_sm", "sm_90")
+    load_manifest(engine, expect={"target_sm": "sm_90"})
+    load_manifest(engine, skip=("target_sm",))
+
+
+@pytest.mark.parametrize("field, want", [("model_config_hash", "cfg-other"),
+                                         ("buckets", [1, 2, 4]),
+                                         ("pass_config_hash", "pc-1")])
+def test_expectation_mismatch_names_the_field(engine, field, want):
+    with pytest.raises(ArtifactError, match=rf"manifest field '{field}': engine has .*, "
+                                            rf"expected .* — rebuild") as e:
+        load_manifest(engine, expect={field: want})
+    assert e.value.field == field
+
+
+def test_expected_field_missing(engine):
+    with pytest.raises(ArtifactError, match="manifest field 'model_name' is missing"):
+        load_manifest(engine, expect={"model_name": "flash"})
+
+
+def test_changed_pass_source_is_named(engine, built):
+    passes = [dict(p) for p in built[3]]
+    passes[2]["source_hash"] = "0" * 64
+    update_manifest_field(engine, "passes", passes)
+    with pytest.raises(ArtifactError, match=rf"pass '{passes[2]['name']}' source hash 000000000000 "
+                                            r"in the engine, \w{12} installed"):
+        load_manifest(engine)
+    passes[2] = {"name": "fuse_gone", "source_hash": "1" * 64}
+    update_manifest_field(engine, "passes", passes)
+    with pytest.raises(ArtifactError, match="pass 'fuse_gone', which is not installed"):
+        load_manifest(engine)
+
+
+def test_changed_op_schema_is_named(engine):
+    update_manifest_field(engine, "dspark_ops", {"dspark::moe_experts.default": "dspark::moe_experts(Tensor x) -> Tensor"})
+    with pytest.raises(ArtifactError, match="op dspark::moe_experts.default schema changed"):
+        load_manifest(engine)
+    update_manifest_field(engine, "dspark_ops", {"dspark::nope.default": "dspark::nope() -> ()"})
+    with pytest.raises(ArtifactError, match="op dspark::nope.default is not registered"):
+        load_manifest(engine)
+
+
+def test_hand_edited_or_broken_manifest(engine, tmp_path):
+    m = json.loads((engine / "manifest.json").read_text())
+    m["torch_version"] = "2.13.0"           # edited without the checksum
+    (engine / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"manifest.json is corrupted \(checksum mismatch\)"):
+        load_manifest(engine)
+    (engine / "manifest.json").write_text('{"format_version": 1, ')
+    with pytest.raises(ArtifactError, match=r"manifest.json is corrupted \(not valid JSON"):
+        load_manifest(engine)
+    (engine / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match="is not an engine: manifest.json is missing"):
+        load_manifest(engine)
+    with pytest.raises(ArtifactError, match="does not exist"):
+        load_manifest(tmp_path / "nowhere")
+
+
+# ------------------------------------------------------------------ damaged files
+def test_corrupted_file_is_named(engine):
+    p = engine / "weights.safetensors"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"engine file 'weights.safetensors' is corrupted: "
+                                            r"sha256") as e:
+        load_engine(engine)
+    assert e.value.path == "weights.safetensors"
+
+
+def test_truncated_file_is_named(engine):
+    p = engine / "programs" / "step_b4.pt2"
+    size = p.stat().st_size
+    with open(p, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ArtifactError, match=rf"engine file 'programs/step_b4.pt2' is truncated: "
+                                            rf"{size - 100} of {size} bytes"):
+        load_engine(engine)
+
+
+def test_missing_and_grown_files_are_named(engine):
+    report = engine / "kernels" / "cpu" / "resources.txt"
+    original = report.read_bytes()
+    report.write_bytes(original + b"x")
+    with pytest.raises(ArtifactError, match="'kernels/cpu/resources.txt' has the wrong size"):
+        load_manifest(engine)
+    report.write_bytes(original)
+    load_manifest(engine)
+    (engine / "programs" / "step_b1.pt2").unlink()
+    with pytest.raises(ArtifactError, match="engine file 'programs/step_b1.pt2' is missing"):
+        load_manifest(engine)
+
+
+# ------------------------------------------------------------------ atomic build
+def _leftovers(parent):
+    return [n for n in os.listdir(parent) if n.startswith(".")]
+
+
+def test_failed_build_keeps_the_previous_engine(built, engine, monkeypatch):
+    model, _, _, passes, stats = built
+    before = (engine / "manifest.json").read_bytes()
+    programs, _, _ = build_programs(model)
+
+    # 1) fails while validating: the programs use weights the caller did not pass
+    with pytest.raises(ArtifactError, match="uses weight '.*', which is not in `weights`"):
+        save_engine(engine, programs, weights={"proj.weight": model.proj.weight},
+                    manifest_fields=fields(passes, stats))
+    # 2) fails half-way through writing the second program
+    real_save, calls = torch.export.save, []
+
+    def failing_save(ep, f, **kw):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_save(ep, f, **kw)
+
+    monkeypatch.setattr(torch.export, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_engine(engine, programs, manifest_fields=fields(passes, stats, model_config_hash="v2"))
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert (engine / "manifest.json").read_bytes() == before
+    assert _leftovers(engine.parent) == []
+    assert load_manifest(engine)["model_config_hash"] == "cfg-0"
+
+
+def test_rebuild_replaces_the_engine_when_complete(built, engine):
+    model, _, _, passes, stats = built
+    programs, _, _ = build_programs(model)
+    m = save_engine(engine, {1: programs[1]}, manifest_fields=fields(passes, stats,
+                                                                     model_config_hash="v2"))
+    assert load_manifest(engine, expect={"model_config_hash": "v2", "buckets": [1]}) == m
+    assert not (engine / "programs" / "step_b4.pt2").exists()
+    assert not (engine / "kernels").exists()
+    assert _leftovers(engine.parent) == []
+
+
+def test_refuses_to_replace_a_directory_that_is_not_an_engine(built, tmp_path):
+    model, _, _, passes, stats = built
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    programs, _, _ = build_programs(model)
+    with pytest.raises(ArtifactError, match="refusing to replace"):
+        save_engine(other, programs, manifest_fields=fields(passes, stats))
+    assert (other / "keep.txt").read_text() == "mine"
+    assert _leftovers(tmp_path) == []
+
+
+def test_save_engine_rejects_bad_arguments(built, tmp_path):
+    model, _, _, passes, stats = built
+    ep = build_programs(model)[0][1]
+    ok = fields(passes, stats)
+    cases = [
+        (dict(programs={}), "at least one program"),
+        (dict(programs={0: ep}), "bucket keys must be positive ints"),
+        (dict(programs={1: "x"}), "not an ExportedProgram"),
+        (dict(manifest_fields={"passes": passes}), r"missing \['model_config_hash'\]"),
+        (dict(manifest_fields={**ok, "torch_version": "x"}), "may not set computed fields"),
+        (dict(extra_files={"../evil": b""}), "must live under kernels/"),
+    ]
+    for kw, msg in cases:
+        args = dict(programs={1: ep}, manifest_fields=ok)
+        args.update(kw)
+        with pytest.raises(ArtifactError, match=msg):
+            save_engine(tmp_path / "e", **args)
+    assert not (tmp_path / "e").exists() and _leftovers(tmp_path) == []
+
+
+def test_programs_with_different_weights_are_refused(built, tmp_path):
+    _, _, _, passes, stats = built
+    a = torch.export.export(Step(seed=0).eval(), make_inputs(0, 1))
+    b = torch.export.export(Step(seed=1).eval(), make_inputs(0, 4))
+    with pytest.raises(ArtifactError, match="weight '.*' of the program for bucket 4 differs"):
+        save_engine(tmp_path / "e", {1: a, 4: b}, manifest_fields=fields(passes, stats))
+
+
+def test_model_config_is_hashed(built, tmp_path):
+    model, _, _, passes, stats = built
+    ep = build_programs(model)[0][1]
+    f = fields(passes, stats)
+    del f["model_config_hash"]
+    m = save_engine(tmp_path / "e", {1: ep}, manifest_fields={**f, "model_config": {"a": 1}})
+    assert m["model_config_hash"] == artifact.config_hash({"a": 1})
+    assert m["model_config"] == {"a": 1}
