@@ -111,7 +111,10 @@ def mxfp4_quant(w: torch.Tensor):
     exp = torch.ceil(torch.log2(amax / FP4_MAX)).clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
     exp = torch.where(amax > 0, exp, torch.full_like(exp, _E8M0_MIN_EXP))  # all-zero block
     x = blocks / torch.exp2(exp)[..., None]
-    mag = torch.bucketize(x.abs().clamp(max=FP4_MAX), _e2m1_boundaries(w.device))
-    codes = (mag | ((x < 0) & (mag > 0)).to(mag.dtype) << 3).view(R, C)  # no negative zero
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed.contiguous(), e8m0_from_exponent(exp)
+    mag = torch.bucketize(x.abs().clamp_(max=FP4_MAX), _e2m1_boundaries(w.device),
+                          out_int32=True).to(torch.uint8)
+    neg = ((x < 0) & (mag > 0)).to(torch.uint8)  # no negative zero (code 8)
+    del x
+    codes = mag.bitwise_or_(neg.bitwise_left_shift_(3)).view(R, C)
+    packed = codes[:, 0::2].bitwise_or(codes[:, 1::2].bitwise_left_shift(4))
+    return packed.view(torch.int8), e8m0_from_exponent(exp)

@@ -69,26 +69,31 @@ def write_safetensors(path: str | Path, specs: list[tuple[str, tuple[int, ...], 
         f.write(blob)
         data_start = f.tell()
         written = set()
-        for name, shape, dtype, begin, end in plan:
+        for planned in plan:
             if get is not None:
+                name = planned[0]
                 t = get(name)
                 if t is None:
                     raise KeyError(f"write_safetensors: no tensor '{name}'")
             else:
                 # Iterator order may differ from the file order: seek to the planned offset.
-                t = None
-                while t is None:
-                    n2, t2 = next(it)
-                    if n2 not in wanted or n2 in written:
-                        raise KeyError(f"write_safetensors: unexpected or repeated tensor '{n2}'")
-                    name, shape, dtype, begin, end = wanted[n2]
-                    t = t2
+                try:
+                    name, t = next(it)
+                except StopIteration:
+                    break
+                if name not in wanted or name in written:
+                    raise KeyError(f"write_safetensors: unexpected or repeated tensor '{name}'")
+            _, shape, dtype, begin, _ = wanted[name]
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise ValueError(f"write_safetensors: tensor '{name}' is {tuple(t.shape)} {t.dtype}, "
                                  f"spec says {shape} {dtype}")
             f.seek(data_start + begin)
             _write_bytes(f, t)
+            del t  # the producer keeps no reference: the next tensor never overlaps this one
             written.add(name)
+        extra = next(it, None) if it is not None else None
+        if extra is not None:
+            raise KeyError(f"write_safetensors: unexpected or repeated tensor '{extra[0]}'")
         if len(written) != len(plan):
             missing = sorted(set(wanted) - written)
             raise KeyError(f"write_safetensors: {len(missing)} tensors never produced, e.g. "

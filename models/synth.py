@@ -21,6 +21,7 @@ device="cuda")`) or written to disk (`synth_checkpoint`) without a second copy.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -102,8 +103,9 @@ class _Draw:
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(_seed(seed, key))
 
-    def normal(self, shape, std=1.0, mean=0.0) -> torch.Tensor:
-        x = torch.randn(tuple(shape), generator=self.gen, device=self.device, dtype=torch.float32)
+    def normal(self, shape, std=1.0, mean=0.0, dtype=torch.float32) -> torch.Tensor:
+        # Drawn directly in the stored dtype where that is bf16: no fp32 copy of a 1 GB embedding.
+        x = torch.randn(tuple(shape), generator=self.gen, device=self.device, dtype=dtype)
         return x.mul_(std).add_(mean) if (std != 1.0 or mean != 0.0) else x
 
     def uniform(self, shape) -> torch.Tensor:
@@ -117,33 +119,34 @@ def _is_output_proj(base: str) -> bool:
 
 def _plain(name: str, spec: TensorSpec, d: _Draw, cfg: ModelConfig, sc: SynthScales) -> torch.Tensor:
     D, shape = cfg.hidden_size, spec.shape
+    normal = functools.partial(d.normal, dtype=spec.dtype)  # plain tensors are bf16 or fp32
     stem = name[: -len(".weight")] if name.endswith(".weight") else name
     leaf = stem.rsplit(".", 1)[-1]  # e.g. attn_norm, hc_ffn_fn, bias, markov_w1, gate
     if name == "embed.weight":
-        x = d.normal(shape, sc.embed_std)
+        x = normal(shape, sc.embed_std)
     elif name == "head.weight":
-        x = d.normal(shape, sc.logit_std / math.sqrt(D))
+        x = normal(shape, sc.logit_std / math.sqrt(D))
     elif leaf.endswith("norm"):  # attn_norm, ffn_norm, q_norm, kv_norm, compressor norm, main_norm, norm
-        x = d.normal(shape, sc.norm_noise, 1.0)
+        x = normal(shape, sc.norm_noise, 1.0)
     elif leaf in ("markov_w1", "markov_w2"):
-        x = d.normal(shape, math.sqrt(sc.markov_bias_std / math.sqrt(cfg.dspark_markov_rank)))
+        x = normal(shape, math.sqrt(sc.markov_bias_std / math.sqrt(cfg.dspark_markov_rank)))
     elif leaf.startswith("hc_") and leaf.endswith("_fn"):
-        x = d.normal(shape, sc.hc_logit_std / math.sqrt(shape[1]))
+        x = normal(shape, sc.hc_logit_std / math.sqrt(shape[1]))
     elif leaf.startswith("hc_") and leaf.endswith("_scale"):
-        x = d.normal(shape, sc.hc_scale_noise, 1.0)
+        x = normal(shape, sc.hc_scale_noise, 1.0)
     elif leaf == "hc_head_base":
-        x = d.normal(shape, sc.hc_base_std)
+        x = normal(shape, sc.hc_base_std)
     elif leaf.startswith("hc_") and leaf.endswith("_base"):
         m = cfg.hc_mult
-        x = torch.cat((d.normal((2 * m,), sc.hc_base_std), d.normal((m * m,), sc.hc_comb_base_std)))
+        x = torch.cat((normal((2 * m,), sc.hc_base_std), normal((m * m,), sc.hc_comb_base_std)))
     elif leaf == "attn_sink":
-        x = d.normal(shape, sc.sink_std)
+        x = normal(shape, sc.sink_std)
     elif leaf == "ape":
-        x = d.normal(shape, sc.ape_std)
+        x = normal(shape, sc.ape_std)
     elif leaf == "bias":  # ffn.gate.bias: selection only, small so scores drive selection
-        x = d.normal(shape, sc.gate_bias_std)
+        x = normal(shape, sc.gate_bias_std)
     elif len(shape) == 2:  # gate, compressor wkv/wgate, indexer weights_proj, confidence proj
-        x = d.normal(shape, 1.0 / math.sqrt(shape[1]))
+        x = normal(shape, 1.0 / math.sqrt(shape[1]))
     else:
         raise ValueError(f"synth: no value rule for tensor '{name}' {shape} {spec.dtype}")
     return x.to(spec.dtype)
@@ -201,12 +204,19 @@ def iter_synth_tensors(cfg, seed: int = 0, device="cpu", include_draft: bool = T
     want = None if names is None else set(names)
     if want is not None and want - set(schema):
         raise KeyError(f"iter_synth_tensors: not in the schema: {sorted(want - set(schema))[:3]}")
-    for u in _units(schema):
-        if want is not None and not want.intersection(u.names):
-            continue
-        for name, t in _gen_unit(u, schema, cfg, seed, dev, sc):
-            if want is None or name in want:
-                yield name, t
+    units = [u for u in _units(schema) if want is None or want.intersection(u.names)]
+    for name, t in _stream(units, schema, cfg, seed, dev, sc):
+        if want is None or name in want:
+            yield name, t
+
+
+def _stream(units, schema, cfg, seed, dev, sc) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each unit's tensors without keeping a reference: the consumer's copy is the only
+    one, so generating the next unit never overlaps with a tensor the consumer has dropped."""
+    for u in units:
+        items = _gen_unit(u, schema, cfg, seed, dev, sc)
+        while items:
+            yield items.pop(0)
 
 
 def synth_tensors(cfg, seed: int = 0, device="cpu", include_draft: bool = True,
@@ -275,8 +285,7 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
         for i, shard in enumerate(shards):
             fname = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             specs = [(n, schema[n].shape, schema[n].dtype) for u in shard for n in u.names]
-            stream = (nt for u in shard for nt in _gen_unit(u, schema, cfg, seed, dev, sc))
-            total += write_safetensors(tmp / fname, specs, stream)
+            total += write_safetensors(tmp / fname, specs, _stream(shard, schema, cfg, seed, dev, sc))
             weight_map.update({n: fname for n, _, _ in specs})
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
