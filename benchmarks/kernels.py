@@ -1,0 +1,302 @@
+"""Kernel benchmarks: eager PyTorch reference vs torch.compile of it vs our fused op.
+
+    python benchmarks/kernels.py --only qkv,act_quant --out benchmarks/results/h200_kernels
+    python benchmarks/kernels.py --dry-run          # CPU/GPU smoke test: build, run once, check
+
+Cases come from this file (groups "qkv" and "act_quant", Flash dims: H=64, D=512, rope 64,
+nope 448, hidden 4096, shared-expert I=2048; B requests, T = 6B tokens = B * (N+1) verify rows)
+and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[harness.Case]`
+(benchmarks/README.md). Writes <out>/kernels.json (environment, copy bandwidth, rows),
+<out>/kernels.csv and <out>/kernels.png (if matplotlib is installed), and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from harness import Case, TimingConfig, compare  # noqa: E402
+
+from dspark_compile.kernels import act_quant as aq  # noqa: E402
+from dspark_compile.kernels import qkv_postprocess as qp  # noqa: E402
+
+# Flash dimensions
+H, D, R = 64, 512, 64
+NOPE = D - R
+HIDDEN, INTER = 4096, 2048
+EPS, LIMIT = 1e-6, 10.0
+MAX_POS = 8192
+TOKENS_PER_REQUEST = 6  # N + 1 verify rows per request (dspark_block_size N = 5)
+
+
+def _gen(device, seed):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randn(shape, device, seed, scale=1.0, dtype=torch.bfloat16):
+    return (torch.randn(shape, generator=_gen(device, seed), device=device) * scale).to(dtype)
+
+
+_TABLES: dict = {}
+
+
+def _cos_sin(device):
+    """One shared RoPE table per device (the step shares it too)."""
+    if device not in _TABLES:
+        inv = 1.0 / 10000.0 ** (torch.arange(0, R, 2, dtype=torch.float64) / R)
+        ang = torch.arange(MAX_POS, dtype=torch.float64)[:, None] * inv[None, :]
+        _TABLES[device] = torch.cat([ang.cos(), ang.sin()], 1).float().to(device)
+    return _TABLES[device]
+
+
+# ------------------------------------------------------------------------------------------------
+# qkv group
+# ------------------------------------------------------------------------------------------------
+
+def _qkv_inputs(T, device, seed, with_cache):
+    g = _gen(device, seed)
+    d = {"q": _randn((T, H, D), device, seed, 3.0), "kv": _randn((T, D), device, seed + 1, 2.0),
+         "positions": torch.randint(0, MAX_POS, (T,), generator=g, device=device),
+         "cos_sin": _cos_sin(device)}
+    S = max(4 * T, 1024) + 1                     # ring rows; every token gets a real slot
+    slots = torch.randperm(S - 1, generator=g, device=device)[:T]
+    if with_cache == "fp8":
+        rnd = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, generator=g, device=device)
+        d.update(slots=slots, cache_nope=rnd(S, NOPE).view(torch.float8_e4m3fn),
+                 cache_scale=rnd(S, NOPE // 64), cache_rope=rnd(S, 2 * R).view(torch.bfloat16))
+    elif with_cache == "ring":
+        d.update(slots=slots, cache=_randn((S, D), device, seed + 2))
+    return d
+
+
+def _check_against_reference(make, ours, reference):
+    """Run ours and the reference on two identical input sets; compare outputs and caches."""
+    def check(device):
+        a, b = make(device, 123), make(device, 123)
+        out_a, out_b = ours(a), reference(b)
+        outs = lambda o: [] if o is None else list(o) if isinstance(o, tuple) else [o]
+        msgs = [compare(f"out{i}", x, y) for i, (x, y) in enumerate(zip(outs(out_a), outs(out_b)))]
+        msgs += [compare(k, a[k], b[k], as_bytes=True)
+                 for k in ("cache_nope", "cache_scale", "cache_rope", "cache") if k in a]
+        return "; ".join(m for m in msgs if m)
+    return check
+
+
+def _make_qkv(T, cache, drop_q=False):
+    def make(device, seed):
+        d = _qkv_inputs(T, device, seed, cache)
+        if drop_q:
+            del d["q"]
+        return d
+    return make
+
+
+def qkv_cases(batches):
+    out = []
+    for B in batches:
+        T = TOKENS_PER_REQUEST * B
+        act = T * H * D * 2                         # q in or out, bf16
+        small = T * (8 + R * 4)                     # positions + cos/sin rows
+        specs = [
+            ("qkv_postprocess", _make_qkv(T, "fp8"),
+             lambda d: qp.qkv_postprocess_reference(**d, eps=EPS),
+             lambda d: torch.ops.dspark.qkv_postprocess(**d, eps=EPS),
+             2 * act + T * D * 2 + small + T * 8 + T * (NOPE + NOPE // 64 + 2 * R)),
+            ("qkv_rope", _make_qkv(T, None),
+             lambda d: qp.qkv_rope_reference(**d, eps=EPS),
+             lambda d: torch.ops.dspark.qkv_rope(**d, eps=EPS),
+             2 * act + 2 * T * D * 2 + small),
+            ("context_kv_store", _make_qkv(T, "ring", drop_q=True),
+             lambda d: qp.context_kv_store_reference(**d),
+             lambda d: torch.ops.dspark.context_kv_store(**d),
+             2 * T * D * 2 + small + T * 8),
+        ]
+        for name, make, ref, ours, nbytes in specs:
+            out.append(Case("qkv", name, {"B": B, "T": T}, make, ref, ours, nbytes,
+                            check=_check_against_reference(make, ours, ref)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# act_quant group
+# ------------------------------------------------------------------------------------------------
+
+def act_quant_cases(batches):
+    out = []
+    for B in batches:
+        T = TOKENS_PER_REQUEST * B
+        scales = lambda K: T * (K // aq.ACT_QUANT_GROUP) * 4
+        specs = [
+            ("swiglu_quant",
+             lambda dev, s, T=T: {"g": _randn((T, INTER), dev, s, 4.0),
+                                  "u": _randn((T, INTER), dev, s + 1, 4.0)},
+             lambda d: aq.swiglu_quant_reference(d["g"], d["u"], LIMIT),
+             lambda d: torch.ops.dspark.swiglu_quant(d["g"], d["u"], LIMIT),
+             2 * T * INTER * 2 + T * INTER + scales(INTER)),
+            ("rmsnorm_quant",
+             lambda dev, s, T=T: {"x": _randn((T, HIDDEN), dev, s, 3.0),
+                                  "weight": 1 + _randn((HIDDEN,), dev, s + 1, 0.2)},
+             lambda d: aq.rmsnorm_quant_reference(d["x"], d["weight"], EPS),
+             lambda d: torch.ops.dspark.rmsnorm_quant(d["x"], d["weight"], EPS),
+             T * HIDDEN * 2 + HIDDEN * 2 + T * HIDDEN * 2 + T * HIDDEN + scales(HIDDEN)),
+            ("act_quant",
+             lambda dev, s, T=T: {"x": _randn((T, HIDDEN), dev, s, 3.0)},
+             lambda d: aq.act_quant_reference(d["x"]),
+             lambda d: torch.ops.dspark.act_quant(d["x"]),
+             T * HIDDEN * 2 + T * HIDDEN + scales(HIDDEN)),
+        ]
+        for name, mk, ref, ours, nbytes in specs:
+            out.append(Case("act_quant", name, {"B": B, "T": T}, mk, ref, ours, nbytes,
+                            check=_check_against_reference(mk, ours, ref)))
+    return out
+
+
+def cases(batches):
+    """This file's own cases, by the same protocol as benchmarks/*_cases.py."""
+    return qkv_cases(batches) + act_quant_cases(batches)
+
+
+CASE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def collect_cases(batches, case_dir: str = CASE_DIR) -> list[Case]:
+    """This file's cases plus every <case_dir>/*_cases.py module's `cases(batches)`."""
+    found = cases(batches)
+    for path in sorted(glob.glob(os.path.join(case_dir, "*_cases.py"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        if not hasattr(mod, "cases"):
+            raise AttributeError(f"{path} defines no cases(batches) function")
+        more = mod.cases(batches)
+        bad = [c for c in more if not isinstance(c, Case)]
+        if bad:
+            raise TypeError(f"{path}: cases() must return harness.Case objects, got {type(bad[0])}")
+        found += more
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+# ------------------------------------------------------------------------------------------------
+
+def variants(case: Case, compile_modes: list[str]) -> dict:
+    v = {"eager": case.reference}
+    if case.compile:
+        for mode in compile_modes:
+            label = "compile" if mode == "default" else f"compile-{mode}"
+            kwargs = {} if mode == "default" else {"mode": mode}
+            v[label] = torch.compile(case.reference, **kwargs)
+    if case.ours is not None:
+        v["ours"] = case.ours
+    v.update(case.extra)
+    return v
+
+
+def run(args) -> dict:
+    batches = [int(b) for b in args.batches.split(",")]
+    only = set(args.only.split(",")) if args.only else None
+    ops = set(args.ops.split(",")) if args.ops else None
+    selected = [c for c in collect_cases(batches, args.case_dir)
+                if (only is None or c.group in only) and (ops is None or c.name in ops)]
+    if not selected:
+        raise SystemExit(f"no case matches --only {args.only} --ops {args.ops}")
+    if args.dry_run:
+        return dry_run(selected)
+    if not torch.cuda.is_available():
+        raise SystemExit("timing needs a CUDA GPU (use --dry-run to smoke-test the cases)")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    dev = torch.device("cuda")
+    cfg = TimingConfig(calls_per_graph=args.calls_per_graph, replays=args.replays,
+                       warmup=args.warmup, rotate_factor=args.rotate_factor)
+    env = harness.environment(args.git_commit)
+    bw = harness.measure_copy_bandwidth()
+    print(f"{env.get('device')}: copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    modes = ["default"] + (["max-autotune-no-cudagraphs"] if args.max_autotune else [])
+    rows = []
+    for case in selected:
+        torch._dynamo.reset()              # each case compiles fresh: no cache-limit fallbacks
+        n_sets = harness.num_input_sets(case.bytes_moved, cfg)
+        sets = [case.make_inputs(dev, 1000 + i) for i in range(n_sets)]
+        check = case.check(dev) if case.check else ""
+        base = {"group": case.group, "name": case.name, **case.params, "n_sets": n_sets,
+                "bytes": case.bytes_moved, "check": check}
+        case_rows = []
+        for label, fn in variants(case, modes).items():
+            try:
+                t = harness.time_variant(fn, sets, cfg)
+            except Exception as e:  # noqa: BLE001 -- a failing variant must not end the run
+                t = {"us_median": None, "note": f"{type(e).__name__}: {str(e)[:200]}"}
+            row = dict(base, variant=label, **t)
+            if row["us_median"]:
+                row["gb_per_s"] = case.bytes_moved / (row["us_median"] * 1e-6) / 1e9
+                row["pct_copy_bw"] = 100 * case.bytes_moved / (row["us_median"] * 1e-6) / bw["bytes_per_s"]
+            case_rows.append(row)
+            print(f"  {case.name} {case.params} {label}: {row.get('us_median')} us "
+                  f"{row.get('note', '')}", flush=True)
+        ref = next((r["us_median"] for r in case_rows if r["variant"] == "compile"), None)
+        for r in case_rows:
+            r["speedup_vs_compile"] = ref / r["us_median"] if ref and r["us_median"] else None
+        rows += case_rows
+        del sets
+        torch.cuda.empty_cache()
+    return {"environment": env, "copy_bandwidth": bw, "timing": vars(cfg), "rows": rows}
+
+
+def dry_run(selected) -> dict:
+    """Build one input set per case, run every variant but compile once, run the check."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for case in selected:
+        d = case.make_inputs(dev, 0)
+        case.reference(d)
+        if case.ours is not None:
+            case.ours(case.make_inputs(dev, 1))
+        for fn in case.extra.values():
+            fn(case.make_inputs(dev, 2))
+        check = case.check(dev) if case.check else ""
+        rows.append({"group": case.group, "name": case.name, **case.params, "variant": "dry-run",
+                     "bytes": case.bytes_moved, "check": check})
+    return {"environment": harness.environment(), "rows": rows}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated case groups (qkv,act_quant,...)")
+    p.add_argument("--ops", default="", help="comma-separated op names within the groups")
+    p.add_argument("--batches", default="1,4,16,64", help="requests per step, B (T = 6B)")
+    p.add_argument("--out", default="", help="output folder for kernels.json/.csv/.png")
+    p.add_argument("--max-autotune", action="store_true",
+                   help='also time torch.compile(mode="max-autotune-no-cudagraphs") (slow to build)')
+    p.add_argument("--calls-per-graph", type=int, default=64)
+    p.add_argument("--replays", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rotate-factor", type=float, default=2.0)
+    p.add_argument("--git-commit", default=None, help="record this commit (when .git is absent)")
+    p.add_argument("--dry-run", action="store_true", help="build and run each case once, no timing")
+    p.add_argument("--case-dir", default=CASE_DIR, help="folder searched for *_cases.py modules")
+    args = p.parse_args(argv)
+    result = run(args)
+    rows = result["rows"]
+    cols = ["name", "B", "T", "variant", "us_median", "us_p90", "pct_copy_bw",
+            "speedup_vs_compile", "method", "check"]
+    print(harness.format_table(rows, [c for c in cols if any(c in r for r in rows)]))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kernels.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        harness.write_csv(os.path.join(args.out, "kernels.csv"), rows)
+        print(harness.write_plot(os.path.join(args.out, "kernels.png"), rows))
+    return result
+
+
+if __name__ == "__main__":
+    main()
