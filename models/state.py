@@ -60,12 +60,12 @@ def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[s
             ring = c * ratio + T
             specs[f"{p}.cmp_kv"] = Spec((R, ring, c * cfg.head_dim), acc)
             specs[f"{p}.cmp_score"] = Spec((R, ring, c * cfg.head_dim), acc)
-            specs.update(_kv_specs(f"{p}.ckv", R, cache.max_seq_len // ratio, cfg, prec))
+            specs.update(_kv_specs(f"{p}.ckv", R, -(-cache.max_seq_len // ratio), cfg, prec))
         if ratio == 4:
             ring = 2 * ratio + T
             specs[f"{p}.idx_kv"] = Spec((R, ring, 2 * cfg.index_head_dim), acc)
             specs[f"{p}.idx_score"] = Spec((R, ring, 2 * cfg.index_head_dim), acc)
-            specs[f"{p}.idx_k"] = Spec((R, cache.max_seq_len // ratio, cfg.index_head_dim), prec.dtype)
+            specs[f"{p}.idx_k"] = Spec((R, -(-cache.max_seq_len // ratio), cfg.index_head_dim), prec.dtype)
     if cfg.has_draft:
         N, V = cfg.dspark_block_size, cfg.vocab_size
         for i in range(cfg.n_mtp_layers):
