@@ -10,7 +10,7 @@ Weights. The step module's parameters and buffers are stored once, in weights.sa
 keyed by their module FQN (the ExportedProgram's `state_dict` / `constants` key), and *not*
 inside the .pt2 files: each bucket's program would otherwise carry its own full copy of the
 model (N buckets = N copies on disk and N in memory). `save_engine` swaps those entries for
-`meta` tensors while `torch.export.save` runs (the graph keeps their shape/dtype), and
+one-element stand-ins while `torch.export.save` runs (the graph keeps their shape/dtype), and
 `load_engine` puts the loaded tensors back, the same tensor objects in every bucket's program.
 Which entries each program takes from the shared file is listed in the manifest
 (`programs[B].shared_weights`). Tensors that are not module weights (constants export lifts out
@@ -41,6 +41,7 @@ import pkgutil
 import shutil
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -236,21 +237,27 @@ def _load_weights(path: Path, summary: dict, device) -> dict:
     return out
 
 
-def _meta_like(t: torch.Tensor, is_param: bool):
-    m = torch.empty_like(t, device="meta")
-    return torch.nn.Parameter(m, requires_grad=False) if is_param else m
+def _stand_in(t: torch.Tensor, is_param: bool):
+    """A one-element tensor expanded (stride 0) to `t`'s shape and dtype: what torch.export.save
+    writes for it is a single element, through the ordinary tensor path of every torch version
+    (meta tensors would rely on how a version treats zero-byte records)."""
+    s = torch.zeros((), dtype=t.dtype).expand(t.shape)
+    return torch.nn.Parameter(s, requires_grad=False) if is_param else s
 
 
 def _save_program(ep, path: Path, shared: list) -> None:
-    """torch.export.save with the shared weights swapped for meta tensors (restored after)."""
+    """torch.export.save with the shared weights swapped for stand-ins (restored after)."""
     entries = _weight_entries(ep)
     saved = []
     try:
         for name in shared:
             table = ep.state_dict if name in ep.state_dict else ep.constants
             saved.append((table, name, table[name]))
-            table[name] = _meta_like(table[name], entries.get(name, (None, False))[1])
-        torch.export.save(ep, str(path))
+            table[name] = _stand_in(table[name], entries.get(name, (None, False))[1])
+        with warnings.catch_warnings():
+            # the stand-ins do not cover their one-element storage; torch warns about that
+            warnings.filterwarnings("ignore", message="No complete tensor found")
+            torch.export.save(ep, str(path))
     finally:
         for table, name, t in saved:
             table[name] = t
@@ -274,11 +281,10 @@ def _attach_weights(ep, shared: list, weights: dict, bucket: int) -> None:
                                 f"{tuple(w.shape)} {w.dtype}", path=WEIGHTS_FILE)
         table[name] = torch.nn.Parameter(w, requires_grad=False) if entries.get(
             name, (None, False))[1] else w
-    left = [k for k, v in list(ep.state_dict.items()) + list(ep.constants.items())
-            if isinstance(v, torch.Tensor) and v.is_meta]
-    if left:
-        raise ArtifactError(f"program for bucket {bucket} still has weights without data {left}",
-                            path=program_path(bucket))
+    missing = [k for k in _weight_entries(ep) if k not in shared]
+    if missing:  # every parameter/buffer is shared at build time; a stand-in must not survive
+        raise ArtifactError(f"program for bucket {bucket} has weights {missing} that the "
+                            "manifest does not list as shared", path=program_path(bucket))
 
 
 # --------------------------------------------------------------------------- files

@@ -20,14 +20,16 @@ from __future__ import annotations
 import torch
 
 from .base import PassResult
-from .graph_utils import (alias_root, arg_value, graph_outputs, is_view, op_name, same_layout, schema_of,
+from .graph_utils import (alias_root, alias_source, arg_value, graph_outputs, is_view, op_name, same_layout, schema_of,
                           tensor_val, written_roots)
 from .registry import register_pass
 
 aten = torch.ops.aten
 
 _COPY_PACKETS = {"aten::clone", "aten::_to_copy", "aten::lift_fresh_copy", "aten::alias_copy",
-                 "aten::view_copy", "aten::_unsafe_view"}
+                 "aten::view_copy"}
+# schema says "new tensor", but it is a view at run time: exact like any view
+_RUNTIME_VIEW = "aten::_unsafe_view"
 _TO_PACKET = "aten::to"
 
 
@@ -42,7 +44,7 @@ def _is_copy(node) -> bool:
         return False
     if s.name == _TO_PACKET:
         return bool(arg_value(node, "copy", False))
-    return s.name in _COPY_PACKETS and s.name != "aten::_unsafe_view"
+    return s.name in _COPY_PACKETS
 
 
 def _same(node, src) -> bool:
@@ -59,20 +61,20 @@ def remove_noops_pass(gm, ctx) -> PassResult:
     for node in list(graph.nodes):
         if node.op != "call_function" or schema_of(node) is None:
             continue
-        src = _first_tensor_arg(node)
+        # the aliased input for views (schema alias sets), the copied input for copies
+        src = alias_source(node) if is_view(node) else _first_tensor_arg(node)
         if src is None or not _same(node, src):
             continue
-        s = schema_of(node)
-        if is_view(node) and not _is_copy(node):
-            pass  # exact: same storage, same layout
-        elif _is_copy(node) or s.name == "aten::_unsafe_view":
-            if s.name != "aten::_unsafe_view":
-                returned = any(alias_root(o) is node for o in graph_outputs(graph))
-                if returned or node in written or alias_root(src) in written:
-                    kept_copies += 1
-                    continue
-        else:
-            continue
+        exact = schema_of(node).name == _RUNTIME_VIEW or (is_view(node) and not _is_copy(node))
+        if not exact:
+            if not _is_copy(node):
+                continue
+            # a copy: only unobservable when neither buffer is ever written and the copy is
+            # not returned (an output must not start aliasing its source)
+            returned = any(alias_root(o) is node for o in graph_outputs(graph))
+            if returned or node in written or alias_root(src) in written:
+                kept_copies += 1
+                continue
         kinds[op_name(node)] = kinds.get(op_name(node), 0) + 1
         node.replace_all_uses_with(src)
         graph.erase_node(node)

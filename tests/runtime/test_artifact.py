@@ -52,7 +52,7 @@ class Step(torch.nn.Module):
         w, ids = self.router(h).softmax(-1).topk(1, dim=-1)
         y = torch.ops.dspark.moe_experts(h, ids, w, self.w1, self.s1, self.w3, self.s3,
                                          self.w2, self.s2, 7.0)
-        return y * torch.tensor([2.0]) + kv_cache.sum(0), ids
+        return y * torch.tensor(2.0) + kv_cache.sum(0), ids
 
 
 def make_inputs(seed, T):
@@ -102,14 +102,15 @@ FRESH = textwrap.dedent("""
     import sys, torch
     from dspark_compile.artifact import load_engine
     assert not hasattr(torch.ops.dspark, "moe_experts"), "op registered before load_engine"
-    manifest, programs, weights = load_engine(sys.argv[1])
+    device = sys.argv[3]
+    manifest, programs, weights = load_engine(sys.argv[1], device=device)
     cases = torch.load(sys.argv[2])
     for b, (inputs, outputs) in cases.items():
-        state = [t.clone() for t in inputs]
+        state = [t.to(device) for t in inputs]
         got = programs[b].module()(*state)
         for g, r in zip(got, outputs[:2]):
-            torch.testing.assert_close(g, r, rtol=0, atol=0)
-        torch.testing.assert_close(state[2], outputs[2], rtol=0, atol=0)   # cache updated
+            torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0)
+        torch.testing.assert_close(state[2].cpu(), outputs[2], rtol=0, atol=0)  # cache updated
     p1, p4 = programs[1], programs[4]
     assert p1.state_dict["proj.weight"] is not None
     assert p1.state_dict["proj.weight"].data_ptr() == p4.state_dict["proj.weight"].data_ptr()
@@ -118,26 +119,49 @@ FRESH = textwrap.dedent("""
 """)
 
 
-def _expected(model, path):
+def _expected(model, path, device="cpu"):
     cases = {}
     for b in BUCKETS:
         inputs = make_inputs(100 + b, b)
-        state = [t.clone() for t in inputs]
+        state = [t.to(device) for t in inputs]
         with torch.no_grad():
             y, ids = model(*state)
-        cases[b] = (inputs, (y, ids, state[2]))
+        cases[b] = (inputs, (y.cpu(), ids.cpu(), state[2].cpu()))
     torch.save(cases, path)
+
+
+def _load_fresh(engine_dir, tmp_path, device):
+    script = tmp_path / "load.py"
+    script.write_text(FRESH)
+    r = subprocess.run([sys.executable, str(script), str(engine_dir), str(tmp_path / "cases.pt"),
+                        device], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FRESH-OK [1, 4]" in r.stdout
 
 
 def test_round_trip_in_a_fresh_process(built, tmp_path):
     model, engine_dir, *_ = built
     _expected(model, tmp_path / "cases.pt")
-    script = tmp_path / "load.py"
-    script.write_text(FRESH)
-    r = subprocess.run([sys.executable, str(script), str(engine_dir), str(tmp_path / "cases.pt")],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "FRESH-OK [1, 4]" in r.stdout
+    _load_fresh(engine_dir, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_engine_round_trip_in_a_fresh_process(tmp_path):
+    # Built and loaded on the GPU: the manifest records this SM, weights load onto the device,
+    # and the loaded programs reproduce the eager CUDA module bit for bit.
+    model = Step().eval().cuda()
+    programs = {}
+    for T in BUCKETS:
+        ep = torch.export.export(model, tuple(t.cuda() for t in make_inputs(0, T)))
+        pm = PassManager()
+        pm.run(ep, state_inputs=("kv_cache",))
+        programs[T] = ep
+    m = save_engine(tmp_path / "engine", programs,
+                    manifest_fields={"model_config_hash": "cfg", "passes": pm.manifest_entries()})
+    major, minor = torch.cuda.get_device_capability()
+    assert m["target_sm"] == f"sm_{major}{minor}" and m["cuda_version"] == torch.version.cuda
+    _expected(model, tmp_path / "cases.pt", "cuda")
+    _load_fresh(tmp_path / "engine", tmp_path, "cuda")
 
 
 def test_plain_torch_load_needs_the_ops_registered(built, tmp_path):
