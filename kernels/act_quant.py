@@ -202,7 +202,7 @@ def swiglu_quant_launch(g, u, limit, h_out=None, block_g=None):
     if T and NG:
         kernel = _swiglu_quant_kernel
         bg = _group_block(T, NG, kernel, block_g)
-        h = q if h_out is None else h_out
+        h = g2 if h_out is None else h_out   # unused unless STORE_H; g's type keeps one compile
         launch(kernel)[(T, triton.cdiv(NG, bg))](
             g2, u2, q.view(torch.uint8), s, h, NG, g2.stride(0), u2.stride(0), q.stride(0),
             s.stride(0), h.stride(0), float(limit), BLOCK_G=bg, STORE_H=h_out is not None,
@@ -274,21 +274,23 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
 
 # SM12x readiness: every (BLOCK_G, num_warps) the launchers pick, bf16 activations; rmsnorm_quant
 # at the Flash rows it normalises before an FP8 GEMM (q_lora 1024, hidden 4096).
-_STRIDES = dict(stride_qt="i32", stride_st="i32")
+_D16 = "i32:16"  # multiples of 16 at these shapes: the JIT specialises them, the check must too
+_STRIDES = dict(stride_qt=_D16, stride_st=_D16)
 for _bg in (1, 4):
     add_compile_configs("act_quant", [compile_config(
         _act_quant_kernel,
-        dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", NG="i32", stride_xt="i32", **_STRIDES),
+        dict(x_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", NG=_D16, stride_xt=_D16, **_STRIDES),
         dict(BLOCK_G=_bg, SOFT=False), _bg)])
     add_compile_configs("swiglu_quant", [compile_config(
         _swiglu_quant_kernel,
-        dict(g_ptr="*bf16", u_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", h_ptr="*bf16", NG="i32",
-             stride_gt="i32", stride_ut="i32", stride_ht="i32", limit="fp32", **_STRIDES),
+        dict(g_ptr="*bf16", u_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", h_ptr="*bf16", NG=_D16,
+             stride_gt=_D16, stride_ut=_D16, stride_ht=_D16, limit="fp32", **_STRIDES),
         dict(BLOCK_G=_bg, STORE_H=False, SOFT=False), _bg)])
 for _k in (1024, 4096):
     _ng = next_pow2(_k // ACT_QUANT_GROUP)
     add_compile_configs("rmsnorm_quant", [compile_config(
         _rmsnorm_quant_kernel,
-        dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", K="i32",
-             stride_xt="i32", stride_yt="i32", eps="fp32", **_STRIDES),
+        dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32", K=_D16,
+             stride_xt=_D16, stride_yt=_D16, stride_qt=_D16,
+             stride_st=_D16 if (_k // ACT_QUANT_GROUP) % 16 == 0 else "i32", eps="fp32"),
         dict(NG_P2=_ng, SOFT=False), _rmsnorm_warps(_ng))])

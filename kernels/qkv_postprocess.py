@@ -422,23 +422,24 @@ def context_kv_store(kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.T
 # SM12x readiness: the launch configurations used at Flash dims (H=64, D=512, rope 64), bf16
 # activations, fp32 cos/sin table, int64 positions/slots (tests/kernels/test_sm12x_resources.py).
 _FLASH = dict(D=512, ROPE=64, BLOCK_D=512, BLOCK_R=32, SOFT=False)
+_D16 = "i32:16"  # multiples of 16 at Flash dims: the JIT specialises them, the check must too
 add_compile_configs("qkv_postprocess", [compile_config(
     _qkv_postprocess_kernel,
     dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", slot_ptr="*i64",
-         qo_ptr="*bf16", nope_ptr="*u8", scale_ptr="*u8", rope_ptr="*bf16", H="i32", S="i32",
-         max_pos="i32", stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
-         stride_kvt="i32", stride_cs="i32", stride_n="i32", stride_s="i32", stride_r="i32",
+         qo_ptr="*bf16", nope_ptr="*u8", scale_ptr="*u8", rope_ptr="*bf16", H=_D16, S="i32",
+         max_pos="i32", stride_qt=_D16, stride_qh=_D16, stride_ot=_D16, stride_oh=_D16,
+         stride_kvt=_D16, stride_cs=_D16, stride_n=_D16, stride_s="i32", stride_r=_D16,
          eps="fp32"),
     dict(_FLASH, BLOCK_H=2, NG_P2=8), NUM_WARPS)])
 add_compile_configs("qkv_rope", [compile_config(
     _qkv_rope_kernel,
     dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", qo_ptr="*bf16",
-         kvo_ptr="*bf16", H="i32", max_pos="i32", stride_qt="i32", stride_qh="i32",
-         stride_ot="i32", stride_oh="i32", stride_kvt="i32", stride_kvot="i32", stride_cs="i32",
+         kvo_ptr="*bf16", H=_D16, max_pos="i32", stride_qt=_D16, stride_qh=_D16,
+         stride_ot=_D16, stride_oh=_D16, stride_kvt=_D16, stride_kvot=_D16, stride_cs=_D16,
          eps="fp32"),
     dict(_FLASH, BLOCK_H=2), NUM_WARPS)])
 add_compile_configs("context_kv_store", [compile_config(
     _context_kv_store_kernel,
     dict(kv_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", slot_ptr="*i64", cache_ptr="*bf16",
-         S="i32", max_pos="i32", stride_kvt="i32", stride_cs="i32", stride_c="i32"),
+         S="i32", max_pos="i32", stride_kvt=_D16, stride_cs=_D16, stride_c=_D16),
     dict(_FLASH), NUM_WARPS)])

@@ -9,7 +9,9 @@ compiled kernel's `metadata.shared`.
 
 `resource_report(arch)` compiles every entry that kernel files declared through
 `registry.add_compile_configs` (after importing every module of this package, so kernels added
-later are picked up without a list to update) and returns one dict per configuration;
+later are picked up without a list to update) and returns one dict per configuration. Signature
+types are Triton's ("*bf16", "i32", "fp32", "constexpr"); "i32:16" marks an integer the launch
+passes as a multiple of 16 (Triton's JIT specialises on that, and it enables vector loads);
 `dspark-compile build --arch sm_120` stores it in the engine manifest. `check_report` raises on
 any configuration over the limits.
 
@@ -107,18 +109,29 @@ def _is_interpreted(obj) -> bool:
                                                                        types.FunctionType)
 
 
-def _attrs(jit: JITFunction, signature: dict) -> dict:
-    """Pointers 16-byte aligned, as torch allocations are and as the JIT specialises them: without
-    it the compiler would not vectorise and the registers counted would not be the launched ones."""
-    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(jit.arg_names)
-            if str(signature.get(name, "")).startswith("*")}
+def _split_signature(jit: JITFunction, signature: dict):
+    """(plain signature, attrs). Pointers are taken 16-byte aligned (torch allocations are, and
+    Triton's JIT specialises on it); an integer typed "i32:16" is one the launch passes as a
+    multiple of 16, which the JIT marks the same way. Without these the compiler would not
+    vectorise, and the registers counted would not be those of the launched kernel."""
+    plain, attrs = {}, {}
+    for i, name in enumerate(jit.arg_names):
+        ty = str(signature[name])
+        base, _, div = ty.partition(":")
+        plain[name] = base
+        if base.startswith("*") or div == "16":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif div:
+            raise ValueError(f"{jit.__name__}.{name}: unknown type annotation {ty!r}")
+    return plain, attrs
 
 
 def compile_entry(entry, capability: int):
     """Compile one (kernel, signature, constexprs, num_warps) entry for sm_<capability>."""
     kernel, signature, constexprs, num_warps = entry
     jit = as_jit(kernel)
-    src = ASTSource(jit, dict(signature), dict(constexprs), _attrs(jit, signature))
+    plain, attrs = _split_signature(jit, signature)
+    src = ASTSource(jit, plain, dict(constexprs), attrs)
     target = GPUTarget("cuda", capability, WARP_SIZE)
     return triton.compile(src, target=target, options={"num_warps": num_warps})
 

@@ -116,7 +116,8 @@ def round_to(x, dtype: tl.constexpr, SOFT: tl.constexpr):
 def compile_config(kernel, types: dict, constexprs: dict, num_warps: int):
     """One `add_compile_configs` entry: (kernel, signature, constexprs, num_warps).
 
-    `types` gives every runtime argument's Triton type ("*bf16", "i64", "fp32", ...);
+    `types` gives every runtime argument's Triton type ("*bf16", "i64", "fp32", ...; "i32:16" for
+    an integer the launch passes as a multiple of 16, as Triton's JIT specialises it);
     `constexprs` every constexpr's value. The signature is built in parameter order with
     "constexpr" for the constexprs, as Triton's own JIT builds it; a missing or unknown name is
     an error here rather than a confusing compiler failure later.
