@@ -65,7 +65,7 @@ class TimingConfig:
     replays: int = 60              # timed graph replays (median over these)
     warmup: int = 3                # eager warm-up rounds over the input sets before capture
     rotate_factor: float = 2.0     # one round over the input sets moves this many L2s
-    max_sets: int = 4096           # memory guard for tiny ops (the report says if it bound)
+    max_sets: int = 2048           # guard for tiny ops; rows record rotation_mb actually used
 
 
 # ------------------------------------------------------------------------------------------------

@@ -119,8 +119,12 @@ def qkv_cases(batches):
              2 * T * D * 2 + small + T * 8),
         ]
         for name, make, ref, ours, nbytes in specs:
+            extra = {}
+            if name == "qkv_postprocess":   # tuning data: heads per program (default 2 at D=512)
+                extra = {f"ours-bh{bh}": (lambda d, bh=bh: qp.qkv_postprocess_launch(
+                    **d, eps=EPS, block_h=bh)) for bh in (1, 4)}
             out.append(Case("qkv", name, {"B": B, "T": T}, make, ref, ours, nbytes,
-                            check=_check_against_reference(make, ours, ref)))
+                            check=_check_against_reference(make, ours, ref), extra=extra))
     return out
 
 
@@ -228,7 +232,8 @@ def run(args) -> dict:
         sets = [case.make_inputs(dev, 1000 + i) for i in range(n_sets)]
         check = case.check(dev) if case.check else ""
         base = {"group": case.group, "name": case.name, **case.params, "n_sets": n_sets,
-                "bytes": case.bytes_moved, "check": check}
+                "rotation_mb": n_sets * case.bytes_moved / 1e6, "bytes": case.bytes_moved,
+                "check": check}
         case_rows = []
         for label, fn in variants(case, modes).items():
             try:
@@ -252,7 +257,8 @@ def run(args) -> dict:
 
 
 def dry_run(selected) -> dict:
-    """Build one input set per case, run every variant but compile once, run the check."""
+    """Build one input set per case, run reference and ours once (extras too on a GPU) and the
+    check; no torch.compile, no timing."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for case in selected:
@@ -260,8 +266,9 @@ def dry_run(selected) -> dict:
         case.reference(d)
         if case.ours is not None:
             case.ours(case.make_inputs(dev, 1))
-        for fn in case.extra.values():
-            fn(case.make_inputs(dev, 2))
+        if dev.type == "cuda":       # extras may call Triton launchers directly: GPU only
+            for fn in case.extra.values():
+                fn(case.make_inputs(dev, 2))
         check = case.check(dev) if case.check else ""
         rows.append({"group": case.group, "name": case.name, **case.params, "variant": "dry-run",
                      "bytes": case.bytes_moved, "check": check})
