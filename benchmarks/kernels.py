@@ -243,7 +243,7 @@ def run(args) -> dict:
             row = dict(base, variant=label, **t)
             if row["us_median"]:
                 row["gb_per_s"] = case.bytes_moved / (row["us_median"] * 1e-6) / 1e9
-                row["pct_copy_bw"] = 100 * case.bytes_moved / (row["us_median"] * 1e-6) / bw["bytes_per_s"]
+                row["pct_copy_bw"] = 100 * row["gb_per_s"] * 1e9 / bw["bytes_per_s"]
             case_rows.append(row)
             print(f"  {case.name} {case.params} {label}: {row.get('us_median')} us "
                   f"{row.get('note', '')}", flush=True)
@@ -282,7 +282,7 @@ def main(argv=None):
     p.add_argument("--batches", default="1,4,16,64", help="requests per step, B (T = 6B)")
     p.add_argument("--out", default="", help="output folder for kernels.json/.csv/.png")
     p.add_argument("--max-autotune", action="store_true",
-                   help='also time torch.compile(mode="max-autotune-no-cudagraphs") (slow to build)')
+                   help='also time torch.compile(mode="max-autotune-no-cudagraphs"); slow')
     p.add_argument("--calls-per-graph", type=int, default=64)
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--warmup", type=int, default=3)

@@ -254,7 +254,7 @@ NUM_WARPS = 4
 
 
 def _fp64(*tensors) -> bool:
-    """Exact-precision (fp64) model runs have no kernel: the launchers hand them to the reference."""
+    """Exact-precision (fp64) model runs have no kernel: launchers hand them to the reference."""
     return any(t.dtype == torch.float64 for t in tensors)
 
 
@@ -290,7 +290,8 @@ def _check_inputs(q, kv, positions, cos_sin, check_q=True):
 
 def _check_slots(slots, T, name="slots"):
     if slots.shape != (T,) or slots.dtype not in _INT_DTYPES:
-        raise ValueError(f"{name} must be int32/int64 [{T}], got {slots.dtype} {tuple(slots.shape)}")
+        raise ValueError(f"{name} must be int32/int64 [{T}], got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
 
 
 def _q_blocks(H, D, kernel, block_h=None):
@@ -323,7 +324,7 @@ def qkv_postprocess_launch(q, kv, positions, cos_sin, slots, cache_nope, cache_s
                              f"{tuple(c.shape)}")
         if c.stride(1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim (it is written in place)")
-    q, kv, cos_sin = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(cos_sin)
+    q, kv, cos_sin = (_last_dim_contiguous(t) for t in (q, kv, cos_sin))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
@@ -343,7 +344,7 @@ def qkv_rope_launch(q, kv, positions, cos_sin, eps, block_h=None):
     if _fp64(q, kv, cos_sin):
         return qkv_rope_reference(q, kv, positions, cos_sin, eps)
     T, H, D, R = _check_inputs(q, kv, positions, cos_sin)
-    q, kv, cos_sin = _last_dim_contiguous(q), _last_dim_contiguous(kv), _last_dim_contiguous(cos_sin)
+    q, kv, cos_sin = (_last_dim_contiguous(t) for t in (q, kv, cos_sin))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     if T == 0:

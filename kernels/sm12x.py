@@ -154,7 +154,7 @@ _RES_RE = re.compile(r"\b(REG|STACK|SHARED|LOCAL|CONSTANT\[\d+\]|TEXTURE|SURFACE
 
 
 def cubin_resources(cubin: bytes) -> dict:
-    """Parse `cuobjdump --dump-resource-usage` of a cubin: {"REG": .., "SHARED": .., "LOCAL": ..}."""
+    """`cuobjdump --dump-resource-usage` of a cubin: {"REG": .., "SHARED": .., "LOCAL": ..}."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

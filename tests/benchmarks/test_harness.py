@@ -48,8 +48,8 @@ def test_case_modules_are_discovered(bench, tmp_path):
 def test_dry_run_writes_results(bench, tmp_path):
     (tmp_path / "toy_cases.py").write_text(CASE_MODULE)
     out = tmp_path / "res"
-    result = bench.main(["--dry-run", "--batches", "1", "--only", "toy,act_quant", "--out", str(out),
-                         "--case-dir", str(tmp_path)])
+    result = bench.main(["--dry-run", "--batches", "1", "--only", "toy,act_quant",
+                         "--out", str(out), "--case-dir", str(tmp_path)])
     rows = result["rows"]
     assert {r["name"] for r in rows} == {"scale", "swiglu_quant", "rmsnorm_quant", "act_quant"}
     assert all(r["check"] == "" for r in rows)

@@ -9,8 +9,6 @@ hold, on fresh random inputs at irregular shapes:
   one-ulp flips, within a few fp32 ulps of the head's magnitude in fp32;
 - kv outputs (no norm) equal the reference exactly.
 """
-import math
-
 import pytest
 import torch
 

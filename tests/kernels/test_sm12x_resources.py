@@ -18,7 +18,7 @@ from dspark_compile import kernels as kernels_pkg
 from dspark_compile.kernels import sm12x
 from dspark_compile.kernels.registry import KERNELS
 
-# the Triton ops this repository must keep SM12x-ready (others are checked when they declare configs)
+# Triton ops that must keep SM12x-ready (others are checked as soon as they declare configs)
 OUR_TRITON_OPS = {"qkv_postprocess", "qkv_rope", "context_kv_store", "act_quant", "swiglu_quant",
                   "rmsnorm_quant"}
 
