@@ -59,3 +59,467 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
         drafts.append(x)
         prev = x
     return torch.stack(drafts, 1), torch.stack(probs, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+#
+# Per Markov step k, launches (all fixed, so the op captures into one CUDA graph):
+#   logits  grid (cdiv(V, BLOCK_V),): each program owns a vocab block for *all* B rows, so W2 is
+#           read exactly once per step; bias = W1[prev] . W2[block]^T on tensor cores (bf16
+#           operands are exact products, fp32 accumulation), + base, / T. Writes per-block
+#           max / lowest-id argmax / sum exp(z - max) / NaN flag, and z itself into the step's
+#           draft_probs slot for non-greedy rows (the [B, V] bias is never materialised apart).
+#   reduce  grid (B, C): every program folds its row's block statistics (row max, Z, argmax);
+#           greedy rows' tokens are final here. Rows with top-k/top-p: count histogram of the
+#           chunk; the last program of the row (atomic ticket) picks the bin bracket.
+#   select  grid (B, C), rows with top-k/top-p only: exact masses above the bracket, candidates
+#           inside it; the row's last program resolves the exact threshold (sampling.py).
+#   final   grid (B, C), non-greedy rows: probabilities in place of z, Gumbel-max (Philox,
+#           STREAM_DRAFT) over the kept tokens only (tiles with nothing kept skip the noise);
+#           the row's last program reduces the chunk winners and writes the token and `prev`.
+# mode "greedy" launches logits + reduce, "plain" adds final, "full" (default) all four: the
+# engine may capture a cheaper graph when the host knows its batch needs fewer features.
+#
+# Bytes per call (Flash: V = 129280, r = 256, N = 5, bf16 weights, fp32 base):
+#   5 x W2 (66.2 MB) = 331 MB + base B*N*V*4 + (non-greedy rows) draft_probs B*N*V*4 written,
+#   plus z round-trips through the draft_probs slot (L2-resident for small B): reduce / select
+#   read it when top-k/top-p is on, final reads it once more.
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .registry import add_compile_configs, dspark_op  # noqa: E402
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, bracket, d_bin, fixed_mass,  # noqa: E402
+                       mass_scale_bits, resolve, resolve_by_scan, tl_gumbel, f32_key)
+from .tl_helpers import compile_config, interpreting, launch, next_pow2  # noqa: E402
+
+MODES = {"greedy": 0, "plain": 1, "full": 2}
+_STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
+
+
+@triton.jit
+def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
+                          bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
+                          B, V, NBLK, stride_bb, stride_zb,
+                          R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                          BLOCK_R: tl.constexpr, UNROLL: tl.constexpr, EVEN_V: tl.constexpr,
+                          ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
+    # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
+    # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
+    blk = tl.program_id(0)
+    offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = offs_v < V
+    offs_r = tl.arange(0, BLOCK_R)
+    for b0 in range(0, B, BLOCK_B):
+        rows = b0 + tl.arange(0, BLOCK_B)
+        rmask = rows < B
+        prev = tl.load(prev_ptr + rows, mask=rmask, other=0)
+        acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
+        for r0 in tl.range(0, R, BLOCK_R, loop_unroll_factor=UNROLL):
+            rr = r0 + offs_r
+            a = tl.load(w1_ptr + prev[:, None] * R + rr[None, :])
+            # W2 is streamed once per step: keep it from evicting z / statistics in L2. A masked
+            # load costs ~3x the registers, so only a ragged last block pays for the mask.
+            if EVEN_V:
+                w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], mask=vmask[:, None],
+                            other=0.0, eviction_policy="evict_first")
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w))
+        base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
+                       mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+        z = base + acc
+        if not ALL_GREEDY:
+            t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
+            greedy = t <= 0.0
+            z = tl.math.div_rn(z, tl.where(greedy, 1.0, t)[:, None])
+            tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :], z,
+                     mask=(rmask & ~greedy)[:, None] & vmask[None, :])
+        isnan = z != z
+        zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
+        bmax = tl.max(zn, axis=1)
+        barg = tl.argmax(zn, axis=1, tie_break_left=True) + blk * BLOCK_V
+        e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
+        bsum = tl.sum(e, axis=1)
+        bnan = tl.max((isnan & vmask[None, :]).to(tl.int32), axis=1)
+        so = rows * NBLK + blk
+        tl.store(bmax_ptr + so, bmax, mask=rmask)
+        tl.store(barg_ptr + so, barg, mask=rmask)
+        tl.store(bsum_ptr + so, bsum, mask=rmask)
+        tl.store(bnan_ptr + so, bnan, mask=rmask)
+
+
+@triton.jit
+def _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
+    """(greedy, k, top_p, k_on, p_on) of row b under the launch mode."""
+    if MODE == 0:
+        greedy = tl.full((), 1, tl.int1)
+    else:
+        greedy = tl.load(temp_ptr + b).to(tl.float32) <= 0.0
+    k = tl.load(topk_ptr + b).to(tl.int64)
+    p = tl.load(topp_ptr + b).to(tl.float32)
+    if MODE == 2:
+        k_on = (k > 0) & (k < V)
+        p_on = p < 1.0
+    else:
+        k_on = tl.full((), 0, tl.int1)
+        p_on = tl.full((), 0, tl.int1)
+    return greedy, k, p, k_on, p_on
+
+
+@triton.jit
+def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
+                          z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, done_ptr,
+                          V, NBLK, C, CHUNK, stride_zb, stride_db,
+                          NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
+                          INV_W: tl.constexpr, MODE: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    o = tl.arange(0, NBLK_P2)
+    om = o < NBLK
+    bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
+    m = tl.max(bm, axis=0)
+    nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
+    deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+    bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
+    Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
+    ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
+    arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
+    greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
+    if c == 0:
+        tl.store(rowf_ptr + b * 4, m)
+        tl.store(rowf_ptr + b * 4 + 1, Z)
+        tl.store(rowi_ptr + b * 4 + 3, deg.to(tl.int32))
+        if greedy:
+            tok = tl.where(deg, 0, arg).to(tl.int64)
+            tl.store(drafts_ptr + b * stride_db, tok)
+            tl.store(prev_ptr + b, tok)
+    if MODE == 2:
+        if (~greedy) & (~deg) & (k_on | p_on):
+            zrow = z_ptr + b.to(tl.int64) * stride_zb
+            cnt = tl.zeros((NB,), tl.int32)
+            for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+                offs = v0 + tl.arange(0, TILE)
+                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
+            tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+            if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+                tot = tl.zeros((NB,), tl.int32)
+                for cc in range(C):
+                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB), cache_modifier=".cg")
+                k_on = k_on & (k <= tl.sum(tot, axis=0))   # k beyond the finite tokens: keep all
+                jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
+                tl.store(rowi_ptr + b * 4, jlo)
+                tl.store(rowi_ptr + b * 4 + 1, jhi)
+                tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
+
+
+@triton.jit
+def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr,
+                          above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
+                          V, C, CHUNK, stride_zb,
+                          TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
+                          CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
+    deg = tl.load(rowi_ptr + b * 4 + 3) != 0
+    if (~greedy) & (~deg) & (k_on | p_on):
+        k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
+        jlo = tl.load(rowi_ptr + b * 4)
+        jhi = tl.load(rowi_ptr + b * 4 + 1)
+        m = tl.load(rowf_ptr + b * 4)
+        Z = tl.load(rowf_ptr + b * 4 + 1)
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        am = tl.zeros((), tl.int64)
+        ac = tl.zeros((), tl.int64)
+        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+            offs = v0 + tl.arange(0, TILE)
+            z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+            fin = z > float("-inf")
+            j = d_bin(z, m, INV_W, NB)
+            above = fin & (j < jlo)
+            cand = fin & (j >= jlo) & (j <= jhi)
+            am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+            ac += tl.sum(above.to(tl.int64), axis=0)
+            n_t = tl.sum(cand.to(tl.int32), axis=0)
+            if n_t > 0:
+                slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
+                pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                ok = cand & (pos < CAP)
+                tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
+                tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
+        tl.store(above_m_ptr + b * C + c, am)
+        tl.store(above_c_ptr + b * C + c, ac)
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg"), axis=0)
+            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg"), axis=0)
+            n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")
+            idx = tl.arange(0, CAP)
+            valid = idx < n
+            keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+            w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+            tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+            if (~ok) | (n > CAP):
+                tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE, SCALE)
+            tl.store(rowf_ptr + b * 4 + 2, tau)
+            tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+
+
+@triton.jit
+def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowf_ptr,
+                         rowi_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr, done_ptr,
+                         step, V, C, CHUNK, stride_zb, stride_db,
+                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
+    if ~greedy:
+        m = tl.load(rowf_ptr + b * 4)
+        Zk = tl.load(rowf_ptr + b * 4 + 1)
+        deg = tl.load(rowi_ptr + b * 4 + 3) != 0
+        tau = tl.full((), float("-inf"), tl.float32)
+        if (k_on | p_on) & ~deg:
+            tau = tl.load(rowf_ptr + b * 4 + 2)
+            Zk = tl.load(rowf_ptr + b * 4 + 3)
+        logz = tl.log(Zk)
+        seed = tl.load(seed_ptr + b)
+        pos = tl.load(pos_ptr + b) + step
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        best = tl.full((), float("-inf"), tl.float32)
+        bid = tl.full((), 0, tl.int32)
+        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+            offs = v0 + tl.arange(0, TILE)
+            vm = offs < V
+            z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
+            keep = (z >= tau) & (z > float("-inf")) & ~deg
+            prob = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
+            tl.store(zrow + offs, prob, mask=vm)
+            if tl.max(keep.to(tl.int32), axis=0) > 0:   # the noise only where something is kept
+                g = tl_gumbel(seed, offs, pos, _STREAM_DRAFT)
+                s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
+                tb = tl.max(s, axis=0)
+                ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
+                bid = tl.where(tb > best, ti, bid)
+                best = tl.where(tb > best, tb, best)
+        tl.store(best_v_ptr + b * C + c, best)
+        tl.store(best_i_ptr + b * C + c, bid)
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
+                           cache_modifier=".cg")
+            ids = tl.load(best_i_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg")
+            mb = tl.max(vals, axis=0)
+            tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
+            tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
+            tl.store(drafts_ptr + b * stride_db, tok)
+            tl.store(prev_ptr + b, tok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+def _tiling(B: int, V: int, tile: int | None, chunk: int | None):
+    """(TILE, CHUNK, C): TILE tokens per vector op, CHUNK tokens per program of the row passes.
+
+    Small batches get more, shorter chunks so the row passes still fill the GPU.
+    """
+    TILE = tile or min(1024, next_pow2(V))
+    if chunk is None:
+        chunk = 2048 if B <= 4 else 4096 if B <= 16 else 8192
+    CHUNK = max(TILE, chunk // TILE * TILE)
+    return TILE, CHUNK, triton.cdiv(V, CHUNK)
+
+
+# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, num_stages) of the logits kernel per batch tile: no
+# spills and <= 99 KB shared memory on sm_120 (checked with cuobjdump); the benchmark sweeps
+# alternatives (benchmarks/sampler_cases.py) and the table is the place to put a better one.
+LOGITS_CONFIGS = {16: (16, 128, 64, 8, 1), 32: (32, 128, 64, 8, 1), 64: (64, 128, 32, 8, 1)}
+
+
+def _logits_config(B: int, R: int, override=None):
+    if R % 16:
+        raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
+    BLOCK_B = min(64, max(16, next_pow2(B)))
+    BB, BV, BR, warps, stages = override or LOGITS_CONFIGS[BLOCK_B]
+    while R % BR:
+        BR //= 2
+    return BB, BV, BR, warps, stages
+
+
+def _select_warps(cap: int) -> int:
+    # the row's last program holds `cap` candidates (key + fixed mass) in registers
+    return 4 if cap <= 1024 else 8
+
+
+def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
+                         mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
+                         logits_config=None):
+    """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+
+    `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
+    overflow paths at toy vocabularies); `logits_config` overrides LOGITS_CONFIGS (tuning).
+    """
+    check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    MODE = MODES[mode]
+    B, N, V = base_logits.shape
+    R = w1.shape[1]
+    dev = base_logits.device
+    drafts = torch.zeros((B, N), dtype=torch.int64, device=dev)
+    probs = torch.empty((B, N, V), dtype=torch.float32, device=dev)
+    if B == 0 or N == 0:
+        return drafts, probs
+    if base_logits.stride(-1) != 1:
+        base_logits = base_logits.contiguous()
+    w1 = w1.contiguous()
+    w2 = w2.contiguous()
+    if w1.dtype != w2.dtype:
+        raise ValueError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
+    kern = _markov_logits_kernel
+    dot_f32 = interpreting(kern) or w1.dtype == torch.float32
+    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
+    NBLK = triton.cdiv(V, BLOCK_V)
+    TILE, CHUNK, C = _tiling(B, V, tile, chunk)
+    scale = float(2 ** mass_scale_bits(V))
+    f32, i32 = torch.float32, torch.int32
+    prev = ((anchor >= 0) & (anchor < V)).to(torch.int64) * anchor.to(torch.int64)
+    temperature = temperature.contiguous()
+    top_k, top_p, seed, start_pos = (t.contiguous() for t in (top_k, top_p, seed, start_pos))
+    bmax = torch.empty((B, NBLK), dtype=f32, device=dev)
+    bsum = torch.empty((B, NBLK), dtype=f32, device=dev)
+    barg = torch.empty((B, NBLK), dtype=i32, device=dev)
+    bnan = torch.empty((B, NBLK), dtype=i32, device=dev)
+    rowf = torch.empty((B, 4), dtype=f32, device=dev)
+    rowi = torch.empty((B, 4), dtype=i32, device=dev)
+    # one memset for every ticket/slot counter of the call: [step, counter, row]
+    counters = torch.zeros((N, 4, B), dtype=i32, device=dev)
+    hist = torch.empty((B, C, HIST_BINS) if MODE == 2 else (1,), dtype=i32, device=dev)
+    above_m = torch.empty((B, C), dtype=torch.int64, device=dev)
+    above_c = torch.empty((B, C), dtype=torch.int64, device=dev)
+    ckey = torch.empty((B, cap) if MODE == 2 else (1,), dtype=i32, device=dev)
+    cmass = torch.empty((B, cap) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
+    best_v = torch.empty((B, C), dtype=f32, device=dev)
+    best_i = torch.empty((B, C), dtype=i32, device=dev)
+    C_P2 = next_pow2(C)
+    for k in range(N):
+        base_k = base_logits[:, k]
+        z_k = probs[:, k]
+        cnt = counters[k]
+        launch(_markov_logits_kernel)[(NBLK,)](
+            base_k, w1, w2, prev, temperature, z_k, bmax, barg, bsum, bnan,
+            B, V, NBLK, base_k.stride(0), z_k.stride(0),
+            R=R, BLOCK_B=BLOCK_B, UNROLL=1, EVEN_V=V % BLOCK_V == 0, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, ALL_GREEDY=MODE == 0,
+            DOT_F32=dot_f32, num_warps=warps1, num_stages=stages1)
+        launch(_markov_reduce_kernel)[(B, C)](
+            bmax, barg, bsum, bnan, temperature, top_k, top_p, z_k, drafts[:, k], prev, rowf,
+            rowi, hist, cnt[0], V, NBLK, C, CHUNK, z_k.stride(0), drafts.stride(0),
+            NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=MODE,
+            num_warps=4)
+        if MODE == 2:
+            launch(_markov_select_kernel)[(B, C)](
+                temperature, top_k, top_p, z_k, rowf, rowi, above_m, above_c, ckey, cmass,
+                cnt[1], cnt[2], V, C, CHUNK, z_k.stride(0),
+                TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
+                num_warps=_select_warps(cap))
+        if MODE >= 1:
+            launch(_markov_final_kernel)[(B, C)](
+                temperature, top_k, top_p, seed, start_pos, z_k, rowf, rowi, best_v, best_i,
+                drafts[:, k], prev, cnt[3], k, V, C, CHUNK, z_k.stride(0), drafts.stride(0),
+                TILE=TILE, MODE=MODE, C_P2=C_P2, num_warps=4)
+    return drafts, probs
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+def markov_sample_mode_reference(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed,
+                                 start_pos, mode: str = "full"):
+    """The reference under a launch mode: "greedy" treats every row as greedy, "plain" ignores
+    top-k/top-p, "full" is markov_sample_reference itself."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if mode == "greedy":
+        temperature = torch.zeros_like(temperature)
+    elif mode == "plain":
+        top_k, top_p = torch.zeros_like(top_k), torch.ones_like(top_p)
+    return markov_sample_reference(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed,
+                                   start_pos)
+
+
+def _markov_fake(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
+                 mode="full"):
+    B, N, V = base_logits.shape
+    return (base_logits.new_empty((B, N), dtype=torch.int64),
+            base_logits.new_empty((B, N, V), dtype=torch.float32))
+
+
+@dspark_op("markov_sample", reference=markov_sample_mode_reference, fake=_markov_fake)
+def markov_sample(base_logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor,
+                  w2: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
+                  mode: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused Markov sampler. On CUDA the draft_probs rows of greedy rows are left unwritten
+    (unspecified; the reference gives zeros): nothing reads them, and zeroing B*N*V floats would
+    cost more than the whole greedy sampler at B = 64."""
+    return markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed,
+                                start_pos, mode)
+
+
+# SM12x readiness: every configuration the launcher picks at the Flash dims (V = 129280,
+# r = 256, bf16 W1/W2, bf16 or fp32 base logits), for the batch buckets 1..64.
+_V_FLASH, _R_FLASH = 129280, 256
+
+
+def _markov_configs():
+    out = {"logits": [], "reduce": [], "select": [], "final": []}
+    nblk = triton.cdiv(_V_FLASH, 128)
+    for B in (1, 32, 64):
+        BLOCK_B, BLOCK_V, BLOCK_R, warps, _ = _logits_config(B, _R_FLASH)
+        for base_t in ("*fp32", "*bf16"):
+            for greedy in (False, True):
+                out["logits"].append(compile_config(_markov_logits_kernel, dict(
+                    base_ptr=base_t, w1_ptr="*bf16", w2_ptr="*bf16", prev_ptr="*i64",
+                    temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
+                    bsum_ptr="*fp32", bnan_ptr="*i32", B="i32", V="i32", NBLK="i32",
+                    stride_bb="i32", stride_zb="i32"),
+                    dict(R=_R_FLASH, BLOCK_B=BLOCK_B, UNROLL=1, EVEN_V=_V_FLASH % BLOCK_V == 0, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, ALL_GREEDY=greedy,
+                         DOT_F32=False), warps))
+    for B in (1, 16, 64):
+        TILE, CHUNK, C = _tiling(B, _V_FLASH, None, None)
+        flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
+        for mode in (0, 1, 2):
+            out["reduce"].append(compile_config(_markov_reduce_kernel, dict(
+                bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
+                z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
+                rowi_ptr="*i32", hist_ptr="*i32", done_ptr="*i32", V="i32", NBLK="i32", C="i32",
+                CHUNK="i32", stride_zb="i32", stride_db="i32"),
+                dict(NBLK_P2=next_pow2(nblk), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W,
+                     MODE=mode), 4))
+        for mode in (1, 2):
+            out["final"].append(compile_config(_markov_final_kernel, dict(
+                **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
+                rowi_ptr="*i32", best_v_ptr="*fp32", best_i_ptr="*i32", drafts_ptr="*i64",
+                prev_ptr="*i64", done_ptr="*i32", step="i32", V="i32", C="i32", CHUNK="i32",
+                stride_zb="i32", stride_db="i32"),
+                dict(TILE=TILE, MODE=mode, C_P2=next_pow2(C)), 4))
+        out["select"].append(compile_config(_markov_select_kernel, dict(
+            **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", above_m_ptr="*i64",
+            above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32",
+            done_ptr="*i32", V="i32", C="i32", CHUNK="i32", stride_zb="i32"),
+            dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=next_pow2(C)),
+            _select_warps(CAND_CAP)))
+    return [cfg for v in out.values() for cfg in v]
+
+
+add_compile_configs("markov_sample", _markov_configs())

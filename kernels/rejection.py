@@ -7,7 +7,7 @@ bonus position for i = N.
 - Greedy rows (temperature <= 0): accept draft i while it equals argmax(target row i); at the first
   mismatch emit that argmax and stop; if all N pass, emit the bonus argmax of row N.
 - Other rows (standard speculative sampling, Leviathan/Chen): p_i = softmax(process(target row i)),
-  q_i = draft_probs[:, i], u_i = uniform(seed, 0, start_pos + i, STREAM_ACCEPT). Accept draft x iff
+  q_i = draft_probs[:, i] (NaN / inf / negative entries read as 0), u_i = uniform(seed, 0, start_pos + i, STREAM_ACCEPT). Accept draft x iff
   q_i(x) > 0 and p_i(x) >= u_i * q_i(x). At the first rejection sample from the residual
   max(p_i - q_i, 0) (from p_i if that is all zero) by Gumbel-max keyed
   (seed, vocab, start_pos + i, STREAM_RESAMPLE); if all N pass, sample the bonus from p_N alike.
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, uniform
+from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .sampling import (argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax,
-                       greedy_rows, logprobs_from_processed, probs_from_processed, process_logits)
+                       greedy_rows, logprobs_from_processed, probs_from_processed, process_logits,
+                       sample_reference)
 
 
 def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
@@ -41,6 +42,12 @@ def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature
         raise ValueError(f"draft_probs must be a float32 [{B}, {N}, {V}] tensor, got "
                          f"{draft_probs.dtype} {tuple(draft_probs.shape)}")
     check_sampling_params(B, temperature, top_k, top_p, seed, start_pos, "start_pos")
+
+
+def safe_probs(q: torch.Tensor) -> torch.Tensor:
+    """Draft probabilities as the test uses them: NaN, infinite or negative entries count as 0
+    (padded rows may carry garbage; a garbage q can then only cause rejections)."""
+    return torch.where((q > 0) & (q < float("inf")), q, torch.zeros_like(q))
 
 
 def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -67,7 +74,8 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     valid = (d >= 0) & (d < V)
     x = fold_ids(d, V)[..., None]
     px = p[:, :N].gather(2, x).squeeze(2)
-    qx = draft_probs.gather(2, x).squeeze(2)
+    q = safe_probs(draft_probs)
+    qx = q.gather(2, x).squeeze(2)
     zeros = torch.zeros_like(pos[:, :N])
     u = uniform(seed.to(torch.int64)[:, None], zeros, pos[:, :N], zeros + STREAM_ACCEPT)
     ok = torch.where(greedy[:, None], d == target_arg[:, :N], (qx > 0) & (px >= u * qx)) & valid
@@ -77,7 +85,7 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     a = accepted
     rows = torch.arange(B, device=dev)
     pa, logpa = p[rows, a], logp[rows, a]
-    qa = torch.cat((draft_probs, torch.zeros_like(draft_probs[:, :1])), 1)[rows, a]  # q_N = 0
+    qa = torch.cat((q, torch.zeros_like(q[:, :1])), 1)[rows, a]  # q_N = 0
     resid = (pa - qa).clamp_min(0.0)
     use_p = (resid.sum(-1) <= 0)[:, None] | (a == N)[:, None]
     logw = torch.where(use_p, logpa, torch.log(resid))
@@ -90,3 +98,284 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     tokens = torch.where(col < a[:, None], drafts_ext, torch.full_like(drafts_ext, -1))
     tokens = torch.where(col == a[:, None], last[:, None], tokens)
     return tokens, num_sampled
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+#
+# One program per request walks its rows in order and stops at the first rejection, so only the
+# rows that decide something are read: row i costs one statistics pass (max, Z, argmax), plus
+# for top-k/top-p a histogram pass and a candidate pass (sampling.py: exact threshold), and the
+# deciding row one more pass for the residual/bonus Gumbel-max (reading q_i as well).
+# Bytes per request: (a + 1) target rows (+2 passes each with top-k/top-p), one q row; with
+# random drafts (acceptance ~0) that is ~2-4 row reads, about 1-2 MB at V = 129280 in fp32.
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from .registry import add_compile_configs, dspark_op  # noqa: E402
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, bracket, d_bin, f32_key,  # noqa: E402
+                       fixed_mass, mass_scale_bits, resolve, resolve_by_scan, tl_gumbel,
+                       tl_uniform)
+from .tl_helpers import compile_config, launch, next_pow2  # noqa: E402
+
+_STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
+
+
+@triton.jit
+def _row_stats(row_ptr, V, t, TILE: tl.constexpr):
+    """(max, sum exp(z - max), lowest-id argmax, any NaN) of z = row / t, online over tiles."""
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    arg = tl.zeros((), tl.int32)
+    nan = tl.zeros((), tl.int32)
+    for v0 in range(0, V, TILE):
+        offs = v0 + tl.arange(0, TILE)
+        vm = offs < V
+        z = tl.math.div_rn(tl.load(row_ptr + offs, mask=vm, other=0.0).to(tl.float32), t)
+        isn = (z != z) & vm
+        zn = tl.where(isn | ~vm, float("-inf"), z)
+        tm = tl.max(zn, axis=0)
+        ta = tl.argmax(zn, axis=0, tie_break_left=True) + v0
+        nm = tl.maximum(m, tm)
+        fin = nm > float("-inf")
+        es = tl.sum(tl.where(zn > float("-inf"), tl.exp(zn - nm), 0.0), axis=0)
+        s = tl.where(fin, s * tl.exp(tl.where(fin, m - nm, 0.0)) + es, 0.0)
+        arg = tl.where(tm > m, ta, arg)
+        m = nm
+        nan = tl.maximum(nan, tl.max(isn.to(tl.int32), axis=0))
+    return m, s, arg, nan
+
+
+@triton.jit(noinline=True)
+def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
+               TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr, CAP: tl.constexpr,
+               SCALE: tl.constexpr):
+    """(tau, kept mass as float) of a non-degenerate row with top-k and/or top-p on."""
+    cnt = tl.zeros((NB,), tl.int32)
+    for v0 in range(0, V, TILE):
+        offs = v0 + tl.arange(0, TILE)
+        z = tl.math.div_rn(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
+    k_on = k_on & (k <= tl.sum(cnt, axis=0))
+    jlo, jhi = bracket(cnt, Z, k, p, k_on, p_on, NB, INV_W)
+    am = tl.zeros((), tl.int64)
+    ac = tl.zeros((), tl.int64)
+    n = tl.zeros((), tl.int32)
+    for v0 in range(0, V, TILE):
+        offs = v0 + tl.arange(0, TILE)
+        z = tl.math.div_rn(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        fin = z > float("-inf")
+        j = d_bin(z, m, INV_W, NB)
+        above = fin & (j < jlo)
+        cand = fin & (j >= jlo) & (j <= jhi)
+        am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+        ac += tl.sum(above.to(tl.int64), axis=0)
+        pos = n + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        ok = cand & (pos < CAP)
+        tl.store(ckey_ptr + pos, f32_key(z), mask=ok)
+        tl.store(cmass_ptr + pos, fixed_mass(z, m, SCALE), mask=ok)
+        n += tl.sum(cand.to(tl.int32), axis=0)
+    idx = tl.arange(0, CAP)
+    valid = idx < n
+    keys = tl.load(ckey_ptr + idx, mask=valid, other=0)
+    w = tl.load(cmass_ptr + idx, mask=valid, other=0)
+    tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+    if (~ok) | (n > CAP):
+        tau, kept = resolve_by_scan(row_ptr, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE)
+    return tau, (kept.to(tl.float64) / SCALE).to(tl.float32)
+
+
+@triton.jit
+def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
+                      pos_ptr, tokens_ptr, num_ptr, ckey_ptr, cmass_ptr,
+                      N, V, stride_lb, stride_li, stride_db, stride_qb, stride_qi, stride_tb,
+                      TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
+                      CAP: tl.constexpr, SCALE: tl.constexpr, STREAM: tl.constexpr):
+    b = tl.program_id(0)
+    temp = tl.load(temp_ptr + b).to(tl.float32)
+    greedy = temp <= 0.0
+    t = tl.where(greedy, 1.0, temp)
+    k = tl.load(topk_ptr + b).to(tl.int64)
+    p = tl.load(topp_ptr + b).to(tl.float32)
+    k_on = (k > 0) & (k < V) & ~greedy
+    p_on = (p < 1.0) & ~greedy
+    seed = tl.load(seed_ptr + b)
+    sp = tl.load(pos_ptr + b)
+    acc = tl.zeros((), tl.int32)
+    last = tl.zeros((), tl.int64)
+    done = tl.zeros((), tl.int1)
+    for i in range(0, N + 1):
+        if ~done:
+            row = logits_ptr + b.to(tl.int64) * stride_lb + i * stride_li
+            m, Z, arg, nan = _row_stats(row, V, t, TILE)
+            deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+            targ = tl.where(deg, 0, arg).to(tl.int64)
+            d = tl.load(drafts_ptr + b * stride_db + tl.minimum(i, N - 1), mask=i < N, other=-1).to(tl.int64)
+            dvalid = (d >= 0) & (d < V) & (i < N)
+            if greedy:
+                if dvalid & (d == targ):
+                    acc += 1
+                else:
+                    last = targ
+                    done = True
+            else:
+                tau = tl.full((), float("-inf"), tl.float32)
+                Zk = Z
+                if (k_on | p_on) & ~deg:
+                    tau, Zk = _threshold(row, V, t, m, Z, k, p, k_on, p_on,
+                                         ckey_ptr + b * CAP, cmass_ptr + b * CAP,
+                                         TILE, NB, INV_W, CAP, SCALE)
+                logz = tl.log(Zk)
+                qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(i, N - 1) * stride_qi
+                xf = tl.where(dvalid, d, 0)
+                zx = tl.math.div_rn(tl.load(row + xf).to(tl.float32), t)
+                px = tl.where((zx >= tau) & (zx > float("-inf")) & ~deg,
+                              tl.math.div_rn(tl.exp(zx - m), Zk), 0.0)
+                qx = tl.load(qrow + xf, mask=i < N, other=0.0)
+                qx = tl.where((qx > 0.0) & (qx < float("inf")), qx, 0.0)
+                u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
+                if dvalid & (qx > 0.0) & (px >= u * qx):
+                    acc += 1
+                else:
+                    # residual max(p - q, 0) (q = 0 for the bonus row); p itself if that is 0
+                    rsum = tl.zeros((), tl.float32)
+                    br = tl.full((), float("-inf"), tl.float32)
+                    bri = tl.zeros((), tl.int32)
+                    bp = tl.full((), float("-inf"), tl.float32)
+                    bpi = tl.zeros((), tl.int32)
+                    for v0 in range(0, V, TILE):
+                        offs = v0 + tl.arange(0, TILE)
+                        vm = offs < V
+                        z = tl.math.div_rn(tl.load(row + offs, mask=vm, other=float("-inf")).to(tl.float32), t)
+                        keep = (z >= tau) & (z > float("-inf")) & ~deg
+                        if tl.max(keep.to(tl.int32), axis=0) > 0:
+                            pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
+                            qv = tl.load(qrow + offs, mask=vm & (i < N), other=0.0)
+                            qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
+                            r = tl.maximum(pv - qv, 0.0)
+                            rsum += tl.sum(r, axis=0)
+                            g = tl_gumbel(seed, offs, sp + i, STREAM)
+                            sr = tl.where(r > 0.0, tl.log(tl.where(r > 0.0, r, 1.0)) + g, float("-inf"))
+                            s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
+                            tb = tl.max(sr, axis=0)
+                            ti = tl.argmax(sr, axis=0, tie_break_left=True) + v0
+                            bri = tl.where(tb > br, ti, bri)
+                            br = tl.where(tb > br, tb, br)
+                            tb = tl.max(s, axis=0)
+                            ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
+                            bpi = tl.where(tb > bp, ti, bpi)
+                            bp = tl.where(tb > bp, tb, bp)
+                    use_r = (rsum > 0.0) & (i < N)
+                    bv = tl.where(use_r, br, bp)
+                    last = tl.where(bv > float("-inf"), tl.where(use_r, bri, bpi), 0).to(tl.int64)
+                    done = True
+    # committed tokens: the accepted drafts, then the resampled/bonus token, then -1
+    for j in range(0, N + 1):
+        dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=j < N, other=-1).to(tl.int64)
+        tok = tl.where(j < acc, dj, tl.where(j == acc, last, -1))
+        tl.store(tokens_ptr + b * stride_tb + j, tok)
+    tl.store(num_ptr + b, (acc + 1).to(tl.int64))
+
+
+def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
+                            seed, start_pos, *, tile=None, cap=CAND_CAP, stream=STREAM_RESAMPLE):
+    """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+
+    `stream` keys the residual/bonus noise; plain target sampling is this kernel with N = 0 and
+    STREAM_TARGET (see `sample_launch`).
+
+    `tile` and `cap` are test hooks (a small cap exercises the exact fallback).
+    """
+    check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
+                           seed, start_pos)
+    B, N1, V = target_logits.shape
+    N = N1 - 1
+    dev = target_logits.device
+    tokens = torch.empty((B, N1), dtype=torch.int64, device=dev)
+    num = torch.empty((B,), dtype=torch.int64, device=dev)
+    if B == 0:
+        return tokens, num
+    if target_logits.stride(-1) != 1:
+        target_logits = target_logits.contiguous()
+    if draft_probs.stride(-1) != 1:
+        draft_probs = draft_probs.contiguous()
+    drafts = draft_tokens.contiguous()
+    if N == 0:  # keep valid pointers for the (masked) draft loads
+        drafts = torch.zeros((B, 1), dtype=torch.int64, device=dev)
+        draft_probs = torch.zeros((B, 1, 1), dtype=torch.float32, device=dev)
+    temperature, top_k, top_p, seed, start_pos = (t.contiguous() for t in
+                                                  (temperature, top_k, top_p, seed, start_pos))
+    TILE = tile or min(1024, next_pow2(V))
+    ckey = torch.empty((B, cap), dtype=torch.int32, device=dev)
+    cmass = torch.empty((B, cap), dtype=torch.int64, device=dev)
+    launch(_rejection_kernel)[(B,)](
+        target_logits, drafts, draft_probs, temperature, top_k, top_p, seed, start_pos,
+        tokens, num, ckey, cmass, N, V, target_logits.stride(0), target_logits.stride(1),
+        drafts.stride(0), draft_probs.stride(0), draft_probs.stride(1), tokens.stride(0),
+        TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap,
+        SCALE=float(2 ** mass_scale_bits(V)), STREAM=stream, num_warps=8)
+    return tokens, num
+
+
+def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=None, cap=CAND_CAP):
+    """Fused plain target sampling (sampling.sample_reference): the rejection kernel with no
+    drafts samples its single row's 'bonus' token with STREAM_TARGET at `position`."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be a float [B, V] tensor, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    B, V = logits.shape
+    tokens, _ = rejection_sample_launch(
+        logits[:, None], torch.zeros((B, 0), dtype=torch.int64, device=logits.device),
+        torch.zeros((B, 0, V), dtype=torch.float32, device=logits.device), temperature, top_k,
+        top_p, seed, position, tile=tile, cap=cap, stream=STREAM_TARGET)
+    return tokens[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+def _rejection_fake(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p, seed,
+                    start_pos):
+    B, N1, _ = target_logits.shape
+    return (target_logits.new_empty((B, N1), dtype=torch.int64),
+            target_logits.new_empty((B,), dtype=torch.int64))
+
+
+@dspark_op("rejection_sample", reference=rejection_sample_reference, fake=_rejection_fake)
+def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, seed: torch.Tensor,
+                     start_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k,
+                                   top_p, seed, start_pos)
+
+
+def _sample_fake(logits, temperature, top_k, top_p, seed, position):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+@dspark_op("sample", reference=sample_reference, fake=_sample_fake)
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    return sample_launch(logits, temperature, top_k, top_p, seed, position)
+
+
+# SM12x readiness: the configurations the launchers pick at the Flash vocabulary (one program
+# per request, 1024-wide tiles, 4096 candidates), bf16 or fp32 logits, int64 metadata.
+def _rejection_configs(logit_t: str, stream: int):
+    types = dict(logits_ptr=logit_t, drafts_ptr="*i64", q_ptr="*fp32", temp_ptr="*fp32",
+                 topk_ptr="*i64", topp_ptr="*fp32", seed_ptr="*i64", pos_ptr="*i64",
+                 tokens_ptr="*i64", num_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64", N="i32",
+                 V="i32", stride_lb="i32", stride_li="i32", stride_db="i32", stride_qb="i32",
+                 stride_qi="i32", stride_tb="i32")
+    consts = dict(TILE=1024, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
+                  SCALE=float(2 ** mass_scale_bits(129280)), STREAM=stream)
+    return compile_config(_rejection_kernel, types, consts, 8)
+
+
+for _lt in ("*fp32", "*bf16"):
+    add_compile_configs("rejection_sample", [_rejection_configs(_lt, STREAM_RESAMPLE)])
+    add_compile_configs("sample", [_rejection_configs(_lt, STREAM_TARGET)])

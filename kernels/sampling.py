@@ -28,6 +28,8 @@ two agree except where a token's mass-above lies within ~1e-7 of top_p * Z.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .philox import STREAM_TARGET, gumbel
 
@@ -159,3 +161,193 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     z = process_logits(logits, temperature, top_k, top_p)
     sampled = gumbel_argmax(logprobs_from_processed(z), seed, position, STREAM_TARGET)
     return torch.where(greedy_rows(temperature), greedy, sampled)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton device helpers shared by the fused samplers (markov_sampler.py, rejection.py)
+# ----------------------------------------------------------------------------------------------
+#
+# Exact top-k / top-p without sorting. A row's kept set is {z >= tau}; tau is found in three
+# steps that each touch the row once and never hold more than a tile of it:
+#   1. count histogram of d = max - z in NB bins of 1/INV_W nats (tl.histogram: cheap);
+#   2. `bracket`: from the counts and per-bin mass bounds [n e^-(j+1)w, n e^-jw], the bin range
+#      [jlo, jhi] that must contain tau (top-k from the exact counts, top-p from the bounds);
+#   3. one pass sums the exact fixed-point masses of the tokens above the range and gathers the
+#      tokens inside it (the candidates, at most CAP); `resolve` bisects over their fp32 bit
+#      keys for the exact tau. Overflow (> CAP candidates) or a failed check falls back to
+#      `resolve_by_scan`, which bisects with a full row scan per probe: exact but slow, for
+#      pathological rows only (about 10^4 tokens within a bin of each other).
+# Masses are exp(z - max) in fixed point (int64, 2^SCALE_BITS per unit): sums are exact and
+# order-independent, so the result does not depend on which program finished first.
+
+HIST_BINS = 1024          # NB: bins of 1/32 nat cover d in [0, 32), the last bin is open
+HIST_INV_W = 32.0
+CAND_CAP = 4096           # candidates resolved in registers by one program
+
+
+def mass_scale_bits(V: int) -> int:
+    """Fixed-point fraction bits: V masses <= 1 sum below 2^62."""
+    return 61 - max(int(V - 1).bit_length(), 1)
+
+
+@triton.jit
+def tl_uniform(seed, c0, c1, STREAM: tl.constexpr):
+    """kernels.philox.uniform(seed, c0, c1, STREAM), bit for bit (c0, c1 wrap to 32 bits)."""
+    r, _, _, _ = tl.philox(seed, c0.to(tl.uint32), c1.to(tl.uint32), STREAM, 0)
+    x = r.to(tl.int32, bitcast=True)
+    x = tl.where(x < 0, -x - 1, x)
+    return x.to(tl.float32) * 4.6566127342e-10
+
+
+@triton.jit
+def tl_gumbel(seed, c0, c1, STREAM: tl.constexpr):
+    """kernels.philox.gumbel: -log(-log(max(u, 1e-20)))."""
+    u = tl.maximum(tl_uniform(seed, c0, c1, STREAM), 1e-20)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def f32_key(x):
+    """Order-preserving int32 key of finite fp32 x (-0 and +0 share the key of +0)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def key_f32(k):
+    k = k.to(tl.int32)
+    return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def d_bin(z, m, INV_W: tl.constexpr, NB: tl.constexpr):
+    """Histogram bin of z below the row max m (monotone in z; only used for finite z)."""
+    return tl.minimum((m - z) * INV_W, NB - 1.0).to(tl.int32)
+
+
+@triton.jit
+def fixed_mass(z, m, SCALE: tl.constexpr):
+    """exp(z - m) as int64 fixed point (0 for -inf)."""
+    e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
+    return (e * SCALE).to(tl.int64)
+
+
+@triton.jit
+def bracket(cnt, Zf, k, top_p, K_ON, P_ON, NB: tl.constexpr, INV_W: tl.constexpr):
+    """Bin range [jlo, jhi] that holds tau, from the summed count histogram cnt [NB].
+
+    K_ON / P_ON: top-k / top-p active (K_ON must already mean 0 < k <= number of finite
+    tokens); Zf: the row's total mass exp(z - m) (float). Bounds get a 1e-4 margin, which only
+    widens the range (the resolve step checks it exactly anyway).
+    """
+    j = tl.arange(0, NB)
+    c = cnt.to(tl.float64)
+    hi = c * tl.exp(-(j.to(tl.float64) / INV_W)) * 1.0001
+    lo = tl.where(j == NB - 1, 0.0, c * tl.exp(-((j + 1).to(tl.float64) / INV_W)) * 0.9999)
+    CH = tl.cumsum(hi, axis=0)
+    CL = tl.cumsum(lo, axis=0)
+    cc = tl.cumsum(cnt, axis=0)
+    jk = tl.minimum(tl.sum((cc < k).to(tl.int32), axis=0), NB - 1)
+    zk_lo = tl.sum(tl.where(j < jk, lo, 0.0), axis=0)
+    zk_hi = tl.sum(tl.where(j <= jk, hi, 0.0), axis=0)
+    zk_lo = tl.where(K_ON, zk_lo, Zf.to(tl.float64) * 0.9999)
+    zk_hi = tl.where(K_ON, zk_hi, Zf.to(tl.float64) * 1.0001)
+    tp = top_p.to(tl.float64)
+    jp_min = tl.minimum(tl.sum((CH < tp * zk_lo).to(tl.int32), axis=0), NB - 1)
+    jp_max = tl.minimum(tl.sum((CL < tp * zk_hi).to(tl.int32), axis=0), NB - 1)
+    jp_min = tl.where(K_ON, tl.minimum(jp_min, jk), jp_min)
+    jlo = tl.where(P_ON, jp_min, jk)
+    jhi = tl.where(K_ON, jk, jp_max)
+    return jlo, jhi
+
+
+@triton.jit
+def largest_key(keys, w, base, target, lo, hi, COUNT: tl.constexpr):
+    """Largest key kappa in [lo, hi) with base + sum(w[keys >= kappa]) >= target (w = 1 when
+    COUNT). Assumes it holds at lo; keys int32 (invalid entries below every lo), target fp64."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        sel = keys >= mid.to(tl.int32)
+        if COUNT:
+            f = base + tl.sum(sel.to(tl.int64), axis=0)
+        else:
+            f = base + tl.sum(tl.where(sel, w, 0), axis=0)
+        if f.to(tl.float64) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def resolve(keys, w, valid, above_m, above_c, Zf, k, top_p, K_ON, P_ON,
+            SCALE: tl.constexpr):
+    """Exact (tau, kept mass int64, ok) from the candidates and the exact mass/count above them.
+
+    ok is False when the candidates cannot decide (the caller then uses resolve_by_scan).
+    """
+    keys = tl.where(valid, keys, -2147483648)       # below the key of -FLT_MAX
+    w = tl.where(valid, w, 0)
+    n = tl.sum(valid.to(tl.int64), axis=0)
+    kmin = tl.min(tl.where(valid, keys, 2147483647), axis=0).to(tl.int64)
+    kmax = tl.max(keys, axis=0).to(tl.int64)
+    ok = n > 0
+    kk = kmin
+    if K_ON:
+        ok = ok & (above_c < k) & (above_c + n >= k)
+        kk = largest_key(keys, w, above_c, k.to(tl.float64), kmin, kmax + 1, True)
+    zk = above_m + tl.sum(tl.where(keys >= kk.to(tl.int32), w, 0), axis=0)
+    kp = kk
+    if P_ON:
+        T = tl.where(K_ON, zk.to(tl.float64), Zf.to(tl.float64) * SCALE) * top_p.to(tl.float64)
+        T = tl.maximum(T, 1.0)                  # top_p <= 0 keeps the top token(s)
+        ok = ok & (above_m.to(tl.float64) < T) & (zk.to(tl.float64) >= T)
+        kp = largest_key(keys, w, above_m, T, kk, kmax + 1, False)
+    kept = above_m + tl.sum(tl.where(keys >= kp.to(tl.int32), w, 0), axis=0)
+    return key_f32(kp), kept, ok
+
+
+@triton.jit
+def scan_ge(z_ptr, V, m, kappa, t, TILE: tl.constexpr, SCALE: tl.constexpr):
+    """(count, fixed mass) of the finite z = row[v] / t with key >= kappa: one row scan."""
+    cnt = tl.zeros((), tl.int64)
+    mass = tl.zeros((), tl.int64)
+    for v0 in range(0, V, TILE):
+        offs = v0 + tl.arange(0, TILE)
+        z = tl.math.div_rn(tl.load(z_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        sel = (z > float("-inf")) & (f32_key(z).to(tl.int64) >= kappa)
+        cnt += tl.sum(sel.to(tl.int64), axis=0)
+        mass += tl.sum(tl.where(sel, fixed_mass(z, m, SCALE), 0), axis=0)
+    return cnt, mass
+
+
+@triton.jit
+def resolve_by_scan(z_ptr, V, m, t, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr,
+                    SCALE: tl.constexpr):
+    """resolve() by bisection over the whole key range, scanning the row for every probe."""
+    lo = tl.full((), -2139095040, tl.int64)     # key of -FLT_MAX: every finite z is >= it
+    hi = f32_key(m).to(tl.int64) + 1
+    if K_ON:
+        h = hi
+        while h - lo > 1:
+            mid = lo + (h - lo) // 2
+            c, _ = scan_ge(z_ptr, V, m, mid, t, TILE, SCALE)
+            if c >= k:
+                lo = mid
+            else:
+                h = mid
+    _, zk = scan_ge(z_ptr, V, m, lo, t, TILE, SCALE)
+    if P_ON:
+        T = tl.where(K_ON, zk.to(tl.float64), Zf.to(tl.float64) * SCALE) * top_p.to(tl.float64)
+        T = tl.maximum(T, 1.0)
+        h = hi
+        while h - lo > 1:
+            mid = lo + (h - lo) // 2
+            _, s = scan_ge(z_ptr, V, m, mid, t, TILE, SCALE)
+            if s.to(tl.float64) >= T:
+                lo = mid
+            else:
+                h = mid
+    _, kept = scan_ge(z_ptr, V, m, lo, t, TILE, SCALE)
+    return key_f32(lo), kept

@@ -1,0 +1,203 @@
+"""Shared sampling math: logits processing vs an independent implementation, Gumbel-max
+distribution (chi-square, with a deliberately wrong sampler that must fail), degenerate rows,
+id folding, plain target sampling (reference and the fused `dspark::sample` kernel)."""
+import math
+
+import pytest
+import torch
+
+from dspark_compile.kernels.philox import STREAM_TARGET
+from dspark_compile.kernels.rejection import sample_launch
+from dspark_compile.kernels.sampling import (argmax_tokens, fold_ids, gumbel_argmax,
+                                             probs_from_processed, process_logits,
+                                             sample_reference)
+
+NINF = float("-inf")
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; p = Q(df/2, X/2) (regularized upper gamma)."""
+    n = counts.sum().double()
+    exp = probs.double() * n
+    cells = exp > 0
+    if (counts[~cells] > 0).any():
+        return 0.0                      # a count where the model says impossible
+    x2 = ((counts[cells].double() - exp[cells]) ** 2 / exp[cells]).sum()
+    df = int(cells.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), x2 / 2))
+
+
+def test_chi2_pvalue_matches_closed_forms():
+    # df = 2: Q(1, x/2) = exp(-x/2)
+    counts = torch.tensor([30, 50, 20])
+    probs = torch.tensor([0.25, 0.5, 0.25])
+    x2 = ((30 - 25) ** 2 / 25 + 0 + (20 - 25) ** 2 / 25)
+    assert chi2_pvalue(counts, probs) == pytest.approx(math.exp(-x2 / 2), rel=1e-9)
+    assert chi2_pvalue(torch.tensor([5, 0]), torch.tensor([0.0, 1.0])) == 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# logits processing vs an independent, per-row, sort-and-loop implementation
+
+def simple_process(row: torch.Tensor, T: float, k: int, p: float) -> torch.Tensor:
+    z = row.double() / T
+    V = z.numel()
+    order = sorted(range(V), key=lambda i: -float(z[i]))
+    keep = [True] * V
+    if 0 < k < V:
+        kth = float(z[order[k - 1]])
+        keep = [float(z[i]) >= kth for i in range(V)]
+    if p < 1:
+        zk = [float(z[i]) if keep[i] else NINF for i in range(V)]
+        m = max(zk)
+        w = [math.exp(v - m) for v in zk]
+        tot = sum(w)
+        new = [False] * V
+        for i in range(V):
+            if keep[i]:
+                above = sum(w[j] for j in range(V) if zk[j] > zk[i])   # mass strictly above
+                new[i] = above < p * tot or zk[i] == m
+        keep = new
+    return torch.tensor([float(z[i]) if keep[i] else NINF for i in range(V)], dtype=torch.float64)
+
+
+def test_process_logits_matches_simple_implementation():
+    g = torch.Generator().manual_seed(1)
+    V, rows = 23, []
+    for i in range(40):
+        x = torch.randn(V, generator=g) * (0.5 + i % 4)
+        if i % 5 == 0:
+            x[3] = x[7] = x[11] = x.max() - 0.25           # ties near the top
+        if i % 7 == 0:
+            x = torch.round(x * 2) / 2                      # many ties everywhere
+        rows.append(x)
+    logits = torch.stack(rows)
+    T = torch.tensor([0.5, 1.0, 1.7, 0.9] * 10)
+    k = torch.tensor([0, 1, 3, 5, 23, 40, -1, 10] * 5)
+    p = torch.tensor([1.0, 0.5, 0.9, 0.99, 0.3, 0.0, 1.5, 0.75, 0.95, 0.6] * 4)
+    out = process_logits(logits, T, k, p)
+    for i in range(len(rows)):
+        want = simple_process(logits[i], float(T[i]), int(k[i]), float(p[i]))
+        assert torch.equal(torch.isinf(out[i]), torch.isinf(want)), i
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(out[i][fin].double(), want[fin], rtol=1e-6, atol=1e-6)
+        assert torch.isfinite(out[i]).sum() >= 1         # the top token always survives
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    # probs 0.5, 0.3, 0.15, 0.05: top_p 0.8 -> {0, 1}; 0.81 -> {0, 1, 2}; 0.5 -> {0}
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    out = process_logits(logits, torch.ones(3), torch.zeros(3, dtype=torch.int64),
+                         torch.tensor([0.79, 0.81, 0.5]))
+    assert torch.isfinite(out).tolist() == [[True, True, False, False],
+                                             [True, True, True, False],
+                                             [True, False, False, False]]
+
+
+def test_degenerate_rows_token_zero_and_zero_probs():
+    V = 9
+    logits = torch.randn(6, V)
+    logits[0] = NINF
+    logits[1, 4] = float("nan")
+    logits[2] = float("nan")
+    logits[3, 2] = float("inf")
+    T = torch.tensor([1.0, 1.0, 0.0, 0.5, float("nan"), 0.0])
+    k = torch.zeros(6, dtype=torch.int64)
+    p = torch.tensor([0.9, 1.0, 1.0, 0.8, 1.0, 1.0])
+    z = process_logits(logits, T, k, p)
+    probs = probs_from_processed(z)
+    for r in (0, 1, 2, 3, 4):
+        assert torch.isinf(z[r]).all() and (z[r] < 0).all()
+        assert torch.isfinite(probs[r]).all() and (probs[r] == 0).all()
+    tok = sample_reference(logits, T, k, p, torch.arange(6), torch.arange(6))
+    assert tok[:5].tolist() == [0, 0, 0, 0, 0]
+    assert argmax_tokens(logits).tolist()[:4] == [0, 0, 0, 0]
+
+
+def test_fold_ids():
+    ids = torch.tensor([-5, -1, 0, 3, 9, 10, 1 << 40])
+    assert fold_ids(ids, 10).tolist() == [0, 0, 0, 3, 9, 0, 0]
+
+
+def test_greedy_ties_lowest_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0]])
+    tok = sample_reference(logits, torch.zeros(1), torch.zeros(1, dtype=torch.int64),
+                           torch.ones(1), torch.zeros(1, dtype=torch.int64),
+                           torch.zeros(1, dtype=torch.int64))
+    assert tok.tolist() == [1]
+
+
+# ------------------------------------------------------------------------------------------
+# Gumbel-max distribution
+
+def _target(V=6):
+    logits = torch.tensor([1.2, -0.3, 0.4, 2.0, -1.5, 0.0])[:V]
+    return logits, torch.softmax(logits.double(), 0)
+
+
+def test_gumbel_max_follows_distribution_and_wrong_sampler_fails():
+    n = 40000
+    logits, probs = _target()
+    rows = logits.expand(n, -1)
+    seed = torch.arange(n, dtype=torch.int64) * 7919 + 3
+    pos = torch.arange(n, dtype=torch.int64) % 97
+    tok = gumbel_argmax(torch.log_softmax(rows, -1), seed, pos, STREAM_TARGET)
+    counts = torch.bincount(tok, minlength=6)
+    assert chi2_pvalue(counts, probs) > 1e-3
+    # a sampler that is only slightly wrong (temperature 1.15) must be caught at this n
+    wrong = gumbel_argmax(torch.log_softmax(rows / 1.15, -1), seed, pos, STREAM_TARGET)
+    assert chi2_pvalue(torch.bincount(wrong, minlength=6), probs) < 1e-6
+
+
+def test_sample_reference_distribution_with_top_p():
+    n = 30000
+    logits, probs = _target()
+    # top_p 0.8 keeps the tokens of mass 0.49, 0.25, 0.11 (sorted) -> renormalised
+    z = process_logits(logits[None], torch.ones(1), torch.zeros(1, dtype=torch.int64),
+                       torch.tensor([0.8]))
+    want = probs_from_processed(z)[0].double()
+    assert int((want > 0).sum()) == 3
+    tok = sample_reference(logits.expand(n, -1), torch.ones(n), torch.zeros(n, dtype=torch.int64),
+                           torch.full((n,), 0.8), torch.arange(n), torch.full((n,), 5))
+    assert chi2_pvalue(torch.bincount(tok, minlength=6), want) > 1e-3
+
+
+def test_sample_reference_seed_position_determinism():
+    logits = torch.randn(4, 50)
+    args = (torch.ones(4), torch.zeros(4, dtype=torch.int64), torch.ones(4))
+    seed, pos = torch.tensor([1, 2, 3, 4]), torch.tensor([10, 10, 10, 10])
+    a = sample_reference(logits, *args, seed, pos)
+    assert torch.equal(a, sample_reference(logits, *args, seed, pos))
+    many = torch.stack([sample_reference(logits, *args, seed + 100 * s, pos) for s in range(20)])
+    assert (many != many[0]).any(0).all()          # other seeds draw other tokens
+    later = torch.stack([sample_reference(logits, *args, seed, pos + s) for s in range(20)])
+    assert (later != later[0]).any(0).all()        # so do other positions
+
+
+def test_bad_arguments_name_the_tensor():
+    with pytest.raises(ValueError, match="top_k"):
+        process_logits(torch.randn(2, 5), torch.ones(2), torch.zeros(3, dtype=torch.int64),
+                       torch.ones(2))
+    with pytest.raises(ValueError, match="temperature"):
+        process_logits(torch.randn(2, 5), torch.ones(2, dtype=torch.int64),
+                       torch.zeros(2, dtype=torch.int64), torch.ones(2))
+
+
+# ------------------------------------------------------------------------------------------
+# fused plain sampling (the rejection kernel with no drafts) under the interpreter
+
+def test_fused_sample_equals_reference():
+    g = torch.Generator().manual_seed(5)
+    B, V = 8, 300
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[2] = NINF
+    logits[5, 17] = float("nan")
+    T = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 1.0, 0.8, 1.0])
+    k = torch.tensor([0, 0, 5, 20, 0, 0, 1, 50])
+    p = torch.tensor([1.0, 0.95, 1.0, 0.9, 0.6, 1.0, 1.0, 0.3])
+    seed = torch.arange(B) * 13 + 1
+    pos = torch.arange(B) + 100
+    want = sample_reference(logits, T, k, p, seed, pos)
+    got = sample_launch(logits, T, k, p, seed, pos, tile=128, cap=64)
+    assert torch.equal(got, want)
+    assert got[2] == 0 and got[5] == 0
