@@ -9,11 +9,18 @@ generators draw different numbers).
 
 Scales (:class:`SynthScales`) aim at a model that neither explodes nor saturates, with varied
 logits: linears keep unit variance (std 1/sqrt(fan_in)); output projections into the residual
-are damped (`branch_gain`) so the token's own embedding stays visible at the head (the draft and
-the target share embed/head, so they then agree some of the time, not always); norms are
-1 + noise; mHC mixing logits are O(0.5) so sigmoids stay in their linear range while the
-Sinkhorn combination is clearly non-uniform (a transposed C is detectable); the Markov bias is
-small next to the base logits.
+are damped (`branch_gain`); norms are 1 + noise; mHC mixing logits are O(0.5) so sigmoids stay
+in their linear range while the Sinkhorn combination is clearly non-uniform (a transposed C is
+detectable).
+
+Embed, head and the Markov tables form a low-rank synthetic "language" (`lm_structure`, see
+`_structured`): the head reads a rank-r subspace in which the embedding of token x encodes a
+bigram prediction, and the Markov head holds that same bigram table. The draft (which shares
+embed and head) then agrees with the target whenever the context moves the target's
+prediction little: on the tiny preset, greedy speculative decoding accepts roughly
+[0.5-0.7, 0.15-0.4, 0.07-0.25, 0-0.15, 0-0.12] drafts per position (every accepted length
+occurs), which is what lossless tests need. With independent random tables the draft almost
+never agrees (about 4% at the first position, none after).
 
 Generation streams per unit: `iter_synth_tensors` holds at most one unit's float source at a
 time, so a Flash slice (~24 GB) can be built directly in GPU memory (`synth_tensors(...,
@@ -50,7 +57,7 @@ SINGLE_NAME = "model.safetensors"
 class SynthScales:
     embed_std: float = 1.0
     logit_std: float = 3.0        # std of head logits for a unit-RMS final hidden
-    branch_gain: float = 0.5      # wo_b and expert w2 (everything written into the residual)
+    branch_gain: float = 0.4      # wo_b and expert w2 (everything written into the residual)
     norm_noise: float = 0.05      # norm weights = 1 + norm_noise * N(0, 1)
     hc_logit_std: float = 0.5     # std of the mHC mixing logits mu (fn std = this / sqrt(hc*D))
     hc_base_std: float = 0.5      # pre / post / head biases
@@ -59,7 +66,12 @@ class SynthScales:
     sink_std: float = 1.0
     ape_std: float = 0.05
     gate_bias_std: float = 0.02
-    markov_bias_std: float = 0.5  # std of W2 . W1[x] (w1, w2 std = sqrt(this / sqrt(r)))
+    markov_bias_std: float = 0.5  # lm_structure == 0: std of W2 . W1[x] (plain random tables)
+    # Synthetic "language": embed and head share a rank-r subspace (r = dspark_markov_rank) so
+    # that head . embed[x] is a low-rank bigram table; the Markov head is that same table
+    # (times markov_gain), so draft and target agree when the context moves the target little.
+    lm_structure: float = 0.6     # share of the embedding in the head's subspace (0 = off)
+    markov_gain: float = 2.0      # Markov bias = markov_gain * the bigram logits
 
 
 # ---- units: a plain tensor, or a quantized weight with its scale ---------------------------
@@ -117,11 +129,79 @@ def _is_output_proj(base: str) -> bool:
                                                                  and base.endswith(".w2"))
 
 
-def _plain(name: str, spec: TensorSpec, d: _Draw, cfg: ModelConfig, sc: SynthScales) -> torch.Tensor:
+def _lm_rank(cfg: ModelConfig) -> int:
+    return min(cfg.dspark_markov_rank or 64, cfg.hidden_size)
+
+
+def _latent(seed: int, key: str, rows: int, cfg: ModelConfig, device) -> torch.Tensor:
+    """A factor of the synthetic language, drawn from its own seed: U / W [rows, r], or the
+    shared subspace Q [r, D] (orthonormal rows)."""
+    r = _lm_rank(cfg)
+    d = _Draw(seed, f"latent/{key}", device)
+    if key == "Q":
+        q, _ = torch.linalg.qr(d.normal((cfg.hidden_size, r)))
+        return q.T.contiguous()
+    x = d.normal((rows, r))
+    if key == "U" and cfg.has_draft:
+        # The noise (mask) token says nothing about the next token: no bigram row. Draft
+        # positions after the anchor then predict from context and the Markov head alone.
+        x[cfg.dspark_noise_token_id] = 0
+    return x
+
+
+def _structured(name: str, spec: TensorSpec, d: _Draw, cfg: ModelConfig, sc: SynthScales,
+                seed: int) -> torch.Tensor:
+    """embed / head / Markov tables of the low-rank synthetic language (lm_structure > 0).
+
+    With U, W [V, r] Gaussian and Q [r, D] orthonormal rows (r = dspark_markov_rank):
+
+        embed = s sqrt(D/r) U Q + sqrt(1 - s^2) Z_perp   (unit per-element variance; Z_perp
+                                                          is Gaussian with its Q part removed)
+        head  = k W Q,  k = logit_std / (s sqrt(D))      (the head sees only the Q subspace)
+        w1 = a U, w2 = a W,  a^2 = markov_gain logit_std / sqrt(r)
+
+    so head . embed[x] = logit_std / sqrt(r) * W U[x] exactly (the "bigram" logits, std
+    logit_std) and the Markov bias W2 . W1[x] is markov_gain times it: the draft's Markov head
+    knows the target's bigram, and how often the two agree is set by how much the context
+    (the residual branches, `branch_gain`) moves the target away from it. The noise token's
+    U row is zero (see `_latent`).
+    """
+    V, D = spec.shape[0], cfg.hidden_size
+    s, r = sc.lm_structure, _lm_rank(cfg)
+    dev = d.device
+    if name in ("embed.weight", "head.weight"):
+        Q = _latent(seed, "Q", V, cfg, dev)
+        F = _latent(seed, "U" if name == "embed.weight" else "W", V, cfg, dev)
+        out = torch.empty(spec.shape, dtype=spec.dtype, device=dev)
+        step = max(1, (64 << 20) // (4 * D))  # fp32 working set of ~64 MB per chunk
+        for i in range(0, V, step):  # chunked: a 1 GB bf16 table never has an fp32 twin
+            x = F[i:i + step] @ Q
+            if name == "embed.weight":
+                z = d.normal((x.shape[0], D), math.sqrt(1 - s * s) * sc.embed_std)
+                z.sub_((z @ Q.T) @ Q)  # the rest of the embedding lies outside the head's subspace
+                x.mul_(s * math.sqrt(D / r) * sc.embed_std).add_(z)
+            else:
+                x.mul_(sc.logit_std / (s * math.sqrt(D)))
+            out[i:i + step] = x
+        return out
+    a = math.sqrt(sc.markov_gain * sc.logit_std / math.sqrt(r))
+    x = _latent(seed, "U" if name.endswith("markov_w1.weight") else "W", V, cfg, dev) * a
+    return x.to(spec.dtype)
+
+
+_STRUCTURED_LEAVES = ("markov_w1", "markov_w2")
+
+
+def _plain(name: str, spec: TensorSpec, d: _Draw, cfg: ModelConfig, sc: SynthScales,
+           seed: int = 0) -> torch.Tensor:
     D, shape = cfg.hidden_size, spec.shape
     normal = functools.partial(d.normal, dtype=spec.dtype)  # plain tensors are bf16 or fp32
     stem = name[: -len(".weight")] if name.endswith(".weight") else name
     leaf = stem.rsplit(".", 1)[-1]  # e.g. attn_norm, hc_ffn_fn, bias, markov_w1, gate
+    if sc.lm_structure > 0 and (name in ("embed.weight", "head.weight") or leaf in _STRUCTURED_LEAVES):
+        if not 0 < sc.lm_structure < 1:
+            raise ValueError(f"lm_structure must be in [0, 1), got {sc.lm_structure}")
+        return _structured(name, spec, d, cfg, sc, seed)
     if name == "embed.weight":
         x = normal(shape, sc.embed_std)
     elif name == "head.weight":
@@ -157,7 +237,7 @@ def _gen_unit(u: _Unit, schema: dict[str, TensorSpec], cfg: ModelConfig, seed: i
     d = _Draw(seed, u.base, device)
     spec = schema[u.names[0]]
     if u.kind == "plain":
-        return [(u.names[0], _plain(u.names[0], spec, d, cfg, sc))]
+        return [(u.names[0], _plain(u.names[0], spec, d, cfg, sc, seed))]
     if u.kind == "tid2eid":
         # distinct expert ids per row: the k largest of E uniforms
         V, k = spec.shape
