@@ -1,0 +1,277 @@
+"""DSpark Markov draft sampler: reference semantics, the fused Triton sampler (interpreter at toy
+shapes) against it, the draft distribution (chi-square), degenerate/padded rows, the op."""
+import pytest
+import torch
+
+from dspark_compile.kernels.markov_sampler import (markov_bias, markov_sample_launch,
+                                                   markov_sample_mode_reference,
+                                                   markov_sample_reference)
+from dspark_compile.kernels.philox import STREAM_DRAFT
+from dspark_compile.kernels.sampling import (gumbel_noise, probs_from_processed,
+                                             process_logits)
+
+V, R, N = 137, 16, 5
+NINF = float("-inf")
+# one program per row pass (fast under the interpreter); MULTI splits rows over programs
+ONE = dict(tile=256, chunk=256, cap=256)
+MULTI = dict(tile=32, chunk=64, cap=64)
+
+
+def chi2_pvalue(counts, probs):
+    n = counts.sum().double()
+    exp = probs.double() * n
+    cells = exp > 0
+    if (counts[~cells] > 0).any():
+        return 0.0
+    x2 = ((counts[cells].double() - exp[cells]) ** 2 / exp[cells]).sum()
+    return float(torch.special.gammaincc(torch.tensor((int(cells.sum()) - 1) / 2,
+                                                      dtype=torch.float64), x2 / 2))
+
+
+def weights(seed=0, scale=0.3, dtype=torch.bfloat16, v=V):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(v, R, generator=g).to(dtype),
+            (torch.randn(v, R, generator=g) * scale).to(dtype))
+
+
+def params(B, T=1.0, k=0, p=1.0):
+    full = lambda x, dt: x if torch.is_tensor(x) else torch.full((B,), x, dtype=dt)  # noqa: E731
+    return (full(T, torch.float32), full(k, torch.int64), full(p, torch.float32))
+
+
+def chain_weights(strength):
+    """bias(prev, v) = strength for v = prev + 1, strength / 2 for the other v = prev + 1
+    (mod 16), else 0."""
+    w1 = torch.zeros(V, R)
+    w2 = torch.zeros(V, R)
+    ids = torch.arange(V)
+    w1[ids, (ids + 1) % R] = strength
+    w2[ids, ids % R] = torch.where(ids < R, 1.0, 0.5)
+    return w1.bfloat16(), w2.bfloat16()
+
+
+def rebuild_probs(base, anchor, drafts, w1, w2, T, k, p):
+    """Reference probabilities of every step, from the sampled prefix [anchor, drafts...]."""
+    prev = torch.cat((anchor[:, None], drafts[:, :-1]), 1)
+    out = []
+    for s in range(base.shape[1]):
+        logits = base[:, s].float() + markov_bias(prev[:, s], w1, w2)
+        out.append(probs_from_processed(process_logits(logits, T, k, p)))
+    return torch.stack(out, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# reference semantics
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_markov_chaining(fused):
+    w1, w2 = chain_weights(10.0)
+    base = torch.zeros(2, N, V)
+    anchor = torch.tensor([1, 1])
+    T, k, p = params(2, T=torch.tensor([0.0, 0.05]))   # greedy, and nearly greedy sampling
+    args = (base, anchor, w1, w2, T, k, p, torch.tensor([3, 4]), torch.tensor([10, 10]))
+    drafts, probs = markov_sample_launch(*args, **ONE) if fused else markov_sample_reference(*args)
+    assert drafts.tolist() == [[2, 3, 4, 5, 6]] * 2
+    if not fused:
+        assert (probs[0] == 0).all()
+    torch.testing.assert_close(probs[1].sum(-1), torch.ones(N))
+
+
+def test_reference_probs_are_softmax_of_base_plus_bias():
+    w1, w2 = weights(1)
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(3, N, V, generator=g)
+    anchor = torch.tensor([5, 0, 136])
+    T, k, p = params(3)
+    drafts, probs = markov_sample_reference(base, anchor, w1, w2, T, k, p, torch.arange(3),
+                                            torch.arange(3))
+    want0 = torch.softmax(base[:, 0] + w1[anchor].float() @ w2.float().T, -1)
+    torch.testing.assert_close(probs[:, 0], want0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probs, rebuild_probs(base, anchor, drafts, w1, w2, T, k, p))
+
+
+def test_draft_sampling_follows_its_distribution():
+    """Chi-square over many seeds, one step; a sampler keyed on the wrong stream is fine too
+    (all streams are uniform), so the wrong sampler here ignores the Markov bias."""
+    v, n = 8, 20000
+    w1, w2 = weights(3, scale=1.0, v=v)
+    base = torch.tensor([0.5, -1.0, 0.0, 1.0, 0.2, -0.5, 0.8, -2.0]).expand(n, 1, v)
+    anchor = torch.full((n,), 3)
+    T, k, p = params(n, T=0.9)
+    seed = torch.arange(n) * 31 + 7
+    drafts, probs = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed,
+                                            torch.full((n,), 42))
+    want = probs[0, 0].double()
+    assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=v), want) > 1e-3
+    no_bias = torch.softmax(base[0, 0] / 0.9, -1).double()
+    assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=v), no_bias) < 1e-6
+    # the noise is the documented key: Gumbel(seed, vocab, start_pos, STREAM_DRAFT)
+    g = gumbel_noise(seed[:5], torch.full((5,), 42), v, STREAM_DRAFT)
+    assert torch.equal(torch.argmax(torch.log(probs[:5, 0]) + g, -1), drafts[:5, 0])
+
+
+# ------------------------------------------------------------------------------------------
+# fused sampler vs reference
+
+def _case(B, seed=0, base_scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, N, V, generator=g) * base_scale, torch.randint(0, V, (B,), generator=g)
+
+
+def test_fused_equals_reference_probabilistic_and_greedy():
+    w1, w2 = weights(4)
+    base, anchor = _case(8, 4)
+    T = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.0, 2.0, 0.5])
+    k, p = torch.zeros(8, dtype=torch.int64), torch.ones(8)
+    seed, sp = torch.arange(8) * 1000 + 17, torch.arange(8) * 3 + 50
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
+    assert torch.equal(got_d, want_d)
+    ng = T > 0                              # greedy rows' probs are unspecified in the fused op
+    torch.testing.assert_close(got_p[ng], want_p[ng], rtol=1e-5, atol=1e-6)
+    # per step from the fused prefix: rows sum to 1, the drawn token has positive probability
+    torch.testing.assert_close(got_p[ng], rebuild_probs(base, anchor, got_d, w1, w2, T, k, p)[ng],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_p[ng].sum(-1), torch.ones(int(ng.sum()), N))
+    assert (got_p[ng].gather(2, got_d[ng][..., None]) > 0).all()
+
+
+def test_fused_equals_reference_on_many_seeds():
+    """Same Philox noise in kernel and reference: identical tokens on 16 x 4 draws (a
+    difference would need two Gumbel scores within an ulp of each other)."""
+    w1, w2 = weights(5)
+    B, n = 16, 4
+    base, anchor = _case(B, 5)
+    base = base[:, :n]
+    T, k, p = params(B, T=1.0)
+    seed = torch.randint(0, 2 ** 62, (B,), generator=torch.Generator().manual_seed(9))
+    sp = torch.arange(B) * 11
+    want, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got, _ = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain", **ONE)
+    assert torch.equal(got, want)
+    # the same seeds again: the same tokens; other seeds: other tokens
+    again, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    assert torch.equal(again, want)
+    other, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed + 1, sp)
+    assert (other != want).any(1).float().mean() > 0.5
+
+
+def test_fused_top_k_top_p():
+    """vLLM's case (T = [0.7, 1.3], top_k = [1, V], top_p = [1.0, 0.75]) plus combined and
+    top-p-only rows; multi-program row passes."""
+    w1, w2 = weights(6)
+    base, anchor = _case(4, 6)
+    base = base[:, :3]
+    T = torch.tensor([0.7, 1.3, 1.0, 0.9])
+    k = torch.tensor([1, V, 10, 0])
+    p = torch.tensor([1.0, 0.75, 0.8, 0.95])
+    seed, sp = torch.tensor([11, 12, 13, 14]), torch.tensor([0, 5, 9, 100])
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI)
+    assert torch.equal(got_d, want_d)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert ((got_p[0] > 0).sum(-1) == 1).all()            # top-k 1
+    assert ((got_p[2] > 0).sum(-1) <= 10).all()
+
+
+def test_fused_threshold_fallback_when_candidates_overflow():
+    """cap = 2 candidates forces the exact full-scan resolution of the threshold."""
+    w1, w2 = weights(7)
+    base, anchor = _case(2, 7, base_scale=0.5)            # flat rows: many near the boundary
+    base = base[:, :2]
+    T, k, p = torch.tensor([1.0, 1.0]), torch.tensor([0, 40]), torch.tensor([0.9, 0.7])
+    seed, sp = torch.tensor([1, 2]), torch.tensor([3, 4])
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp,
+                                        tile=256, chunk=256, cap=2)
+    assert torch.equal(got_d, want_d)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_degenerate_out_of_range_and_padded_rows():
+    w1, w2 = weights(8)
+    base, anchor = _case(3, 8)
+    T, k, p = torch.tensor([1.0, 0.0, 0.8]), torch.tensor([0, 0, 7]), torch.tensor([0.9, 1.0, 1.0])
+    seed, sp = torch.tensor([5, 6, 7]), torch.tensor([20, 21, 22])
+    alone = markov_sample_launch(base[:, :2], anchor, w1, w2, T, k, p, seed, sp, **ONE)
+    # padded rows: NaN logits, all -inf, out-of-range anchors, garbage sampling parameters
+    pad = torch.randn(4, N, V)
+    pad[0] = float("nan")
+    pad[1] = NINF
+    pad[2, :, 7] = float("inf")
+    base2 = torch.cat((base, pad))[:, :2]
+    anchor2 = torch.cat((anchor, torch.tensor([-3, V, 1 << 40, 0])))
+    T2 = torch.cat((T, torch.tensor([1.0, 1.0, 0.0, float("nan")])))
+    k2 = torch.cat((k, torch.tensor([5, -4, 1 << 40, 3])))
+    p2 = torch.cat((p, torch.tensor([0.5, float("nan"), 0.1, 2.0])))
+    seed2 = torch.cat((seed, torch.tensor([-1, 0, 1 << 62, 9])))
+    sp2 = torch.cat((sp, torch.tensor([-7, 0, 1 << 40, 3])))
+    d, q = markov_sample_launch(base2, anchor2, w1, w2, T2, k2, p2, seed2, sp2, **ONE)
+    assert torch.equal(d[:3], alone[0]) and torch.equal(q[[0, 2]], alone[1][[0, 2]])
+    assert (d >= 0).all() and (d < V).all()
+    assert d[3:5].eq(0).all() and d[6].eq(0).all()        # NaN / -inf / NaN-temperature rows
+    for r in (3, 4, 6):                                    # non-greedy degenerate: zero probs
+        assert torch.isfinite(q[r]).all() and (q[r] == 0).all()
+    want_d, want_q = markov_sample_reference(base2, anchor2, w1, w2, T2, k2, p2, seed2, sp2)
+    assert torch.equal(d, want_d)
+    ng = T2 > 0
+    torch.testing.assert_close(q[ng], want_q[ng], rtol=1e-5, atol=1e-6)
+
+
+def test_modes_and_op_dispatch():
+    w1, w2 = weights(9)
+    base, anchor = _case(2, 9)
+    base = base[:, :3]
+    T, k, p = torch.tensor([1.0, 0.0]), torch.tensor([5, 0]), torch.tensor([0.9, 1.0])
+    seed, sp = torch.tensor([1, 2]), torch.tensor([3, 4])
+    args = (base, anchor, w1, w2, T, k, p, seed, sp)
+    for mode in ("greedy", "plain"):
+        want_d, want_q = markov_sample_mode_reference(*args, mode)
+        got_d, got_q = markov_sample_launch(*args, mode, **ONE)
+        assert torch.equal(got_d, want_d), mode
+        if mode == "plain":
+            torch.testing.assert_close(got_q[0], want_q[0], rtol=1e-5, atol=1e-6)
+    # the registered op runs the reference on CPU tensors
+    d, q = torch.ops.dspark.markov_sample(*args)
+    want_d, want_q = markov_sample_reference(*args)
+    assert torch.equal(d, want_d) and torch.equal(q, want_q)
+    with pytest.raises(ValueError, match="mode"):
+        markov_sample_launch(*args, "fast")
+    with pytest.raises(ValueError, match="w2"):
+        markov_sample_reference(base, anchor, w1, w2[:, :8], T, k, p, seed, sp)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU (H200): Flash dims, CUDA-graph replay
+
+@pytest.mark.gpu
+def test_gpu_flash_dims_match_reference_and_replay_in_a_graph():
+    dev = "cuda"
+    Vf, Rf, B = 129280, 256, 4
+    g = torch.Generator(device=dev).manual_seed(0)
+    w1 = (torch.randn(Vf, Rf, device=dev, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(Vf, Rf, device=dev, generator=g) * 0.05).bfloat16()
+    base = torch.randn(B, N, Vf, device=dev, generator=g) * 3
+    anchor = torch.tensor([1, 5, 100000, 7], device=dev)
+    T = torch.tensor([0.0, 1.0, 1.0, 0.7], device=dev)
+    k = torch.tensor([0, 0, 0, 50], device=dev)
+    p = torch.tensor([1.0, 1.0, 0.95, 0.9], device=dev)
+    seed = torch.tensor([1, 2, 3, 4], device=dev)
+    sp = torch.tensor([10, 20, 30, 40], device=dev)
+    args = [base, anchor, w1, w2, T, k, p, seed, sp]
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = torch.ops.dspark.markov_sample(*args)
+    assert (got_d == want_d).float().mean() > 0.95     # bias sums differ in order: rare flips
+    ng = T > 0
+    same = (got_d == want_d).all(1) & ng
+    torch.testing.assert_close(got_p[same], want_p[same], rtol=1e-4, atol=1e-6)
+    static = [a.clone() for a in args]
+    torch.ops.dspark.markov_sample(*static)             # warm-up (compile) outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_d, out_p = torch.ops.dspark.markov_sample(*static)
+    static[7].copy_(seed + 1000)
+    graph.replay()
+    eager_d, eager_p = torch.ops.dspark.markov_sample(*[*args[:7], seed + 1000, sp])
+    assert torch.equal(out_d, eager_d)
+    torch.testing.assert_close(out_p[ng], eager_p[ng])

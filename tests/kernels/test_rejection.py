@@ -1,0 +1,236 @@
+"""Rejection sampling of the drafts: greedy perfect-match / early-mismatch / multi-sequence cases,
+losslessness (chi-square: draft + rejection output follows the target; a deliberately wrong
+rejection rule must fail), out-of-range ids, degenerate and padded rows, and the fused Triton
+kernel (interpreter) against the reference."""
+import pytest
+import torch
+
+from dspark_compile.kernels.philox import STREAM_DRAFT
+from dspark_compile.kernels.rejection import (rejection_sample_launch,
+                                              rejection_sample_reference)
+from dspark_compile.kernels.sampling import gumbel_argmax, probs_from_processed, process_logits
+
+NINF = float("-inf")
+
+
+def chi2_pvalue(counts, probs):
+    n = counts.sum().double()
+    exp = probs.double() * n
+    cells = exp > 0
+    if (counts[~cells] > 0).any():
+        return 0.0
+    x2 = ((counts[cells].double() - exp[cells]) ** 2 / exp[cells]).sum()
+    return float(torch.special.gammaincc(torch.tensor((int(cells.sum()) - 1) / 2,
+                                                      dtype=torch.float64), x2 / 2))
+
+
+def meta(B, T=0.0, k=0, p=1.0):
+    return (torch.full((B,), T), torch.full((B,), k, dtype=torch.int64), torch.full((B,), p))
+
+
+def onehot_logits(ids, V, hi=5.0):
+    """Target logits whose argmax at row i is ids[..., i]."""
+    x = torch.zeros(*ids.shape, V)
+    x.scatter_(-1, ids[..., None], hi)
+    return x
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_greedy_perfect_match_early_mismatch_multi_sequence(fused):
+    V, N = 50, 4
+    drafts = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [7, 8, 9, 10], [1, 2, 3, 4]])
+    target_ids = torch.tensor([[3, 4, 5, 6, 11],        # all accepted + bonus 11
+                               [3, 4, 9, 6, 12],        # mismatch at 2: emits 9
+                               [0, 8, 9, 10, 13],       # mismatch at 0: emits 0
+                               [1, 2, 3, 4, 49]])
+    logits = onehot_logits(target_ids, V)
+    q = torch.zeros(4, N, V)
+    args = (logits, drafts, q, *meta(4), torch.arange(4), torch.full((4,), 100))
+    fn = rejection_sample_launch if fused else rejection_sample_reference
+    tokens, num = fn(*args)
+    assert num.tolist() == [5, 3, 1, 5]
+    assert tokens.tolist() == [[3, 4, 5, 6, 11], [3, 4, 9, -1, -1], [0, -1, -1, -1, -1],
+                               [1, 2, 3, 4, 49]]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_out_of_range_drafts_are_rejected(fused):
+    V, N = 20, 3
+    drafts = torch.tensor([[2, -1, 4], [V, 1, 1], [2, 3, 1 << 40]])
+    logits = onehot_logits(torch.tensor([[2, 0, 4, 5], [0, 1, 1, 1], [2, 3, 0, 9]]), V)
+    q = torch.full((3, N, V), 1.0 / V)
+    fn = rejection_sample_launch if fused else rejection_sample_reference
+    # greedy: -1 is not argmax 0; V folds to 0 = argmax but is out of range: rejected anyway
+    tokens, num = fn(logits, drafts, q, *meta(3), torch.arange(3), torch.zeros(3, dtype=torch.int64))
+    assert num.tolist() == [2, 1, 3]
+    assert tokens[:, :num.max()].tolist() == [[2, 0, -1], [0, -1, -1], [2, 3, 0]]
+    # probabilistic: out-of-range drafts are never accepted either
+    tokens, num = fn(logits, drafts, q, *meta(3, T=1.0), torch.arange(3),
+                     torch.zeros(3, dtype=torch.int64))
+    assert (num[:2] <= torch.tensor([2, 1])).all() and num[2] <= 3
+
+
+def test_probabilistic_q_equal_p_accepts_everything():
+    V, N, B = 30, 5, 64
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(B, N + 1, V, generator=g)
+    T, k, p = meta(B, T=0.8)
+    probs = probs_from_processed(process_logits(logits.reshape(-1, V), T.repeat_interleave(N + 1),
+                                                k.repeat_interleave(N + 1),
+                                                p.repeat_interleave(N + 1))).reshape(B, N + 1, V)
+    drafts = torch.randint(0, V, (B, N), generator=g)
+    drafts = torch.where(probs[:, :N].gather(2, drafts[..., None])[..., 0] > 0, drafts, 0)
+    tokens, num = rejection_sample_reference(logits, drafts, probs[:, :N].contiguous(), T, k, p,
+                                             torch.arange(B), torch.arange(B))
+    assert (num == N + 1).all()
+    assert torch.equal(tokens[:, :N], drafts)
+
+
+def _lossless_setup(n, V=5, N=2):
+    target = torch.tensor([[1.0, 0.2, -0.5, 0.7, -1.0],
+                           [0.0, 1.5, 0.3, -0.7, 0.4],
+                           [-0.3, 0.2, 1.1, 0.0, 0.6]])[: N + 1, :V]
+    draft = torch.tensor([[0.2, 1.0, 0.0, 0.3, -0.2],          # q differs from p on purpose
+                          [0.5, 0.1, 0.9, -1.0, 0.0]])[:N, :V]
+    p = torch.softmax(target.double(), -1)
+    q = torch.softmax(draft, -1).float()
+    seed = torch.arange(n, dtype=torch.int64) * 104729 + 11
+    pos = torch.full((n,), 1000, dtype=torch.int64)
+    # drafts sampled from q with the draft stream at their own positions
+    drafts = torch.stack([gumbel_argmax(torch.log(q[i]).expand(n, -1), seed, pos + i, STREAM_DRAFT)
+                          for i in range(N)], 1)
+    return target.expand(n, -1, -1), drafts, q.expand(n, -1, -1).contiguous(), p, seed, pos
+
+
+def test_draft_plus_rejection_follows_target_distribution():
+    n, V, N = 20000, 5, 2
+    logits, drafts, q, p, seed, pos = _lossless_setup(n, V, N)
+    T, k, tp = meta(n, T=1.0)
+    tokens, num = rejection_sample_reference(logits, drafts, q, T, k, tp, seed, pos)
+    assert chi2_pvalue(torch.bincount(tokens[:, 0], minlength=V), p[0]) > 1e-3
+    second = num >= 2                      # draft 0 accepted: token 1 must follow p_1
+    assert chi2_pvalue(torch.bincount(tokens[second, 1], minlength=V), p[1]) > 1e-3
+    third = num >= 3
+    assert chi2_pvalue(torch.bincount(tokens[third, 2], minlength=V), p[2]) > 1e-3
+    # the draft distribution alone is far from the target (the test has power)...
+    assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=V), p[0]) < 1e-6
+    # rejecting every draft (q(x) = 0) and resampling from p is lossless too
+    never, _ = rejection_sample_reference(logits, drafts, torch.zeros_like(q), T, k, tp, seed, pos)
+    assert chi2_pvalue(torch.bincount(never[:, 0], minlength=V), p[0]) > 1e-3
+    # ...while a wrong acceptance rule is caught
+    accept_only, _ = _wrong_accept_by_p_only(logits, drafts, q, seed, pos)
+    assert chi2_pvalue(torch.bincount(accept_only, minlength=V), p[0]) < 1e-6
+
+
+def _wrong_accept_by_p_only(logits, drafts, q, seed, pos):
+    """A broken first step: accept draft 0 iff p(x) >= u (forgetting q), else resample from the
+    residual. This biases the output towards the drafts."""
+    from dspark_compile.kernels.philox import STREAM_ACCEPT, STREAM_RESAMPLE, uniform
+    p0 = torch.softmax(logits[:, 0].float(), -1)
+    x = drafts[:, 0]
+    u = uniform(seed, torch.zeros_like(seed), pos, torch.full_like(seed, STREAM_ACCEPT))
+    acc = p0.gather(1, x[:, None])[:, 0] >= u
+    resid = (p0 - q[:, 0]).clamp_min(0)
+    res = gumbel_argmax(torch.log(resid), seed, pos, STREAM_RESAMPLE)
+    return torch.where(acc, x, res), acc
+
+
+def test_seeded_determinism():
+    logits, drafts, q, _, seed, pos = _lossless_setup(256)
+    T, k, tp = meta(256, T=1.0)
+    a = rejection_sample_reference(logits, drafts, q, T, k, tp, seed, pos)
+    b = rejection_sample_reference(logits, drafts, q, T, k, tp, seed, pos)
+    c = rejection_sample_reference(logits, drafts, q, T, k, tp, seed + 1, pos)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    assert ((a[1] >= 1) & (a[1] <= 3)).all()
+
+
+def _mixed_case(seed=0, B=8, N=4, V=137):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, N + 1, V, generator=g) * 2
+    draft_logits = logits[:, :N] + torch.randn(B, N, V, generator=g) * 0.5
+    q = torch.softmax(draft_logits, -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    T = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 0.0, 1.0, 0.9])[:B]
+    k = torch.tensor([0, 0, 10, 0, 0, 0, 30, 5])[:B]
+    p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0, 0.95, 1.0])[:B]
+    # greedy rows: drafts that mostly match the target argmax
+    am = logits[:, :N].argmax(-1)
+    drafts[0] = am[0]
+    if B > 5:
+        drafts[5, :2] = am[5, :2]
+    return logits, drafts, q.contiguous(), T, k, p
+
+
+def test_fused_equals_reference_mixed_rows():
+    logits, drafts, q, T, k, p = _mixed_case()
+    for s in range(2):
+        seed = torch.arange(8) * 7 + 1000 * s
+        pos = torch.arange(8) + 3 * s
+        want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
+        got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=64, cap=64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), s
+    # the exact-threshold fallback (2 candidates) decides the same
+    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=256, cap=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fused_degenerate_and_padded_rows():
+    logits, drafts, q, T, k, p = _mixed_case(1, B=4)
+    seed, pos = torch.arange(4), torch.arange(4) * 5
+    alone = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=256)
+    N, V = drafts.shape[1], logits.shape[-1]
+    pl = torch.randn(3, N + 1, V)
+    pl[0] = float("nan")
+    pl[1] = NINF
+    pq = torch.full((3, N, V), float("nan"))
+    pq[2] = -1.0
+    pd = torch.tensor([[-1, V, 0, 5], [0, 0, 0, 0], [1 << 40, 3, 3, 3]])
+    L = torch.cat((logits, pl))
+    D = torch.cat((drafts, pd))
+    Q = torch.cat((q, pq))
+    T2 = torch.cat((T, torch.tensor([1.0, 1.0, float("nan")])))
+    k2 = torch.cat((k, torch.tensor([-1, 1 << 40, 2])))
+    p2 = torch.cat((p, torch.tensor([float("nan"), 0.0, 0.5])))
+    s2 = torch.cat((seed, torch.tensor([-5, 1 << 62, 0])))
+    pos2 = torch.cat((pos, torch.tensor([-1, 1 << 40, 7])))
+    tokens, num = rejection_sample_launch(L, D, Q, T2, k2, p2, s2, pos2, tile=256)
+    assert torch.equal(tokens[:4], alone[0]) and torch.equal(num[:4], alone[1])
+    assert ((num >= 1) & (num <= N + 1)).all()
+    committed = torch.arange(N + 1)[None] < num[:, None]
+    assert ((tokens >= 0) & (tokens < V) | ~committed).all()
+    assert (tokens[~committed] == -1).all()
+    want = rejection_sample_reference(L, D, Q, T2, k2, p2, s2, pos2)
+    assert torch.equal(tokens, want[0]) and torch.equal(num, want[1])
+
+
+def test_op_dispatch_and_errors():
+    logits, drafts, q, T, k, p = _mixed_case(2, B=2)
+    seed, pos = torch.arange(2), torch.arange(2)
+    got = torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos)
+    want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample_reference(logits, drafts, q.double(), T, k, p, seed, pos)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        rejection_sample_reference(logits, drafts[:, :2], q, T, k, p, seed, pos)
+
+
+@pytest.mark.gpu
+def test_gpu_flash_vocab_matches_reference():
+    dev = "cuda"
+    B, N, V = 8, 5, 129280
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(B, N + 1, V, device=dev, generator=g) * 3
+    q = torch.softmax(logits[:, :N] + torch.randn(B, N, V, device=dev, generator=g) * 0.3, -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    drafts[0] = logits[0, :N].argmax(-1)
+    T = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.0, 0.0, 1.2, 1.0], device=dev)
+    k = torch.tensor([0, 0, 0, 40, 0, 0, 0, 100], device=dev)
+    p = torch.tensor([1.0, 1.0, 0.95, 1.0, 0.9, 1.0, 0.8, 0.95], device=dev)
+    seed, pos = torch.arange(B, device=dev), torch.arange(B, device=dev) * 9
+    want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
+    got = torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0], want[0])
