@@ -32,7 +32,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_tensors():
+def tiny_synth():
     return synth_tensors(TINY, seed=0)
 
 
@@ -74,17 +74,17 @@ def load_error(root, **kw) -> CheckpointError:
 
 # ---- round trips -------------------------------------------------------------------------------
 
-def test_round_trip_single_file(tiny_dir, tiny_tensors):
+def test_round_trip_single_file(tiny_dir, tiny_synth):
     assert sorted(os.listdir(tiny_dir)) == ["config.json", "model.safetensors"]
     assert json.loads((tiny_dir / "config.json").read_text()) == preset("tiny")
     cfg, tensors = load_checkpoint(tiny_dir)
     assert cfg == TINY
     schema = checkpoint_schema(TINY)
-    assert set(tensors) == set(schema) == set(tiny_tensors)
+    assert set(tensors) == set(schema) == set(tiny_synth)
     for name, spec in schema.items():
         t = tensors[name]
         assert tuple(t.shape) == spec.shape and t.dtype == spec.dtype, name
-        assert same(t, tiny_tensors[name]), name
+        assert same(t, tiny_synth[name]), name
     # formats stay raw: no numeric casts on the way in
     assert tensors["layers.2.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert tensors["layers.2.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
@@ -93,31 +93,31 @@ def test_round_trip_single_file(tiny_dir, tiny_tensors):
     assert tensors["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
 
 
-def test_round_trip_sharded(sharded_dir, tiny_tensors):
+def test_round_trip_sharded(sharded_dir, tiny_synth):
     out = sharded_dir
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(tiny_tensors)
+    assert set(index["weight_map"]) == set(tiny_synth)
     assert set(index["weight_map"].values()) == set(shards)
-    total = sum(t.numel() * t.element_size() for t in tiny_tensors.values())
+    total = sum(t.numel() * t.element_size() for t in tiny_synth.values())
     assert index["metadata"]["total_size"] == total
     for p in out.glob("*.safetensors"):  # every shard respects the limit (no unit is bigger)
         assert p.stat().st_size <= (3 << 20) + 200_000
     cfg, tensors = load_checkpoint(out)
-    assert set(tensors) == set(tiny_tensors)
-    assert all(same(tensors[n], tiny_tensors[n]) for n in tensors)
+    assert set(tensors) == set(tiny_synth)
+    assert all(same(tensors[n], tiny_synth[n]) for n in tensors)
 
 
-def test_seed_determinism(tiny_tensors):
+def test_seed_determinism(tiny_synth):
     # same seed, same bytes: the round trips compare files against a separate synth_tensors call
     names = ["embed.weight", "layers.1.ffn.experts.0.w1.weight"]
     again = dict(iter_synth_tensors(TINY, seed=0, names=names))
-    assert list(again) == names and all(same(again[n], tiny_tensors[n]) for n in names)
+    assert list(again) == names and all(same(again[n], tiny_synth[n]) for n in names)
     other = dict(iter_synth_tensors(TINY, seed=1, names=names))
-    assert not same(other["embed.weight"], tiny_tensors["embed.weight"])
+    assert not same(other["embed.weight"], tiny_synth["embed.weight"])
     assert not same(other["layers.1.ffn.experts.0.w1.weight"],
-                    tiny_tensors["layers.1.ffn.experts.0.w1.weight"])
+                    tiny_synth["layers.1.ffn.experts.0.w1.weight"])
 
 
 def test_include_draft_false_skips_mtp(tiny_dir):
@@ -126,26 +126,26 @@ def test_include_draft_false_skips_mtp(tiny_dir):
     assert set(tensors) == set(target_schema(TINY))
 
 
-def test_target_only_checkpoint(tmp_path, tiny_tensors):
+def test_target_only_checkpoint(tmp_path, tiny_synth):
     out = synth_checkpoint("tiny", tmp_path / "target", include_draft=False)
     cfg, tensors = load_checkpoint(out)
     assert not cfg.has_draft and set(tensors) == set(target_schema(TINY))
     # a checkpoint with draft tensors whose config has no draft fields: strict, with a hint
     raw = json.loads((out / "config.json").read_text())
-    root = write_checkpoint(tmp_path / "base", {"model.safetensors": tiny_tensors}, config=raw)
+    root = write_checkpoint(tmp_path / "base", {"model.safetensors": tiny_synth}, config=raw)
     err = load_error(root)
     assert "unexpected" in str(err) and err.tensor.startswith("mtp.") and "include_draft=False" in str(err)
     _, tensors = load_checkpoint(root, include_draft=False)
     assert set(tensors) == set(target_schema(TINY))
 
 
-def test_optional_confidence_head_may_be_absent(tmp_path, tiny_tensors):
+def test_optional_confidence_head_may_be_absent(tmp_path, tiny_synth):
     name = "mtp.2.confidence_head.proj.weight"
     assert checkpoint_schema(TINY)[name].optional
-    t = {k: v for k, v in tiny_tensors.items() if k != name}
+    t = {k: v for k, v in tiny_synth.items() if k != name}
     root = write_checkpoint(tmp_path / "ck", {"model.safetensors": t})
     _, tensors = load_checkpoint(root)
-    assert name not in tensors and len(tensors) == len(tiny_tensors) - 1
+    assert name not in tensors and len(tensors) == len(tiny_synth) - 1
 
 
 def test_cfg_override_and_device(tiny_dir):
@@ -156,8 +156,8 @@ def test_cfg_override_and_device(tiny_dir):
 
 # ---- synthetic values are well-conditioned ------------------------------------------------------
 
-def test_synth_values_well_conditioned(tiny_tensors):
-    cfg, T = TINY, tiny_tensors
+def test_synth_values_well_conditioned(tiny_synth):
+    cfg, T = TINY, tiny_synth
     for name, t in T.items():
         if t.is_floating_point() and t.element_size() > 1:
             assert torch.isfinite(t.float()).all(), name
@@ -282,8 +282,8 @@ def test_synth_rejects_bad_arguments(tmp_path):
 
 # ---- bad checkpoints ---------------------------------------------------------------------------
 
-def test_missing_tensor(tmp_path, tiny_tensors):
-    t = dict(tiny_tensors)
+def test_missing_tensor(tmp_path, tiny_synth):
+    t = dict(tiny_synth)
     del t["layers.3.attn.compressor.ape"]
     err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
     assert err.tensor == "layers.3.attn.compressor.ape"
@@ -291,23 +291,23 @@ def test_missing_tensor(tmp_path, tiny_tensors):
     assert "model.safetensors" in str(err)
 
 
-def test_missing_draft_tensor_hints_target_only(tmp_path, tiny_tensors):
-    t = {k: v for k, v in tiny_tensors.items() if k != "mtp.0.main_proj.scale"}
+def test_missing_draft_tensor_hints_target_only(tmp_path, tiny_synth):
+    t = {k: v for k, v in tiny_synth.items() if k != "mtp.0.main_proj.scale"}
     root = write_checkpoint(tmp_path / "ck", {"model.safetensors": t})
     err = load_error(root)
     assert err.tensor == "mtp.0.main_proj.scale" and "include_draft=False" in str(err)
     load_checkpoint(root, include_draft=False)  # the target alone is complete
 
 
-def test_unexpected_tensor(tmp_path, tiny_tensors):
-    t = {**tiny_tensors, "layers.0.attn.bogus": torch.zeros(3)}
+def test_unexpected_tensor(tmp_path, tiny_synth):
+    t = {**tiny_synth, "layers.0.attn.bogus": torch.zeros(3)}
     err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
     assert err.tensor == "layers.0.attn.bogus" and err.file == "model.safetensors"
     assert "unexpected" in str(err) and "layers.0.attn.bogus" in str(err)
 
 
-def test_wrong_shape(tmp_path, tiny_tensors):
-    t = {**tiny_tensors, "layers.1.attn.attn_sink": torch.zeros(5)}
+def test_wrong_shape(tmp_path, tiny_synth):
+    t = {**tiny_synth, "layers.1.attn.attn_sink": torch.zeros(5)}
     err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
     assert err.tensor == "layers.1.attn.attn_sink" and err.file == "model.safetensors"
     assert "shape [5], expected [4]" in str(err)
@@ -320,47 +320,47 @@ def test_wrong_shape(tmp_path, tiny_tensors):
     ("layers.0.ffn.gate.tid2eid", lambda t: t.to(torch.int32)),
     ("layers.5.hc_ffn_fn", lambda t: t.to(torch.bfloat16)),
 ])
-def test_wrong_dtype(tmp_path, tiny_tensors, name, bad):
-    t = {**tiny_tensors, name: bad(tiny_tensors[name])}
+def test_wrong_dtype(tmp_path, tiny_synth, name, bad):
+    t = {**tiny_synth, name: bad(tiny_synth[name])}
     err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
     assert err.tensor == name and err.file == "model.safetensors" and "dtype" in str(err)
 
 
-def test_index_names_missing_shard(tmp_path, tiny_tensors):
-    files, wm = split_two(tiny_tensors)
+def test_index_names_missing_shard(tmp_path, tiny_synth):
+    files, wm = split_two(tiny_synth)
     del files["b.safetensors"]
     err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
     assert err.file == "b.safetensors" and "does not exist" in str(err)
     assert err.tensor.startswith("mtp.")
 
 
-def test_tensor_in_other_shard_than_index_says(tmp_path, tiny_tensors):
-    files, wm = split_two(tiny_tensors)
+def test_tensor_in_other_shard_than_index_says(tmp_path, tiny_synth):
+    files, wm = split_two(tiny_synth)
     wm["mtp.0.main_norm.weight"] = "a.safetensors"
     err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
     assert err.tensor == "mtp.0.main_norm.weight" and err.file == "b.safetensors"
     assert "a.safetensors" in str(err) and "b.safetensors" in str(err)
 
 
-def test_tensor_listed_in_no_shard(tmp_path, tiny_tensors):
-    files, wm = split_two(tiny_tensors)
+def test_tensor_listed_in_no_shard(tmp_path, tiny_synth):
+    files, wm = split_two(tiny_synth)
     del wm["layers.0.attn_norm.weight"]
     err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
     assert err.tensor == "layers.0.attn_norm.weight" and err.file == "a.safetensors"
     assert "lists it in no shard" in str(err)
 
 
-def test_index_maps_tensor_to_shard_without_it(tmp_path, tiny_tensors):
-    files, wm = split_two(tiny_tensors)
+def test_index_maps_tensor_to_shard_without_it(tmp_path, tiny_synth):
+    files, wm = split_two(tiny_synth)
     del files["a.safetensors"]["norm.weight"]
     err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
     assert err.tensor == "norm.weight" and err.file == "a.safetensors"
     assert "do not contain" in str(err)
 
 
-def test_duplicate_tensor_across_shards(tmp_path, tiny_tensors):
-    files, wm = split_two(tiny_tensors)
-    files["b.safetensors"]["embed.weight"] = tiny_tensors["embed.weight"]
+def test_duplicate_tensor_across_shards(tmp_path, tiny_synth):
+    files, wm = split_two(tiny_synth)
+    files["b.safetensors"]["embed.weight"] = tiny_synth["embed.weight"]
     err = load_error(write_checkpoint(tmp_path / "ck", files, wm))
     assert err.tensor == "embed.weight" and "two shards" in str(err)
     assert "a.safetensors" in str(err) and "b.safetensors" in str(err)
@@ -407,41 +407,41 @@ def test_corrupt_file(tmp_path, tiny_dir, corrupt):
     ('{"weight_map": {"embed.weight": "../x.safetensors"}}', "not a file name"),
     ('{"weight_map": {"embed.weight": 3}}', "not a file name"),
 ])
-def test_bad_index(tmp_path, tiny_tensors, text, match):
-    files, _ = split_two(tiny_tensors)
+def test_bad_index(tmp_path, tiny_synth, text, match):
+    files, _ = split_two(tiny_synth)
     root = write_checkpoint(tmp_path / "ck", files)
     (root / "model.safetensors.index.json").write_text(text)
     err = load_error(root)
     assert err.file == "model.safetensors.index.json" and match in str(err)
 
 
-def test_no_or_ambiguous_files(tmp_path, tiny_tensors):
+def test_no_or_ambiguous_files(tmp_path, tiny_synth):
     root = write_checkpoint(tmp_path / "empty", {})
     assert "no *.safetensors" in str(load_error(root))
-    files, _ = split_two(tiny_tensors)
+    files, _ = split_two(tiny_synth)
     root = write_checkpoint(tmp_path / "two", files)
     assert "no model.safetensors.index.json" in str(load_error(root))
     assert "not found" in str(load_error(tmp_path / "nowhere"))
 
 
-def test_any_single_safetensors_name(tmp_path, tiny_tensors):
-    root = write_checkpoint(tmp_path / "ck", {"weights.safetensors": tiny_tensors})
+def test_any_single_safetensors_name(tmp_path, tiny_synth):
+    root = write_checkpoint(tmp_path / "ck", {"weights.safetensors": tiny_synth})
     _, tensors = load_checkpoint(root)
-    assert len(tensors) == len(tiny_tensors)
+    assert len(tensors) == len(tiny_synth)
 
 
-def test_missing_config_is_config_error(tmp_path, tiny_tensors):
-    root = write_checkpoint(tmp_path / "ck", {"model.safetensors": tiny_tensors})
+def test_missing_config_is_config_error(tmp_path, tiny_synth):
+    root = write_checkpoint(tmp_path / "ck", {"model.safetensors": tiny_synth})
     (root / "config.json").unlink()
     with pytest.raises(ConfigError, match="config.json"):
         load_checkpoint(root)
 
 
 @pytest.mark.parametrize("value", [8, -1])
-def test_tid2eid_out_of_range(tmp_path, tiny_tensors, value):
-    ids = tiny_tensors["layers.1.ffn.gate.tid2eid"].clone()
+def test_tid2eid_out_of_range(tmp_path, tiny_synth, value):
+    ids = tiny_synth["layers.1.ffn.gate.tid2eid"].clone()
     ids[17, 1] = value
-    t = {**tiny_tensors, "layers.1.ffn.gate.tid2eid": ids}
+    t = {**tiny_synth, "layers.1.ffn.gate.tid2eid": ids}
     err = load_error(write_checkpoint(tmp_path / "ck", {"model.safetensors": t}))
     assert err.tensor == "layers.1.ffn.gate.tid2eid"
     assert f"expert id {value} at [17, 1]" in str(err) and "n_routed_experts=8" in str(err)
