@@ -223,7 +223,7 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | dict | None = None, dev
             raise
         except Exception as e:
             raise CheckpointError(f"{file}: not a readable safetensors file ({e})", file=file) from None
-    return cfg, tensors
+    return cfg, {n: tensors[n] for n in schema if n in tensors}  # schema order
 
 
 def _check_loaded(name: str, file: str, t: torch.Tensor, spec: TensorSpec, cfg: ModelConfig) -> None:

@@ -80,7 +80,7 @@ def test_round_trip_single_file(tiny_dir, tiny_synth):
     cfg, tensors = load_checkpoint(tiny_dir)
     assert cfg == TINY
     schema = checkpoint_schema(TINY)
-    assert set(tensors) == set(schema) == set(tiny_synth)
+    assert list(tensors) == list(schema) and set(tiny_synth) == set(schema)
     for name, spec in schema.items():
         t = tensors[name]
         assert tuple(t.shape) == spec.shape and t.dtype == spec.dtype, name
@@ -533,7 +533,7 @@ def test_flash_slice_built_in_gpu_memory():
     T = synth_tensors(cfg, seed=0, device="cuda")
     assert set(T) == set(schema)
     assert torch.cuda.memory_allocated() - base <= total + (64 << 20)  # allocator rounding
-    assert torch.cuda.max_memory_allocated() - base < total + (4 << 30)
+    assert torch.cuda.max_memory_allocated() - base < total + (2 << 30)  # transients: < 1 GB
     validate_tid2eid(T, cfg)
     del T
     torch.cuda.empty_cache()
