@@ -346,7 +346,7 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
     if shard_size_bytes is not None and shard_size_bytes <= 0:
         raise ValueError(f"shard size must be positive, got {shard_size_bytes} bytes")
     cfg = ModelConfig.from_dict(raw)
-    if not include_draft:
+    if not include_draft:  # same target weights as the full checkpoint, no draft fields
         raw = {k: v for k, v in raw.items() if not k.startswith("dspark_")}
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):

@@ -130,6 +130,7 @@ def test_target_only_checkpoint(tmp_path, tiny_synth):
     out = synth_checkpoint("tiny", tmp_path / "target", include_draft=False)
     cfg, tensors = load_checkpoint(out)
     assert not cfg.has_draft and set(tensors) == set(target_schema(TINY))
+    assert all(same(t, tiny_synth[n]) for n, t in tensors.items())  # the same target weights
     # a checkpoint with draft tensors whose config has no draft fields: strict, with a hint
     raw = json.loads((out / "config.json").read_text())
     root = write_checkpoint(tmp_path / "base", {"model.safetensors": tiny_synth}, config=raw)
