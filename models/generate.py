@@ -72,7 +72,7 @@ def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
     state["row.seed"][row] = sp.seed
 
 
-def _finish(out: list[int], new: list[int], sp: SamplingParams) -> bool:
+def append_committed(out: list[int], new: list[int], sp: SamplingParams) -> bool:
     """Append committed tokens, honouring stop ids and max tokens; True when the request is done."""
     for t in new:
         out.append(t)
@@ -109,7 +109,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
                              f"max_seq_len={cache.max_seq_len}")
         set_row_sampling(state, r, sp)
         first = prefill(model, state, r, p, cache.max_step_tokens, speculative)
-        done[r] = _finish(outs[r], [first], sp)
+        done[r] = append_committed(outs[r], [first], sp)
     res = GenerationResult(tokens=outs, accepted_at=[0] * N)
     step = DraftVerifyStep(model) if speculative else None
     while not all(done):
@@ -124,12 +124,12 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
                 res.row_steps += 1
                 for k in range(n - 1):
                     res.accepted_at[k] += 1
-                done[r] = _finish(outs[r], tokens[r, :n].tolist(), params[r])
+                done[r] = append_committed(outs[r], tokens[r, :n].tolist(), params[r])
         else:
             last_tok = torch.tensor([o[-1] for o in outs], device=device)
             nxt, _ = target_decode_step(model, state, live, last_tok)
             res.steps += 1
             for r in range(len(prompts)):
                 if not done[r]:
-                    done[r] = _finish(outs[r], [int(nxt[r])], params[r])
+                    done[r] = append_committed(outs[r], [int(nxt[r])], params[r])
     return res
