@@ -99,6 +99,9 @@ def _device(name: str):
 
 # ---- entry point ---------------------------------------------------------------------------
 
+from . import cli_engine  # noqa: E402,F401  (registers generate, build, run, inspect)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Ahead-of-time compiler for "
                                      "DeepSeek-V4 speculative decoding with the DSpark draft.")

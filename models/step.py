@@ -89,8 +89,10 @@ class DraftVerifyStep(nn.Module):
 
 
 @torch.no_grad()
-def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, speculative: bool) -> int:
-    """Eager prompt forward for one request row; returns the first generated token.
+def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, speculative: bool,
+            return_logits: bool = False):
+    """Eager prompt forward for one request row; returns the first generated token
+    (and the logits it was sampled from, with `return_logits`).
 
     Writes every cache of `row` for positions 0..L-1 (in chunks of at most `chunk` tokens),
     seeds the draft context from the prompt's aux states, samples the first token from the
@@ -119,7 +121,7 @@ def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, specula
         drafts, probs = draft_block(model, state, rows, first, last)
         state["row.tokens"][row] = torch.cat((first, drafts[0]))
         state["row.draft_probs"][row] = probs[0]
-    return int(first)
+    return (int(first), logits[0, -1]) if return_logits else int(first)
 
 
 @torch.no_grad()

@@ -1,0 +1,190 @@
+"""`generate`, `build`, `run` and `inspect` subcommands (registered into cli.COMMANDS on import)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from .cli import _device, command
+
+PRECISIONS = ("bfloat16", "float32", "float64")
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-ids", type=_ids, required=True, action="append",
+                   help="comma-separated prompt token ids (repeat for a batch of prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-ids", type=_ids, default=None, help="comma-separated stop token ids")
+
+
+def _params(args):
+    from .models.generate import SamplingParams
+    return [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           seed=args.seed + i, max_new_tokens=args.max_new_tokens,
+                           stop_ids=tuple(args.stop_ids or ()))
+            for i in range(len(args.prompt_ids))]
+
+
+def _report(res, seconds: float, speculative: bool) -> None:
+    for i, toks in enumerate(res.tokens):
+        print(f"tokens[{i}]: {','.join(map(str, toks))}")
+    if speculative:
+        acc = " ".join(f"{a:.3f}" for a in res.acceptance_per_position)
+        print(f"acceptance per draft position: {acc}")
+        print(f"mean accepted length: {res.mean_accepted_length:.3f} tokens/step")
+    n = sum(len(t) for t in res.tokens)
+    print(f"steps: {res.steps}  time: {seconds:.2f}s  ({1e3 * seconds / max(res.steps, 1):.1f} ms/step, "
+          f"{n / seconds if seconds else 0:.1f} tok/s)")
+
+
+# ---- generate (eager reference) ------------------------------------------------------------
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
+    _sampling_args(p)
+    p.add_argument("--no-speculation", action="store_true", help="plain target decoding")
+    p.add_argument("--dtype", choices=PRECISIONS, default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+@command("generate", "decode with the eager reference models (no compilation)", _generate_args)
+def cmd_generate(args) -> int:
+    from .models import load_model
+    from .models.config import Precision
+    from .models.generate import generate
+    from .trace import DTYPES
+
+    device = _device(args.device)
+    params = _params(args)
+    spec = not args.no_speculation
+    max_pos = max(len(p) for p in args.prompt_ids) + args.max_new_tokens + 64
+    model = load_model(args.checkpoint, Precision(dtype=DTYPES[args.dtype]), max_pos, with_draft=spec,
+                       device=device)
+    t = time.perf_counter()
+    res = generate(model, args.prompt_ids, params, speculative=spec, device=device)
+    _report(res, time.perf_counter() - t, spec)
+    return 0
+
+
+# ---- build -----------------------------------------------------------------------------------
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        b = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated bucket sizes, got {text!r}") from None
+    if not b or min(b) < 1:
+        raise argparse.ArgumentTypeError(f"bucket sizes must be positive, got {text!r}")
+    return b
+
+
+def _build_args(p: argparse.ArgumentParser) -> None:
+    from .trace import DEFAULT_BUCKETS
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True, help="engine directory (written atomically)")
+    p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
+                   help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
+    p.add_argument("--max-rows", type=int, default=0, help="concurrent requests (default: largest bucket)")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--dtype", choices=PRECISIONS, default="float32")
+    p.add_argument("--no-act-quant", action="store_true", help="do not simulate FP8 activation quant")
+    p.add_argument("--no-kv-fp8", action="store_true", help="keep KV caches in the compute dtype")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
+                   help="leave a pass out of the pipeline (repeatable)")
+    p.add_argument("--verify-passes", action="store_true",
+                   help="check every pass numerically on fresh random inputs")
+    p.add_argument("--dump-graphs", metavar="DIR", default=None, help="write graphs before/after each pass")
+    p.add_argument("--arch", default=None, help="also compile the kernels for this arch (e.g. sm_120) "
+                   "and store their resource report")
+    p.add_argument("--device", default="cpu", help="device the programs are built for")
+
+
+@command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args)
+def cmd_build(args) -> int:
+    from .trace import BuildConfig, build_engine
+
+    bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows, max_seq_len=args.max_seq_len,
+                     dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
+                     disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
+                     dump_dir=args.dump_graphs, arch=args.arch, device=str(_device(args.device)))
+    build_engine(args.checkpoint, args.out, bc, log=lambda s: print(s, flush=True))
+    return 0
+
+
+# ---- run -------------------------------------------------------------------------------------
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("engine")
+    _sampling_args(p)
+    p.add_argument("--check-lossless", action="store_true",
+                   help="also decode greedily with the target alone and compare")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
+
+
+@command("run", "generate with a built engine", _run_args)
+def cmd_run(args) -> int:
+    from .runtime import Engine
+
+    device = _device(args.device) if args.device else None
+    t = time.perf_counter()
+    eng = Engine.load(args.engine, device=device, use_graphs=False if args.no_graphs else None)
+    print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
+          + (f" (graphs captured: {sorted(eng.graphs)})" if eng.graphs else ""))
+    params = _params(args)
+    t = time.perf_counter()
+    res = eng.generate(args.prompt_ids, params)
+    _report(res, time.perf_counter() - t, True)
+    if args.check_lossless:
+        if args.temperature > 0:
+            raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
+        from .lossless import check_lossless
+        report = check_lossless(eng.model, args.prompt_ids, params, res.tokens, device=eng.device)
+        print(report.line())
+        return 0 if report.ok else 3
+    return 0
+
+
+# ---- inspect ---------------------------------------------------------------------------------
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("engine")
+    p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+
+
+@command("inspect", "print an engine's manifest, buckets and pass table", _inspect_args)
+def cmd_inspect(args) -> int:
+    from .artifact import load_manifest
+    from .passes import format_stats_table
+
+    m = load_manifest(args.engine, skip=("torch_version", "triton_version", "cuda_version", "target_sm",
+                                         "dspark_compile_version"))
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    for k in ("format_version", "dspark_compile_version", "torch_version", "triton_version",
+              "cuda_version", "target_sm", "model_config_hash", "created_utc"):
+        print(f"{k:>24}: {m.get(k)}")
+    print(f"{'buckets':>24}: {m['buckets']}")
+    print(f"{'build_config':>24}: {json.dumps(m.get('build_config'))}")
+    print(f"{'graph_memory_bytes':>24}: {m.get('graph_memory_bytes')}")
+    stats = m.get("pass_stats", {})
+    if stats:
+        b = str(max(m["buckets"]))
+        print(f"passes (bucket {b}):")
+        print(format_stats_table(stats[b]))
+    return 0
