@@ -404,7 +404,8 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         manifest = {
             "format_version": FORMAT_VERSION,
             **{k: env[k] for k in ENV_FIELDS},
-            **json.loads(json.dumps(fields)),  # JSON-able, and a copy
+            # a JSON copy; non-JSON values (e.g. in pass notes) are recorded as their str()
+            **json.loads(json.dumps(fields, default=str)),
             "buckets": buckets,
             "programs": {str(b): {"path": program_path(b), "shared_weights": shared[b],
                                   "user_inputs": list(programs[b].graph_signature.user_inputs)}
@@ -471,7 +472,8 @@ def _check_ops(manifest: dict) -> None:
         # "dspark::moe_experts.default"
         op_name, _, overload = qualname.split("::", 1)[-1].partition(".")
         try:
-            current = str(getattr(getattr(torch.ops.dspark, op_name), overload or "default")._schema)
+            packet = getattr(torch.ops.dspark, op_name)
+            current = str(getattr(packet, overload or "default")._schema)
         except (AttributeError, RuntimeError):
             current = None
         if current is None:

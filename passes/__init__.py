@@ -8,7 +8,8 @@ import pkgutil as _pkgutil
 
 from .base import (STAGES, PassConfig, PassContext, PassContractError, PassError,
                    PassNoMatchWarning, PassPipelineError, PassResult, PassVerificationError)
-from .registry import REGISTRY, PassRegistry, PassSpec, isolated_registry, register_pass, source_hash
+from .registry import (REGISTRY, PassRegistry, PassSpec, isolated_registry, register_pass,
+                       source_hash)
 from .manager import PassManager, format_stats_table, sync_output_signature
 
 # Infrastructure modules; every other module in this folder is a pass file.

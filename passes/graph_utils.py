@@ -20,12 +20,8 @@ _PURE_CALLABLES = {operator.getitem, operator.add, operator.sub, operator.mul, o
                    operator.truediv, operator.mod, operator.neg, operator.pow, operator.eq,
                    operator.ne, operator.lt, operator.le, operator.gt, operator.ge,
                    operator.and_, operator.or_, operator.not_}
-try:
-    import torch.fx.experimental.sym_node as _sym_node  # noqa: F401
-    _PURE_CALLABLES |= {torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float,
-                        torch.sym_int, torch.sym_sqrt, torch.sym_ite}
-except (ImportError, AttributeError):  # pragma: no cover - older torch
-    pass
+_PURE_CALLABLES |= {f for f in (getattr(torch, n, None) for n in (
+    "sym_max", "sym_min", "sym_not", "sym_float", "sym_int", "sym_sqrt", "sym_ite")) if f}
 
 
 def _op(name: str, overload: str = "default"):
@@ -40,7 +36,6 @@ ASSERT_OPS = tuple(o for o in (
     _op("sym_constrain_range_for_size"), _op("_assert_async"), _op("_assert_async", "msg"),
     _op("_functional_assert_async", "msg"), _op("_functional_sym_constrain_range"),
     _op("_functional_sym_constrain_range_for_size"), _op("_functional_assert_scalar"),
-    _op("_print"),
 ) if o is not None)
 
 

@@ -61,7 +61,8 @@ def source_hash(obj) -> str:
                 return hashlib.sha256(f.read()).hexdigest()
         except OSError:
             pass
-    code = getattr(obj, "__code__", None) or getattr(getattr(obj, "__call__", None), "__code__", None)
+    code = getattr(obj, "__code__", None) or getattr(getattr(obj, "__call__", None), "__code__",
+                                                     None)
     if code is None:
         raise PassPipelineError(f"cannot hash the source of {obj!r}")
     return hashlib.sha256(marshal.dumps(code)).hexdigest()

@@ -41,7 +41,8 @@ def compare_tensors(what: str, ref, got, overrides: Optional[dict] = None) -> Op
     """None when `got` matches `ref`, else a one-line description of the mismatch."""
     if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
         if isinstance(ref, torch.Tensor) or isinstance(got, torch.Tensor):
-            return f"{what}: tensor vs {type(got if isinstance(ref, torch.Tensor) else ref).__name__}"
+            other = got if isinstance(ref, torch.Tensor) else ref
+            return f"{what}: tensor vs {type(other).__name__}"
         return None if ref == got else f"{what}: {ref!r} != {got!r}"
     if ref.shape != got.shape or ref.dtype != got.dtype:
         return (f"{what}: shape/dtype {tuple(got.shape)}/{got.dtype}, "

@@ -196,8 +196,8 @@ def test_verify_catches_a_pass_that_drops_a_state_update(toy, toy_export):
         gm.graph.erase_node(n)
         return 1
 
-    with pytest.raises(PassVerificationError, match=r"(?s)pass 'wrong'.*input 'ring' after the run") \
-            as e:
+    with pytest.raises(PassVerificationError,
+                       match=r"(?s)pass 'wrong'.*input 'ring' after the run") as e:
         _run_wrong(toy, toy_export, drop_ring_store)
     assert "output" not in str(e.value)
 
@@ -260,7 +260,8 @@ def test_changing_placeholders_is_refused(toy_export):
 
     reg = PassRegistry()
     register_pass(name="add_input", registry=reg)(add_input)
-    with pytest.raises(PassContractError, match="pass 'add_input' changed the graph's placeholders"):
+    with pytest.raises(PassContractError,
+                       match="pass 'add_input' changed the graph's placeholders"):
         PassManager(["add_input"], registry=reg).run(ep)
 
 

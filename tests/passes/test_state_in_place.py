@@ -18,7 +18,8 @@ class Module(torch.nn.Module):
 
 def export(fn):
     g = torch.Generator().manual_seed(0)
-    args = (torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g), torch.tensor([0, 2, 3, 5]))
+    args = (torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g),
+            torch.tensor([0, 2, 3, 5]))
     return torch.export.export(Module(fn), args)
 
 

@@ -304,7 +304,8 @@ def test_changed_pass_source_is_named(engine, built):
 
 
 def test_changed_op_schema_is_named(engine):
-    update_manifest_field(engine, "dspark_ops", {"dspark::moe_experts.default": "dspark::moe_experts(Tensor x) -> Tensor"})
+    update_manifest_field(engine, "dspark_ops", {
+        "dspark::moe_experts.default": "dspark::moe_experts(Tensor x) -> Tensor"})
     with pytest.raises(ArtifactError, match="op dspark::moe_experts.default schema changed"):
         load_manifest(engine)
     update_manifest_field(engine, "dspark_ops", {"dspark::nope.default": "dspark::nope() -> ()"})
