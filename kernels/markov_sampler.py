@@ -155,6 +155,16 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
 
 
 @triton.jit
+def _tile_max(bmax_ptr, b, NBLK, v0, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Max z over tokens [v0, v0 + TILE) from the logits kernel's block maxima: tiles that
+    cannot matter are then skipped without reading z."""
+    NBT: tl.constexpr = 2 * max(TILE // BLOCK_V, 1)     # a power of two >= blocks touched
+    blk = v0 // BLOCK_V + tl.arange(0, NBT)
+    ok = (blk <= (v0 + TILE - 1) // BLOCK_V) & (blk < NBLK)
+    return tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=ok, other=float("-inf")), axis=0)
+
+
+@triton.jit
 def _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
     """(greedy, k, top_p, k_on, p_on) of row b under the launch mode."""
     if MODE == 0:
@@ -208,6 +218,7 @@ def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk
                 z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
                 cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
             tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+            tl.debug_barrier()   # every thread's stores happen before the releasing ticket
             if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
                 tot = tl.zeros((NB,), tl.int32)
                 for cc in range(C):
@@ -220,11 +231,12 @@ def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk
 
 
 @triton.jit
-def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr,
+def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
                           above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
-                          V, C, CHUNK, stride_zb,
+                          V, C, CHUNK, NBLK, stride_zb,
                           TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
-                          CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr):
+                          CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
@@ -239,23 +251,26 @@ def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_pt
         am = tl.zeros((), tl.int64)
         ac = tl.zeros((), tl.int64)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-            offs = v0 + tl.arange(0, TILE)
-            z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-            fin = z > float("-inf")
-            j = d_bin(z, m, INV_W, NB)
-            above = fin & (j < jlo)
-            cand = fin & (j >= jlo) & (j <= jhi)
-            am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
-            ac += tl.sum(above.to(tl.int64), axis=0)
-            n_t = tl.sum(cand.to(tl.int32), axis=0)
-            if n_t > 0:
-                slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
-                pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                ok = cand & (pos < CAP)
-                tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
-                tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
+            # a tile whose best token lies below the bracket holds nothing of interest
+            if d_bin(_tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
+                offs = v0 + tl.arange(0, TILE)
+                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                fin = z > float("-inf")
+                j = d_bin(z, m, INV_W, NB)
+                above = fin & (j < jlo)
+                cand = fin & (j >= jlo) & (j <= jhi)
+                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+                ac += tl.sum(above.to(tl.int64), axis=0)
+                n_t = tl.sum(cand.to(tl.int32), axis=0)
+                if n_t > 0:
+                    slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
+                    pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                    ok = cand & (pos < CAP)
+                    tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
+                    tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
         tl.store(above_m_ptr + b * C + c, am)
         tl.store(above_c_ptr + b * C + c, ac)
+        tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
             co = tl.arange(0, C_P2)
             am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg"), axis=0)
@@ -274,9 +289,10 @@ def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_pt
 
 @triton.jit
 def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowf_ptr,
-                         rowi_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr, done_ptr,
-                         step, V, C, CHUNK, stride_zb, stride_db,
-                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr):
+                         rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
+                         done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db,
+                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
@@ -297,19 +313,23 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
             offs = v0 + tl.arange(0, TILE)
             vm = offs < V
-            z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
-            keep = (z >= tau) & (z > float("-inf")) & ~deg
-            prob = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
-            tl.store(zrow + offs, prob, mask=vm)
-            if tl.max(keep.to(tl.int32), axis=0) > 0:   # the noise only where something is kept
+            # nothing kept in the tile (its best token is below tau): write zeros, read nothing
+            if (_tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= tau) & ~deg:
+                z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
+                keep = (z >= tau) & (z > float("-inf"))
+                prob = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
+                tl.store(zrow + offs, prob, mask=vm)
                 g = tl_gumbel(seed, offs, pos, _STREAM_DRAFT)
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
                 tb = tl.max(s, axis=0)
                 ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
                 bid = tl.where(tb > best, ti, bid)
                 best = tl.where(tb > best, tb, best)
+            else:
+                tl.store(zrow + offs, tl.zeros((TILE,), tl.float32), mask=vm)
         tl.store(best_v_ptr + b * C + c, best)
         tl.store(best_i_ptr + b * C + c, bid)
+        tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
             co = tl.arange(0, C_P2)
             vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
@@ -341,7 +361,7 @@ def _tiling(B: int, V: int, tile: int | None, chunk: int | None):
 # (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, num_stages) of the logits kernel per batch tile: no
 # spills and <= 99 KB shared memory on sm_120 (checked with cuobjdump); the benchmark sweeps
 # alternatives (benchmarks/sampler_cases.py) and the table is the place to put a better one.
-LOGITS_CONFIGS = {16: (16, 128, 64, 8, 1), 32: (32, 128, 64, 8, 1), 64: (64, 128, 32, 8, 1)}
+LOGITS_CONFIGS = {16: (16, 128, 64, 8, 1), 32: (32, 128, 32, 8, 1), 64: (64, 128, 32, 8, 1)}
 
 
 def _logits_config(B: int, R: int, override=None):
@@ -426,15 +446,17 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             num_warps=4)
         if MODE == 2:
             launch(_markov_select_kernel)[(B, C)](
-                temperature, top_k, top_p, z_k, rowf, rowi, above_m, above_c, ckey, cmass,
-                cnt[1], cnt[2], V, C, CHUNK, z_k.stride(0),
+                temperature, top_k, top_p, z_k, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
+                cnt[1], cnt[2], V, C, CHUNK, NBLK, z_k.stride(0),
                 TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
+                BLOCK_V=BLOCK_V,
                 num_warps=_select_warps(cap))
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
-                temperature, top_k, top_p, seed, start_pos, z_k, rowf, rowi, best_v, best_i,
-                drafts[:, k], prev, cnt[3], k, V, C, CHUNK, z_k.stride(0), drafts.stride(0),
-                TILE=TILE, MODE=MODE, C_P2=C_P2, num_warps=4)
+                temperature, top_k, top_p, seed, start_pos, z_k, rowf, rowi, bmax, best_v,
+                best_i, drafts[:, k], prev, cnt[3], k, V, C, CHUNK, NBLK, z_k.stride(0),
+                drafts.stride(0), TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                num_warps=4)
     return drafts, probs
 
 
@@ -476,50 +498,55 @@ def markov_sample(base_logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Ten
 
 
 # SM12x readiness: every configuration the launcher picks at the Flash dims (V = 129280,
-# r = 256, bf16 W1/W2, bf16 or fp32 base logits), for the batch buckets 1..64.
+# r = 256, bf16 W1/W2, fp32 base logits as the draft head produces them), batch tiles 16/32/64.
+# "i32:16": integers the launch passes as multiples of 16 (V, N*V strides, chunk sizes), which
+# Triton's JIT specialises on, so the check compiles what runs. Configurations that differ only
+# in a runtime integer compile to the same kernel and are listed once.
 _V_FLASH, _R_FLASH = 129280, 256
+_D16 = "i32:16"
 
 
 def _markov_configs():
-    out = {"logits": [], "reduce": [], "select": [], "final": []}
+    out = []
     nblk = triton.cdiv(_V_FLASH, 128)
+    flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
         BLOCK_B, BLOCK_V, BLOCK_R, warps, _ = _logits_config(B, _R_FLASH)
-        for base_t in ("*fp32", "*bf16"):
-            for greedy in (False, True):
-                out["logits"].append(compile_config(_markov_logits_kernel, dict(
-                    base_ptr=base_t, w1_ptr="*bf16", w2_ptr="*bf16", prev_ptr="*i64",
-                    temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
-                    bsum_ptr="*fp32", bnan_ptr="*i32", B="i32", V="i32", NBLK="i32",
-                    stride_bb="i32", stride_zb="i32"),
-                    dict(R=_R_FLASH, BLOCK_B=BLOCK_B, UNROLL=1, EVEN_V=_V_FLASH % BLOCK_V == 0, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, ALL_GREEDY=greedy,
-                         DOT_F32=False), warps))
-    for B in (1, 16, 64):
-        TILE, CHUNK, C = _tiling(B, _V_FLASH, None, None)
-        flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
-        for mode in (0, 1, 2):
-            out["reduce"].append(compile_config(_markov_reduce_kernel, dict(
-                bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
-                z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
-                rowi_ptr="*i32", hist_ptr="*i32", done_ptr="*i32", V="i32", NBLK="i32", C="i32",
-                CHUNK="i32", stride_zb="i32", stride_db="i32"),
-                dict(NBLK_P2=next_pow2(nblk), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W,
-                     MODE=mode), 4))
-        for mode in (1, 2):
-            out["final"].append(compile_config(_markov_final_kernel, dict(
-                **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
-                rowi_ptr="*i32", best_v_ptr="*fp32", best_i_ptr="*i32", drafts_ptr="*i64",
-                prev_ptr="*i64", done_ptr="*i32", step="i32", V="i32", C="i32", CHUNK="i32",
-                stride_zb="i32", stride_db="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=next_pow2(C)), 4))
-        out["select"].append(compile_config(_markov_select_kernel, dict(
-            **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", above_m_ptr="*i64",
-            above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32",
-            done_ptr="*i32", V="i32", C="i32", CHUNK="i32", stride_zb="i32"),
+        for greedy in (False, True):
+            out.append(compile_config(_markov_logits_kernel, dict(
+                base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", prev_ptr="*i64",
+                temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
+                bsum_ptr="*fp32", bnan_ptr="*i32", B="i32", V=_D16, NBLK="i32",
+                stride_bb=_D16, stride_zb=_D16),
+                dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, UNROLL=1,
+                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False), warps))
+    TILE, _, _ = _tiling(1, _V_FLASH, None, None)
+    for mode in (0, 1, 2):
+        out.append(compile_config(_markov_reduce_kernel, dict(
+            bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
+            z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
+            rowi_ptr="*i32", hist_ptr="*i32", done_ptr="*i32", V=_D16, NBLK="i32", C=_D16,
+            CHUNK=_D16, stride_zb=_D16, stride_db="i32"),
+            dict(NBLK_P2=next_pow2(nblk), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W,
+                 MODE=mode), 4))
+    c_p2 = sorted({next_pow2(_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
+    for cp in c_p2:
+        out.append(compile_config(_markov_select_kernel, dict(
+            **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
+            above_m_ptr="*i64", above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
+            ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32",
+            stride_zb=_D16),
             dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=next_pow2(C)),
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128),
             _select_warps(CAND_CAP)))
-    return [cfg for v in out.values() for cfg in v]
+        for mode in (1, 2):
+            out.append(compile_config(_markov_final_kernel, dict(
+                **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
+                rowi_ptr="*i32", bmax_ptr="*fp32", best_v_ptr="*fp32", best_i_ptr="*i32",
+                drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", step="i32", V=_D16,
+                C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32"),
+                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=128), 4))
+    return out
 
 
 add_compile_configs("markov_sample", _markov_configs())

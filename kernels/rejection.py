@@ -366,16 +366,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 # SM12x readiness: the configurations the launchers pick at the Flash vocabulary (one program
 # per request, 1024-wide tiles, 4096 candidates), bf16 or fp32 logits, int64 metadata.
 def _rejection_configs(logit_t: str, stream: int):
+    d16 = "i32:16"   # V and the V-multiple strides: the JIT specialises multiples of 16
     types = dict(logits_ptr=logit_t, drafts_ptr="*i64", q_ptr="*fp32", temp_ptr="*fp32",
                  topk_ptr="*i64", topp_ptr="*fp32", seed_ptr="*i64", pos_ptr="*i64",
                  tokens_ptr="*i64", num_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64", N="i32",
-                 V="i32", stride_lb="i32", stride_li="i32", stride_db="i32", stride_qb="i32",
-                 stride_qi="i32", stride_tb="i32")
+                 V=d16, stride_lb=d16, stride_li=d16, stride_db="i32", stride_qb=d16,
+                 stride_qi=d16, stride_tb="i32")
     consts = dict(TILE=1024, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
                   SCALE=float(2 ** mass_scale_bits(129280)), STREAM=stream)
     return compile_config(_rejection_kernel, types, consts, 8)
 
 
-for _lt in ("*fp32", "*bf16"):
-    add_compile_configs("rejection_sample", [_rejection_configs(_lt, STREAM_RESAMPLE)])
-    add_compile_configs("sample", [_rejection_configs(_lt, STREAM_TARGET)])
+# fp32 logits (what the target head produces); a bf16 variant compiles alike
+add_compile_configs("rejection_sample", [_rejection_configs("*fp32", STREAM_RESAMPLE)])
+add_compile_configs("sample", [_rejection_configs("*fp32", STREAM_TARGET)])

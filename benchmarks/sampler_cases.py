@@ -1,0 +1,163 @@
+"""Sampler benchmark cases (group "sampler"), Flash dims: V = 129280, r = 256, N = 5.
+
+    python benchmarks/kernels.py --only sampler --out benchmarks/results/h200_sampler
+    python benchmarks/kernels.py --only sampler --ops markov_greedy --batches 1,64
+
+Cases per B (requests):
+- `markov_greedy`: every row greedy. Variants: the reference (eager / torch.compile), `ours`
+  (the op in its default "full" mode, which still launches the probabilistic passes),
+  `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
+  `ours-cfg*` logits-kernel tilings (tuning data for LOGITS_CONFIGS).
+- `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
+  top-p, so it is not a variant here; `ours-cfg*` as above.
+- `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
+  T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
+
+bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
+logits (fp32, as the draft head produces them) + the W1 rows + for probabilistic rows the
+draft_probs written once (fp32). The byte floor of the brief (~78 us at B = 1) is the W2 part.
+Rejection = per request the target rows up to the first rejection and its q row (data
+dependent: counted as 2 target rows + 1 q row, about what the drafts here produce), plus tokens.
+"""
+from __future__ import annotations
+
+import torch
+from harness import Case, compare
+
+from dspark_compile.kernels import markov_sampler as ms
+from dspark_compile.kernels import rejection as rj
+
+V, R, N = 129280, 256, 5
+TOP_P = 0.95
+W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as models/synth.py draws the Markov head
+
+_WEIGHTS: dict = {}
+
+# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, num_stages); each
+# compiles for sm_120 without spills (see ms.LOGITS_CONFIGS). Tuning data only.
+TILINGS = {
+    16: [(16, 128, 32, 4, 1), (16, 64, 64, 4, 1), (16, 128, 64, 4, 1)],
+    32: [(32, 64, 64, 8, 1)],
+    64: [(64, 128, 64, 8, 1), (64, 64, 64, 8, 1)],
+}
+
+
+def _gen(device, seed):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _weights(device):
+    """W1/W2 shared by every input set (weights are shared by every step in the engine too)."""
+    key = str(device)
+    if key not in _WEIGHTS:
+        g = _gen(device, 7)
+        _WEIGHTS[key] = tuple((torch.randn(V, R, generator=g, device=device) * W_STD).bfloat16()
+                              for _ in range(2))
+    return _WEIGHTS[key]
+
+
+def _markov_inputs(B, T, top_p):
+    def make(device, seed):
+        g = _gen(device, seed)
+        w1, w2 = _weights(device)
+        return {"base_logits": torch.randn(B, N, V, generator=g, device=device) * 3.0,
+                "anchor": torch.randint(0, V, (B,), generator=g, device=device),
+                "w1": w1, "w2": w2,
+                "temperature": torch.full((B,), T, device=device),
+                "top_k": torch.zeros(B, dtype=torch.int64, device=device),
+                "top_p": torch.full((B,), top_p, device=device),
+                "seed": torch.randint(0, 2 ** 62, (B,), generator=g, device=device),
+                "start_pos": torch.randint(0, 100000, (B,), generator=g, device=device)}
+    return make
+
+
+def _markov_check(make, greedy):
+    def check(device):
+        d = make(device, 123)
+        got_d, got_p = torch.ops.dspark.markov_sample(**d)
+        want_d, want_p = ms.markov_sample_reference(**d)
+        same = (got_d == want_d).all(1)
+        msgs = []
+        if same.float().mean() < 0.9:   # bias sums differ in order: a near-tie may flip a row
+            msgs.append(f"drafts: {int((~same).sum())}/{same.numel()} rows differ")
+        if not greedy and same.any():
+            msgs.append(compare("draft_probs", got_p[same], want_p[same]))
+        return "; ".join(m for m in msgs if m)
+    return check
+
+
+def _markov_bytes(B, probabilistic):
+    w2 = V * R * 2
+    return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + (B * N * V * 4 if probabilistic else 0)
+
+
+def _tiling_variants(B):
+    bb = min(64, max(16, 1 << (B - 1).bit_length()))
+    return {f"ours-cfg{'x'.join(map(str, c))}":
+            (lambda d, c=c: ms.markov_sample_launch(**d, logits_config=c)) for c in TILINGS[bb]}
+
+
+def markov_cases(batches):
+    out = []
+    for B in batches:
+        make = _markov_inputs(B, 0.0, 1.0)
+        extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy")}
+        extra.update(_tiling_variants(B))
+        out.append(Case("sampler", "markov_greedy", {"B": B, "N": N}, make,
+                        lambda d: ms.markov_sample_reference(**d),
+                        lambda d: torch.ops.dspark.markov_sample(**d),
+                        _markov_bytes(B, False), check=_markov_check(make, True), extra=extra))
+        make = _markov_inputs(B, 1.0, TOP_P)
+        out.append(Case("sampler", "markov_topp", {"B": B, "N": N}, make,
+                        lambda d: ms.markov_sample_reference(**d),
+                        lambda d: torch.ops.dspark.markov_sample(**d),
+                        _markov_bytes(B, True), check=_markov_check(make, False),
+                        extra=_tiling_variants(B)))
+    return out
+
+
+def _rejection_inputs(B, T, top_p, greedy):
+    def make(device, seed):
+        g = _gen(device, seed)
+        target = torch.randn(B, N + 1, V, generator=g, device=device) * 3.0
+        q = torch.softmax(target[:, :N] + torch.randn(B, N, V, generator=g, device=device), -1)
+        if greedy:
+            drafts = target[:, :N].argmax(-1)
+            drafts[:, 2:] = torch.randint(0, V, (B, N - 2), generator=g, device=device)
+        else:
+            drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+        return {"target_logits": target, "draft_tokens": drafts, "draft_probs": q,
+                "temperature": torch.full((B,), T, device=device),
+                "top_k": torch.zeros(B, dtype=torch.int64, device=device),
+                "top_p": torch.full((B,), top_p, device=device),
+                "seed": torch.randint(0, 2 ** 62, (B,), generator=g, device=device),
+                "start_pos": torch.randint(0, 100000, (B,), generator=g, device=device)}
+    return make
+
+
+def _rejection_check(make):
+    def check(device):
+        d = make(device, 321)
+        got = torch.ops.dspark.rejection_sample(**d)
+        want = rj.rejection_sample_reference(**d)
+        same = (got[0] == want[0]).all(1) & (got[1] == want[1])
+        return "" if same.float().mean() >= 0.9 else f"{int((~same).sum())} rows differ"
+    return check
+
+
+def rejection_cases(batches):
+    out = []
+    for B in batches:
+        nbytes = B * (2 * V * 4 + V * 4) + B * (N + 1) * 8 * 2
+        for name, T, top_p, greedy in (("rejection_topp", 1.0, TOP_P, False),
+                                       ("rejection_greedy", 0.0, 1.0, True)):
+            make = _rejection_inputs(B, T, top_p, greedy)
+            out.append(Case("sampler", name, {"B": B, "N": N}, make,
+                            lambda d: rj.rejection_sample_reference(**d),
+                            lambda d: torch.ops.dspark.rejection_sample(**d),
+                            nbytes, check=_rejection_check(make)))
+    return out
+
+
+def cases(batches):
+    return markov_cases(batches) + rejection_cases(batches)
