@@ -16,6 +16,9 @@ except Exception:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # CI has 2 cores: torch's intra-op threads only fight each other over tiny CPU matmuls
+    # (a tiny-model linear takes ~40 ms with the default pool vs ~0.5 ms single-threaded).
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
