@@ -102,13 +102,15 @@ _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
 @triton.jit
 def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
                           bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
-                          B, V, NBLK, stride_bb, stride_zb,
+                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, UNROLL: tl.constexpr, EVEN_V: tl.constexpr,
                           ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
     # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
     # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
     blk = tl.program_id(0)
+    base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
+    z_ptr += z_off
     offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
     offs_r = tl.arange(0, BLOCK_R)
@@ -185,11 +187,14 @@ def _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 @triton.jit
 def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
                           z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, done_ptr,
-                          V, NBLK, C, CHUNK, stride_zb, stride_db,
+                          V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off,
                           NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
                           INV_W: tl.constexpr, MODE: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    z_ptr += z_off
+    drafts_ptr += step
+    done_ptr += done_off
     o = tl.arange(0, NBLK_P2)
     om = o < NBLK
     bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
@@ -233,12 +238,15 @@ def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk
 @triton.jit
 def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
                           above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
-                          V, C, CHUNK, NBLK, stride_zb,
+                          V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off,
                           TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
                           CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
                           BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    z_ptr += z_off
+    ccount_ptr += ccount_off
+    done_ptr += done_off
     greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
     deg = tl.load(rowi_ptr + b * 4 + 3) != 0
     if (~greedy) & (~deg) & (k_on | p_on):
@@ -290,11 +298,14 @@ def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_pt
 @triton.jit
 def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowf_ptr,
                          rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
-                         done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db,
-                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
+                         done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
+                         done_off, TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
                          BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    z_ptr += z_off
+    drafts_ptr += step
+    done_ptr += done_off
     greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
     if ~greedy:
         m = tl.load(rowf_ptr + b * 4)
@@ -430,32 +441,33 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     best_v = torch.empty((B, C), dtype=f32, device=dev)
     best_i = torch.empty((B, C), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
+    sb, sz = base_logits.stride(0), probs.stride(0)
     for k in range(N):
-        base_k = base_logits[:, k]
-        z_k = probs[:, k]
-        cnt = counters[k]
+        # step k's slices are passed as offsets rather than views (plainer for export)
+        zo = k * probs.stride(1)
+        cnt = [(k * 4 + j) * B for j in range(4)]
         launch(_markov_logits_kernel)[(NBLK,)](
-            base_k, w1, w2, prev, temperature, z_k, bmax, barg, bsum, bnan,
-            B, V, NBLK, base_k.stride(0), z_k.stride(0),
+            base_logits, w1, w2, prev, temperature, probs, bmax, barg, bsum, bnan,
+            B, V, NBLK, sb, sz, k * base_logits.stride(1), zo,
             R=R, BLOCK_B=BLOCK_B, UNROLL=1, EVEN_V=V % BLOCK_V == 0, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, ALL_GREEDY=MODE == 0,
             DOT_F32=dot_f32, num_warps=warps1, num_stages=stages1)
         launch(_markov_reduce_kernel)[(B, C)](
-            bmax, barg, bsum, bnan, temperature, top_k, top_p, z_k, drafts[:, k], prev, rowf,
-            rowi, hist, cnt[0], V, NBLK, C, CHUNK, z_k.stride(0), drafts.stride(0),
+            bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
+            rowi, hist, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0],
             NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=MODE,
             num_warps=4)
         if MODE == 2:
             launch(_markov_select_kernel)[(B, C)](
-                temperature, top_k, top_p, z_k, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
-                cnt[1], cnt[2], V, C, CHUNK, NBLK, z_k.stride(0),
+                temperature, top_k, top_p, probs, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
+                counters, counters, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2],
                 TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
                 BLOCK_V=BLOCK_V,
                 num_warps=_select_warps(cap))
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
-                temperature, top_k, top_p, seed, start_pos, z_k, rowf, rowi, bmax, best_v,
-                best_i, drafts[:, k], prev, cnt[3], k, V, C, CHUNK, NBLK, z_k.stride(0),
-                drafts.stride(0), TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
+                best_i, drafts, prev, counters, k, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
+                cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
                 num_warps=4)
     return drafts, probs
 
@@ -517,7 +529,7 @@ def _markov_configs():
                 base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", prev_ptr="*i64",
                 temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
                 bsum_ptr="*fp32", bnan_ptr="*i32", B="i32", V=_D16, NBLK="i32",
-                stride_bb=_D16, stride_zb=_D16),
+                stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16),
                 dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, UNROLL=1,
                      EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False), warps))
     TILE, _, _ = _tiling(1, _V_FLASH, None, None)
@@ -526,7 +538,8 @@ def _markov_configs():
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
             z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
             rowi_ptr="*i32", hist_ptr="*i32", done_ptr="*i32", V=_D16, NBLK="i32", C=_D16,
-            CHUNK=_D16, stride_zb=_D16, stride_db="i32"),
+            CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16, step="i32",
+            done_off="i32"),
             dict(NBLK_P2=next_pow2(nblk), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W,
                  MODE=mode), 4))
     c_p2 = sorted({next_pow2(_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
@@ -535,7 +548,7 @@ def _markov_configs():
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             above_m_ptr="*i64", above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
             ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32",
-            stride_zb=_D16),
+            stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32"),
             dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128),
             _select_warps(CAND_CAP)))
@@ -544,7 +557,8 @@ def _markov_configs():
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
                 rowi_ptr="*i32", bmax_ptr="*fp32", best_v_ptr="*fp32", best_i_ptr="*i32",
                 drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", step="i32", V=_D16,
-                C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32"),
+                C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
+                done_off="i32"),
                 dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=128), 4))
     return out
 
