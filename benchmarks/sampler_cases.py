@@ -88,7 +88,8 @@ def _markov_check(make, greedy):
 
 def _markov_bytes(B, probabilistic):
     w2 = V * R * 2
-    return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + (B * N * V * 4 if probabilistic else 0)
+    probs = B * N * V * 4 if probabilistic else 0
+    return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + probs
 
 
 def _tiling_variants(B):

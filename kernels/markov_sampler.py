@@ -1,4 +1,4 @@
-"""DSpark Markov draft sampler: reference (the Triton kernels and the op follow below it).
+"""DSpark Markov draft sampler: reference, fused Triton kernels, launcher, `dspark::markov_sample`.
 
     prev = anchor
     for k in 0..N-1:                       # draft k is the token at position start_pos + k
@@ -10,14 +10,54 @@
 
 Conventions (temperature/top-k/top-p, degenerate rows, Gumbel keys, id folding) are those of
 kernels/sampling.py.
+
+Bytes one call must move (Flash: V = 129280, r = 256, N = 5, bf16 W1/W2, fp32 base logits):
+W2 once per step, 5 x 66.2 MB = 331 MB (the floor, ~78 us on an H200), + base logits B*N*V*4
+(2.6 MB per request) + W1 rows B*N*r*2, + for non-greedy rows draft_probs B*N*V*4 written.
+
+Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
+  logits  grid (cdiv(V, BLOCK_V),): a program owns a vocab block for *all* B rows, so W2 is read
+          exactly once per step; bias = W1[prev] . W2[block]^T on tensor cores (bf16 operands
+          give exact products, fp32 accumulation), + base, / T; per-block max, lowest-id argmax,
+          sum exp(z - max) and NaN flag; z of non-greedy rows goes to the step's draft_probs
+          slot. The [B, V] bias never exists anywhere else.
+  reduce  grid (B, C chunks): each program folds its row's block statistics (row max, Z,
+          argmax); greedy rows' tokens (and `prev`) are final here.
+  select  grid (B, C): top-k/top-p rows only (see below).
+  final   grid (B, C), non-greedy rows: probabilities written over z, Gumbel-max with in-kernel
+          Philox over the kept tokens; the row's last program (atomic ticket) reduces the chunk
+          winners into the token and `prev`.
+A "last program" of a row is the one whose atomic ticket (acq_rel, after a CTA barrier) comes
+last; it reads the others' partials (bypassing L1) in a fixed order, so results never depend on
+which program finished first. Ticket counters are one zeroed tensor per call.
+
+Top-k / top-p cost (exact thresholds without sorting, kernels/sampling.py): for rows that use
+them, reduce also builds a count histogram of its chunk (one more read of z) and the extra
+`select` launch reads z once more (tiles whose best token is below the bracket are skipped from
+the block maxima) to collect the exact masses and the few candidates the threshold is resolved
+from. That is 2 launches and ~2 row reads (z is L2-resident: 0.5 MB per row) per step beyond
+plain sampling; `final` then skips the reads and the Philox noise for tiles with nothing kept.
+T = 1.0 / top-p 0.95 (deployed) therefore costs roughly the plain path plus two short launches.
+
+`mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored) and
+"greedy" also final (every row greedy) -- graphs the engine can capture for batches whose sampling
+parameters the host knows. On CUDA the draft_probs rows of greedy rows are not written
+(unspecified; the reference gives zeros): nothing reads them, and writing B*N*V zeros would cost
+more than the whole greedy sampler at B = 64.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .philox import STREAM_DRAFT
-from .sampling import (argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax,
-                       greedy_rows, logprobs_from_processed, probs_from_processed, process_logits)
+from .registry import add_compile_configs, dspark_op
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, bracket,
+                       check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
+                       greedy_rows, logprobs_from_processed, mass_scale_bits,
+                       probs_from_processed, process_logits, resolve, resolve_by_scan, tl_gumbel)
+from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
 def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos):
@@ -31,7 +71,8 @@ def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, 
         raise ValueError(f"w2 must be a float {tuple(w1.shape)} tensor like w1, got {w2.dtype} "
                          f"{tuple(w2.shape)}")
     if anchor.shape != (B,) or anchor.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"anchor must be an int [{B}] tensor, got {anchor.dtype} {tuple(anchor.shape)}")
+        raise ValueError(f"anchor must be an int [{B}] tensor, got {anchor.dtype} "
+                         f"{tuple(anchor.shape)}")
     check_sampling_params(B, temperature, top_k, top_p, seed, start_pos, "start_pos")
 
 
@@ -64,36 +105,6 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-#
-# Per Markov step k, launches (all fixed, so the op captures into one CUDA graph):
-#   logits  grid (cdiv(V, BLOCK_V),): each program owns a vocab block for *all* B rows, so W2 is
-#           read exactly once per step; bias = W1[prev] . W2[block]^T on tensor cores (bf16
-#           operands are exact products, fp32 accumulation), + base, / T. Writes per-block
-#           max / lowest-id argmax / sum exp(z - max) / NaN flag, and z itself into the step's
-#           draft_probs slot for non-greedy rows (the [B, V] bias is never materialised apart).
-#   reduce  grid (B, C): every program folds its row's block statistics (row max, Z, argmax);
-#           greedy rows' tokens are final here. Rows with top-k/top-p: count histogram of the
-#           chunk; the last program of the row (atomic ticket) picks the bin bracket.
-#   select  grid (B, C), rows with top-k/top-p only: exact masses above the bracket, candidates
-#           inside it; the row's last program resolves the exact threshold (sampling.py).
-#   final   grid (B, C), non-greedy rows: probabilities in place of z, Gumbel-max (Philox,
-#           STREAM_DRAFT) over the kept tokens only (tiles with nothing kept skip the noise);
-#           the row's last program reduces the chunk winners and writes the token and `prev`.
-# mode "greedy" launches logits + reduce, "plain" adds final, "full" (default) all four: the
-# engine may capture a cheaper graph when the host knows its batch needs fewer features.
-#
-# Bytes per call (Flash: V = 129280, r = 256, N = 5, bf16 weights, fp32 base):
-#   5 x W2 (66.2 MB) = 331 MB + base B*N*V*4 + (non-greedy rows) draft_probs B*N*V*4 written,
-#   plus z round-trips through the draft_probs slot (L2-resident for small B): reduce / select
-#   read it when top-k/top-p is on, final reads it once more.
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .registry import add_compile_configs, dspark_op  # noqa: E402
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, bracket, d_bin, fixed_mass,  # noqa: E402
-                       mass_scale_bits, resolve, resolve_by_scan, tl_gumbel, f32_key)
-from .tl_helpers import compile_config, interpreting, launch, next_pow2  # noqa: E402
 
 MODES = {"greedy": 0, "plain": 1, "full": 2}
 _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
@@ -125,7 +136,8 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
             # W2 is streamed once per step: keep it from evicting z / statistics in L2. A masked
             # load costs ~3x the registers, so only a ragged last block pays for the mask.
             if EVEN_V:
-                w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], eviction_policy="evict_first")
+                w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :],
+                            eviction_policy="evict_first")
             else:
                 w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], mask=vmask[:, None],
                             other=0.0, eviction_policy="evict_first")
@@ -227,7 +239,8 @@ def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk
             if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
                 tot = tl.zeros((NB,), tl.int32)
                 for cc in range(C):
-                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB), cache_modifier=".cg")
+                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
+                                   cache_modifier=".cg")
                 k_on = k_on & (k <= tl.sum(tot, axis=0))   # k beyond the finite tokens: keep all
                 jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
                 tl.store(rowi_ptr + b * 4, jlo)
@@ -281,8 +294,11 @@ def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_pt
         tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
             co = tl.arange(0, C_P2)
-            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg"), axis=0)
-            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg"), axis=0)
+            cm = co < C
+            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
+                        axis=0)
+            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
+                        axis=0)
             n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")
             idx = tl.arange(0, CAP)
             valid = idx < n
@@ -449,8 +465,9 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         launch(_markov_logits_kernel)[(NBLK,)](
             base_logits, w1, w2, prev, temperature, probs, bmax, barg, bsum, bnan,
             B, V, NBLK, sb, sz, k * base_logits.stride(1), zo,
-            R=R, BLOCK_B=BLOCK_B, UNROLL=1, EVEN_V=V % BLOCK_V == 0, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, ALL_GREEDY=MODE == 0,
-            DOT_F32=dot_f32, num_warps=warps1, num_stages=stages1)
+            R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, UNROLL=1,
+            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32, num_warps=warps1,
+            num_stages=stages1)
         launch(_markov_reduce_kernel)[(B, C)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
             rowi, hist, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0],

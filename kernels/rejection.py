@@ -7,7 +7,8 @@ bonus position for i = N.
 - Greedy rows (temperature <= 0): accept draft i while it equals argmax(target row i); at the first
   mismatch emit that argmax and stop; if all N pass, emit the bonus argmax of row N.
 - Other rows (standard speculative sampling, Leviathan/Chen): p_i = softmax(process(target row i)),
-  q_i = draft_probs[:, i] (NaN / inf / negative entries read as 0), u_i = uniform(seed, 0, start_pos + i, STREAM_ACCEPT). Accept draft x iff
+  q_i = draft_probs[:, i] (NaN / inf / negative entries read as 0),
+  u_i = uniform(seed, 0, start_pos + i, STREAM_ACCEPT). Accept draft x iff
   q_i(x) > 0 and p_i(x) >= u_i * q_i(x). At the first rejection sample from the residual
   max(p_i - q_i, 0) (from p_i if that is all zero) by Gumbel-max keyed
   (seed, vocab, start_pos + i, STREAM_RESAMPLE); if all N pass, sample the bonus from p_N alike.
@@ -15,15 +16,31 @@ bonus position for i = N.
 
 Outputs: tokens [B, N + 1] int64 (committed tokens first: the accepted drafts, then the
 resampled/bonus token; -1 after them) and num_sampled [B] int64 in [1, N + 1].
+
+Fused kernel (`dspark::rejection_sample`; with N = 0 and STREAM_TARGET it is also the plain
+target sampler `dspark::sample`): one program per request walks its rows in order and stops at
+the first rejection, so only rows that decide something are read. Row i costs one statistics pass
+(max, Z, argmax) and, with top-k/top-p, a histogram pass and a candidate pass (exact threshold,
+kernels/sampling.py); the deciding row one more pass for the residual/bonus Gumbel-max, reading
+q_i too (Philox only in tiles with kept tokens).
+Bytes per request: the target rows up to and including the first rejection (a + 1 rows, fp32,
+0.5 MB each at V = 129280; each read 1 + 2 (top-k/top-p) + 1 (last row) times) + one q row +
+tokens. Greedy rows: a + 1 statistics passes only.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
-from .sampling import (argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax,
-                       greedy_rows, logprobs_from_processed, probs_from_processed, process_logits,
-                       sample_reference)
+from .registry import add_compile_configs, dspark_op
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, bracket,
+                       check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
+                       greedy_rows, logprobs_from_processed, mass_scale_bits,
+                       probs_from_processed, process_logits, resolve, resolve_by_scan,
+                       load_scaled, sample_reference, tl_gumbel, tl_uniform)
+from .tl_helpers import compile_config, launch, next_pow2
 
 
 def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
@@ -103,22 +120,6 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
-#
-# One program per request walks its rows in order and stops at the first rejection, so only the
-# rows that decide something are read: row i costs one statistics pass (max, Z, argmax), plus
-# for top-k/top-p a histogram pass and a candidate pass (sampling.py: exact threshold), and the
-# deciding row one more pass for the residual/bonus Gumbel-max (reading q_i as well).
-# Bytes per request: (a + 1) target rows (+2 passes each with top-k/top-p), one q row; with
-# random drafts (acceptance ~0) that is ~2-4 row reads, about 1-2 MB at V = 129280 in fp32.
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from .registry import add_compile_configs, dspark_op  # noqa: E402
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, bracket, d_bin, f32_key,  # noqa: E402
-                       fixed_mass, mass_scale_bits, resolve, resolve_by_scan, tl_gumbel,
-                       tl_uniform)
-from .tl_helpers import compile_config, launch, next_pow2  # noqa: E402
 
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
 
@@ -156,7 +157,7 @@ def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
     cnt = tl.zeros((NB,), tl.int32)
     for v0 in range(0, V, TILE):
         offs = v0 + tl.arange(0, TILE)
-        z = tl.math.div_rn(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        z = load_scaled(row_ptr, offs, V, t)
         cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
     k_on = k_on & (k <= tl.sum(cnt, axis=0))
     jlo, jhi = bracket(cnt, Z, k, p, k_on, p_on, NB, INV_W)
@@ -165,7 +166,7 @@ def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
     n = tl.zeros((), tl.int32)
     for v0 in range(0, V, TILE):
         offs = v0 + tl.arange(0, TILE)
-        z = tl.math.div_rn(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        z = load_scaled(row_ptr, offs, V, t)
         fin = z > float("-inf")
         j = d_bin(z, m, INV_W, NB)
         above = fin & (j < jlo)
@@ -212,7 +213,8 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
             m, Z, arg, nan = _row_stats(row, V, t, TILE)
             deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
             targ = tl.where(deg, 0, arg).to(tl.int64)
-            d = tl.load(drafts_ptr + b * stride_db + tl.minimum(i, N - 1), mask=i < N, other=-1).to(tl.int64)
+            d = tl.load(drafts_ptr + b * stride_db + tl.minimum(i, N - 1), mask=i < N,
+                        other=-1).to(tl.int64)
             dvalid = (d >= 0) & (d < V) & (i < N)
             if greedy:
                 if dvalid & (d == targ):
@@ -248,7 +250,7 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
                     for v0 in range(0, V, TILE):
                         offs = v0 + tl.arange(0, TILE)
                         vm = offs < V
-                        z = tl.math.div_rn(tl.load(row + offs, mask=vm, other=float("-inf")).to(tl.float32), t)
+                        z = load_scaled(row, offs, V, t)
                         keep = (z >= tau) & (z > float("-inf")) & ~deg
                         if tl.max(keep.to(tl.int32), axis=0) > 0:
                             pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
@@ -257,7 +259,8 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
                             r = tl.maximum(pv - qv, 0.0)
                             rsum += tl.sum(r, axis=0)
                             g = tl_gumbel(seed, offs, sp + i, STREAM)
-                            sr = tl.where(r > 0.0, tl.log(tl.where(r > 0.0, r, 1.0)) + g, float("-inf"))
+                            lr = tl.log(tl.where(r > 0.0, r, 1.0))
+                            sr = tl.where(r > 0.0, lr + g, float("-inf"))
                             s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
                             tb = tl.max(sr, axis=0)
                             ti = tl.argmax(sr, axis=0, tie_break_left=True) + v0
@@ -273,7 +276,8 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
                     done = True
     # committed tokens: the accepted drafts, then the resampled/bonus token, then -1
     for j in range(0, N + 1):
-        dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=j < N, other=-1).to(tl.int64)
+        dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=j < N,
+                     other=-1).to(tl.int64)
         tok = tl.where(j < acc, dj, tl.where(j == acc, last, -1))
         tl.store(tokens_ptr + b * stride_tb + j, tok)
     tl.store(num_ptr + b, (acc + 1).to(tl.int64))

@@ -152,7 +152,8 @@ def gumbel_argmax(logw: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
 
 
 def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+                     top_p: torch.Tensor, seed: torch.Tensor,
+                     position: torch.Tensor) -> torch.Tensor:
     """Plain target sampling: tokens [B] int64 (greedy rows argmax, others Gumbel-max with
     STREAM_TARGET keyed by `position`, the position of the token being sampled)."""
     B = logits.shape[0]
@@ -218,6 +219,13 @@ def f32_key(x):
 def key_f32(k):
     k = k.to(tl.int32)
     return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_scaled(ptr, offs, V, t):
+    """z = row[offs] / t in fp32 (IEEE division, as the reference); -inf past V."""
+    x = tl.load(ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    return tl.math.div_rn(x, t)
 
 
 @triton.jit
@@ -315,7 +323,7 @@ def scan_ge(z_ptr, V, m, kappa, t, TILE: tl.constexpr, SCALE: tl.constexpr):
     mass = tl.zeros((), tl.int64)
     for v0 in range(0, V, TILE):
         offs = v0 + tl.arange(0, TILE)
-        z = tl.math.div_rn(tl.load(z_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
+        z = load_scaled(z_ptr, offs, V, t)
         sel = (z > float("-inf")) & (f32_key(z).to(tl.int64) >= kappa)
         cnt += tl.sum(sel.to(tl.int64), axis=0)
         mass += tl.sum(tl.where(sel, fixed_mass(z, m, SCALE), 0), axis=0)

@@ -174,6 +174,24 @@ def test_fused_top_k_top_p():
     assert ((got_p[2] > 0).sum(-1) <= 10).all()
 
 
+def test_fused_more_rows_than_a_batch_tile():
+    """20 rows over batch tiles of 16 (the W2 block is reused from the first tile's load)."""
+    w1, w2 = weights(10)
+    g = torch.Generator().manual_seed(10)
+    B = 20
+    base = torch.randn(B, 2, V, generator=g) * 2
+    anchor = torch.randint(0, V, (B,), generator=g)
+    T = torch.where(torch.arange(B) % 3 == 0, 0.0, 1.0)
+    k, p = torch.zeros(B, dtype=torch.int64), torch.ones(B)
+    seed, sp = torch.arange(B) + 77, torch.arange(B)
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain",
+                                        logits_config=(16, 128, 16, 4, 1), **ONE)
+    assert torch.equal(got_d, want_d)
+    ng = T > 0
+    torch.testing.assert_close(got_p[ng], want_p[ng], rtol=1e-5, atol=1e-6)
+
+
 def test_fused_threshold_fallback_when_candidates_overflow():
     """cap = 2 candidates forces the exact full-scan resolution of the threshold."""
     w1, w2 = weights(7)

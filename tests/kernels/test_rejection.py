@@ -61,7 +61,8 @@ def test_out_of_range_drafts_are_rejected(fused):
     q = torch.full((3, N, V), 1.0 / V)
     fn = rejection_sample_launch if fused else rejection_sample_reference
     # greedy: -1 is not argmax 0; V folds to 0 = argmax but is out of range: rejected anyway
-    tokens, num = fn(logits, drafts, q, *meta(3), torch.arange(3), torch.zeros(3, dtype=torch.int64))
+    zero = torch.zeros(3, dtype=torch.int64)
+    tokens, num = fn(logits, drafts, q, *meta(3), torch.arange(3), zero)
     assert num.tolist() == [2, 1, 3]
     assert tokens[:, :num.max()].tolist() == [[2, 0, -1], [0, -1, -1], [2, 3, 0]]
     # probabilistic: out-of-range drafts are never accepted either
