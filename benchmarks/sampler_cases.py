@@ -33,12 +33,12 @@ W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as models/synth.py draws 
 
 _WEIGHTS: dict = {}
 
-# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, num_stages); each
+# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES); each
 # compiles for sm_120 without spills (see ms.LOGITS_CONFIGS). Tuning data only.
 TILINGS = {
-    16: [(16, 128, 32, 4, 1), (16, 64, 64, 4, 1), (16, 128, 64, 4, 1)],
-    32: [(32, 64, 64, 8, 1)],
-    64: [(64, 128, 64, 8, 1), (64, 64, 64, 8, 1)],
+    16: [(16, 128, 64, 8, 1), (16, 128, 32, 8, 4), (16, 128, 32, 4, 4), (16, 64, 64, 4, 3)],
+    32: [(32, 128, 32, 8, 1), (32, 128, 32, 8, 4)],
+    64: [(64, 128, 32, 8, 1), (64, 128, 64, 8, 2), (64, 128, 32, 8, 4)],
 }
 
 

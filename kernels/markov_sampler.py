@@ -53,10 +53,11 @@ import triton.language as tl
 
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, bracket,
-                       check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
-                       greedy_rows, logprobs_from_processed, mass_scale_bits,
-                       probs_from_processed, process_logits, resolve, resolve_by_scan, tl_gumbel)
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, check_sampling_params,
+                       fold_ids, greedy_rows, gumbel_argmax, logprobs_from_processed,
+                       mass_scale_bits, probs_from_processed, process_logits, row_flags,
+                       row_reduce_kernel, row_select_kernel, row_tiling, select_warps, tile_max,
+                       tl_gumbel)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -115,7 +116,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
                           bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
                           B, V, NBLK, stride_bb, stride_zb, base_off, z_off,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-                          BLOCK_R: tl.constexpr, UNROLL: tl.constexpr, EVEN_V: tl.constexpr,
+                          BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
                           ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
     # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
     # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
@@ -130,7 +131,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
         rmask = rows < B
         prev = tl.load(prev_ptr + rows, mask=rmask, other=0)
         acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
-        for r0 in tl.range(0, R, BLOCK_R, loop_unroll_factor=UNROLL):
+        for r0 in tl.range(0, R, BLOCK_R, num_stages=STAGES):
             rr = r0 + offs_r
             a = tl.load(w1_ptr + prev[:, None] * R + rr[None, :])
             # W2 is streamed once per step: keep it from evicting z / statistics in L2. A masked
@@ -169,149 +170,6 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
 
 
 @triton.jit
-def _tile_max(bmax_ptr, b, NBLK, v0, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Max z over tokens [v0, v0 + TILE) from the logits kernel's block maxima: tiles that
-    cannot matter are then skipped without reading z."""
-    NBT: tl.constexpr = 2 * max(TILE // BLOCK_V, 1)     # a power of two >= blocks touched
-    blk = v0 // BLOCK_V + tl.arange(0, NBT)
-    ok = (blk <= (v0 + TILE - 1) // BLOCK_V) & (blk < NBLK)
-    return tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=ok, other=float("-inf")), axis=0)
-
-
-@triton.jit
-def _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
-    """(greedy, k, top_p, k_on, p_on) of row b under the launch mode."""
-    if MODE == 0:
-        greedy = tl.full((), 1, tl.int1)
-    else:
-        greedy = tl.load(temp_ptr + b).to(tl.float32) <= 0.0
-    k = tl.load(topk_ptr + b).to(tl.int64)
-    p = tl.load(topp_ptr + b).to(tl.float32)
-    if MODE == 2:
-        k_on = (k > 0) & (k < V)
-        p_on = p < 1.0
-    else:
-        k_on = tl.full((), 0, tl.int1)
-        p_on = tl.full((), 0, tl.int1)
-    return greedy, k, p, k_on, p_on
-
-
-@triton.jit
-def _markov_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
-                          z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, done_ptr,
-                          V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off,
-                          NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
-                          INV_W: tl.constexpr, MODE: tl.constexpr):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    z_ptr += z_off
-    drafts_ptr += step
-    done_ptr += done_off
-    o = tl.arange(0, NBLK_P2)
-    om = o < NBLK
-    bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
-    m = tl.max(bm, axis=0)
-    nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
-    deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
-    bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
-    Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
-    ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
-    arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
-    greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
-    if c == 0:
-        tl.store(rowf_ptr + b * 4, m)
-        tl.store(rowf_ptr + b * 4 + 1, Z)
-        tl.store(rowi_ptr + b * 4 + 3, deg.to(tl.int32))
-        if greedy:
-            tok = tl.where(deg, 0, arg).to(tl.int64)
-            tl.store(drafts_ptr + b * stride_db, tok)
-            tl.store(prev_ptr + b, tok)
-    if MODE == 2:
-        if (~greedy) & (~deg) & (k_on | p_on):
-            zrow = z_ptr + b.to(tl.int64) * stride_zb
-            cnt = tl.zeros((NB,), tl.int32)
-            for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-                offs = v0 + tl.arange(0, TILE)
-                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
-            tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
-            tl.debug_barrier()   # every thread's stores happen before the releasing ticket
-            if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-                tot = tl.zeros((NB,), tl.int32)
-                for cc in range(C):
-                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
-                                   cache_modifier=".cg")
-                k_on = k_on & (k <= tl.sum(tot, axis=0))   # k beyond the finite tokens: keep all
-                jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
-                tl.store(rowi_ptr + b * 4, jlo)
-                tl.store(rowi_ptr + b * 4 + 1, jhi)
-                tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
-
-
-@triton.jit
-def _markov_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
-                          above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
-                          V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off,
-                          TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
-                          CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                          BLOCK_V: tl.constexpr):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    z_ptr += z_off
-    ccount_ptr += ccount_off
-    done_ptr += done_off
-    greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
-    deg = tl.load(rowi_ptr + b * 4 + 3) != 0
-    if (~greedy) & (~deg) & (k_on | p_on):
-        k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
-        jlo = tl.load(rowi_ptr + b * 4)
-        jhi = tl.load(rowi_ptr + b * 4 + 1)
-        m = tl.load(rowf_ptr + b * 4)
-        Z = tl.load(rowf_ptr + b * 4 + 1)
-        zrow = z_ptr + b.to(tl.int64) * stride_zb
-        am = tl.zeros((), tl.int64)
-        ac = tl.zeros((), tl.int64)
-        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-            # a tile whose best token lies below the bracket holds nothing of interest
-            if d_bin(_tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
-                offs = v0 + tl.arange(0, TILE)
-                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                fin = z > float("-inf")
-                j = d_bin(z, m, INV_W, NB)
-                above = fin & (j < jlo)
-                cand = fin & (j >= jlo) & (j <= jhi)
-                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
-                ac += tl.sum(above.to(tl.int64), axis=0)
-                n_t = tl.sum(cand.to(tl.int32), axis=0)
-                if n_t > 0:
-                    slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
-                    pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                    ok = cand & (pos < CAP)
-                    tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
-                    tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
-        tl.store(above_m_ptr + b * C + c, am)
-        tl.store(above_c_ptr + b * C + c, ac)
-        tl.debug_barrier()
-        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-            co = tl.arange(0, C_P2)
-            cm = co < C
-            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
-                        axis=0)
-            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
-                        axis=0)
-            n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")
-            idx = tl.arange(0, CAP)
-            valid = idx < n
-            keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-            w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-            tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
-            if (~ok) | (n > CAP):
-                tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE, SCALE)
-            tl.store(rowf_ptr + b * 4 + 2, tau)
-            tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
-
-
-@triton.jit
 def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowf_ptr,
                          rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
                          done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
@@ -322,7 +180,7 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
     z_ptr += z_off
     drafts_ptr += step
     done_ptr += done_off
-    greedy, k, p, k_on, p_on = _row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
     if ~greedy:
         m = tl.load(rowf_ptr + b * 4)
         Zk = tl.load(rowf_ptr + b * 4 + 1)
@@ -341,7 +199,7 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
             offs = v0 + tl.arange(0, TILE)
             vm = offs < V
             # nothing kept in the tile (its best token is below tau): write zeros, read nothing
-            if (_tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= tau) & ~deg:
+            if (tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= tau) & ~deg:
                 z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
                 keep = (z >= tau) & (z > float("-inf"))
                 prob = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
@@ -373,22 +231,11 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-def _tiling(B: int, V: int, tile: int | None, chunk: int | None):
-    """(TILE, CHUNK, C): TILE tokens per vector op, CHUNK tokens per program of the row passes.
-
-    Small batches get more, shorter chunks so the row passes still fill the GPU.
-    """
-    TILE = tile or min(1024, next_pow2(V))
-    if chunk is None:
-        chunk = 2048 if B <= 4 else 4096 if B <= 16 else 8192
-    CHUNK = max(TILE, chunk // TILE * TILE)
-    return TILE, CHUNK, triton.cdiv(V, CHUNK)
-
-
-# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, num_stages) of the logits kernel per batch tile: no
-# spills and <= 99 KB shared memory on sm_120 (checked with cuobjdump); the benchmark sweeps
-# alternatives (benchmarks/sampler_cases.py) and the table is the place to put a better one.
-LOGITS_CONFIGS = {16: (16, 128, 64, 8, 1), 32: (32, 128, 32, 8, 1), 64: (64, 128, 32, 8, 1)}
+# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) of the logits kernel per batch tile. STAGES
+# pipelines the r-loop's W2 loads (cp.async into shared memory: STAGES - 1 tiles in flight), which
+# is what a memory-bound stream needs. No spills and <= 99 KB shared memory on sm_120 (cuobjdump);
+# the benchmark sweeps alternatives (benchmarks/sampler_cases.py): put a better one here.
+LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 128, 32, 8, 3)}
 
 
 def _logits_config(B: int, R: int, override=None):
@@ -399,11 +246,6 @@ def _logits_config(B: int, R: int, override=None):
     while R % BR:
         BR //= 2
     return BB, BV, BR, warps, stages
-
-
-def _select_warps(cap: int) -> int:
-    # the row's last program holds `cap` candidates (key + fixed mass) in registers
-    return 4 if cap <= 1024 else 8
 
 
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
@@ -435,7 +277,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
     BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
-    TILE, CHUNK, C = _tiling(B, V, tile, chunk)
+    TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     scale = float(2 ** mass_scale_bits(V))
     f32, i32 = torch.float32, torch.int32
     prev = ((anchor >= 0) & (anchor < V)).to(torch.int64) * anchor.to(torch.int64)
@@ -465,21 +307,20 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         launch(_markov_logits_kernel)[(NBLK,)](
             base_logits, w1, w2, prev, temperature, probs, bmax, barg, bsum, bnan,
             B, V, NBLK, sb, sz, k * base_logits.stride(1), zo,
-            R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, UNROLL=1,
-            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32, num_warps=warps1,
-            num_stages=stages1)
-        launch(_markov_reduce_kernel)[(B, C)](
+            R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
+            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32, num_warps=warps1)
+        # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
+        launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
-            rowi, hist, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0],
+            rowi, hist, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0], 1,
             NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=MODE,
             num_warps=4)
         if MODE == 2:
-            launch(_markov_select_kernel)[(B, C)](
+            launch(row_select_kernel)[(B, C)](
                 temperature, top_k, top_p, probs, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
-                counters, counters, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2],
+                counters, counters, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2], 1,
                 TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
-                BLOCK_V=BLOCK_V,
-                num_warps=_select_warps(cap))
+                BLOCK_V=BLOCK_V, num_warps=select_warps(cap))
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
                 temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
@@ -540,35 +381,35 @@ def _markov_configs():
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
-        BLOCK_B, BLOCK_V, BLOCK_R, warps, _ = _logits_config(B, _R_FLASH)
+        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages = _logits_config(B, _R_FLASH)
         for greedy in (False, True):
             out.append(compile_config(_markov_logits_kernel, dict(
                 base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", prev_ptr="*i64",
                 temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
                 bsum_ptr="*fp32", bnan_ptr="*i32", B="i32", V=_D16, NBLK="i32",
                 stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16),
-                dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, UNROLL=1,
+                dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
                      EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False), warps))
-    TILE, _, _ = _tiling(1, _V_FLASH, None, None)
+    TILE, _, _ = row_tiling(1, _V_FLASH, None, None)
     for mode in (0, 1, 2):
-        out.append(compile_config(_markov_reduce_kernel, dict(
+        out.append(compile_config(row_reduce_kernel, dict(
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
             z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
             rowi_ptr="*i32", hist_ptr="*i32", done_ptr="*i32", V=_D16, NBLK="i32", C=_D16,
             CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16, step="i32",
-            done_off="i32"),
+            done_off="i32", RPR="i32"),
             dict(NBLK_P2=next_pow2(nblk), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W,
                  MODE=mode), 4))
-    c_p2 = sorted({next_pow2(_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
+    c_p2 = sorted({next_pow2(row_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
     for cp in c_p2:
-        out.append(compile_config(_markov_select_kernel, dict(
+        out.append(compile_config(row_select_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             above_m_ptr="*i64", above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
             ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32",
-            stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32"),
+            stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32"),
             dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128),
-            _select_warps(CAND_CAP)))
+            select_warps(CAND_CAP)))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",

@@ -37,9 +37,10 @@ from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, bracket,
                        check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
-                       greedy_rows, logprobs_from_processed, mass_scale_bits,
+                       greedy_rows, load_scaled, logprobs_from_processed, mass_scale_bits,
                        probs_from_processed, process_logits, resolve, resolve_by_scan,
-                       load_scaled, sample_reference, tl_gumbel, tl_uniform)
+                       row_flags, row_reduce_kernel, row_select_kernel, row_tiling,
+                       sample_reference, select_warps, tile_max, tl_gumbel, tl_uniform)
 from .tl_helpers import compile_config, launch, next_pow2
 
 
@@ -122,16 +123,19 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 # ----------------------------------------------------------------------------------------------
 
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
+# One program streams a request's rows: pipelining the row loops (cp.async, STAGES - 1 tiles in
+# flight) is what keeps a single program from being bound by one load's latency per tile.
+ROW_STAGES = 4
 
 
 @triton.jit
-def _row_stats(row_ptr, V, t, TILE: tl.constexpr):
+def _row_stats(row_ptr, V, t, TILE: tl.constexpr, STAGES: tl.constexpr):
     """(max, sum exp(z - max), lowest-id argmax, any NaN) of z = row / t, online over tiles."""
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     arg = tl.zeros((), tl.int32)
     nan = tl.zeros((), tl.int32)
-    for v0 in range(0, V, TILE):
+    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
         offs = v0 + tl.arange(0, TILE)
         vm = offs < V
         z = tl.math.div_rn(tl.load(row_ptr + offs, mask=vm, other=0.0).to(tl.float32), t)
@@ -152,10 +156,10 @@ def _row_stats(row_ptr, V, t, TILE: tl.constexpr):
 @triton.jit(noinline=True)
 def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
                TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr, CAP: tl.constexpr,
-               SCALE: tl.constexpr):
+               SCALE: tl.constexpr, STAGES: tl.constexpr):
     """(tau, kept mass as float) of a non-degenerate row with top-k and/or top-p on."""
     cnt = tl.zeros((NB,), tl.int32)
-    for v0 in range(0, V, TILE):
+    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
         offs = v0 + tl.arange(0, TILE)
         z = load_scaled(row_ptr, offs, V, t)
         cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
@@ -164,7 +168,7 @@ def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
     am = tl.zeros((), tl.int64)
     ac = tl.zeros((), tl.int64)
     n = tl.zeros((), tl.int32)
-    for v0 in range(0, V, TILE):
+    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
         offs = v0 + tl.arange(0, TILE)
         z = load_scaled(row_ptr, offs, V, t)
         fin = z > float("-inf")
@@ -193,7 +197,8 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
                       pos_ptr, tokens_ptr, num_ptr, ckey_ptr, cmass_ptr,
                       N, V, stride_lb, stride_li, stride_db, stride_qb, stride_qi, stride_tb,
                       TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
-                      CAP: tl.constexpr, SCALE: tl.constexpr, STREAM: tl.constexpr):
+                      CAP: tl.constexpr, SCALE: tl.constexpr, STREAM: tl.constexpr,
+                      STAGES: tl.constexpr):
     b = tl.program_id(0)
     temp = tl.load(temp_ptr + b).to(tl.float32)
     greedy = temp <= 0.0
@@ -210,7 +215,7 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
     for i in range(0, N + 1):
         if ~done:
             row = logits_ptr + b.to(tl.int64) * stride_lb + i * stride_li
-            m, Z, arg, nan = _row_stats(row, V, t, TILE)
+            m, Z, arg, nan = _row_stats(row, V, t, TILE, STAGES)
             deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
             targ = tl.where(deg, 0, arg).to(tl.int64)
             d = tl.load(drafts_ptr + b * stride_db + tl.minimum(i, N - 1), mask=i < N,
@@ -228,7 +233,7 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
                 if (k_on | p_on) & ~deg:
                     tau, Zk = _threshold(row, V, t, m, Z, k, p, k_on, p_on,
                                          ckey_ptr + b * CAP, cmass_ptr + b * CAP,
-                                         TILE, NB, INV_W, CAP, SCALE)
+                                         TILE, NB, INV_W, CAP, SCALE, STAGES)
                 logz = tl.log(Zk)
                 qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(i, N - 1) * stride_qi
                 xf = tl.where(dvalid, d, 0)
@@ -247,14 +252,15 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
                     bri = tl.zeros((), tl.int32)
                     bp = tl.full((), float("-inf"), tl.float32)
                     bpi = tl.zeros((), tl.int32)
-                    for v0 in range(0, V, TILE):
+                    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
                         offs = v0 + tl.arange(0, TILE)
                         vm = offs < V
+                        # loads outside the branch, so the loop's loads can be pipelined
                         z = load_scaled(row, offs, V, t)
+                        qv = tl.load(qrow + offs, mask=vm & (i < N), other=0.0)
                         keep = (z >= tau) & (z > float("-inf")) & ~deg
                         if tl.max(keep.to(tl.int32), axis=0) > 0:
                             pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
-                            qv = tl.load(qrow + offs, mask=vm & (i < N), other=0.0)
                             qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
                             r = tl.maximum(pv - qv, 0.0)
                             rsum += tl.sum(r, axis=0)
@@ -283,14 +289,180 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
     tl.store(num_ptr + b, (acc + 1).to(tl.int64))
 
 
+# ----------------------------------------------------------------------------------------------
+# Parallel path (few rows: every row in parallel, the vocabulary split over many programs)
+# ----------------------------------------------------------------------------------------------
+#
+# One program per request streams a 0.5 MB row at the speed of the loads one SM keeps in flight,
+# several times per row: fine in bandwidth at B = 64 (it reads only the rows it needs), slow in
+# latency at small B. There the rows are few, so every row is processed at once, with the row
+# passes of kernels/sampling.py (C programs per row):
+#   stats    grid (rows, blocks): z = l / T into a scratch buffer + block statistics
+#   reduce   row max, Z, argmax (greedy rows), top-k/top-p histogram + bracket    (sampling.py)
+#   select   exact top-k/top-p thresholds                                          (sampling.py)
+#   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
+#   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
+#            writes the token.
+# Every row is read ~3 times (L2-resident: rows * 0.5 MB), q once: 5 launches in all.
+
+@triton.jit
+def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
+                       V, NBLK, RPR, stride_lr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    temp = tl.load(temp_ptr + r // RPR).to(tl.float32)
+    greedy = temp <= 0.0
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    vm = offs < V
+    x = tl.load(logits_ptr + r.to(tl.int64) * stride_lr + offs, mask=vm, other=0.0)
+    z = tl.math.div_rn(x.to(tl.float32), tl.where(greedy, 1.0, temp))
+    tl.store(z_ptr + r.to(tl.int64) * V + offs, z, mask=vm & (greedy == 0))
+    isnan = (z != z) & vm
+    zn = tl.where(isnan | ~vm, float("-inf"), z)
+    bmax = tl.max(zn, axis=0)
+    so = r * NBLK + blk
+    tl.store(bmax_ptr + so, bmax)
+    tl.store(barg_ptr + so, tl.argmax(zn, axis=0, tie_break_left=True) + blk * BLOCK)
+    tl.store(bsum_ptr + so, tl.sum(tl.where(zn > float("-inf"), tl.exp(zn - bmax), 0.0), axis=0))
+    tl.store(bnan_ptr + so, tl.max(isnan.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _row_p_params(rowf_ptr, rowi_ptr, r, trunc):
+    """(m, kept mass, tau, degenerate) of row r after reduce/select."""
+    m = tl.load(rowf_ptr + r * 4)
+    Zk = tl.load(rowf_ptr + r * 4 + 1)
+    deg = tl.load(rowi_ptr + r * 4 + 3) != 0
+    tau = tl.full((), float("-inf"), tl.float32)
+    if trunc & ~deg:
+        tau = tl.load(rowf_ptr + r * 4 + 2)
+        Zk = tl.load(rowf_ptr + r * 4 + 3)
+    return m, Zk, tau, deg
+
+
+@triton.jit
+def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_ptr, topk_ptr,
+                   topp_ptr, seed_ptr, pos_ptr, tokens_ptr, num_ptr, a_ptr,
+                   N, V, stride_db, stride_qb, stride_qi, stride_tb):
+    b = tl.program_id(0)
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
+    seed = tl.load(seed_ptr + b)
+    sp = tl.load(pos_ptr + b)
+    acc = tl.zeros((), tl.int32)
+    done = tl.zeros((), tl.int1)
+    for i in range(0, N):
+        if ~done:
+            r = b * (N + 1) + i
+            d = tl.load(drafts_ptr + b * stride_db + i).to(tl.int64)
+            dvalid = (d >= 0) & (d < V)
+            xf = tl.where(dvalid, d, 0)
+            if greedy:
+                ok = dvalid & (d == tl.load(targ_ptr + r))
+            else:
+                m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
+                zx = tl.load(z_ptr + r.to(tl.int64) * V + xf)
+                px = tl.where((zx >= tau) & (zx > float("-inf")) & ~deg,
+                              tl.math.div_rn(tl.exp(zx - m), Zk), 0.0)
+                qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf)
+                qx = tl.where((qx > 0.0) & (qx < float("inf")), qx, 0.0)
+                u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
+                ok = dvalid & (qx > 0.0) & (px >= u * qx)
+            if ok:
+                acc += 1
+            else:
+                done = True
+    tl.store(a_ptr + b, acc)
+    last = tl.load(targ_ptr + b * (N + 1) + acc)          # greedy rows' final token
+    for j in range(0, N + 1):
+        dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=j < N,
+                     other=-1).to(tl.int64)
+        tok = tl.where(j < acc, dj, tl.where((j == acc) & greedy, last, -1))
+        tl.store(tokens_ptr + b * stride_tb + j, tok)
+    tl.store(num_ptr + b, (acc + 1).to(tl.int64))
+
+
+@triton.jit
+def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_ptr, topp_ptr,
+                     seed_ptr, pos_ptr, a_ptr, tokens_ptr, part_f_ptr, part_i_ptr, done_ptr,
+                     N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb,
+                     TILE: tl.constexpr, BLOCK: tl.constexpr, C_P2: tl.constexpr,
+                     STREAM: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
+    if ~greedy:
+        a = tl.load(a_ptr + b)
+        r = b * (N + 1) + a
+        m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
+        logz = tl.log(Zk)
+        seed = tl.load(seed_ptr + b)
+        pos = tl.load(pos_ptr + b) + a
+        use_q = a < N
+        qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(a, N - 1) * stride_qi
+        zrow = z_ptr + r.to(tl.int64) * V
+        rsum = tl.zeros((), tl.float32)
+        br = tl.full((), float("-inf"), tl.float32)
+        bri = tl.zeros((), tl.int32)
+        bp = tl.full((), float("-inf"), tl.float32)
+        bpi = tl.zeros((), tl.int32)
+        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+            # nothing of the row is kept in this tile: p = 0, so the residual is 0 too
+            if (tile_max(bmax_ptr, r, NBLK, v0, TILE, BLOCK) >= tau) & ~deg:
+                offs = v0 + tl.arange(0, TILE)
+                vm = offs < V
+                z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
+                keep = (z >= tau) & (z > float("-inf"))
+                pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
+                qv = tl.load(qrow + offs, mask=vm & use_q, other=0.0)
+                qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
+                res = tl.maximum(pv - qv, 0.0)
+                rsum += tl.sum(res, axis=0)
+                g = tl_gumbel(seed, offs, pos, STREAM)
+                sr = tl.where(res > 0.0, tl.log(tl.where(res > 0.0, res, 1.0)) + g, float("-inf"))
+                s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
+                tb = tl.max(sr, axis=0)
+                ti = tl.argmax(sr, axis=0, tie_break_left=True) + v0
+                bri = tl.where(tb > br, ti, bri)
+                br = tl.where(tb > br, tb, br)
+                tb = tl.max(s, axis=0)
+                ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
+                bpi = tl.where(tb > bp, ti, bpi)
+                bp = tl.where(tb > bp, tb, bp)
+        o = (b * C + c) * 3
+        tl.store(part_f_ptr + o, rsum)
+        tl.store(part_f_ptr + o + 1, br)
+        tl.store(part_f_ptr + o + 2, bp)
+        tl.store(part_i_ptr + o + 1, bri)
+        tl.store(part_i_ptr + o + 2, bpi)
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            cm = co < C
+            po = (b * C + co) * 3
+            rs = tl.sum(tl.load(part_f_ptr + po, mask=cm, other=0.0, cache_modifier=".cg"), axis=0)
+            use_r = (rs > 0.0) & use_q          # residual unless it is all zero (or the bonus)
+            off = tl.where(use_r, 1, 2)
+            vals = tl.load(part_f_ptr + po + off, mask=cm, other=float("-inf"), cache_modifier=".cg")
+            ids = tl.load(part_i_ptr + po + off, mask=cm, other=0, cache_modifier=".cg")
+            mb = tl.max(vals, axis=0)
+            tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
+            tl.store(tokens_ptr + b * stride_tb + a, tl.where(mb > float("-inf"), tok, 0).to(tl.int64))
+
+
+# Requests * (N + 1) rows up to which every row is processed in parallel (the rows then sit in
+# L2 anyway: 48 x 0.5 MB at Flash); beyond, one program per request reads only the rows it needs.
+PARALLEL_MAX_ROWS = 48
+
+
 def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
-                            seed, start_pos, *, tile=None, cap=CAND_CAP, stream=STREAM_RESAMPLE):
+                            seed, start_pos, *, path=None, tile=None, chunk=None, cap=CAND_CAP,
+                            stream=STREAM_RESAMPLE):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
-    `stream` keys the residual/bonus noise; plain target sampling is this kernel with N = 0 and
-    STREAM_TARGET (see `sample_launch`).
-
-    `tile` and `cap` are test hooks (a small cap exercises the exact fallback).
+    `path`: "parallel" (all rows at once, many programs per row) or "serial" (one program per
+    request, stops at the first rejection); None picks parallel for at most PARALLEL_MAX_ROWS
+    rows (or no drafts). `stream` keys the residual/bonus noise; plain target sampling is this
+    with N = 0 and STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks.
     """
     check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
                            seed, start_pos)
@@ -301,6 +473,10 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     num = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
         return tokens, num
+    if path is None:
+        path = "parallel" if N == 0 or B * N1 <= PARALLEL_MAX_ROWS else "serial"
+    if path not in ("parallel", "serial"):
+        raise ValueError(f"path must be 'parallel' or 'serial', got {path!r}")
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
     if draft_probs.stride(-1) != 1:
@@ -309,21 +485,79 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     if N == 0:  # keep valid pointers for the (masked) draft loads
         drafts = torch.zeros((B, 1), dtype=torch.int64, device=dev)
         draft_probs = torch.zeros((B, 1, 1), dtype=torch.float32, device=dev)
-    temperature, top_k, top_p, seed, start_pos = (t.contiguous() for t in
-                                                  (temperature, top_k, top_p, seed, start_pos))
-    TILE = tile or min(1024, next_pow2(V))
-    ckey = torch.empty((B, cap), dtype=torch.int32, device=dev)
-    cmass = torch.empty((B, cap), dtype=torch.int64, device=dev)
-    launch(_rejection_kernel)[(B,)](
-        target_logits, drafts, draft_probs, temperature, top_k, top_p, seed, start_pos,
-        tokens, num, ckey, cmass, N, V, target_logits.stride(0), target_logits.stride(1),
-        drafts.stride(0), draft_probs.stride(0), draft_probs.stride(1), tokens.stride(0),
-        TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap,
-        SCALE=float(2 ** mass_scale_bits(V)), STREAM=stream, num_warps=8)
+    meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
+    args = (target_logits, drafts, draft_probs, *meta, tokens, num)
+    if path == "serial":
+        _serial(*args, tile, cap, stream)
+    else:
+        _parallel(*args, tile, chunk, cap, stream)
     return tokens, num
 
 
-def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=None, cap=CAND_CAP):
+def _serial(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
+            cap, stream):
+    B, N1, V = logits.shape
+    TILE = tile or min(1024, next_pow2(V))
+    ckey = torch.empty((B, cap), dtype=torch.int32, device=logits.device)
+    cmass = torch.empty((B, cap), dtype=torch.int64, device=logits.device)
+    launch(_rejection_kernel)[(B,)](
+        logits, drafts, q, temperature, top_k, top_p, seed, start_pos,
+        tokens, num, ckey, cmass, N1 - 1, V, logits.stride(0), logits.stride(1),
+        drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0),
+        TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap,
+        SCALE=float(2 ** mass_scale_bits(V)), STREAM=stream, STAGES=ROW_STAGES, num_warps=8)
+
+
+def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
+              chunk, cap, stream):
+    B, N1, V = logits.shape
+    N, R, dev = N1 - 1, B * N1, logits.device
+    rows = logits.reshape(R, V)                  # a view when [N+1, V] is contiguous
+    TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
+    NBLK = triton.cdiv(V, TILE)                  # statistics blocks = tiles (tile_max skips)
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    z = torch.empty((R, V), dtype=f32, device=dev)
+    bmax = torch.empty((R, NBLK), dtype=f32, device=dev)
+    bsum = torch.empty((R, NBLK), dtype=f32, device=dev)
+    barg = torch.empty((R, NBLK), dtype=i32, device=dev)
+    bnan = torch.empty((R, NBLK), dtype=i32, device=dev)
+    rowf = torch.empty((R, 4), dtype=f32, device=dev)
+    rowi = torch.empty((R, 4), dtype=i32, device=dev)
+    targ = torch.empty((R,), dtype=i64, device=dev)
+    scratch = torch.empty((R,), dtype=i64, device=dev)
+    counters = torch.zeros((3 * R + B,), dtype=i32, device=dev)   # reduce, select x2, resample
+    hist = torch.empty((R, C, HIST_BINS), dtype=i32, device=dev)
+    above_m = torch.empty((R, C), dtype=i64, device=dev)
+    above_c = torch.empty((R, C), dtype=i64, device=dev)
+    ckey = torch.empty((R, cap), dtype=i32, device=dev)
+    cmass = torch.empty((R, cap), dtype=i64, device=dev)
+    accepted = torch.empty((B,), dtype=i32, device=dev)
+    part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
+    part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
+    flags = (temperature, top_k, top_p)
+    launch(_rows_stats_kernel)[(R, NBLK)](
+        rows, temperature, z, bmax, barg, bsum, bnan, V, NBLK, N1, rows.stride(0),
+        BLOCK=TILE, num_warps=4)
+    launch(row_reduce_kernel)[(R, C)](
+        bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, hist, counters,
+        V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
+        NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=2, num_warps=4)
+    launch(row_select_kernel)[(R, C)](
+        *flags, z, rowf, rowi, bmax, above_m, above_c, ckey, cmass, counters, counters,
+        V, C, CHUNK, NBLK, V, 0, R, 2 * R, N1,
+        TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
+        C_P2=next_pow2(C), BLOCK_V=TILE, num_warps=select_warps(cap))
+    launch(_accept_kernel)[(B,)](
+        drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
+        N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)
+    launch(_resample_kernel)[(B, C)](
+        q, z, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
+        counters[3 * R:], N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0),
+        TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, num_warps=4)
+
+
+def sample_launch(logits, temperature, top_k, top_p, seed, position, *, path=None, tile=None,
+                  chunk=None, cap=CAND_CAP):
     """Fused plain target sampling (sampling.sample_reference): the rejection kernel with no
     drafts samples its single row's 'bonus' token with STREAM_TARGET at `position`."""
     if logits.dim() != 2:
@@ -333,7 +567,7 @@ def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=Non
     tokens, _ = rejection_sample_launch(
         logits[:, None], torch.zeros((B, 0), dtype=torch.int64, device=logits.device),
         torch.zeros((B, 0, V), dtype=torch.float32, device=logits.device), temperature, top_k,
-        top_p, seed, position, tile=tile, cap=cap, stream=STREAM_TARGET)
+        top_p, seed, position, path=path, tile=tile, chunk=chunk, cap=cap, stream=STREAM_TARGET)
     return tokens[:, 0]
 
 
@@ -377,10 +611,36 @@ def _rejection_configs(logit_t: str, stream: int):
                  V=d16, stride_lb=d16, stride_li=d16, stride_db="i32", stride_qb=d16,
                  stride_qi=d16, stride_tb="i32")
     consts = dict(TILE=1024, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
-                  SCALE=float(2 ** mass_scale_bits(129280)), STREAM=stream)
+                  SCALE=float(2 ** mass_scale_bits(129280)), STREAM=stream, STAGES=ROW_STAGES)
     return compile_config(_rejection_kernel, types, consts, 8)
 
 
+def _parallel_configs(stream: int):
+    """The parallel path's own kernels (its row passes are registered by markov_sample)."""
+    d16, flags = "i32:16", dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
+    out = [compile_config(_rows_stats_kernel, dict(
+        logits_ptr="*fp32", temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
+        bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
+        dict(BLOCK=1024), 4)]
+    if stream == STREAM_RESAMPLE:
+        out.append(compile_config(_accept_kernel, dict(
+            drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
+            targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", tokens_ptr="*i64",
+            num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_qb=d16,
+            stride_qi=d16, stride_tb="i32"), {}, 1))
+    for rows in (1, 16, 48):
+        _, _, C = row_tiling(rows, 129280)
+        out.append(compile_config(_resample_kernel, dict(
+            q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
+            **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
+            part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
+            CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16, stride_tb="i32"),
+            dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream), 4))
+    return out
+
+
 # fp32 logits (what the target head produces); a bf16 variant compiles alike
-add_compile_configs("rejection_sample", [_rejection_configs("*fp32", STREAM_RESAMPLE)])
-add_compile_configs("sample", [_rejection_configs("*fp32", STREAM_TARGET)])
+add_compile_configs("rejection_sample", [_rejection_configs("*fp32", STREAM_RESAMPLE)]
+                    + _parallel_configs(STREAM_RESAMPLE))
+add_compile_configs("sample", [_rejection_configs("*fp32", STREAM_TARGET)]
+                    + _parallel_configs(STREAM_TARGET))

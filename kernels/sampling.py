@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .philox import STREAM_TARGET, gumbel
+from .tl_helpers import next_pow2
 
 NEG_INF = float("-inf")
 
@@ -186,6 +187,23 @@ HIST_INV_W = 32.0
 CAND_CAP = 4096           # candidates resolved in registers by one program
 
 
+def select_warps(cap: int) -> int:
+    """Warps of row_select_kernel: its last program holds `cap` candidates in registers."""
+    return 4 if cap <= 1024 else 8
+
+
+def row_tiling(rows: int, V: int, tile: int | None = None, chunk: int | None = None):
+    """(TILE, CHUNK, C): TILE tokens per vector op, CHUNK tokens per program of the row passes.
+
+    Few rows get more, shorter chunks so the row passes still fill the GPU.
+    """
+    TILE = tile or min(1024, next_pow2(V))
+    if chunk is None:
+        chunk = 2048 if rows <= 4 else 4096 if rows <= 16 else 8192
+    CHUNK = max(TILE, chunk // TILE * TILE)
+    return TILE, CHUNK, triton.cdiv(V, CHUNK)
+
+
 def mass_scale_bits(V: int) -> int:
     """Fixed-point fraction bits: V masses <= 1 sum below 2^62."""
     return 61 - max(int(V - 1).bit_length(), 1)
@@ -246,24 +264,24 @@ def bracket(cnt, Zf, k, top_p, K_ON, P_ON, NB: tl.constexpr, INV_W: tl.constexpr
     """Bin range [jlo, jhi] that holds tau, from the summed count histogram cnt [NB].
 
     K_ON / P_ON: top-k / top-p active (K_ON must already mean 0 < k <= number of finite
-    tokens); Zf: the row's total mass exp(z - m) (float). Bounds get a 1e-4 margin, which only
-    widens the range (the resolve step checks it exactly anyway).
+    tokens); Zf: the row's total mass exp(z - m) (float). fp32 bounds with a 1e-3 margin (more
+    than fp32 rounding of 1024-term sums), which only widens the range; resolve() checks it
+    exactly anyway.
     """
     j = tl.arange(0, NB)
-    c = cnt.to(tl.float64)
-    hi = c * tl.exp(-(j.to(tl.float64) / INV_W)) * 1.0001
-    lo = tl.where(j == NB - 1, 0.0, c * tl.exp(-((j + 1).to(tl.float64) / INV_W)) * 0.9999)
+    c = cnt.to(tl.float32)
+    hi = c * tl.exp(-(j.to(tl.float32) / INV_W)) * 1.001
+    lo = tl.where(j == NB - 1, 0.0, c * tl.exp(-((j + 1).to(tl.float32) / INV_W)) * 0.999)
     CH = tl.cumsum(hi, axis=0)
     CL = tl.cumsum(lo, axis=0)
     cc = tl.cumsum(cnt, axis=0)
     jk = tl.minimum(tl.sum((cc < k).to(tl.int32), axis=0), NB - 1)
     zk_lo = tl.sum(tl.where(j < jk, lo, 0.0), axis=0)
     zk_hi = tl.sum(tl.where(j <= jk, hi, 0.0), axis=0)
-    zk_lo = tl.where(K_ON, zk_lo, Zf.to(tl.float64) * 0.9999)
-    zk_hi = tl.where(K_ON, zk_hi, Zf.to(tl.float64) * 1.0001)
-    tp = top_p.to(tl.float64)
-    jp_min = tl.minimum(tl.sum((CH < tp * zk_lo).to(tl.int32), axis=0), NB - 1)
-    jp_max = tl.minimum(tl.sum((CL < tp * zk_hi).to(tl.int32), axis=0), NB - 1)
+    zk_lo = tl.where(K_ON, zk_lo, Zf * 0.999)
+    zk_hi = tl.where(K_ON, zk_hi, Zf * 1.001)
+    jp_min = tl.minimum(tl.sum((CH < top_p * zk_lo).to(tl.int32), axis=0), NB - 1)
+    jp_max = tl.minimum(tl.sum((CL < top_p * zk_hi).to(tl.int32), axis=0), NB - 1)
     jp_min = tl.where(K_ON, tl.minimum(jp_min, jk), jp_min)
     jlo = tl.where(P_ON, jp_min, jk)
     jhi = tl.where(K_ON, jk, jp_max)
@@ -359,3 +377,156 @@ def resolve_by_scan(z_ptr, V, m, t, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr
                 h = mid
     _, kept = scan_ge(z_ptr, V, m, lo, t, TILE, SCALE)
     return key_f32(lo), kept
+
+
+# ----------------------------------------------------------------------------------------------
+# Row passes shared by the fused samplers (one row = one distribution over the vocabulary)
+# ----------------------------------------------------------------------------------------------
+#
+# Rows live in a z buffer (scaled logits, fp32) with per-block statistics from the kernel that
+# wrote it (max, lowest-id argmax, sum exp(z - max), NaN flag over BLOCK_V tokens). Programs
+# (row, chunk) run over C chunks of a row; the row's last program (atomic ticket, acq_rel, after a
+# CTA barrier; partials read past L1) finishes its work, in a fixed order: results never depend on
+# which program finished first. Sampling parameters are per request: row // RPR.
+
+@triton.jit
+def tile_max(bmax_ptr, b, NBLK, v0, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Max z over tokens [v0, v0 + TILE) from the logits kernel's block maxima: tiles that
+    cannot matter are then skipped without reading z."""
+    NBT: tl.constexpr = 2 * max(TILE // BLOCK_V, 1)     # a power of two >= blocks touched
+    blk = v0 // BLOCK_V + tl.arange(0, NBT)
+    ok = (blk <= (v0 + TILE - 1) // BLOCK_V) & (blk < NBLK)
+    return tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=ok, other=float("-inf")), axis=0)
+
+
+@triton.jit
+def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
+    """(greedy, k, top_p, k_on, p_on) of row b under the launch mode."""
+    if MODE == 0:
+        greedy = tl.full((), 1, tl.int1)
+    else:
+        greedy = tl.load(temp_ptr + b).to(tl.float32) <= 0.0
+    k = tl.load(topk_ptr + b).to(tl.int64)
+    p = tl.load(topp_ptr + b).to(tl.float32)
+    if MODE == 2:
+        k_on = (k > 0) & (k < V)
+        p_on = p < 1.0
+    else:
+        k_on = tl.full((), 0, tl.int1)
+        p_on = tl.full((), 0, tl.int1)
+    return greedy, k, p, k_on, p_on
+
+
+@triton.jit
+def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
+                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, done_ptr,
+                      V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off, RPR,
+                      NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
+                      INV_W: tl.constexpr, MODE: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    z_ptr += z_off
+    drafts_ptr += step
+    done_ptr += done_off
+    o = tl.arange(0, NBLK_P2)
+    om = o < NBLK
+    bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
+    m = tl.max(bm, axis=0)
+    nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
+    deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+    bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
+    Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
+    ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
+    arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, MODE)
+    if c == 0:
+        tl.store(rowf_ptr + b * 4, m)
+        tl.store(rowf_ptr + b * 4 + 1, Z)
+        tl.store(rowi_ptr + b * 4 + 3, deg.to(tl.int32))
+        if greedy:
+            tok = tl.where(deg, 0, arg).to(tl.int64)
+            tl.store(drafts_ptr + b * stride_db, tok)
+            tl.store(prev_ptr + b, tok)
+    if MODE == 2:
+        if (~greedy) & (~deg) & (k_on | p_on):
+            zrow = z_ptr + b.to(tl.int64) * stride_zb
+            cnt = tl.zeros((NB,), tl.int32)
+            for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+                offs = v0 + tl.arange(0, TILE)
+                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
+            tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+            tl.debug_barrier()   # every thread's stores happen before the releasing ticket
+            if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+                tot = tl.zeros((NB,), tl.int32)
+                for cc in range(C):
+                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
+                                   cache_modifier=".cg")
+                k_on = k_on & (k <= tl.sum(tot, axis=0))   # k beyond the finite tokens: keep all
+                jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
+                tl.store(rowi_ptr + b * 4, jlo)
+                tl.store(rowi_ptr + b * 4 + 1, jhi)
+                tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
+
+
+@triton.jit
+def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
+                      above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
+                      V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
+                      TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
+                      CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    z_ptr += z_off
+    ccount_ptr += ccount_off
+    done_ptr += done_off
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, 2)
+    deg = tl.load(rowi_ptr + b * 4 + 3) != 0
+    if (~greedy) & (~deg) & (k_on | p_on):
+        k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
+        jlo = tl.load(rowi_ptr + b * 4)
+        jhi = tl.load(rowi_ptr + b * 4 + 1)
+        m = tl.load(rowf_ptr + b * 4)
+        Z = tl.load(rowf_ptr + b * 4 + 1)
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        am = tl.zeros((), tl.int64)
+        ac = tl.zeros((), tl.int64)
+        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+            # a tile whose best token lies below the bracket holds nothing of interest
+            if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
+                offs = v0 + tl.arange(0, TILE)
+                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                fin = z > float("-inf")
+                j = d_bin(z, m, INV_W, NB)
+                above = fin & (j < jlo)
+                cand = fin & (j >= jlo) & (j <= jhi)
+                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+                ac += tl.sum(above.to(tl.int64), axis=0)
+                n_t = tl.sum(cand.to(tl.int32), axis=0)
+                if n_t > 0:
+                    slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
+                    pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+                    ok = cand & (pos < CAP)
+                    tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
+                    tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
+        tl.store(above_m_ptr + b * C + c, am)
+        tl.store(above_c_ptr + b * C + c, ac)
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            cm = co < C
+            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
+                        axis=0)
+            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
+                        axis=0)
+            n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")
+            idx = tl.arange(0, CAP)
+            valid = idx < n
+            keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+            w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+            tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+            if (~ok) | (n > CAP):
+                tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE, SCALE)
+            tl.store(rowf_ptr + b * 4 + 2, tau)
+            tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
