@@ -12,6 +12,9 @@ Cases per B (requests):
   top-p, so it is not a variant here; `ours-cfg*` as above.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
+  Variants `ours-parallel` / `ours-serial` force one path of the op (tuning data for
+  rj.PARALLEL_MAX_ROWS: the op takes the parallel path up to 48 rows, i.e. B <= 8).
+- `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
 logits (fp32, as the draft head produces them) + the W1 rows + for probabilistic rows the
@@ -26,6 +29,7 @@ from harness import Case, compare
 
 from dspark_compile.kernels import markov_sampler as ms
 from dspark_compile.kernels import rejection as rj
+from dspark_compile.kernels import sampling
 
 V, R, N = 129280, 256, 5
 TOP_P = 0.95
@@ -153,12 +157,46 @@ def rejection_cases(batches):
         for name, T, top_p, greedy in (("rejection_topp", 1.0, TOP_P, False),
                                        ("rejection_greedy", 0.0, 1.0, True)):
             make = _rejection_inputs(B, T, top_p, greedy)
+            extra = {f"ours-{path}":
+                     (lambda d, path=path: rj.rejection_sample_launch(**d, path=path))
+                     for path in ("parallel", "serial")}
             out.append(Case("sampler", name, {"B": B, "N": N}, make,
                             lambda d: rj.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),
-                            nbytes, check=_rejection_check(make)))
+                            nbytes, check=_rejection_check(make), extra=extra))
+    return out
+
+
+def _sample_inputs(B):
+    def make(device, seed):
+        g = _gen(device, seed)
+        return {"logits": torch.randn(B, V, generator=g, device=device) * 3.0,
+                "temperature": torch.ones(B, device=device),
+                "top_k": torch.zeros(B, dtype=torch.int64, device=device),
+                "top_p": torch.full((B,), TOP_P, device=device),
+                "seed": torch.randint(0, 2 ** 62, (B,), generator=g, device=device),
+                "position": torch.randint(0, 100000, (B,), generator=g, device=device)}
+    return make
+
+
+def _sample_check(make):
+    def check(device):
+        d = make(device, 99)
+        same = torch.ops.dspark.sample(**d) == sampling.sample_reference(**d)
+        return "" if same.float().mean() >= 0.9 else f"{int((~same).sum())} rows differ"
+    return check
+
+
+def sample_cases(batches):
+    out = []
+    for B in batches:
+        make = _sample_inputs(B)
+        out.append(Case("sampler", "sample_topp", {"B": B}, make,
+                        lambda d: sampling.sample_reference(**d),
+                        lambda d: torch.ops.dspark.sample(**d),
+                        B * V * 4 + B * 8 * 4, check=_sample_check(make)))
     return out
 
 
 def cases(batches):
-    return markov_cases(batches) + rejection_cases(batches)
+    return markov_cases(batches) + rejection_cases(batches) + sample_cases(batches)

@@ -17,15 +17,18 @@ bonus position for i = N.
 Outputs: tokens [B, N + 1] int64 (committed tokens first: the accepted drafts, then the
 resampled/bonus token; -1 after them) and num_sampled [B] int64 in [1, N + 1].
 
-Fused kernel (`dspark::rejection_sample`; with N = 0 and STREAM_TARGET it is also the plain
-target sampler `dspark::sample`): one program per request walks its rows in order and stops at
-the first rejection, so only rows that decide something are read. Row i costs one statistics pass
-(max, Z, argmax) and, with top-k/top-p, a histogram pass and a candidate pass (exact threshold,
-kernels/sampling.py); the deciding row one more pass for the residual/bonus Gumbel-max, reading
-q_i too (Philox only in tiles with kept tokens).
-Bytes per request: the target rows up to and including the first rejection (a + 1 rows, fp32,
-0.5 MB each at V = 129280; each read 1 + 2 (top-k/top-p) + 1 (last row) times) + one q row +
-tokens. Greedy rows: a + 1 statistics passes only.
+Fused op `dspark::rejection_sample` (with N = 0 and STREAM_TARGET it is also the plain target
+sampler `dspark::sample`), two paths with identical results:
+- serial (B * (N + 1) > PARALLEL_MAX_ROWS): one program per request walks its rows in order and
+  stops at the first rejection, so only rows that decide something are read. Row i costs one
+  statistics pass (max, Z, argmax) and, with top-k/top-p, a histogram and a candidate pass (exact
+  threshold, kernels/sampling.py); the deciding row one more pass for the residual/bonus
+  Gumbel-max, reading q_i too. Bytes per request: the a + 1 target rows up to the first
+  rejection (0.5 MB each in fp32 at V = 129280; the re-reads hit L2) + one q row + tokens.
+  Bandwidth-lean, but one SM streams each row (loads pipelined, ROW_STAGES).
+- parallel (few rows: small B, and plain sampling): every row at once, the vocabulary split over
+  many programs (5 launches, below). Reads all B * (N + 1) rows (L2-resident at this size) plus
+  one q row per request: latency-lean.
 """
 from __future__ import annotations
 
@@ -442,11 +445,13 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
             rs = tl.sum(tl.load(part_f_ptr + po, mask=cm, other=0.0, cache_modifier=".cg"), axis=0)
             use_r = (rs > 0.0) & use_q          # residual unless it is all zero (or the bonus)
             off = tl.where(use_r, 1, 2)
-            vals = tl.load(part_f_ptr + po + off, mask=cm, other=float("-inf"), cache_modifier=".cg")
+            vals = tl.load(part_f_ptr + po + off, mask=cm, other=float("-inf"),
+                           cache_modifier=".cg")
             ids = tl.load(part_i_ptr + po + off, mask=cm, other=0, cache_modifier=".cg")
             mb = tl.max(vals, axis=0)
             tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
-            tl.store(tokens_ptr + b * stride_tb + a, tl.where(mb > float("-inf"), tok, 0).to(tl.int64))
+            tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
+            tl.store(tokens_ptr + b * stride_tb + a, tok)
 
 
 # Requests * (N + 1) rows up to which every row is processed in parallel (the rows then sit in
