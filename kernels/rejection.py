@@ -387,11 +387,12 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
 @triton.jit
 def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_ptr, topp_ptr,
                      seed_ptr, pos_ptr, a_ptr, tokens_ptr, part_f_ptr, part_i_ptr, done_ptr,
-                     N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb,
+                     N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb, done_off,
                      TILE: tl.constexpr, BLOCK: tl.constexpr, C_P2: tl.constexpr,
                      STREAM: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
+    done_ptr += done_off
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
     if ~greedy:
         a = tl.load(a_ptr + b)
@@ -517,7 +518,8 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
               chunk, cap, stream):
     B, N1, V = logits.shape
     N, R, dev = N1 - 1, B * N1, logits.device
-    rows = logits.reshape(R, V)                  # a view when [N+1, V] is contiguous
+    if logits.stride(0) != N1 * logits.stride(1):
+        logits = logits.contiguous()             # rows r = b * (N+1) + i at r * stride(1)
     TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
     NBLK = triton.cdiv(V, TILE)                  # statistics blocks = tiles (tile_max skips)
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -541,7 +543,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
     flags = (temperature, top_k, top_p)
     launch(_rows_stats_kernel)[(R, NBLK)](
-        rows, temperature, z, bmax, barg, bsum, bnan, V, NBLK, N1, rows.stride(0),
+        logits, temperature, z, bmax, barg, bsum, bnan, V, NBLK, N1, logits.stride(1),
         BLOCK=TILE, num_warps=4)
     launch(row_reduce_kernel)[(R, C)](
         bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, hist, counters,
@@ -557,7 +559,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)
     launch(_resample_kernel)[(B, C)](
         q, z, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
-        counters[3 * R:], N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0),
+        counters, N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0), 3 * R,
         TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, num_warps=4)
 
 
@@ -639,7 +641,8 @@ def _parallel_configs(stream: int):
             q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
             part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
-            CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16, stride_tb="i32"),
+            CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16, stride_tb="i32",
+            done_off="i32"),
             dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream), 4))
     return out
 
