@@ -76,10 +76,13 @@ def step_inputs(model, state: dict, bucket: int, rows: torch.Tensor | None = Non
 
 
 def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
-    """One static program for `bucket` request rows."""
+    """One static program for `bucket` request rows.
+
+    Node meta is preserved during tracing so that each call of a `@fusable` reference function
+    (kernels/region.py) lands in the graph as an annotated region the fusion passes replace."""
     from .models.step import DraftVerifyStep
     step = DraftVerifyStep(model)
-    with torch.no_grad():
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
         return torch.export.export(step, step_inputs(model, state, bucket), strict=False)
 
 

@@ -30,12 +30,14 @@ import triton.language as tl
 
 from .common import fp8_group_quant, rmsnorm, upcast
 from .registry import add_compile_configs, dspark_op
+from .region import fusable
 from .tl_helpers import (compile_config, exp2_int, fp8e4m3_bits, interpreting, launch, next_pow2,
                          round_to, ue8m0_exponent)
 
 ACT_QUANT_GROUP = 128
 
 
+@fusable("act_quant")
 def act_quant_reference(x: torch.Tensor):
     """x [T, K] -> (q float8_e4m3fn [T, K], scale fp32 [T, K/128])."""
     return fp8_group_quant(x, ACT_QUANT_GROUP)
@@ -50,10 +52,12 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return (F.silu(gf) * uf).to(g.dtype)
 
 
+@fusable("swiglu_quant")
 def swiglu_quant_reference(g: torch.Tensor, u: torch.Tensor, limit: float):
     return act_quant_reference(swiglu(g, u, limit))
 
 
+@fusable("rmsnorm_quant")
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """Returns (y = rmsnorm(x) in x.dtype, q, scale)."""
     y = rmsnorm(x, weight, eps)

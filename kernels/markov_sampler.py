@@ -53,6 +53,7 @@ import triton.language as tl
 
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
+from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, check_sampling_params,
                        fold_ids, greedy_rows, gumbel_argmax, logprobs_from_processed,
                        mass_scale_bits, probs_from_processed, process_logits, row_flags,
@@ -82,6 +83,7 @@ def markov_bias(prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch
     return w1[prev].float() @ w2.float().T
 
 
+@fusable("markov_sample")
 def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor,
                             w2: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor):

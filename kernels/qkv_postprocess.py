@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .common import fp8_group_quant, masked_row_write, rmsnorm, rope_last, scale_to_e8m0_byte
 from .registry import add_compile_configs, dspark_op
+from .region import fusable
 from .tl_helpers import (compile_config, exp2_int, fp8e4m3_bits, interpreting, launch, next_pow2,
                          round_to, ue8m0_exponent)
 
@@ -45,6 +46,7 @@ def _q_norm_rope(q, positions, cos_sin, eps):
     return rope_last(qn, cos_sin, positions, rope_dim)
 
 
+@fusable("qkv_rope")
 def qkv_rope_reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                        cos_sin: torch.Tensor, eps: float):
     """q [T,H,D] -> per-head weightless RMSNorm + RoPE; kv [T,D] -> RoPE. Returns (q', kv')."""
@@ -58,6 +60,7 @@ def kv_quant_reference(kv_roped: torch.Tensor, nope: int):
     return q8, scale_to_e8m0_byte(scale), kv_roped[..., nope:].to(torch.bfloat16)
 
 
+@fusable("qkv_postprocess")
 def qkv_postprocess_reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                               cos_sin: torch.Tensor, slots: torch.Tensor, cache_nope: torch.Tensor,
                               cache_scale: torch.Tensor, cache_rope: torch.Tensor,
@@ -72,6 +75,7 @@ def qkv_postprocess_reference(q: torch.Tensor, kv: torch.Tensor, positions: torc
     return q_out
 
 
+@fusable("context_kv_store")
 def context_kv_store_reference(kv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                                slots: torch.Tensor, cache: torch.Tensor) -> None:
     """Draft context: RoPE kv [T,D] at its position and store rows with slot >= 0 (no quant)."""

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
+from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, bracket,
                        check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
                        greedy_rows, load_scaled, logprobs_from_processed, mass_scale_bits,
@@ -71,6 +72,7 @@ def safe_probs(q: torch.Tensor) -> torch.Tensor:
     return torch.where((q > 0) & (q < float("inf")), q, torch.zeros_like(q))
 
 
+@fusable("rejection_sample")
 def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                                draft_probs: torch.Tensor, temperature: torch.Tensor,
                                top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,

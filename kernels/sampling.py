@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .philox import STREAM_TARGET, gumbel
+from .region import fusable
 from .tl_helpers import next_pow2
 
 NEG_INF = float("-inf")
@@ -152,6 +153,7 @@ def gumbel_argmax(logw: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
     return torch.where(torch.isfinite(s.amax(-1)), tok, torch.zeros_like(tok))
 
 
+@fusable("sample")
 def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, seed: torch.Tensor,
                      position: torch.Tensor) -> torch.Tensor:

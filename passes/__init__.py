@@ -13,7 +13,7 @@ from .registry import (REGISTRY, PassRegistry, PassSpec, isolated_registry, regi
 from .manager import PassManager, format_stats_table, sync_output_signature
 
 # Infrastructure modules; every other module in this folder is a pass file.
-_INFRA = {"base", "registry", "manager", "verify", "graph_utils"}
+_INFRA = {"base", "registry", "manager", "verify", "graph_utils", "regions"}
 
 
 def load_pass_modules() -> list[str]:

@@ -13,6 +13,8 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import Node
 
+from dspark_compile.kernels import region as _region
+
 aten = torch.ops.aten
 
 # Known pure Python callables that appear in exported graphs (symbolic shape arithmetic).
@@ -298,3 +300,16 @@ def iter_call_nodes(graph: torch.fx.Graph, targets: Iterable = None):
     for n in list(graph.nodes):
         if n.op == "call_function" and (ts is None or n.target in ts):
             yield n
+
+
+def region_meta(node: Node) -> dict:
+    """The fusable-region annotation of a node (kernels/region.py), {} when it has none."""
+    c = node.meta.get("custom")
+    return c if isinstance(c, dict) and _region.CALL in c else {}
+
+
+def is_region_marker(node: Node) -> bool:
+    """An argument or output marker of a fusable region: an `aten.alias` the cleanup passes keep,
+    because the fusion pass reads the region's signature from it (kernels/region.py)."""
+    c = region_meta(node)
+    return bool(c) and (_region.ARG in c or _region.OUT in c) and node.target is aten.alias.default

@@ -14,14 +14,18 @@ Two kinds, both decided from `meta["val"]` (size, stride, storage offset, dtype,
    (e.g. the copy is a row about to be `index_copy_`'d into a cache: fine; a copy that is then
    updated in place: kept), and the copy is not returned (an output must not start aliasing an
    input or another output).
+
+Argument and output markers of fusable regions (`aten.alias` nodes annotated by
+kernels/region.py) are kept: they are exact no-ops, but the fusion passes read each region's
+signature from them (passes/drop_region_markers.py removes whatever no fusion consumed).
 """
 from __future__ import annotations
 
 import torch
 
 from .base import PassResult
-from .graph_utils import (alias_root, alias_source, arg_value, graph_outputs, is_view, op_name,
-                          same_layout, schema_of, tensor_val, written_roots)
+from .graph_utils import (alias_root, alias_source, arg_value, graph_outputs, is_region_marker,
+                          is_view, op_name, same_layout, schema_of, tensor_val, written_roots)
 from .registry import register_pass
 
 aten = torch.ops.aten
@@ -59,7 +63,7 @@ def remove_noops_pass(gm, ctx) -> PassResult:
     written = written_roots(graph)
     removed, kept_copies, kinds = 0, 0, {}
     for node in list(graph.nodes):
-        if node.op != "call_function" or schema_of(node) is None:
+        if node.op != "call_function" or schema_of(node) is None or is_region_marker(node):
             continue
         # the aliased input for views (schema alias sets), the copied input for copies
         src = alias_source(node) if is_view(node) else _first_tensor_arg(node)

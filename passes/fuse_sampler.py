@@ -1,0 +1,47 @@
+"""Fuse the samplers: the Markov draft sampler, rejection sampling and plain sampling regions
+become one `dspark::` op call each (kernels/markov_sampler.py, rejection.py, sampling.py).
+
+Unfused, `markov_sample_reference` over N = 5 steps (~650 aten nodes in the tiny step):
+
+    for k in 0..N-1:
+        bias = W1[prev] @ W2^T                       # [B, V] fp32, materialised
+        z = process(base[:, k] + bias, T, top_k, top_p)   # full-vocab sort for top-k/top-p
+        x = argmax(log_softmax(z) + gumbel(philox(seed, V, pos + k)))   # [B, V] noise
+        probs[:, k] = softmax(z); prev = x
+
+`rejection_sample_reference`: process + softmax + log_softmax of all B*(N+1) target rows, the
+acceptance test of every draft, cumprod, residual max(p - q, 0) and a Gumbel-max over it.
+
+Fused:
+
+    drafts, draft_probs = dspark.markov_sample(base, anchor, w1, w2, temperature, top_k, top_p,
+                                               seed, start_pos)      # mode "full"
+    tokens, num_sampled = dspark.rejection_sample(target_logits, draft_tokens, draft_probs,
+                                                  temperature, top_k, top_p, seed, start_pos)
+    tokens              = dspark.sample(logits, temperature, top_k, top_p, seed, position)
+
+Memory traffic at Flash dims (V = 129280, r = 256): the unfused Markov sampler writes and reads
+several [B, V] fp32 tensors per step (bias, z, noise, the sort for top-k/top-p, probs: ~10
+passes of 0.5 MB per request and step) and reads W2 once per step anyway; the fused op reads W2
+once per step for all rows (331 MB per call, the floor) plus the base logits, and writes the
+probabilities of non-greedy rows only. Rejection: the unfused graph processes every target row
+(B*(N+1) rows, several full passes each); the fused op walks each request's rows up to its first
+rejection (about 2-4 row reads). Both ops draw Philox noise bit-exactly like the references, so
+fusing changes no token.
+"""
+from __future__ import annotations
+
+from dspark_compile.kernels import markov_sampler as _markov  # noqa: F401  (registers the ops)
+from dspark_compile.kernels import rejection as _rejection  # noqa: F401
+
+from .base import PassResult
+from .regions import fuse_regions
+from .registry import register_pass
+
+OPS = ("markov_sample", "rejection_sample", "sample")
+
+
+@register_pass(name="fuse_sampler", stage="fusion", expect_match=True)
+def fuse_sampler_pass(gm, ctx) -> PassResult:
+    """Replace markov_sample / rejection_sample / sample regions by their dspark:: ops."""
+    return fuse_regions(gm, OPS, ctx)

@@ -1,0 +1,131 @@
+"""The tiny model's exported draft-plus-verify step, shared by the fusion-pass tests.
+
+Exporting takes 10-40 s on a loaded CI box, so the session exports one program (bucket 2, fp64
+activations, FP8 activation quant and FP8 KV caches simulated, so every fusable region exists)
+and every test works on a deep copy. `run` executes a program on a realistic prefilled state
+(dspark_compile.trace.prefilled_state: random prompts prefilled, mixed sampling settings, the
+last row padding) and returns the outputs and every state tensor after the step.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import sys
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from dspark_compile.models import load_model
+from dspark_compile.models.checkpoint import load_checkpoint
+from dspark_compile.models.state import allocate_state
+from dspark_compile.models.synth import synth_checkpoint
+from dspark_compile.passes import PassManager
+from dspark_compile.passes.graph_utils import region_meta
+from dspark_compile.passes.regions import find_regions
+from dspark_compile.passes.verify import compare_runs, graph_inputs, run_graph
+from dspark_compile.trace import BuildConfig, export_step, prefilled_state, state_input_names
+
+BUCKET = 2
+CLEANUP = ("remove_asserts", "remove_noops", "dce")
+ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rmsnorm_quant", "swiglu_quant",
+           "act_quant", "markov_sample", "rejection_sample", "sample")
+
+
+def expected_regions(cfg, prec) -> dict:
+    """How many times each fusable op runs in one step, from the config.
+
+    Every block (target layers and draft stages) has 3 norms feeding FP8 GEMMs (attn_norm ->
+    wq_a/wkv, q_norm -> wq_b, ffn_norm -> shared expert w1/w3), a shared expert, and two more FP8
+    GEMMs whose inputs are quantized alone (wo_a after the inverse RoPE, wo_b); the draft's
+    context path adds main_norm (-> wkv of every stage) and main_proj's input quant.
+    """
+    L, S = cfg.num_hidden_layers, cfg.n_mtp_layers
+    q = prec.act_quant
+    return {
+        "qkv_postprocess": L if prec.kv_fp8 else 0,   # target layers, FP8 SWA cache insert
+        "qkv_rope": S + (0 if prec.kv_fp8 else L),    # draft layers (no store)
+        "context_kv_store": S,                        # accepted rows into each draft ring
+        "rmsnorm_quant": (3 * (L + S) + 1) if q else 0,
+        "swiglu_quant": (L + S) if q else 0,
+        "act_quant": (2 * (L + S) + 1) if q else 0,
+        "markov_sample": 1,
+        "rejection_sample": 1,
+        "sample": 0,                                  # plain sampling is prefill's, not the step's
+    }
+
+
+def region_counts(ep, ops=ALL_OPS) -> dict:
+    c = collections.Counter(r.op_name for r in find_regions(ep.graph_module.graph, ops))
+    return {o: c.get(o, 0) for o in ops}
+
+
+def op_counts(ep, ops=ALL_OPS) -> dict:
+    c = collections.Counter(str(n.target) for n in ep.graph_module.graph.nodes
+                            if n.op == "call_function")
+    return {o: c.get(f"dspark.{o}.default", 0) for o in ops}
+
+
+def annotated_nodes(ep, ops=ALL_OPS) -> list:
+    """Nodes still carrying a region annotation of one of `ops`."""
+    return [n for n in ep.graph_module.graph.nodes if region_meta(n).get("dspark_region") in ops]
+
+
+def _copy(ep):
+    with warnings.catch_warnings():   # torch's pytree deprecation notice from copying specs
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(ep)
+
+
+class TinyStep:
+    def __init__(self, root):
+        self.ckpt = synth_checkpoint("tiny", root / "tiny", seed=0)
+        self.build = BuildConfig(dtype="float64", buckets=(BUCKET,), max_seq_len=64)
+        self.cfg, tensors = load_checkpoint(self.ckpt)
+        self.prec = self.build.precision()
+        self.model = load_model(None, self.prec, self.build.max_seq_len
+                                + self.cfg.dspark_block_size + 2, True, tensors=tensors,
+                                cfg=self.cfg)
+        self.cache = self.build.cache(self.cfg.dspark_block_size)
+        state = allocate_state(self.cfg, self.cache, self.prec, "cpu")
+        self.exported = export_step(self.model, state, BUCKET)
+        self._cleaned = None
+        self.lib = sys.modules[__name__]   # this module's helpers, for the test files
+        self.expected = expected_regions(self.cfg, self.prec)
+
+    def program(self):
+        """A fresh copy of the program as exported."""
+        return _copy(self.exported)
+
+    def cleaned(self):
+        """A fresh copy of the program after the cleanup passes (what the fusions see)."""
+        if self._cleaned is None:
+            self._cleaned = self.program()
+            PassManager(CLEANUP).run(self._cleaned, state_inputs=self.states(self._cleaned))
+        return _copy(self._cleaned)
+
+    @staticmethod
+    def states(ep) -> list:
+        return state_input_names(ep)
+
+    def inputs(self, seed: int) -> tuple:
+        """Flat user inputs (rows, then the state tensors) of a prefilled state."""
+        return tuple(pytree.tree_flatten(prefilled_state(self.model, self.cache, BUCKET, seed))[0])
+
+    def run(self, ep, seed: int):
+        """RunRecord (outputs, state after the step) of `ep` on the prefilled state `seed`."""
+        gm = ep.graph_module
+        return run_graph(gm, graph_inputs(ep, gm), self.inputs(seed), seed)
+
+
+def assert_same_run(ref, got) -> None:
+    """Outputs and every state tensor equal: integers exactly, floats within fp64 rounding
+    (passes/verify.py's tolerances; NaN never passes). On CPU a fused op runs the very
+    reference it replaced, so everything is in fact bit-identical; that is checked too."""
+    problems = compare_runs(ref, got)
+    assert not problems, "\n".join(problems)
+    assert set(ref.state) == set(got.state) and len(ref.state) > 10
+    for what, a, b in ([(f"output {i}", x, y) for i, (x, y) in enumerate(zip(ref.outputs,
+                                                                             got.outputs))]
+                       + [(k, v, got.state[k]) for k, v in ref.state.items()]):
+        assert torch.equal(a, b), f"{what} is not bit-identical"
