@@ -2,12 +2,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
 from .cli import _device, command
 
 PRECISIONS = ("bfloat16", "float32", "float64")
+
+
+@contextlib.contextmanager
+def _engine_errors():
+    """An engine directory that is missing, not an engine, stale or corrupted is bad input:
+    one line naming the file or field (cli.main reports ValueErrors that way), no traceback."""
+    from .artifact import ArtifactError
+    try:
+        yield
+    except ArtifactError as e:
+        raise ValueError(str(e)) from e
 
 
 def _ids(text: str) -> list[int]:
@@ -121,7 +133,8 @@ def cmd_build(args) -> int:
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
                      disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
                      dump_dir=args.dump_graphs, arch=args.arch, device=str(_device(args.device)))
-    build_engine(args.checkpoint, args.out, bc, log=lambda s: print(s, flush=True))
+    with _engine_errors():   # e.g. --out names a directory that is not an engine
+        build_engine(args.checkpoint, args.out, bc, log=lambda s: print(s, flush=True))
     return 0
 
 
@@ -140,9 +153,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args) -> int:
     from .runtime import Engine
 
+    if args.check_lossless and args.temperature > 0:
+        raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
     device = _device(args.device) if args.device else None
     t = time.perf_counter()
-    eng = Engine.load(args.engine, device=device, use_graphs=False if args.no_graphs else None)
+    with _engine_errors():
+        eng = Engine.load(args.engine, device=device, use_graphs=False if args.no_graphs else None)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
           + (f" (graphs captured: {sorted(eng.graphs)})" if eng.graphs else ""))
     params = _params(args)
@@ -150,8 +166,6 @@ def cmd_run(args) -> int:
     res = eng.generate(args.prompt_ids, params)
     _report(res, time.perf_counter() - t, True)
     if args.check_lossless:
-        if args.temperature > 0:
-            raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
         from .lossless import check_lossless
         report = check_lossless(eng.model, args.prompt_ids, params, res.tokens, device=eng.device)
         print(report.line())
@@ -168,11 +182,20 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 @command("inspect", "print an engine's manifest, buckets and pass table", _inspect_args)
 def cmd_inspect(args) -> int:
-    from .artifact import load_manifest
+    from .artifact import ArtifactError, load_manifest
     from .passes import format_stats_table
 
-    m = load_manifest(args.engine, skip=("torch_version", "triton_version", "cuda_version", "target_sm",
-                                         "dspark_compile_version"))
+    # a stale engine (other toolchain, changed pass or op) is still worth reading: only the
+    # checksum, structure and file hashes must hold here; staleness is reported below
+    with _engine_errors():
+        m = load_manifest(args.engine, skip=("torch_version", "triton_version", "cuda_version",
+                                             "target_sm", "dspark_compile_version", "passes",
+                                             "dspark_ops"))
+    try:
+        load_manifest(args.engine, check_files=False)
+        loadable = "yes"
+    except ArtifactError as e:
+        loadable = f"no: {e}"
     if args.json:
         print(json.dumps(m, indent=1))
         return 0
@@ -182,6 +205,9 @@ def cmd_inspect(args) -> int:
     print(f"{'buckets':>24}: {m['buckets']}")
     print(f"{'build_config':>24}: {json.dumps(m.get('build_config'))}")
     print(f"{'graph_memory_bytes':>24}: {m.get('graph_memory_bytes')}")
+    if m.get("runtime_load"):
+        print(f"{'runtime_load':>24}: {json.dumps(m['runtime_load'])}")
+    print(f"{'loads here':>24}: {loadable}")
     stats = m.get("pass_stats", {})
     if stats:
         b = str(max(m["buckets"]))

@@ -11,11 +11,15 @@
 
 Warm-up and capture run with every batch row pointing at the trash row, so they never touch a
 live request's state. On CPU the programs run directly (no graphs).
+
+A graph's outputs are static tensors in the shared pool: they are valid until the next replay of
+any bucket's graph, so `run_step` copies them to the host before it returns.
 """
 from __future__ import annotations
 
 import bisect
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,10 +60,12 @@ class Engine:
         self.cache = self.build.cache(self.cfg.dspark_block_size)
         self.state = allocate_state(self.cfg, self.cache, self.model.prec, device)
         self.trash = self.cache.max_rows
+        self.programs = programs   # the ExportedPrograms as loaded (inspection, checks)
         self.modules = {b: ep.module() for b, ep in programs.items()}
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool_bytes: dict[int, int] = {}
+        self.load_seconds = 0.0
         self.times = StepTimes()
         if use_graphs:
             self._capture_all()
@@ -68,17 +74,35 @@ class Engine:
     @classmethod
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
              record_graph_memory: bool = True) -> "Engine":
+        t0 = time.perf_counter()
         engine_dir = Path(engine_dir)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs)
+        eng.load_seconds = time.perf_counter() - t0
         if use_graphs and record_graph_memory:
-            for b in eng.buckets:
-                update_manifest_field(engine_dir, f"graph_memory_bytes.{b}", eng.graph_pool_bytes[b])
+            eng._record_load()
         return eng
+
+    def _record_load(self) -> None:
+        """Write this load's graph memory and timings into the manifest (DESIGN §3.7). A
+        read-only engine directory is not an error: the engine runs, the record is skipped."""
+        stats = {"device": torch.cuda.get_device_name(self.device),
+                 "torch_version": torch.__version__,
+                 "load_seconds": round(self.load_seconds, 3),
+                 "capture_seconds": {str(b): round(s, 4) for b, s in self.capture_seconds.items()},
+                 "graph_pool_total_bytes": int(sum(self.graph_pool_bytes.values()))}
+        try:
+            update_manifest_field(self.dir, "graph_memory_bytes",
+                                  {str(b): self.graph_pool_bytes[b] for b in self.buckets})
+            update_manifest_field(self.dir, "runtime_load", stats)
+        except OSError as e:
+            warnings.warn(f"could not record graph memory in {self.dir}/manifest.json: {e}")
 
     def _reference_model(self, weights: dict):
         """The eager model for prefill, sharing the engine's weight tensors (no copy)."""
@@ -102,12 +126,18 @@ class Engine:
     def _padded_rows(self, bucket: int) -> torch.Tensor:
         return torch.full((bucket,), self.trash, dtype=torch.int64, device=self.device)
 
+    def _reserved(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("reserved_bytes.all.current", 0))
+
     def _capture_all(self, warmup: int = 2) -> None:
+        """`graph_pool_bytes[b]`: memory the capture of bucket b added to the shared pool (the
+        largest bucket's capture allocates it; smaller ones mostly reuse it). Measured around
+        the capture alone: warm-up runs allocate from the ordinary cache, not the pool."""
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
         for b in sorted(self.buckets, reverse=True):   # largest first: smaller ones reuse its pool
             t = time.perf_counter()
-            before = torch.cuda.memory_stats(self.device).get("reserved_bytes.all.current", 0)
             rows = self._padded_rows(b)
             fn = self.modules[b]
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -115,11 +145,13 @@ class Engine:
                 for _ in range(warmup):
                     fn(rows, self.state)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            before = self._reserved()
             graph = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
                 out_tokens, out_num = fn(rows, self.state)
             torch.cuda.synchronize(self.device)
-            after = torch.cuda.memory_stats(self.device).get("reserved_bytes.all.current", 0)
+            after = self._reserved()
             self.graphs[b] = _Graph(graph, rows, out_tokens, out_num)
             self.capture_seconds[b] = time.perf_counter() - t
             self.graph_pool_bytes[b] = int(after - before)
@@ -132,20 +164,40 @@ class Engine:
         return self.buckets[i]
 
     @torch.no_grad()
-    def run_step(self, rows: list[int], use_graph: bool = True):
-        """One draft-plus-verify step for up to `largest bucket` state rows; returns
-        (tokens [n, N+1], num_sampled [n]) on the host, rows in the given order."""
+    def run_step(self, rows: list[int], use_graph: bool = True, bucket: int | None = None):
+        """One draft-plus-verify step for up to `largest bucket` state rows (the trash row may
+        appear among them as explicit padding); returns (tokens [n, N+1], num_sampled [n]) on
+        the host, rows in the given order. `bucket`: run that bucket's program (default: the
+        smallest that fits), padding with the trash row."""
+        rows = [int(r) for r in rows]
         n = len(rows)
-        b = self.bucket_for(n)
-        padded = rows + [self.trash] * (b - n)
+        if n == 0:
+            raise ValueError("run_step needs at least one row")
+        bad = [r for r in rows if not 0 <= r <= self.trash]
+        if bad:
+            raise ValueError(f"rows {bad[:5]} outside [0, {self.trash}] (state rows, trash row "
+                             f"{self.trash})")
+        live = [r for r in rows if r != self.trash]
+        if len(set(live)) != len(live):
+            # two batch rows on one state row would both write its caches in one step
+            raise ValueError(f"rows {rows} name a state row twice")
+        if bucket is None:
+            b = self.bucket_for(n)
+        elif bucket not in self.buckets or bucket < n:
+            raise ValueError(f"bucket {bucket}: not one of {self.buckets} or smaller than the "
+                             f"{n} rows given")
+        else:
+            b = bucket
+        padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64)
         t = time.perf_counter()
         if use_graph and b in self.graphs:
             g = self.graphs[b]
-            g.rows.copy_(torch.tensor(padded, dtype=torch.int64))
+            g.rows.copy_(padded)
             g.graph.replay()
             tokens, num = g.out_tokens, g.out_num
         else:
-            tokens, num = self.modules[b](torch.tensor(padded, device=self.device), self.state)
+            tokens, num = self.modules[b](padded.to(self.device), self.state)
+        # the graph's outputs live in the shared pool: copy them out before any other replay
         tokens, num = tokens[:n].cpu(), num[:n].cpu()
         self.times.steps += 1
         dt = time.perf_counter() - t

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from .artifact import save_engine
+from .artifact import MANIFEST, save_engine
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -119,10 +119,15 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     from .models.state import allocate_state
     from .passes import PassConfig, PassManager
 
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
+        # save_engine refuses too, but only after every bucket has been exported
+        raise ValueError(f"output {out} exists and is not an engine directory (no {MANIFEST}); "
+                         "refusing to replace it")
     t0 = time.perf_counter()
     log(f"[load] checkpoint {ckpt}")
+    cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
     raw_config = json.loads((Path(ckpt) / "config.json").read_text())
-    cfg, tensors = load_checkpoint(ckpt, device=bc.device)
     if not cfg.has_draft:
         raise ValueError("config field 'dspark_block_size': the checkpoint has no DSpark draft; "
                          "the engine compiles the draft-plus-verify step")
@@ -152,6 +157,10 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
             log(f"[pass] bucket {b}: {r['name']:<28} {r['time_ms']:>9.1f} ms  nodes "
                 f"{r['nodes_before']:>6} -> {r['nodes_after']:<6} matches {r['matches']}"
                 + ("  verified" if r.get("verified") else ""))
+        # export keeps the example inputs (here: the whole decode state, ~100 MB even for the
+        # tiny model) and torch.export.save would write them into every program file; the
+        # runtime allocates its own state, so they are dropped
+        ep.example_inputs = None
         programs[b], stats[str(b)] = ep, rows
 
     extra = {}

@@ -1,0 +1,123 @@
+"""Build of the real step for every default bucket: one static program per bucket, the final
+graphs copy no whole cache and never sync with the host, the manifest says what was built.
+
+The checks run on the programs as the runtime loads them (deserialised from the engine), so
+they cover what `torch.export.save`/`load` kept, not only the in-memory build."""
+import json
+import zipfile
+
+import pytest
+import torch
+
+from dspark_compile.artifact import FORMAT_VERSION, config_hash, program_path
+from dspark_compile.passes import PassManager, assert_no_whole_cache_copy, find_host_syncs
+from dspark_compile.trace import DEFAULT_BUCKETS, state_input_names
+from dspark_compile.versions import environment_fields
+
+BUILD_BUDGET_S = 600   # CI runs everything in < 30 min on 2 cores; this build was ~2.5 min
+
+
+def test_build_time_within_budget(default_engine):
+    assert default_engine.seconds < BUILD_BUDGET_S, (
+        f"building the tiny engine for {DEFAULT_BUCKETS} took {default_engine.seconds:.0f}s")
+    # progress per stage: load, one export line per bucket, passes, write
+    log = "\n".join(default_engine.log)
+    assert "[load]" in log and "[write]" in log
+    for b in DEFAULT_BUCKETS:
+        assert f"[export] bucket {b}:" in log and f"[pass] bucket {b}:" in log
+
+
+def test_one_program_per_bucket(default_engine):
+    m = default_engine.manifest
+    assert m["buckets"] == list(DEFAULT_BUCKETS)
+    assert sorted(m["programs"], key=int) == [str(b) for b in DEFAULT_BUCKETS]
+    for b in DEFAULT_BUCKETS:
+        entry = m["programs"][str(b)]
+        assert entry["path"] == program_path(b)
+        assert (default_engine.path / entry["path"]).is_file()
+        assert entry["user_inputs"][0] == "rows"
+        assert entry["shared_weights"], "weights must come from weights.safetensors"
+
+
+def _shapes(v):
+    if isinstance(v, torch.Tensor):
+        return [tuple(v.shape)]
+    if isinstance(v, (list, tuple)):
+        return [s for x in v for s in _shapes(x)]
+    return []
+
+
+@pytest.mark.parametrize("bucket", DEFAULT_BUCKETS)
+def test_program_is_static_capture_safe_and_in_place(default_loaded, bucket):
+    ep = default_loaded.programs[bucket]
+    cfg = default_loaded.cfg
+    N = cfg.dspark_block_size
+    gm = ep.graph_module
+    # static shapes: no symbolic size anywhere, `rows` is [bucket], outputs [bucket, N+1], [bucket]
+    for node in gm.graph.nodes:
+        for shape in _shapes(node.meta.get("val")):
+            assert all(type(d) is int for d in shape), f"node {node.name} has shape {shape}"
+    rows = next(n for n in gm.graph.nodes if n.op == "placeholder"
+                and n.name == ep.graph_signature.user_inputs[0])
+    assert tuple(rows.meta["val"].shape) == (bucket,)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    user_outs = out[len(out) - len(ep.graph_signature.user_outputs):]
+    assert [tuple(o.meta["val"].shape) for o in user_outs] == [(bucket, N + 1), (bucket,)]
+    # the state is updated in place, never returned as a mutated output or copied whole
+    assert not ep.graph_signature.user_inputs_to_mutate
+    names = state_input_names(ep)
+    assert len(names) == len(default_loaded.state), "every state tensor is a program input"
+    assert_no_whole_cache_copy(ep, names)
+    assert find_host_syncs(ep) == []
+
+
+def test_programs_do_not_carry_the_state(default_engine, default_loaded):
+    # export keeps its example inputs (the whole decode state); they must not be saved into
+    # every program file (at max_rows 64 that was ~120 MB per bucket)
+    state_bytes = sum(t.numel() * t.element_size() for t in default_loaded.state.values())
+    for b in DEFAULT_BUCKETS:
+        p = default_engine.path / program_path(b)
+        assert p.stat().st_size < state_bytes / 4, (p, p.stat().st_size, state_bytes)
+        with zipfile.ZipFile(p) as z:
+            big = [i.filename for i in z.infolist() if "sample_inputs" in i.filename
+                   and i.file_size > 1 << 20]
+        assert not big, big
+
+
+def test_manifest_fields(default_engine):
+    m = default_engine.manifest
+    on_disk = json.loads((default_engine.path / "manifest.json").read_text())
+    assert on_disk["checksum"] == m["checksum"]
+    env = environment_fields()
+    assert m["format_version"] == FORMAT_VERSION
+    for k in ("torch_version", "triton_version", "cuda_version", "target_sm",
+              "dspark_compile_version"):
+        assert m[k] == env[k], k
+    assert m["model_config"]["dspark_block_size"] == 5
+    assert m["model_config_hash"] == config_hash(m["model_config"])
+    bc = m["build_config"]
+    assert (bc["buckets"], bc["max_rows"], bc["max_seq_len"], bc["dtype"], bc["device"]) == \
+        (list(DEFAULT_BUCKETS), 64, 160, "float64", "cpu")
+    pm = PassManager()
+    assert [p["name"] for p in m["passes"]] == pm.names
+    assert m["passes"] == pm.manifest_entries()        # each pass's source hash recorded
+    assert sorted(m["pass_stats"], key=int) == [str(b) for b in DEFAULT_BUCKETS]
+    for rows in m["pass_stats"].values():
+        assert [r["name"] for r in rows] == pm.names
+        assert all(r["nodes_after"] <= r["nodes_before"] for r in rows)
+    assert m["graph_memory_bytes"] == {str(b): None for b in DEFAULT_BUCKETS}  # CPU: no graphs
+    assert m["weights"]["file"] == "weights.safetensors"
+    assert all(len(t["sha256"]) == 64 for t in m["weights"]["tensors"].values())
+    assert set(m["files"]) == {program_path(b) for b in DEFAULT_BUCKETS} | {"weights.safetensors"}
+    assert "moe_experts.default" in "".join(m["dspark_ops"])
+
+
+def test_build_refuses_a_non_engine_output_before_exporting(tiny_ckpt, tmp_path):
+    from dspark_compile.trace import BuildConfig, build_engine
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    lines = []
+    with pytest.raises(ValueError, match="not an engine directory"):
+        build_engine(tiny_ckpt, out, BuildConfig(buckets=(1,)), log=lines.append)
+    assert lines == [] and (out / "keep.txt").read_text() == "user data"

@@ -1,0 +1,146 @@
+"""`dspark-compile build / run / inspect` on the tiny engine, in-process (cli.main).
+
+The build itself is the `small_engine` session fixture (conftest.py): it runs
+`dspark-compile build CKPT --out ENGINE --buckets 2,1 --max-rows 5 ...` and keeps its output,
+which is checked here. Bad input exits non-zero with one line naming the problem."""
+import shutil
+
+import pytest
+
+from dspark_compile.cli import main
+from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.passes import PassManager
+
+
+def _one_line_error(err: str, command: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"dspark-compile {command}: error: "), err
+    return lines[0]
+
+
+def test_build_prints_progress_per_stage_and_the_pass_table(small_engine):
+    rc, out, err = small_engine.log
+    assert rc == 0
+    for s in ("[load] checkpoint", "[load] done", "[export] bucket 2:", "[export] bucket 1:",
+              "[write]"):
+        assert s in out, s
+    names = PassManager().names
+    for b in (1, 2):
+        for name in names:
+            assert f"[pass] bucket {b}: {name}" in out, (b, name)
+    table = out[out.index("index  name"):].splitlines()
+    assert table[0].split()[:4] == ["index", "name", "stage", "time_ms"]
+    assert [row.split()[1] for row in table[2:2 + len(names)]] == names
+    assert small_engine.manifest["buckets"] == [1, 2]
+    assert small_engine.manifest["build_config"]["max_rows"] == 5
+
+
+def test_run_prints_tokens_acceptance_time_and_lossless(small_engine, ref_model, capsys):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    rc = main(["run", str(small_engine.path), "--prompt-ids", "3,1,4,1,5", "--prompt-ids", "9,2,6",
+               "--max-new-tokens", "10", "--check-lossless", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "loaded " in out and " on cpu in " in out
+    assert "acceptance per draft position:" in out and "mean accepted length:" in out
+    assert "ms/step" in out and "tok/s" in out
+    assert out.strip().splitlines()[-1] == "lossless: ok"
+    got = [[int(t) for t in line.split(": ")[1].split(",")]
+           for line in out.splitlines() if line.startswith("tokens[")]
+    ref = generate(ref_model, prompts, [SamplingParams(max_new_tokens=10, seed=i) for i in range(2)],
+                   speculative=True)
+    assert got == ref.tokens
+
+
+def test_inspect_prints_manifest_buckets_and_passes(small_engine, capsys):
+    assert main(["inspect", str(small_engine.path)]) == 0
+    out = capsys.readouterr().out
+    for k in ("format_version", "torch_version", "triton_version", "target_sm",
+              "model_config_hash", "build_config", "graph_memory_bytes"):
+        assert f"{k}:" in out, k
+    assert "buckets: [1, 2]" in out and '"max_rows": 5' in out
+    assert "loads here: yes" in out
+    assert "passes (bucket 2):" in out and "index  name" in out
+    for name in PassManager().names:
+        assert name in out
+    assert main(["inspect", str(small_engine.path), "--json"]) == 0
+    import json
+    assert json.loads(capsys.readouterr().out)["buckets"] == [1, 2]
+
+
+def test_inspect_names_a_stale_engine_but_still_shows_it(small_engine, tmp_path, capsys):
+    from dspark_compile.artifact import update_manifest_field
+    eng = tmp_path / "engine"
+    shutil.copytree(small_engine.path, eng)
+    passes = small_engine.manifest["passes"]
+    update_manifest_field(eng, "passes", [{**passes[0], "source_hash": "0" * 64}] + passes[1:])
+    assert main(["inspect", str(eng)]) == 0
+    out = capsys.readouterr().out
+    assert "buckets: [1, 2]" in out
+    assert f"loads here: no: manifest field 'passes': pass '{passes[0]['name']}'" in out
+
+
+# ------------------------------------------------------------------ bad input
+def test_build_missing_checkpoint(tmp_path, capsys):
+    assert main(["build", str(tmp_path / "nope"), "--out", str(tmp_path / "e")]) == 1
+    line = _one_line_error(capsys.readouterr().err, "build")
+    assert "checkpoint directory not found" in line and "nope" in line
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("buckets, why", [("1,x", "expected comma-separated bucket sizes"),
+                                          ("0,2", "bucket sizes must be positive"),
+                                          ("", "expected comma-separated bucket sizes")])
+def test_build_bad_bucket_list(tiny_ckpt, tmp_path, capsys, buckets, why):
+    with pytest.raises(SystemExit) as e:   # argparse: usage line + one error line, status 2
+        main(["build", str(tiny_ckpt), "--out", str(tmp_path / "e"), "--buckets", buckets])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --buckets" in last and why in last
+
+
+def test_build_refuses_to_replace_a_non_engine_directory(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["build", str(tiny_ckpt), "--out", str(out), "--buckets", "1"]) == 1
+    assert "not an engine directory" in _one_line_error(capsys.readouterr().err, "build")
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_run_on_a_directory_that_is_not_an_engine(tmp_path, capsys):
+    (tmp_path / "x.txt").write_text("hi")
+    assert main(["run", str(tmp_path), "--prompt-ids", "1,2", "--device", "cpu"]) == 1
+    assert "is not an engine: manifest.json is missing" in _one_line_error(
+        capsys.readouterr().err, "run")
+    assert main(["run", str(tmp_path / "missing"), "--prompt-ids", "1", "--device", "cpu"]) == 1
+    assert "does not exist" in _one_line_error(capsys.readouterr().err, "run")
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "is not an engine" in _one_line_error(capsys.readouterr().err, "inspect")
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated"])
+def test_run_on_a_damaged_program_file(small_engine, tmp_path, capsys, damage):
+    eng = tmp_path / "engine"
+    shutil.copytree(small_engine.path, eng)
+    prog = eng / "programs" / "step_b1.pt2"
+    data = bytearray(prog.read_bytes())
+    if damage == "corrupted":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[:len(data) // 3]
+    prog.write_bytes(bytes(data))
+    assert main(["run", str(eng), "--prompt-ids", "1,2", "--device", "cpu"]) == 1
+    line = _one_line_error(capsys.readouterr().err, "run")
+    assert f"engine file 'programs/step_b1.pt2' is {damage}" in line
+    assert main(["inspect", str(eng)]) == 1
+    assert "programs/step_b1.pt2" in _one_line_error(capsys.readouterr().err, "inspect")
+
+
+def test_run_check_lossless_needs_greedy(small_engine, capsys):
+    rc = main(["run", str(small_engine.path), "--prompt-ids", "1,2", "--temperature", "0.7",
+               "--check-lossless", "--device", "cpu"])
+    assert rc == 1
+    assert "--check-lossless compares greedy decoding" in _one_line_error(
+        capsys.readouterr().err, "run")

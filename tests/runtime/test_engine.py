@@ -1,0 +1,247 @@
+"""Runtime generate == eager reference generate, token for token (CPU, float64, no graphs).
+
+The reference is `models.generate.generate(..., speculative=True)` on a model loaded
+independently from the checkpoint; the engine runs the compiled, pass-transformed programs
+loaded from disk. Covered: greedy and sampled rows (temperature/top-k/top-p, fixed seeds) in one
+batch, different prompt lengths / max_new_tokens / stop ids so rows finish at different steps
+and later steps run smaller buckets with padded rows, requests finished by their first token,
+more requests than state rows (waiting queue, rows reused), more live rows than the largest
+bucket (each step split across program calls), and the lossless check on the engine output.
+"""
+import random
+
+import pytest
+import torch
+
+from dspark_compile.lossless import END, check_lossless, greedy_reference
+from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.runtime import StepTimes
+
+
+def _prompts(rng, V, lengths):
+    return [[rng.randrange(V) for _ in range(n)] for n in lengths]
+
+
+def _run(eng, prompts, params):
+    eng.times = StepTimes()
+    return eng.generate(prompts, params)
+
+
+def _assert_same(res, ref, prompts):
+    for i, (a, b) in enumerate(zip(res.tokens, ref.tokens)):
+        assert a == b, f"request {i} (prompt length {len(prompts[i])}): engine {a} != reference {b}"
+
+
+@pytest.fixture(scope="module")
+def greedy_run(default_loaded, ref_model):
+    """Six greedy requests of mixed lengths, one ended by its first token (max_new_tokens=1),
+    one by a stop id it reaches after a few tokens."""
+    rng = random.Random(1)
+    V = ref_model.cfg.vocab_size
+    prompts = _prompts(rng, V, [1, 3, 17, 40, 9, 25])
+    new = [1, 12, 25, 6, 18, 30]
+    params = [SamplingParams(max_new_tokens=n) for n in new]
+    stop = greedy_reference(ref_model, prompts[4], 5)[0][4]
+    params[4] = SamplingParams(max_new_tokens=new[4], stop_ids=(stop,))
+    res = _run(default_loaded, prompts, params)
+    times = default_loaded.times
+    ref = generate(ref_model, prompts, params, speculative=True)
+    return prompts, params, res, ref, times
+
+
+def test_greedy_mixed_batch_equals_reference(greedy_run):
+    prompts, params, res, ref, times = greedy_run
+    _assert_same(res, ref, prompts)
+    assert len(res.tokens[0]) == 1
+    assert res.tokens[4][-1] in params[4].stop_ids and len(res.tokens[4]) <= 5
+    assert [len(t) for i, t in enumerate(res.tokens) if i not in (0, 4)] == \
+        [p.max_new_tokens for i, p in enumerate(params) if i not in (0, 4)]
+    # same step accounting as the reference: steps, accepted drafts per position
+    assert (res.steps, res.row_steps, res.accepted_at) == (ref.steps, ref.row_steps, ref.accepted_at)
+    assert sum(res.accepted_at) > 0, "no draft accepted: the accept paths were not exercised"
+    # rows finished at different steps: later steps ran smaller buckets, padded
+    assert len(times.per_bucket) >= 3, times.per_bucket
+    assert times.steps == res.steps
+
+
+def test_greedy_engine_is_lossless(greedy_run, default_loaded, ref_model):
+    prompts, params, res, _, _ = greedy_run
+    report = check_lossless(default_loaded.model, prompts, params, res.tokens)
+    assert report.ok, report.line()
+    plain = generate(ref_model, prompts, params, speculative=False)
+    assert res.tokens == plain.tokens
+
+
+def test_lossless_check_catches_wrong_outputs(greedy_run, ref_model):
+    prompts, params, res, _, _ = greedy_run
+    i = 2   # 25 tokens, no stop id
+    p, sp, out = [prompts[i]], [params[i]], res.tokens[i]
+    flipped = list(out)
+    flipped[7] = (flipped[7] + 1) % ref_model.cfg.vocab_size
+    r = check_lossless(ref_model, p, sp, [flipped])
+    assert not r.ok and (r.index, r.expected, r.got) == (7, out[7], flipped[7]) and r.margin > 0
+    assert r.top1 != 0 and r.relative_margin > 0 and "DIVERGED at request 0, token 7" in r.line()
+    r = check_lossless(ref_model, p, sp, [out[:-3]])            # ended too early
+    assert not r.ok and (r.index, r.got) == (len(out) - 3, END) and "output ended" in r.line()
+    j = 4   # stop id: the reference ends there, an output running on is wrong
+    r = check_lossless(ref_model, [prompts[j]], [params[j]], [res.tokens[j] + [0]])
+    assert not r.ok and r.expected == END and r.relative_margin == float("inf")
+    with pytest.raises(ValueError, match="greedy"):
+        check_lossless(ref_model, p, [SamplingParams(temperature=0.7)], [out])
+
+
+def test_sampled_rows_equal_reference_and_reproduce(default_loaded, ref_model):
+    rng = random.Random(2)
+    V = ref_model.cfg.vocab_size
+    prompts = _prompts(rng, V, [5, 12, 2, 30, 8])
+    settings = [(0.8, 0, 1.0), (1.0, 5, 1.0), (0.0, 0, 1.0), (0.7, 0, 0.9), (1.2, 20, 0.8)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=100 + i,
+                             max_new_tokens=rng.randint(8, 20))
+              for i, (t, k, p) in enumerate(settings)]
+    res = _run(default_loaded, prompts, params)
+    ref = generate(ref_model, prompts, params, speculative=True)
+    _assert_same(res, ref, prompts)
+    again = _run(default_loaded, prompts, params)
+    assert again.tokens == res.tokens, "same seeds must give the same tokens"
+    reseeded = [SamplingParams(**{**p.__dict__, "seed": p.seed + 1000}) for p in params]
+    other = _run(default_loaded, prompts, reseeded)
+    sampled = [i for i, (t, _, _) in enumerate(settings) if t > 0]
+    assert any(other.tokens[i] != res.tokens[i] for i in sampled), "seeds have no effect"
+    assert other.tokens[2] == res.tokens[2], "a greedy row does not depend on its seed"
+
+
+def test_requests_finished_by_their_first_token(small_loaded, ref_model):
+    # nothing is left to decode after prefill: no step runs, the rows are free again
+    prompts = [[3, 1, 4], [1, 5, 9, 2, 6], [7]]
+    firsts = [greedy_reference(ref_model, p, 1)[0][0] for p in prompts]
+    params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=9, stop_ids=(firsts[1],)),
+              SamplingParams(max_new_tokens=1, temperature=0.9, seed=3)]
+    res = _run(small_loaded, prompts, params)
+    ref = generate(ref_model, prompts, params, speculative=True)
+    _assert_same(res, ref, prompts)
+    assert res.tokens[:2] == [[firsts[0]], [firsts[1]]] and len(res.tokens[2]) == 1
+    assert res.steps == 0 and small_loaded.times.steps == 0
+
+
+def test_more_requests_than_rows_wait_and_reuse_rows(small_loaded, ref_model):
+    # max_rows 5: the three short requests wait until long ones finish and then run in rows
+    # that still hold a previous request's caches, compressor state and draft context
+    assert small_loaded.cache.max_rows == 5
+    rng = random.Random(3)
+    V = ref_model.cfg.vocab_size
+    prompts = _prompts(rng, V, [45, 38, 50, 30, 41, 2, 1, 4])
+    new = [6, 24, 30, 12, 20, 10, 12, 8]
+    params = [SamplingParams(max_new_tokens=n) for n in new]
+    params[6] = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=11)
+    res = _run(small_loaded, prompts, params)
+    ref = generate(ref_model, prompts, params, speculative=True)
+    _assert_same(res, ref, prompts)
+    assert [len(t) for t in res.tokens] == new
+
+
+def test_batch_larger_than_the_largest_bucket(small_loaded, ref_model):
+    # 5 live rows, largest bucket 2: every step runs as 2 + 2 + 1 program calls
+    rng = random.Random(4)
+    V = ref_model.cfg.vocab_size
+    prompts = _prompts(rng, V, [7, 19, 3, 26, 11])
+    params = [SamplingParams(max_new_tokens=n) for n in (14, 9, 16, 12, 10)]
+    params[1] = SamplingParams(max_new_tokens=9, temperature=1.0, top_k=8, seed=5)
+    res = _run(small_loaded, prompts, params)
+    ref = generate(ref_model, prompts, params, speculative=True)
+    _assert_same(res, ref, prompts)
+    times = small_loaded.times
+    assert times.steps >= 2 * res.steps and times.per_bucket[2] >= 2 * res.steps // 2, times
+    assert (res.steps, res.accepted_at) == (ref.steps, ref.accepted_at)
+
+
+def test_padding_and_bucket_choice_do_not_change_a_step(default_loaded):
+    """The same state copy run as rows [7, 3] in bucket 2 and as [7, trash, 3] in bucket 4:
+    the live rows' outputs and state agree, and no row outside them changes (padding is
+    inert) except the trash row."""
+    eng = default_loaded
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.step import prefill
+    for row, prompt, sp in ((7, [5, 6, 7, 8, 9, 10], SamplingParams()),
+                            (3, [42, 17], SamplingParams(temperature=0.9, seed=1))):
+        set_row_sampling(eng.state, row, sp)
+        prefill(eng.model, eng.state, row, prompt, eng.cache.max_step_tokens, speculative=True)
+    snap = {k: v.clone() for k, v in eng.state.items()}
+    t2, n2 = eng.run_step([7, 3])
+    after2 = {k: v.clone() for k, v in eng.state.items()}
+    for k, v in eng.state.items():
+        v.copy_(snap[k])
+    t4, n4 = eng.run_step([7, eng.trash, 3], bucket=4)
+    assert n4[1] == 0 and (t4[1] == -1).all(), "a padded row emitted tokens"
+    assert torch.equal(t2, t4[[0, 2]]) and torch.equal(n2, n4[[0, 2]])
+    keep = torch.ones(eng.trash + 1, dtype=torch.bool)
+    keep[[3, 7, eng.trash]] = False
+    for k, v in eng.state.items():
+        assert torch.equal(v[keep], snap[k][keep]), f"state '{k}': a row outside the batch changed"
+        torch.testing.assert_close(v[[3, 7]], after2[k][[3, 7]], msg=f"state '{k}'")
+
+
+def test_bad_requests_are_named(small_loaded):
+    eng = small_loaded
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.generate([[1] * 100], [SamplingParams(max_new_tokens=100)])
+    with pytest.raises(ValueError, match="outside"):
+        eng.generate([[1, 10_000]], [SamplingParams()])
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        eng.generate([[1]], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="outside"):
+        eng.run_step([eng.trash + 1])
+    with pytest.raises(ValueError, match="twice"):
+        eng.run_step([1, 1])
+    with pytest.raises(ValueError, match="bucket 1"):
+        eng.run_step([0, 1], bucket=1)
+    with pytest.raises(ValueError, match="exceed the largest bucket"):
+        eng.run_step([0, 1, 2])
+
+
+# ------------------------------------------------------------------ fresh-process round trip
+FRESH_STEP = """
+import sys, torch
+torch.set_num_threads(1)
+from dspark_compile.runtime import Engine
+eng = Engine.load(sys.argv[1], device="cpu")
+case = torch.load(sys.argv[2])
+assert sorted(case["state"]) == sorted(eng.state), "state layout differs"
+for k, v in eng.state.items():
+    v.copy_(case["state"][k])
+outs = [eng.run_step(rows, bucket=b) for rows, b in case["calls"]]
+torch.save({"outs": outs, "state": eng.state}, sys.argv[3])
+print("FRESH-STEP-OK")
+"""
+
+
+def test_engine_step_in_a_fresh_process_equals_in_process(small_loaded, tmp_path):
+    """Load the engine from disk in a new interpreter (ops registered by the load itself),
+    run the real step on the same state: outputs and the updated state equal the in-process
+    run bit for bit."""
+    import subprocess
+    import sys
+
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.step import prefill
+    eng = small_loaded
+    for row, prompt, sp in ((4, [11, 12, 13, 14], SamplingParams()),
+                            (0, [300, 2, 7, 7, 9, 1, 40], SamplingParams(temperature=0.8, top_k=9,
+                                                                          seed=21))):
+        set_row_sampling(eng.state, row, sp)
+        prefill(eng.model, eng.state, row, prompt, eng.cache.max_step_tokens, speculative=True)
+    calls = [([4, 0], 2), ([0], 2), ([4], 1)]   # the second call carries a padded row
+    torch.save({"state": {k: v.clone() for k, v in eng.state.items()}, "calls": calls},
+               tmp_path / "case.pt")
+    here = [eng.run_step(rows, bucket=b) for rows, b in calls]
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH_STEP)
+    r = subprocess.run([sys.executable, str(script), str(eng.dir), str(tmp_path / "case.pt"),
+                        str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and "FRESH-STEP-OK" in r.stdout, r.stderr[-3000:]
+    fresh = torch.load(tmp_path / "out.pt")
+    for (t1, n1), (t2, n2) in zip(here, fresh["outs"]):
+        assert torch.equal(t1, t2) and torch.equal(n1, n2), (t1, t2, n1, n2)
+    assert here[1][1].tolist() != [0] and here[0][1].min() >= 1
+    for k, v in eng.state.items():
+        assert torch.equal(v, fresh["state"][k]), f"state '{k}' differs"
