@@ -3,8 +3,8 @@ the step becomes one `dspark::` op call (kernels/qkv_postprocess.py).
 
 Unfused (per target layer, what `qkv_postprocess_reference` exports to; ~100 aten nodes):
 
-    q ─ to(f32) ─ pow ─ mean ─ add(eps) ─ rsqrt ─ mul ─ to(dtype) ─┬─ slice[:nope] ─────────┐
-                                                                  └─ slice[nope:] ─ RoPE ──┴─ cat ─► q'
+    q ─ to(f32) ─ pow ─ mean ─ add ─ rsqrt ─ mul ─ to(dtype) ─┬─ slice[:nope] ───────┐
+                                                             └─ slice[nope:] ─ RoPE ┴─ cat ─► q'
     kv ─ slice[nope:] ─ RoPE (cos_sin[positions], unflatten, mul, sub, add, stack) ─ cat ─► kv'
     kv' ─ slice[:nope] ─ unflatten(64) ─ abs ─ amax ─ log2 ─ ceil ─ exp2 ─ div ─ to(fp8) ─┐
     slots ─ where(slot < 0 → scratch) ──────────── index_put_(cache_nope / _scale / _rope) ◄┘

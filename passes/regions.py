@@ -81,7 +81,8 @@ def find_regions(graph: torch.fx.Graph, ops: Iterable[str]) -> list[Region]:
             continue
         reg = found.get(c[R.CALL])
         if reg is None:
-            reg = found[c[R.CALL]] = Region(c[R.REGION], c[R.CALL], consts=dict(c.get(R.CONSTS, {})),
+            reg = found[c[R.CALL]] = Region(c[R.REGION], c[R.CALL],
+                                            consts=dict(c.get(R.CONSTS, {})),
                                             tensor_args=list(c.get(R.TENSOR_ARGS, [])))
         if node.target in ASSERT_OPS:
             reg.checks.append(node)
@@ -148,7 +149,8 @@ def _check_closed(reg: Region, members: set) -> None:
 def _check_writes(reg: Region, members: set, schema) -> None:
     """In-place writes inside go to arguments the op declares as written, through their marker."""
     marker_of = {m: k for k, m in reg.args.items()}
-    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    mutated = {a.name for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write}
     for n in reg.nodes:
         for w in written_args(n):
             seen = set()
@@ -179,8 +181,9 @@ def _fake_outputs(reg: Region, op, args: list) -> list:
     outs = [] if out is None else [out] if isinstance(out, torch.Tensor) else list(out)
     bare = isinstance(out, torch.Tensor)
     if reg.num_out is not None and reg.num_out != (-1 if bare else len(outs)):
+        got = "one tensor" if bare else len(outs)
         raise RegionError(f"{reg.where}: the reference returned {reg.num_out} output(s) "
-                          f"(-1 = one tensor), the op returns {'one tensor' if bare else len(outs)}")
+                          f"(-1 = one tensor), the op returns {got}")
     for j, m in reg.outs.items():
         ref = m.meta.get("val")
         got = outs[j] if j < len(outs) else None

@@ -1,0 +1,139 @@
+"""The three fusion passes together, as `dspark-compile build` runs them: numerically verified by
+the manager, safe when a region cannot be fused or a torch cannot annotate, and the engine built
+with them loads in a fresh process and decodes losslessly."""
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from dspark_compile.kernels import act_quant as aq
+from dspark_compile.kernels import region
+from dspark_compile.passes import PassConfig, PassManager, PassNoMatchWarning
+from dspark_compile.passes.regions import RegionSkippedWarning, find_regions
+
+FUSIONS = ["fuse_act_quant", "fuse_qkv_postprocess", "fuse_sampler", "drop_region_markers"]
+
+
+def test_manager_verifies_every_fusion(tiny_step):
+    ep = tiny_step.cleaned()
+    pm = PassManager(FUSIONS, PassConfig(verify=True, verify_seeds=1))
+    stats = pm.run(ep, input_factory=tiny_step.inputs, state_inputs=tiny_step.states(ep))
+    assert [r["name"] for r in stats] == FUSIONS
+    assert all(r["verified"] for r in stats)
+    exp = tiny_step.expected
+    assert [r["matches"] for r in stats[:3]] == [
+        exp["rmsnorm_quant"] + exp["swiglu_quant"] + exp["act_quant"],
+        exp["qkv_postprocess"] + exp["qkv_rope"] + exp["context_kv_store"],
+        exp["markov_sample"] + exp["rejection_sample"]]
+    assert stats[3]["matches"] == 0                       # nothing left to drop
+    assert tiny_step.lib.op_counts(ep) == exp
+    assert tiny_step.lib.annotated_nodes(ep) == []
+
+
+def test_disabled_fusion_leaves_plain_reference(tiny_step):
+    ep = tiny_step.program()                              # as exported: the whole pipeline
+    stats = PassManager(config=PassConfig(disabled={"fuse_sampler"})).run(
+        ep, state_inputs=tiny_step.states(ep))
+    names = [r["name"] for r in stats]
+    assert "fuse_sampler" not in names and "check_state_in_place" in names
+    counts = tiny_step.lib.op_counts(ep)
+    assert counts["markov_sample"] == counts["rejection_sample"] == 0
+    assert counts["qkv_postprocess"] == tiny_step.expected["qkv_postprocess"]
+    assert tiny_step.lib.annotated_nodes(ep) == []
+    drop = next(r for r in stats if r["name"] == "drop_region_markers")
+    assert drop["matches"] > 0                            # the sampler regions' markers
+    tiny_step.lib.assert_same_run(tiny_step.run(tiny_step.cleaned(), 9), tiny_step.run(ep, 9))
+
+
+def test_region_that_cannot_be_fused_is_left_alone(tiny_step):
+    """As if a torch version dropped the annotation of one node inside a region: the region is
+    no longer closed, so the pass must leave it unfused (and say so), not rewrite it."""
+    ep = tiny_step.cleaned()
+    reg = next(r for r in find_regions(ep.graph_module.graph, ["act_quant"]))
+    body = next(n for n in reg.nodes if n not in reg.args.values() and n not in reg.outs.values())
+    del body.meta["custom"]
+    with pytest.warns(RegionSkippedWarning, match="act_quant region"):
+        stats = PassManager(["fuse_act_quant", "drop_region_markers"]).run(ep)
+    assert stats[0]["matches"] == tiny_step.expected["act_quant"] - 1 + \
+        tiny_step.expected["rmsnorm_quant"] + tiny_step.expected["swiglu_quant"]
+    assert len(stats[0]["notes"]["skipped"]) == 1
+    assert tiny_step.lib.annotated_nodes(ep) == []
+    tiny_step.lib.assert_same_run(tiny_step.run(tiny_step.cleaned(), 10), tiny_step.run(ep, 10))
+
+
+class _Quant(torch.nn.Module):
+    def forward(self, x):
+        q, s = aq.act_quant_reference(x + 1)
+        return q.float() * s.repeat_interleave(128, -1)
+
+
+def test_torch_without_annotations_warns_and_changes_nothing(monkeypatch):
+    """torch 2.11 (the GPU machine) without a working `torch.fx.traceback.annotate`: calls are
+    not marked, the fusions find nothing and warn, the program is the unfused reference."""
+    monkeypatch.setattr(region, "_SUPPORTED", False)
+    x = torch.randn(2, 256)
+    with torch.fx.traceback.preserve_node_meta():
+        ep = torch.export.export(_Quant(), (x,), strict=False)
+    assert find_regions(ep.graph_module.graph, ["act_quant"]) == []
+    with pytest.warns(PassNoMatchWarning, match="fuse_act_quant"):
+        PassManager(["remove_asserts", "remove_noops", "dce", "fuse_act_quant"]).run(ep)
+    torch.testing.assert_close(ep.module()(x), _Quant()(x), rtol=0, atol=0)
+
+
+def test_fused_program_exports_markers_only_with_preserved_meta():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PassNoMatchWarning)
+        with torch.fx.traceback.preserve_node_meta():
+            ep = torch.export.export(_Quant(), (torch.randn(2, 256),), strict=False)
+        PassManager(["remove_asserts", "remove_noops", "dce", "fuse_act_quant"]).run(ep)
+    assert [n.target for n in ep.graph.nodes if n.op == "call_function"].count(
+        torch.ops.dspark.act_quant.default) == 1
+
+
+ENGINE_RUN = textwrap.dedent("""
+    import collections, json, sys, torch
+    torch.set_num_threads(1)   # as tests/conftest.py: 2 CI cores, tiny matmuls
+    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.runtime import Engine
+    eng = Engine.load(sys.argv[1], device="cpu")
+    prompts = json.loads(sys.argv[2])
+    res = eng.generate(prompts, SamplingParams(max_new_tokens=int(sys.argv[3])))
+    ops = {b: dict(collections.Counter(str(n.target) for n in m.graph.nodes
+                                       if str(n.target).startswith("dspark.")))
+           for b, m in eng.modules.items()}
+    print("RESULT" + json.dumps({"tokens": res.tokens, "ops": ops,
+                                 "accepted": res.mean_accepted_length}))
+""")
+
+
+@pytest.mark.slow   # ~60 s: two exports, the engine write, a fresh process loading it
+def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path):
+    from dspark_compile.models.generate import SamplingParams, generate
+    from dspark_compile.trace import BuildConfig, build_engine
+
+    bc = BuildConfig(buckets=(1, 2), dtype="float64", max_seq_len=64)
+    manifest = build_engine(tiny_step.ckpt, tmp_path / "engine", bc, log=lambda s: None)
+    passes = [p["name"] for p in manifest["passes"]]
+    assert {"fuse_act_quant", "fuse_qkv_postprocess", "fuse_sampler"} <= set(passes)
+
+    prompts = [[11, 12, 13, 14, 15, 16, 17, 18], [7, 7, 7], [300, 2, 99, 41, 5]]
+    n = 20
+    out = subprocess.run([sys.executable, "-c", ENGINE_RUN, str(tmp_path / "engine"),
+                          json.dumps(prompts), str(n)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.split("RESULT", 1)[1])
+    for b in ("1", "2"):
+        ops = got["ops"][b]
+        assert ops["dspark.markov_sample.default"] == 1, ops
+        assert ops["dspark.qkv_postprocess.default"] == tiny_step.expected["qkv_postprocess"]
+        assert ops["dspark.rmsnorm_quant.default"] == tiny_step.expected["rmsnorm_quant"]
+
+    params = [SamplingParams(max_new_tokens=n) for _ in prompts]
+    ref = generate(tiny_step.model, prompts, params, speculative=False)
+    assert got["tokens"] == ref.tokens
+    assert got["accepted"] > 1.2        # drafts were accepted: speculation was exercised
