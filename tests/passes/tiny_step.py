@@ -78,16 +78,16 @@ def _copy(ep):
 
 
 class TinyStep:
-    def __init__(self, root):
+    def __init__(self, root, dtype: str = "float64", device: str = "cpu"):
         self.ckpt = synth_checkpoint("tiny", root / "tiny", seed=0)
-        self.build = BuildConfig(dtype="float64", buckets=(BUCKET,), max_seq_len=64)
-        self.cfg, tensors = load_checkpoint(self.ckpt)
+        self.build = BuildConfig(dtype=dtype, buckets=(BUCKET,), max_seq_len=64, device=device)
+        self.cfg, tensors = load_checkpoint(self.ckpt, device=device)
         self.prec = self.build.precision()
         self.model = load_model(None, self.prec, self.build.max_seq_len
-                                + self.cfg.dspark_block_size + 2, True, tensors=tensors,
-                                cfg=self.cfg)
+                                + self.cfg.dspark_block_size + 2, True, device=device,
+                                tensors=tensors, cfg=self.cfg)
         self.cache = self.build.cache(self.cfg.dspark_block_size)
-        state = allocate_state(self.cfg, self.cache, self.prec, "cpu")
+        state = allocate_state(self.cfg, self.cache, self.prec, device)
         self.exported = export_step(self.model, state, BUCKET)
         self._cleaned = None
         self.lib = sys.modules[__name__]   # this module's helpers, for the test files
