@@ -54,11 +54,11 @@ import triton.language as tl
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, check_sampling_params,
-                       fold_ids, greedy_rows, gumbel_argmax, logprobs_from_processed,
-                       mass_scale_bits, probs_from_processed, process_logits, row_flags,
-                       row_reduce_kernel, row_select_kernel, row_tiling, select_warps, tile_max,
-                       tl_gumbel)
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens,
+                       check_sampling_params, fold_ids, greedy_rows, gumbel_argmax,
+                       logprobs_from_processed, mass_scale_bits, probs_from_processed,
+                       process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
+                       row_select_kernel, row_tiling, select_warps, tile_max, tl_gumbel)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -252,11 +252,13 @@ def _logits_config(B: int, R: int, override=None):
 
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
-                         logits_config=None):
+                         logits_config=None, scan_fallback=True):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
-    overflow paths at toy vocabularies); `logits_config` overrides LOGITS_CONFIGS (tuning).
+    overflow/refinement paths at toy vocabularies); `scan_fallback=False` (test hook) makes rows
+    the bracket + refinement passes cannot resolve come out NaN instead of taking the slow exact
+    scan; `logits_config` overrides LOGITS_CONFIGS (tuning).
     """
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
@@ -292,7 +294,10 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     rowf = torch.empty((B, 4), dtype=f32, device=dev)
     rowi = torch.empty((B, 4), dtype=i32, device=dev)
     # one memset for every ticket/slot counter of the call: [step, counter, row]
-    counters = torch.zeros((N, 4, B), dtype=i32, device=dev)
+    NCNT = 4 + 2 * REFINE_PASSES
+    counters = torch.zeros((N, NCNT, B), dtype=i32, device=dev)
+    rst = torch.zeros((B, 4) if MODE == 2 else (1,), dtype=i32, device=dev)  # refine state
+    kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
     hist = torch.empty((B, C, HIST_BINS) if MODE == 2 else (1,), dtype=i32, device=dev)
     above_m = torch.empty((B, C), dtype=torch.int64, device=dev)
     above_c = torch.empty((B, C), dtype=torch.int64, device=dev)
@@ -305,7 +310,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     for k in range(N):
         # step k's slices are passed as offsets rather than views (plainer for export)
         zo = k * probs.stride(1)
-        cnt = [(k * 4 + j) * B for j in range(4)]
+        cnt = [(k * NCNT + j) * B for j in range(NCNT)]
         launch(_markov_logits_kernel)[(NBLK,)](
             base_logits, w1, w2, prev, temperature, probs, bmax, barg, bsum, bnan,
             B, V, NBLK, sb, sz, k * base_logits.stride(1), zo,
@@ -320,9 +325,17 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         if MODE == 2:
             launch(row_select_kernel)[(B, C)](
                 temperature, top_k, top_p, probs, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
-                counters, counters, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2], 1,
+                counters, counters, kext, rst, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2], 1,
                 TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
-                BLOCK_V=BLOCK_V, num_warps=select_warps(cap))
+                BLOCK_V=BLOCK_V, SCAN=scan_fallback, num_warps=select_warps(cap))
+            # rows whose bracket overflowed CAP: exact radix refinement (others exit at once)
+            for r in range(REFINE_PASSES):
+                launch(row_refine_kernel)[(B, C)](
+                    temperature, top_k, top_p, probs, rowf, rowi, rst, bmax, above_m, above_c,
+                    hist, kext, ckey, cmass, counters, counters, V, C, CHUNK, NBLK, sz, zo,
+                    cnt[4 + 2 * r], cnt[5 + 2 * r], 1, int(r == REFINE_PASSES - 1),
+                    TILE=TILE, NB=HIST_BINS, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                    SCAN=scan_fallback, num_warps=select_warps(cap))
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
                 temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
@@ -407,10 +420,20 @@ def _markov_configs():
         out.append(compile_config(row_select_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             above_m_ptr="*i64", above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
-            ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32",
-            stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32"),
+            ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32", rst_ptr="*i32", V=_D16,
+            C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
+            done_off="i32", RPR="i32"),
             dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128),
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128, SCAN=True),
+            select_warps(CAND_CAP)))
+        out.append(compile_config(row_refine_kernel, dict(
+            **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
+            bmax_ptr="*fp32", above_m_ptr="*i64", above_c_ptr="*i64", hist_ptr="*i32",
+            kext_ptr="*i32", ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32",
+            done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
+            done_off="i32", RPR="i32", LAST="i32"),
+            dict(TILE=TILE, NB=HIST_BINS, CAP=CAND_CAP,
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128, SCAN=True),
             select_warps(CAND_CAP)))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(

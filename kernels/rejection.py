@@ -39,11 +39,12 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, argmax_tokens, bracket,
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens, bracket,
                        check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
                        greedy_rows, load_scaled, logprobs_from_processed, mass_scale_bits,
                        probs_from_processed, process_logits, resolve, resolve_by_scan,
-                       row_flags, row_reduce_kernel, row_select_kernel, row_tiling,
+                       row_flags, row_reduce_kernel, row_refine_kernel, row_select_kernel,
+                       row_tiling,
                        sample_reference, select_warps, tile_max, tl_gumbel, tl_uniform)
 from .tl_helpers import compile_config, launch, next_pow2
 
@@ -534,7 +535,10 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
     targ = torch.empty((R,), dtype=i64, device=dev)
     scratch = torch.empty((R,), dtype=i64, device=dev)
-    counters = torch.zeros((3 * R + B,), dtype=i32, device=dev)   # reduce, select x2, resample
+    # reduce, select x2, resample, refine x2 per pass
+    counters = torch.zeros((3 * R + B + 2 * REFINE_PASSES * R,), dtype=i32, device=dev)
+    rst = torch.zeros((R, 4), dtype=i32, device=dev)          # refine state per row
+    kext = torch.empty((R, C, 2), dtype=i32, device=dev)
     hist = torch.empty((R, C, HIST_BINS), dtype=i32, device=dev)
     above_m = torch.empty((R, C), dtype=i64, device=dev)
     above_c = torch.empty((R, C), dtype=i64, device=dev)
@@ -553,9 +557,16 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=2, num_warps=4)
     launch(row_select_kernel)[(R, C)](
         *flags, z, rowf, rowi, bmax, above_m, above_c, ckey, cmass, counters, counters,
-        V, C, CHUNK, NBLK, V, 0, R, 2 * R, N1,
+        kext, rst, V, C, CHUNK, NBLK, V, 0, R, 2 * R, N1,
         TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
         C_P2=next_pow2(C), BLOCK_V=TILE, num_warps=select_warps(cap))
+    for r in range(REFINE_PASSES):     # rows whose bracket overflowed CAP (kernels/sampling.py)
+        o = 3 * R + B + 2 * r * R
+        launch(row_refine_kernel)[(R, C)](
+            *flags, z, rowf, rowi, rst, bmax, above_m, above_c, hist, kext, ckey, cmass, counters,
+            counters, V, C, CHUNK, NBLK, V, 0, o, o + R, N1, int(r == REFINE_PASSES - 1),
+            TILE=TILE, NB=HIST_BINS, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
+            C_P2=next_pow2(C), BLOCK_V=TILE, num_warps=select_warps(cap))
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)

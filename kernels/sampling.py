@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from .philox import STREAM_TARGET, gumbel
-from .region import fusable
 from .tl_helpers import next_pow2
+from .region import fusable
 
 NEG_INF = float("-inf")
 
@@ -474,10 +474,13 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 @triton.jit
 def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
                       above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
+                      kext_ptr, rst_ptr,
                       V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
                       TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      BLOCK_V: tl.constexpr):
+                      BLOCK_V: tl.constexpr, SCAN: tl.constexpr = True):
+    # SCAN = False (test hook) replaces the resolve_by_scan fallback by tau = NaN, so a test can
+    # prove that the bracket/refinement path alone resolved its rows
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -494,6 +497,8 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         am = tl.zeros((), tl.int64)
         ac = tl.zeros((), tl.int64)
+        kmin = tl.full((), 2147483647, tl.int32)        # key range of the candidates
+        kmax = tl.full((), -2147483648, tl.int32)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
             # a tile whose best token lies below the bracket holds nothing of interest
             if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
@@ -507,13 +512,18 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                 ac += tl.sum(above.to(tl.int64), axis=0)
                 n_t = tl.sum(cand.to(tl.int32), axis=0)
                 if n_t > 0:
+                    key = f32_key(z)
+                    kmin = tl.minimum(kmin, tl.min(tl.where(cand, key, 2147483647), axis=0))
+                    kmax = tl.maximum(kmax, tl.max(tl.where(cand, key, -2147483648), axis=0))
                     slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
                     pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
                     ok = cand & (pos < CAP)
-                    tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
+                    tl.store(ckey_ptr + b * CAP + pos, key, mask=ok)
                     tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
         tl.store(above_m_ptr + b * C + c, am)
         tl.store(above_c_ptr + b * C + c, ac)
+        tl.store(kext_ptr + (b * C + c) * 2, kmin)
+        tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax)
         tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
             co = tl.arange(0, C_P2)
@@ -527,8 +537,229 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
             valid = idx < n
             keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
             w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-            tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
-            if (~ok) | (n > CAP):
-                tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE, SCALE)
-            tl.store(rowf_ptr + b * 4 + 2, tau)
-            tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+            if n > CAP:
+                # overflow: the candidates are exactly the tokens with key in [kmin, kmax];
+                # row_refine_kernel narrows that range (and resolves tau)
+                kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
+                                      cache_modifier=".cg"), axis=0)
+                kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
+                                      other=-2147483648, cache_modifier=".cg"), axis=0)
+                tl.store(rst_ptr + b * 4 + 1, kmin)
+                tl.store(rst_ptr + b * 4 + 2, kmax)
+                tl.store(rst_ptr + b * 4, tl.where(kmin == kmax, 2, 1))
+            else:
+                tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+                if ~ok:
+                    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
+                                                SCALE)
+                    if not SCAN:
+                        tau = tl.full((), float("nan"), tl.float32)
+                tl.store(rowf_ptr + b * 4 + 2, tau)
+                tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Refinement of an overflowing bracket (radix-select style, exact)
+# ----------------------------------------------------------------------------------------------
+#
+# Near-flat rows (top-p 0.95 over a flat-ish distribution) put far more than CAP tokens in the
+# first bracket: per-bin mass bounds are only good to ~3 %. The select pass then records the
+# bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly the finite
+# tokens with key in it, since bins are monotone in z) and each refine pass over the row
+#   HIST:   sums the exact fixed-point mass/count above khi and a count histogram of NB
+#           sub-bins of 2^shift keys (descending); its last program narrows [klo, khi] to the
+#           sub-bins that hold tau (exact offsets + per-sub-bin mass bounds from the bin edges);
+#   GATHER: once the bracket holds <= CAP tokens (or a single key), collects them and resolves
+#           tau exactly as the select pass does.
+# A key span of 2^31 shrinks by NB per HIST pass; a bracket ~0.1 nat wide needs one. Row
+# state (rst): [state (0 done, 1 HIST, 2 GATHER), klo, khi, -]. Bounds only decide which
+# tokens are gathered: resolve() verifies the bracket with exact sums, and anything it cannot
+# decide (or a row still unresolved after the last pass) takes resolve_by_scan: exact always.
+
+REFINE_PASSES = 3
+# relative slack of the per-sub-bin mass bounds (fp32 exp error is ~1e-7)
+_REFINE_EPS = tl.constexpr(1e-5)
+
+
+@triton.jit
+def key_shift(klo, khi, NB: tl.constexpr):
+    """Smallest shift with (khi - klo) >> shift < NB (keys int64)."""
+    span = khi - klo
+    shift = tl.zeros((), tl.int64)
+    while (span >> shift) >= NB:
+        shift += 1
+    return shift
+
+
+@triton.jit
+def key_bracket(cnt, klo, khi, shift, m, am, ac, Zf, k, top_p, K_ON, P_ON,
+                NB: tl.constexpr, SCALE: tl.constexpr):
+    """(klo', khi', n') from counts cnt [NB] of descending sub-bins j = (khi - key) >> shift and
+    the exact fixed mass am / count ac of the tokens above khi. Same logic as bracket()."""
+    j = tl.arange(0, NB).to(tl.int64)
+    top = tl.maximum(khi - (j << shift), klo)                   # highest key of sub-bin j
+    bot = tl.maximum(khi - ((j + 1) << shift) + 1, klo)         # lowest
+    c = cnt.to(tl.float64)
+    e_hi = tl.exp(key_f32(top) - m).to(tl.float64)
+    e_lo = tl.exp(key_f32(bot) - m).to(tl.float64)
+    hi = c * (e_hi * (1.0 + _REFINE_EPS) * SCALE)
+    lo = tl.maximum(c * (e_lo * (1.0 - _REFINE_EPS) * SCALE - 1.0), 0.0)
+    A = am.to(tl.float64)
+    CH = A + tl.cumsum(hi, axis=0)
+    CL = A + tl.cumsum(lo, axis=0)
+    cc = ac + tl.cumsum(cnt.to(tl.int64), axis=0)
+    jk = tl.minimum(tl.sum((cc < k).to(tl.int64), axis=0), NB - 1)
+    zk_lo = tl.where(K_ON, A + tl.sum(tl.where(j < jk, lo, 0.0), axis=0),
+                     Zf.to(tl.float64) * SCALE)
+    zk_hi = tl.where(K_ON, A + tl.sum(tl.where(j <= jk, hi, 0.0), axis=0),
+                     Zf.to(tl.float64) * SCALE)
+    p = top_p.to(tl.float64)
+    t_lo = tl.maximum(zk_lo * p, 1.0)
+    t_hi = tl.maximum(zk_hi * p, 1.0)
+    jp_min = tl.minimum(tl.sum((CH < t_lo).to(tl.int64), axis=0), NB - 1)
+    jp_max = tl.minimum(tl.sum((CL < t_hi).to(tl.int64), axis=0), NB - 1)
+    jp_min = tl.where(K_ON, tl.minimum(jp_min, jk), jp_min)
+    jlo = tl.where(P_ON, jp_min, jk)
+    jhi = tl.where(K_ON, jk, jp_max)
+    n = tl.sum(tl.where((j >= jlo) & (j <= jhi), cnt.to(tl.int64), 0), axis=0)
+    nkhi = khi - (jlo << shift)
+    nklo = tl.maximum(khi - ((jhi + 1) << shift) + 1, klo)
+    return nklo, nkhi, n
+
+
+@triton.jit
+def resolve_one_key(key, n, am, ac, m, Zf, k, top_p, K_ON, P_ON, SCALE: tl.constexpr):
+    """resolve() for n > CAP candidates that all share one key (exact ties)."""
+    z = key_f32(key)
+    zk = am + n * fixed_mass(z, m, SCALE)
+    ok = n > 0
+    if K_ON:
+        ok = ok & (ac < k) & (ac + n >= k)
+    if P_ON:
+        T = tl.where(K_ON, zk.to(tl.float64), Zf.to(tl.float64) * SCALE) * top_p.to(tl.float64)
+        T = tl.maximum(T, 1.0)
+        ok = ok & (am.to(tl.float64) < T) & (zk.to(tl.float64) >= T)
+    return z, zk, ok
+
+
+@triton.jit
+def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr, bmax_ptr,
+                      above_m_ptr, above_c_ptr, hist_ptr, kext_ptr, ckey_ptr, cmass_ptr, ccount_ptr,
+                      done_ptr, V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
+                      LAST, TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                      SCALE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+                      SCAN: tl.constexpr = True):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    state = tl.load(rst_ptr + b * 4)
+    if state != 0:
+        z_ptr += z_off
+        ccount_ptr += ccount_off
+        done_ptr += done_off
+        _, k, p, _, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, 2)
+        k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
+        klo = tl.load(rst_ptr + b * 4 + 1).to(tl.int64)
+        khi = tl.load(rst_ptr + b * 4 + 2).to(tl.int64)
+        shift = key_shift(klo, khi, NB)
+        m = tl.load(rowf_ptr + b * 4)
+        Z = tl.load(rowf_ptr + b * 4 + 1)
+        zlo = key_f32(klo)
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        am = tl.zeros((), tl.int64)
+        ac = tl.zeros((), tl.int64)
+        cnt = tl.zeros((NB,), tl.int32)
+        kmin = tl.full((), 2147483647, tl.int64)        # actual key range inside the bracket
+        kmax = tl.full((), -2147483648, tl.int64)
+        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+            if tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= zlo:   # else all below klo
+                offs = v0 + tl.arange(0, TILE)
+                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                fin = z > float("-inf")
+                key = f32_key(z).to(tl.int64)
+                above = fin & (key > khi)
+                inb = fin & (key >= klo) & (key <= khi)
+                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+                ac += tl.sum(above.to(tl.int64), axis=0)
+                if state == 1:
+                    sub = tl.where(inb, (khi - key) >> shift, 0).to(tl.int32)
+                    cnt += tl.histogram(sub, NB, mask=inb)
+                    kmin = tl.minimum(kmin, tl.min(tl.where(inb, key, 2147483647), axis=0))
+                    kmax = tl.maximum(kmax, tl.max(tl.where(inb, key, -2147483648), axis=0))
+                else:
+                    n_t = tl.sum(inb.to(tl.int32), axis=0)
+                    if n_t > 0:
+                        slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
+                        pos = slot + tl.cumsum(inb.to(tl.int32), axis=0) - 1
+                        ok = inb & (pos < CAP)
+                        tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
+                        tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
+        tl.store(above_m_ptr + b * C + c, am)
+        tl.store(above_c_ptr + b * C + c, ac)
+        if state == 1:
+            tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+            tl.store(kext_ptr + (b * C + c) * 2, kmin.to(tl.int32))
+            tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax.to(tl.int32))
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            cm = co < C
+            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
+                        axis=0)
+            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
+                        axis=0)
+            finish = (state != 1) | (LAST != 0)
+            tau = tl.zeros((), tl.float32)
+            kept = tl.zeros((), tl.int64)
+            if state == 1:
+                tot = tl.zeros((NB,), tl.int32)
+                for cc in range(C):
+                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
+                                   cache_modifier=".cg")
+                kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
+                                      cache_modifier=".cg"), axis=0).to(tl.int64)
+                kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
+                                      other=-2147483648, cache_modifier=".cg"), axis=0).to(tl.int64)
+                nklo, nkhi, n = key_bracket(tot, klo, khi, shift, m, am, ac, Z, k, p, k_on, p_on,
+                                            NB, SCALE)
+                # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
+                nklo = tl.maximum(nklo, kmin)
+                nkhi = tl.minimum(nkhi, kmax)
+                tl.store(rst_ptr + b * 4 + 1, nklo.to(tl.int32))
+                tl.store(rst_ptr + b * 4 + 2, nkhi.to(tl.int32))
+                tl.store(rst_ptr + b * 4, tl.where((n <= CAP) | (nklo == nkhi), 2, 1))
+                if kmin == kmax:
+                    # the whole bracket is one value (exact ties): resolved here, exactly
+                    finish = kmin == kmax
+                    tau, kept, ok = resolve_one_key(kmin, tl.sum(tot, axis=0).to(tl.int64), am,
+                                                    ac, m, Z, k, p, k_on, p_on, SCALE)
+                    if ~ok:
+                        tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
+                                                    SCALE)
+                        if not SCAN:
+                            tau = tl.full((), float("nan"), tl.float32)
+                elif LAST != 0:
+                    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
+                                                SCALE)
+                    if not SCAN:
+                        tau = tl.full((), float("nan"), tl.float32)
+            else:
+                n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel").to(tl.int64)
+                idx = tl.arange(0, CAP)
+                valid = idx < n
+                keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0,
+                               cache_modifier=".cg")
+                w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+                tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+                if n > CAP:
+                    tau, kept, ok = resolve_one_key(klo, n, am, ac, m, Z, k, p, k_on, p_on,
+                                                    SCALE)
+                    ok = ok & (klo == khi)
+                if ~ok:
+                    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
+                                                SCALE)
+                    if not SCAN:
+                        tau = tl.full((), float("nan"), tl.float32)
+            if finish:
+                tl.store(rst_ptr + b * 4, 0)
+                tl.store(rowf_ptr + b * 4 + 2, tau)
+                tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))

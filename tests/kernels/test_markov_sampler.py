@@ -293,3 +293,52 @@ def test_gpu_flash_dims_match_reference_and_replay_in_a_graph():
     eager_d, eager_p = torch.ops.dspark.markov_sample(*[*args[:7], seed + 1000, sp])
     assert torch.equal(out_d, eager_d)
     torch.testing.assert_close(out_p[ng], eager_p[ng])
+
+
+def _flat_case(v, rows, seed, spread):
+    """Near-flat rows (logits spread ~`spread` nats) over a v-token vocabulary: top-k/top-p
+    brackets hold most of the row, far more than a small candidate cap."""
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(v, R, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(v, R, generator=g) * 0.1).bfloat16()
+    base = torch.randn(rows, 2, v, generator=g) * spread
+    anchor = torch.randint(0, v, (rows,), generator=g)
+    return base, anchor, w1, w2
+
+
+@pytest.mark.parametrize("spread", [0.3, 0.02])
+def test_fused_threshold_refinement_on_near_flat_rows(spread):
+    """The bracket overflows cap = 64 by far (the old full-scan fallback path); the radix
+    refinement alone (scan fallback disabled: it would yield NaN) must give the reference's
+    exact thresholds for top-p, top-k and both."""
+    v = 2048
+    base, anchor, w1, w2 = _flat_case(v, 4, 11, spread)
+    T = torch.tensor([1.0, 1.0, 0.7, 1.0])
+    k = torch.tensor([0, 900, 0, 1500])
+    p = torch.tensor([0.95, 1.0, 0.5, 0.9])
+    seed, sp = torch.arange(4), torch.arange(4) + 7
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    # rows 0-2 (top-p or top-k alone) resolve without the scan; row 3 (top-k and top-p with
+    # ~600 tokens between their thresholds, more than cap) still needs it
+    for rows, scan in ((slice(0, 3), False), (slice(3, 4), True)):
+        got_d, got_p = markov_sample_launch(
+            base[rows], anchor[rows], w1, w2, T[rows], k[rows], p[rows], seed[rows], sp[rows],
+            tile=256, chunk=512, cap=64, scan_fallback=scan)
+        assert torch.equal(got_d, want_d[rows])
+        torch.testing.assert_close(got_p, want_p[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_threshold_refinement_exact_ties_beyond_cap():
+    """Quantised logits: far more than cap tokens share the threshold value exactly (all kept:
+    ties at tau are kept); a single-key bracket is resolved without gathering."""
+    v = 2048
+    base, anchor, w1, _ = _flat_case(v, 2, 12, 1.0)
+    w2 = torch.zeros_like(w1)                               # bias 0: logits = base exactly
+    base = (base * 2).round() / 64                          # ~5 distinct values, ~400 each
+    T, k, p = torch.tensor([1.0, 1.0]), torch.tensor([0, 100]), torch.tensor([0.6, 1.0])
+    seed, sp = torch.tensor([3, 4]), torch.tensor([0, 9])
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=256,
+                                        chunk=512, cap=64, scan_fallback=False)
+    assert torch.equal(got_d, want_d)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
