@@ -8,7 +8,8 @@ leave through markers numbered by their position. The fusion passes (passes/fuse
 
 1. checks that the region can be replaced (`RegionError` with the reason otherwise, nothing
    changed): every argument of the op is bound (a marker or a recorded constant, by parameter
-   name, or the schema default); no node inside is used outside except through an output marker;
+   name, or the schema default); no other node runs between its first and last node (export's
+   metadata checks aside); no node inside is used outside except through an output marker;
    nothing inside reads a value from outside except through an argument marker (lifted
    constants excepted); every in-place write inside goes to an argument the op declares as
    mutated (`Tensor(a!)`), through views of its marker; the outputs match the op's fake
@@ -129,8 +130,20 @@ def _bind(reg: Region, schema) -> list:
     return out
 
 
-def _check_closed(reg: Region, members: set) -> None:
-    """Values cross the region's boundary only through its markers."""
+def _check_contiguous(reg: Region, members: set) -> None:
+    """Nothing else runs between the region's first and last node (export's checks aside), so
+    the op may do all of the region's work, its in-place writes included, where it ends."""
+    n = reg.nodes[0]
+    while n is not reg.nodes[-1]:
+        n = n.next
+        if n not in members and n.target not in ASSERT_OPS:
+            raise RegionError(f"{reg.where}: node '{n.name}' of the rest of the graph runs inside "
+                              "the region")
+
+
+def _check_closed(reg: Region, members: set, user_inputs: frozenset) -> None:
+    """Values cross the region's boundary only through its markers (lifted constants aside: a
+    tensor literal inside a reference becomes a placeholder of the program, not a user input)."""
     outs = set(reg.outs.values())
     args = set(reg.args.values())
     for n in reg.nodes:
@@ -141,7 +154,9 @@ def _check_closed(reg: Region, members: set) -> None:
                                   f"'{leak[0].name}' without an output marker")
         if n not in args:
             for i in n.all_input_nodes:
-                if i not in members and i.op not in ("placeholder", "get_attr"):
+                constant = i.op == "get_attr" or (i.op == "placeholder"
+                                                   and i.name not in user_inputs)
+                if i not in members and not constant:
                     raise RegionError(f"{reg.where}: node '{n.name}' reads '{i.name}' from outside "
                                       "the region without an argument marker")
 
@@ -206,14 +221,17 @@ def _strip(meta: dict) -> None:
             meta.pop("custom")
 
 
-def fuse_region(gm: torch.fx.GraphModule, reg: Region) -> Node:
-    """Replace one region by its op (after checking it can be); returns the op's node."""
+def fuse_region(gm: torch.fx.GraphModule, reg: Region,
+                user_inputs: frozenset = frozenset()) -> Node:
+    """Replace one region by its op (after checking it can be); returns the op's node.
+    `user_inputs`: placeholder names the region may only read through argument markers."""
     graph = gm.graph
     op = _op(reg.op_name)
     schema = op._schema
     members = set(reg.nodes)
     args = _bind(reg, schema)
-    _check_closed(reg, members)
+    _check_contiguous(reg, members)
+    _check_closed(reg, members, user_inputs)
     _check_writes(reg, members, schema)
     outs = _fake_outputs(reg, op, args)
     bare = reg.num_out == -1 or (len(schema.returns) == 1 and reg.num_out is None)
@@ -257,11 +275,13 @@ def fuse_regions(gm: torch.fx.GraphModule, ops: Iterable[str], ctx=None) -> Pass
             raise ValueError(f"option 'ops' of this pass: unknown op(s) {unknown}; "
                              f"it fuses {ops}")
         ops = [o for o in ops if o in set(opts["ops"])]
+    ep = getattr(ctx, "exported_program", None)
+    user_inputs = frozenset(ep.graph_signature.user_inputs) if ep is not None else frozenset()
     per_op = {o: 0 for o in ops}
     skipped = []
     for reg in find_regions(gm.graph, ops):
         try:
-            fuse_region(gm, reg)
+            fuse_region(gm, reg, user_inputs)
         except RegionError as e:
             skipped.append(str(e))
             continue
