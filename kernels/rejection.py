@@ -42,7 +42,8 @@ from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens, bracket,
                        check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
                        greedy_rows, load_scaled, logprobs_from_processed, mass_scale_bits,
-                       probs_from_processed, process_logits, resolve, resolve_by_scan,
+                       key_bracket, key_shift, probs_from_processed, process_logits, resolve,
+                       resolve_by_scan, resolve_one_key,
                        row_flags, row_reduce_kernel, row_refine_kernel, row_select_kernel,
                        row_tiling,
                        sample_reference, select_warps, tile_max, tl_gumbel, tl_uniform)
@@ -159,6 +160,9 @@ def _row_stats(row_ptr, V, t, TILE: tl.constexpr, STAGES: tl.constexpr):
     return m, s, arg, nan
 
 
+_REFINE_PASSES = tl.constexpr(REFINE_PASSES)
+
+
 @triton.jit(noinline=True)
 def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
                TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr, CAP: tl.constexpr,
@@ -174,6 +178,8 @@ def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
     am = tl.zeros((), tl.int64)
     ac = tl.zeros((), tl.int64)
     n = tl.zeros((), tl.int32)
+    kmin = tl.full((), 2147483647, tl.int64)
+    kmax = tl.full((), -2147483648, tl.int64)
     for v0 in tl.range(0, V, TILE, num_stages=STAGES):
         offs = v0 + tl.arange(0, TILE)
         z = load_scaled(row_ptr, offs, V, t)
@@ -181,19 +187,79 @@ def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
         j = d_bin(z, m, INV_W, NB)
         above = fin & (j < jlo)
         cand = fin & (j >= jlo) & (j <= jhi)
+        key = f32_key(z)
         am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
         ac += tl.sum(above.to(tl.int64), axis=0)
+        kmin = tl.minimum(kmin, tl.min(tl.where(cand, key, 2147483647), axis=0).to(tl.int64))
+        kmax = tl.maximum(kmax, tl.max(tl.where(cand, key, -2147483648), axis=0).to(tl.int64))
         pos = n + tl.cumsum(cand.to(tl.int32), axis=0) - 1
         ok = cand & (pos < CAP)
-        tl.store(ckey_ptr + pos, f32_key(z), mask=ok)
+        tl.store(ckey_ptr + pos, key, mask=ok)
         tl.store(cmass_ptr + pos, fixed_mass(z, m, SCALE), mask=ok)
         n += tl.sum(cand.to(tl.int32), axis=0)
+    tl.debug_barrier()
     idx = tl.arange(0, CAP)
     valid = idx < n
     keys = tl.load(ckey_ptr + idx, mask=valid, other=0)
     w = tl.load(cmass_ptr + idx, mask=valid, other=0)
     tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
-    if (~ok) | (n > CAP):
+    # overflow: the exact radix refinement of kernels/sampling.py (row_refine_kernel), here in
+    # one program; the candidates are exactly the tokens with key in [kmin, kmax]
+    klo = kmin
+    khi = kmax
+    state = tl.where(n > CAP, tl.where(kmin == kmax, 2, 1), 0)
+    ok = ok & (n <= CAP)
+    for _ in range(0, _REFINE_PASSES):
+        if state != 0:
+            shift = key_shift(klo, khi, NB)
+            am = tl.zeros((), tl.int64)
+            ac = tl.zeros((), tl.int64)
+            n = tl.zeros((), tl.int32)
+            cnt = tl.zeros((NB,), tl.int32)
+            kmin = tl.full((), 2147483647, tl.int64)
+            kmax = tl.full((), -2147483648, tl.int64)
+            for v0 in tl.range(0, V, TILE, num_stages=STAGES):
+                offs = v0 + tl.arange(0, TILE)
+                z = load_scaled(row_ptr, offs, V, t)
+                fin = z > float("-inf")
+                key = f32_key(z).to(tl.int64)
+                above = fin & (key > khi)
+                inb = fin & (key >= klo) & (key <= khi)
+                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+                ac += tl.sum(above.to(tl.int64), axis=0)
+                if state == 1:
+                    sub = tl.where(inb, (khi - key) >> shift, 0).to(tl.int32)
+                    cnt += tl.histogram(sub, NB, mask=inb)
+                    kmin = tl.minimum(kmin, tl.min(tl.where(inb, key, 2147483647), axis=0))
+                    kmax = tl.maximum(kmax, tl.max(tl.where(inb, key, -2147483648), axis=0))
+                else:
+                    pos = n + tl.cumsum(inb.to(tl.int32), axis=0) - 1
+                    tl.store(ckey_ptr + pos, key.to(tl.int32), mask=inb & (pos < CAP))
+                    tl.store(cmass_ptr + pos, fixed_mass(z, m, SCALE), mask=inb & (pos < CAP))
+                n += tl.sum(inb.to(tl.int32), axis=0)
+            if state == 1:
+                if kmin == kmax:
+                    tau, kept, ok = resolve_one_key(kmin, n.to(tl.int64), am, ac, m, Z, k, p,
+                                                    k_on, p_on, SCALE)
+                    state = state * 0
+                else:
+                    nklo, nkhi, nn = key_bracket(cnt, klo, khi, shift, m, am, ac, Z, k, p, k_on,
+                                                 p_on, NB, SCALE)
+                    klo = tl.maximum(nklo, kmin)
+                    khi = tl.minimum(nkhi, kmax)
+                    state = tl.where((nn <= CAP) | (klo == khi), 2, 1)
+            else:
+                tl.debug_barrier()
+                valid = idx < n
+                keys = tl.load(ckey_ptr + idx, mask=valid, other=0)
+                w = tl.load(cmass_ptr + idx, mask=valid, other=0)
+                tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+                if n > CAP:
+                    tau, kept, ok = resolve_one_key(klo, n.to(tl.int64), am, ac, m, Z, k, p,
+                                                    k_on, p_on, SCALE)
+                    ok = ok & (klo == khi)
+                state = state * 0
+    if ~ok:
         tau, kept = resolve_by_scan(row_ptr, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE)
     return tau, (kept.to(tl.float64) / SCALE).to(tl.float32)
 

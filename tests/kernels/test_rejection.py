@@ -251,3 +251,23 @@ def test_gpu_flash_vocab_matches_reference():
     for path in ("parallel", "serial"):
         other = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, path=path)
         assert torch.equal(other[0], got[0]) and torch.equal(other[1], got[1]), path
+
+
+@pytest.mark.parametrize("path", ["serial", "parallel"])
+def test_fused_threshold_refinement_on_near_flat_rows(path):
+    """Near-flat target rows whose top-k/top-p brackets overflow cap = 64 by far: the exact
+    radix refinement (both paths) must reproduce the reference."""
+    g = torch.Generator().manual_seed(21)
+    B, v = 3, 2048
+    logits = torch.randn(B, 2, v, generator=g) * 0.3
+    logits[2] = (logits[2] * 4).round() / 64             # exact ties, hundreds per value
+    drafts = torch.randint(0, v, (B, 1), generator=g)
+    q = torch.softmax(torch.randn(B, 1, v, generator=g), -1)
+    T = torch.tensor([1.0, 0.8, 1.0])
+    k = torch.tensor([0, 1000, 0])
+    p = torch.tensor([0.95, 1.0, 0.7])
+    seed, sp = torch.tensor([5, 6, 7]), torch.tensor([0, 3, 9])
+    want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, sp)
+    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, path=path, tile=256,
+                                  chunk=512, cap=64)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
