@@ -24,6 +24,7 @@ Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
   reduce  grid (B, C chunks): each program folds its row's block statistics (row max, Z,
           argmax); greedy rows' tokens (and `prev`) are final here.
   select  grid (B, C): top-k/top-p rows only (see below).
+  refine  grid (B, C) x REFINE_PASSES: rows whose select overflowed CAP candidates only.
   final   grid (B, C), non-greedy rows: probabilities written over z, Gumbel-max with in-kernel
           Philox over the kept tokens; the row's last program (atomic ticket) reduces the chunk
           winners into the token and `prev`.
@@ -37,7 +38,11 @@ them, reduce also builds a count histogram of its chunk (one more read of z) and
 the block maxima) to collect the exact masses and the few candidates the threshold is resolved
 from. That is 2 launches and ~2 row reads (z is L2-resident: 0.5 MB per row) per step beyond
 plain sampling; `final` then skips the reads and the Philox noise for tiles with nothing kept.
-T = 1.0 / top-p 0.95 (deployed) therefore costs roughly the plain path plus two short launches.
+Near-flat rows overflow the candidate cap (top-p 0.95 keeps most of the vocabulary): then up to
+REFINE_PASSES `refine` launches (always launched, rows that need none exit at once) narrow the
+exact key range of the threshold by 1024x per pass from L2 (typically: one histogram pass, one
+gathering pass). T = 1.0 / top-p 0.95 (deployed) therefore costs roughly the plain path plus
+two short launches, or four on flat rows, + REFINE_PASSES near-empty launches.
 
 `mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored) and
 "greedy" also final (every row greedy) -- graphs the engine can capture for batches whose sampling

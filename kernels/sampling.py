@@ -178,9 +178,12 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #      [jlo, jhi] that must contain tau (top-k from the exact counts, top-p from the bounds);
 #   3. one pass sums the exact fixed-point masses of the tokens above the range and gathers the
 #      tokens inside it (the candidates, at most CAP); `resolve` bisects over their fp32 bit
-#      keys for the exact tau. Overflow (> CAP candidates) or a failed check falls back to
-#      `resolve_by_scan`, which bisects with a full row scan per probe: exact but slow, for
-#      pathological rows only (about 10^4 tokens within a bin of each other).
+#      keys for the exact tau. Overflow (> CAP candidates: the common case for near-flat rows,
+#      where top-p 0.95 keeps most of the vocabulary and the ~3 % mass bounds of a bin bracket
+#      10^4+ tokens) goes to the radix refinement below (REFINE_PASSES more passes). What that
+#      cannot decide (top-k and top-p both on with > CAP tokens between their thresholds,
+#      > CAP tokens within ~1 ulp of m - z but of different values, bounds too loose) falls
+#      back to `resolve_by_scan`, which bisects with a full row scan per probe: exact, slow.
 # Masses are exp(z - max) in fixed point (int64, 2^SCALE_BITS per unit): sums are exact and
 # order-independent, so the result does not depend on which program finished first.
 
@@ -430,45 +433,49 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     z_ptr += z_off
     drafts_ptr += step
     done_ptr += done_off
-    o = tl.arange(0, NBLK_P2)
-    om = o < NBLK
-    bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
-    m = tl.max(bm, axis=0)
-    nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
-    deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
-    bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
-    Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
-    ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
-    arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, MODE)
-    if c == 0:
-        tl.store(rowf_ptr + b * 4, m)
-        tl.store(rowf_ptr + b * 4 + 1, Z)
-        tl.store(rowi_ptr + b * 4 + 3, deg.to(tl.int32))
-        if greedy:
-            tok = tl.where(deg, 0, arg).to(tl.int64)
-            tl.store(drafts_ptr + b * stride_db, tok)
-            tl.store(prev_ptr + b, tok)
-    if MODE == 2:
-        if (~greedy) & (~deg) & (k_on | p_on):
-            zrow = z_ptr + b.to(tl.int64) * stride_zb
-            cnt = tl.zeros((NB,), tl.int32)
-            for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-                offs = v0 + tl.arange(0, TILE)
-                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
-            tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
-            tl.debug_barrier()   # every thread's stores happen before the releasing ticket
-            if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-                tot = tl.zeros((NB,), tl.int32)
-                for cc in range(C):
-                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
-                                   cache_modifier=".cg")
-                k_on = k_on & (k <= tl.sum(tot, axis=0))   # k beyond the finite tokens: keep all
-                jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
-                tl.store(rowi_ptr + b * 4, jlo)
-                tl.store(rowi_ptr + b * 4 + 1, jhi)
-                tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
+    # only chunk 0 has work for greedy / plain rows: the others skip reading the B x NBLK block
+    # statistics (16 B per block: (C - 1) x 16 KB per row and step at the Flash vocabulary)
+    if (c == 0) | ((~greedy) & (k_on | p_on)):
+        o = tl.arange(0, NBLK_P2)
+        om = o < NBLK
+        bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
+        m = tl.max(bm, axis=0)
+        nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
+        deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+        bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
+        Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
+        ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
+        arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
+        if c == 0:
+            tl.store(rowf_ptr + b * 4, m)
+            tl.store(rowf_ptr + b * 4 + 1, Z)
+            tl.store(rowi_ptr + b * 4 + 3, deg.to(tl.int32))
+            if greedy:
+                tok = tl.where(deg, 0, arg).to(tl.int64)
+                tl.store(drafts_ptr + b * stride_db, tok)
+                tl.store(prev_ptr + b, tok)
+        if MODE == 2:
+            if (~greedy) & (~deg) & (k_on | p_on):
+                zrow = z_ptr + b.to(tl.int64) * stride_zb
+                cnt = tl.zeros((NB,), tl.int32)
+                for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+                    offs = v0 + tl.arange(0, TILE)
+                    z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                    cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
+                tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+                tl.debug_barrier()   # every thread's stores happen before the releasing ticket
+                if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+                    tot = tl.zeros((NB,), tl.int32)
+                    for cc in range(C):
+                        tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
+                                       cache_modifier=".cg")
+                    # k beyond the finite tokens: keep all
+                    k_on = k_on & (k <= tl.sum(tot, axis=0))
+                    jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
+                    tl.store(rowi_ptr + b * 4, jlo)
+                    tl.store(rowi_ptr + b * 4 + 1, jhi)
+                    tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
 
 
 @triton.jit
