@@ -41,7 +41,8 @@ class LosslessReport:
             return "lossless: ok"
         where = f"lossless: DIVERGED at request {self.request}, token {self.index}: "
         if self.got == END:
-            return where + f"the engine's output ended; target greedy continues with {self.expected}"
+            return where + ("the engine's output ended; target greedy continues with "
+                            f"{self.expected}")
         if self.expected == END:
             return where + (f"target greedy ends there (stop id or max tokens); the engine "
                             f"continued with {self.got}")
@@ -67,7 +68,8 @@ def greedy_reference(model, prompt: list[int], n: int, device="cpu", stop_ids=()
     tokens, all_logits = [tok], [logits]
     rows = torch.tensor([0], device=device)
     while len(tokens) < n and tokens[-1] not in stop_ids:
-        nxt, logits = target_decode_step(model, state, rows, torch.tensor([tokens[-1]], device=device))
+        last = torch.tensor([tokens[-1]], device=device)
+        nxt, logits = target_decode_step(model, state, rows, last)
         tokens.append(int(nxt[0]))
         all_logits.append(logits[0])
     return tokens, all_logits

@@ -120,7 +120,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     from .passes import PassConfig, PassManager
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
+    if out.exists() and (not out.is_dir()
+                         or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         # save_engine refuses too, but only after every bucket has been exported
         raise ValueError(f"output {out} exists and is not an engine directory (no {MANIFEST}); "
                          "refusing to replace it")

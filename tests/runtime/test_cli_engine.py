@@ -48,8 +48,8 @@ def test_run_prints_tokens_acceptance_time_and_lossless(small_engine, ref_model,
     assert out.strip().splitlines()[-1] == "lossless: ok"
     got = [[int(t) for t in line.split(": ")[1].split(",")]
            for line in out.splitlines() if line.startswith("tokens[")]
-    ref = generate(ref_model, prompts, [SamplingParams(max_new_tokens=10, seed=i) for i in range(2)],
-                   speculative=True)
+    params = [SamplingParams(max_new_tokens=10, seed=i) for i in range(2)]
+    ref = generate(ref_model, prompts, params, speculative=True)
     assert got == ref.tokens
 
 

@@ -57,7 +57,8 @@ def test_greedy_mixed_batch_equals_reference(greedy_run):
     assert [len(t) for i, t in enumerate(res.tokens) if i not in (0, 4)] == \
         [p.max_new_tokens for i, p in enumerate(params) if i not in (0, 4)]
     # same step accounting as the reference: steps, accepted drafts per position
-    assert (res.steps, res.row_steps, res.accepted_at) == (ref.steps, ref.row_steps, ref.accepted_at)
+    assert (res.steps, res.row_steps, res.accepted_at) == \
+        (ref.steps, ref.row_steps, ref.accepted_at)
     assert sum(res.accepted_at) > 0, "no draft accepted: the accept paths were not exercised"
     # rows finished at different steps: later steps ran smaller buckets, padded
     assert len(times.per_bucket) >= 3, times.per_bucket
@@ -114,7 +115,8 @@ def test_requests_finished_by_their_first_token(small_loaded, ref_model):
     # nothing is left to decode after prefill: no step runs, the rows are free again
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6], [7]]
     firsts = [greedy_reference(ref_model, p, 1)[0][0] for p in prompts]
-    params = [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=9, stop_ids=(firsts[1],)),
+    params = [SamplingParams(max_new_tokens=1),
+              SamplingParams(max_new_tokens=9, stop_ids=(firsts[1],)),
               SamplingParams(max_new_tokens=1, temperature=0.9, seed=3)]
     res = _run(small_loaded, prompts, params)
     ref = generate(ref_model, prompts, params, speculative=True)
