@@ -9,7 +9,8 @@ Cases per B (requests):
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
   `ours-cfg*` logits-kernel tilings (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
-  top-p, so it is not a variant here; `ours-cfg*` as above.
+  top-p, so it is not a variant here; `ours-cfg*` as above; `ours-refine2` / `ours-refine4`:
+  the op with 2 / 4 threshold refinement passes instead of REFINE_PASSES (3).
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
   Variants `ours-parallel` / `ours-serial` force one path of the op (tuning data for
@@ -102,6 +103,13 @@ def _tiling_variants(B):
             (lambda d, c=c: ms.markov_sample_launch(**d, logits_config=c)) for c in TILINGS[bb]}
 
 
+def _refine_variants():
+    """Refinement passes (kernels/sampling.py): 2 covers the benchmark rows (one histogram and
+    one gathering pass); each pass is one more, mostly empty, launch per step."""
+    return {f"ours-refine{n}": (lambda d, n=n: ms.markov_sample_launch(**d, refine_passes=n))
+            for n in (2, 4)}
+
+
 def markov_cases(batches):
     out = []
     for B in batches:
@@ -117,7 +125,7 @@ def markov_cases(batches):
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
-                        extra=_tiling_variants(B)))
+                        extra={**_tiling_variants(B), **_refine_variants()}))
     return out
 
 

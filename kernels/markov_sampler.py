@@ -257,14 +257,18 @@ def _logits_config(B: int, R: int, override=None):
 
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
-                         logits_config=None, scan_fallback=True):
+                         logits_config=None, scan_fallback=True,
+                         refine_passes=REFINE_PASSES):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
     overflow/refinement paths at toy vocabularies); `scan_fallback=False` (test hook) makes rows
     the bracket + refinement passes cannot resolve come out NaN instead of taking the slow exact
-    scan; `logits_config` overrides LOGITS_CONFIGS (tuning).
+    scan; `logits_config` overrides LOGITS_CONFIGS and `refine_passes` (>= 1) REFINE_PASSES
+    (tuning: each pass is one launch per step, near-empty for rows that need none).
     """
+    if not isinstance(refine_passes, int) or refine_passes < 1:
+        raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -299,7 +303,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     rowf = torch.empty((B, 4), dtype=f32, device=dev)
     rowi = torch.empty((B, 4), dtype=i32, device=dev)
     # one memset for every ticket/slot counter of the call: [step, counter, row]
-    NCNT = 4 + 2 * REFINE_PASSES
+    NCNT = 4 + 2 * refine_passes
     counters = torch.zeros((N, NCNT, B), dtype=i32, device=dev)
     rst = torch.zeros((B, 4) if MODE == 2 else (1,), dtype=i32, device=dev)  # refine state
     kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
@@ -334,11 +338,11 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
                 BLOCK_V=BLOCK_V, SCAN=scan_fallback, num_warps=select_warps(cap))
             # rows whose bracket overflowed CAP: exact radix refinement (others exit at once)
-            for r in range(REFINE_PASSES):
+            for r in range(refine_passes):
                 launch(row_refine_kernel)[(B, C)](
                     temperature, top_k, top_p, probs, rowf, rowi, rst, bmax, above_m, above_c,
                     hist, kext, ckey, cmass, counters, counters, V, C, CHUNK, NBLK, sz, zo,
-                    cnt[4 + 2 * r], cnt[5 + 2 * r], 1, int(r == REFINE_PASSES - 1),
+                    cnt[4 + 2 * r], cnt[5 + 2 * r], 1, int(r == refine_passes - 1),
                     TILE=TILE, NB=HIST_BINS, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
                     SCAN=scan_fallback, num_warps=select_warps(cap))
         if MODE >= 1:
