@@ -145,7 +145,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     _sampling_args(p)
     p.add_argument("--check-lossless", action="store_true",
                    help="also decode greedily with the target alone and compare")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", default=None, help="default: the device the engine was built for")
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
 
 

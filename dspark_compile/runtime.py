@@ -18,6 +18,7 @@ any bucket's graph, so `run_step` copies them to the host before it returns.
 from __future__ import annotations
 
 import bisect
+import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,8 +26,17 @@ from pathlib import Path
 
 import torch
 
-from .artifact import load_engine, update_manifest_field
+from .artifact import MANIFEST, load_engine, update_manifest_field
 from .trace import BuildConfig
+
+
+def _build_device(engine_dir: Path) -> str | None:
+    """The device the engine's programs were built for, read without validation (a missing or
+    corrupted manifest is reported by the validated load that follows)."""
+    try:
+        return json.loads((engine_dir / MANIFEST).read_text())["build_config"]["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -76,7 +86,15 @@ class Engine:
              record_graph_memory: bool = True) -> "Engine":
         t0 = time.perf_counter()
         engine_dir = Path(engine_dir)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        built_for = _build_device(engine_dir)
+        if device is None:
+            device = built_for or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(device)
+        if built_for is not None and torch.device(built_for).type != device.type:
+            # the programs hold device-specific constants and ops: they run where they were built
+            raise ValueError(f"engine {engine_dir} was built for {built_for}, cannot run on "
+                             f"{device}: load it with device='{built_for}' or rebuild it with "
+                             f"--device {device.type}")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         use_graphs = device.type == "cuda" if use_graphs is None else use_graphs

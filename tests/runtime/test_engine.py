@@ -200,6 +200,12 @@ def test_bad_requests_are_named(small_loaded):
         eng.run_step([0, 1, 2])
 
 
+def test_engine_runs_only_on_the_device_it_was_built_for(small_engine):
+    from dspark_compile.runtime import Engine
+    with pytest.raises(ValueError, match="was built for cpu, cannot run on cuda"):
+        Engine.load(small_engine.path, device="cuda")
+
+
 # ------------------------------------------------------------------ fresh-process round trip
 FRESH_STEP = """
 import sys, torch
