@@ -1,6 +1,6 @@
 """Linears that keep checkpoint formats and dequantize in the reference forward.
 
-`FP8Linear`: float8_e4m3fn weight [out, in] + float8_e8m0fnu scale per 128x128 block. With
+`FP8Linear`: float8_e4m3fn weight [out, in] + UE8M0 scale per 128x128 block. With
 `Precision.act_quant` the input is quantized per token in 128-groups (UE8M0) first, as vLLM's
 FP8 block GEMM does; the product accumulates in fp32 (fp64 in exact mode).
 """
@@ -14,6 +14,12 @@ from dspark_compile.kernels.common import fp8_group_dequant
 
 from .config import Precision
 from .quant_formats import fp8_block_dequant
+
+# E8M0 scales are held as their raw bytes (uint8, exponent + 127), never numerically cast: the
+# checkpoint's float8_e8m0fnu tensors are `.view(torch.uint8)`-ed on load. torch 2.11's export
+# serializer has no float8_e8m0fnu, so an exported step holding e8m0 buffers could not be saved on
+# the GPU machine (KeyError in serialize_tensor_meta); uint8 serializes everywhere.
+E8M0_STORAGE = torch.uint8
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,7 +54,7 @@ class FP8Linear(nn.Module):
         self.prec, self.block = prec, block
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("scale", torch.zeros(-(-out_features // block[0]), -(-in_features // block[1]),
-                                                  dtype=torch.float8_e8m0fnu))
+                                                  dtype=E8M0_STORAGE))
 
     def dequant_weight(self) -> torch.Tensor:
         return fp8_block_dequant(self.weight, self.scale, self.block, acc_dtype(self.prec.dtype))

@@ -15,7 +15,7 @@ from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers d
 from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
 
 from .config import ModelConfig, Precision
-from .linear import FP8Linear, acc_dtype
+from .linear import E8M0_STORAGE, FP8Linear, acc_dtype
 
 
 class Gate(nn.Module):
@@ -53,7 +53,8 @@ class Experts(nn.Module):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         for w, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
             self.register_buffer(f"{w}_weight", torch.zeros(E, rows, cols // 2, dtype=torch.int8))
-            self.register_buffer(f"{w}_scale", torch.zeros(E, rows, cols // 32, dtype=torch.float8_e8m0fnu))
+            # E8M0 scales held as their raw bytes (see models/linear.py: E8M0_STORAGE)
+            self.register_buffer(f"{w}_scale", torch.zeros(E, rows, cols // 32, dtype=E8M0_STORAGE))
 
 
 class SharedExpert(nn.Module):

@@ -45,6 +45,8 @@ def load_native(model: nn.Module, tensors: dict[str, torch.Tensor], strict: bool
             raise KeyError(f"checkpoint tensor '{native}' has no model buffer '{name}'")
         buf = buffers[name]
         dst = buf if idx is None else buf[idx]
+        if t.dtype == torch.float8_e8m0fnu and dst.dtype == torch.uint8:
+            t = t.view(torch.uint8)  # scales are held as raw bytes (models/linear.py)
         if dst.shape != t.shape or dst.dtype != t.dtype:
             raise ValueError(f"checkpoint tensor '{native}': {tuple(t.shape)} {t.dtype} does not fit "
                              f"model buffer '{name}' {tuple(dst.shape)} {dst.dtype}")
