@@ -20,13 +20,23 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MXFP4_BLOCK = 32
 
 
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (sign, 2 exponent bits, 1 mantissa bit) -> fp32 E2M1_VALUES, by arithmetic.
+
+    No lookup table: a table built with torch.tensor(...) would be a host-to-device copy, which is
+    illegal inside CUDA-graph capture (the step's MoE op runs this on every replay).
+    """
+    e = (codes >> 1) & 3
+    m = (codes & 1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2((e - 1).to(torch.float32)))
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
 def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """packed [..., K/2] int8/uint8, scale [..., K/32] e8m0 -> [..., K] in `dtype`."""
     b = packed.view(torch.uint8).to(torch.int64)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)        # even element = low nibble
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
-                       device=packed.device)
-    vals = lut[codes]
+    vals = e2m1_decode(codes)
     exp = scale.view(torch.uint8).to(torch.float32) - 127.0           # never a numeric cast
     vals = vals.unflatten(-1, (-1, MXFP4_BLOCK)) * torch.exp2(exp).unsqueeze(-1)
     return vals.flatten(-2).to(dtype)
