@@ -1,11 +1,11 @@
-"""The worked example of docs/adding_a_pass.md, executed from the markdown itself."""
+"""The worked example of README.md's "Adding a pass" section, executed from the markdown."""
 import re
 from pathlib import Path
 
 import dspark_compile.passes as passes
 from dspark_compile.passes import isolated_registry
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "adding_a_pass.md"
+DOC = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def code_blocks() -> dict:
