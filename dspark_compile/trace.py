@@ -70,11 +70,6 @@ class BuildConfig:
         return d
 
 
-def step_inputs(model, state: dict, bucket: int, rows: torch.Tensor | None = None):
-    rows = torch.arange(bucket, device=state["row.last_pos"].device) if rows is None else rows
-    return rows, state
-
-
 def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
     """One static program for `bucket` request rows.
 
@@ -83,7 +78,7 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
     from .models.step import DraftVerifyStep
     step = DraftVerifyStep(model)
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-        return torch.export.export(step, step_inputs(model, state, bucket), strict=False)
+        return torch.export.export(step, (torch.arange(bucket, device=state["row.last_pos"].device), state), strict=False)
 
 
 def prefilled_state(model, cache, bucket: int, seed: int):

@@ -5,8 +5,13 @@ dspark_compile.kernels module is imported: on a machine without CUDA every Trito
 runs the kernel itself in Triton's CPU interpreter.
 """
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# shared test helpers (tests/stats_utils.py) importable from every test module
+sys.path.insert(0, str(Path(__file__).parent))
 
 try:
     import torch

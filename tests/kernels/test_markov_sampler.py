@@ -9,6 +9,7 @@ from dspark_compile.kernels.markov_sampler import (markov_bias, markov_sample_la
 from dspark_compile.kernels.philox import STREAM_DRAFT
 from dspark_compile.kernels.sampling import (gumbel_noise, probs_from_processed,
                                              process_logits)
+from stats_utils import chi2_pvalue
 
 V, R, N = 137, 16, 5
 NINF = float("-inf")
@@ -16,16 +17,6 @@ NINF = float("-inf")
 ONE = dict(tile=256, chunk=256, cap=256)
 MULTI = dict(tile=32, chunk=64, cap=64)
 
-
-def chi2_pvalue(counts, probs):
-    n = counts.sum().double()
-    exp = probs.double() * n
-    cells = exp > 0
-    if (counts[~cells] > 0).any():
-        return 0.0
-    x2 = ((counts[cells].double() - exp[cells]) ** 2 / exp[cells]).sum()
-    return float(torch.special.gammaincc(torch.tensor((int(cells.sum()) - 1) / 2,
-                                                      dtype=torch.float64), x2 / 2))
 
 
 def weights(seed=0, scale=0.3, dtype=torch.bfloat16, v=V):

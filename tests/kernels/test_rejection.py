@@ -9,19 +9,10 @@ from dspark_compile.kernels.philox import STREAM_DRAFT
 from dspark_compile.kernels.rejection import (rejection_sample_launch,
                                               rejection_sample_reference)
 from dspark_compile.kernels.sampling import gumbel_argmax, probs_from_processed, process_logits
+from stats_utils import chi2_pvalue
 
 NINF = float("-inf")
 
-
-def chi2_pvalue(counts, probs):
-    n = counts.sum().double()
-    exp = probs.double() * n
-    cells = exp > 0
-    if (counts[~cells] > 0).any():
-        return 0.0
-    x2 = ((counts[cells].double() - exp[cells]) ** 2 / exp[cells]).sum()
-    return float(torch.special.gammaincc(torch.tensor((int(cells.sum()) - 1) / 2,
-                                                      dtype=torch.float64), x2 / 2))
 
 
 def meta(B, T=0.0, k=0, p=1.0):

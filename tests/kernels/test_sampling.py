@@ -11,20 +11,10 @@ from dspark_compile.kernels.rejection import sample_launch
 from dspark_compile.kernels.sampling import (argmax_tokens, fold_ids, gumbel_argmax,
                                              probs_from_processed, process_logits,
                                              sample_reference)
+from stats_utils import chi2_pvalue
 
 NINF = float("-inf")
 
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; p = Q(df/2, X/2) (regularized upper gamma)."""
-    n = counts.sum().double()
-    exp = probs.double() * n
-    cells = exp > 0
-    if (counts[~cells] > 0).any():
-        return 0.0                      # a count where the model says impossible
-    x2 = ((counts[cells].double() - exp[cells]) ** 2 / exp[cells]).sum()
-    df = int(cells.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), x2 / 2))
 
 
 def test_chi2_pvalue_matches_closed_forms():
