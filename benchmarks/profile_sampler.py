@@ -1,0 +1,88 @@
+"""Where the sampler's time goes: per-kernel CUDA time of the fused Markov sampler and the
+rejection sampler at Flash dims (benchmarks/sampler_cases.py inputs), one line per kernel.
+
+    python benchmarks/profile_sampler.py --out benchmarks/results/<dir>/profile.json
+
+Complements benchmarks/kernels.py (which times whole ops by CUDA-graph replay against eager and
+torch.compile): this one answers "which launch is over its share" with torch.profiler, after a
+warm-up, averaging `--calls` eager calls. Kernel times here exclude launch gaps, so their sum
+is a lower bound of the graph-replay time; the difference is what launches cost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+import sampler_cases as sc  # noqa: E402
+
+
+def _ops():
+    mk = sc._markov_inputs
+    return {
+        "markov_greedy/mode=greedy": (lambda B: mk(B, 0.0, 1.0),
+                                      lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy")),
+        "markov_greedy/full": (lambda B: mk(B, 0.0, 1.0), lambda d: torch.ops.dspark.markov_sample(**d)),
+        "markov_topp": (lambda B: mk(B, 1.0, sc.TOP_P), lambda d: torch.ops.dspark.markov_sample(**d)),
+        "rejection_topp": (lambda B: sc._rejection_inputs(B, 1.0, sc.TOP_P, False),
+                           lambda d: torch.ops.dspark.rejection_sample(**d)),
+        "rejection_greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True),
+                             lambda d: torch.ops.dspark.rejection_sample(**d)),
+    }
+
+
+def profile(fn, d, calls):
+    from torch.profiler import ProfilerActivity, profile as tprof
+    for _ in range(3):
+        fn(d)
+    torch.cuda.synchronize()
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(d)
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("(")[0][:60]
+            per[name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            per[name][1] += 1
+    rows = [{"kernel": k, "us_per_call": t / calls, "launches_per_call": n / calls}
+            for k, (t, n) in per.items()]
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--ops", default=",".join(_ops()))
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--git-commit", default=None)
+    a = p.parse_args(argv)
+    import dspark_compile.kernels.markov_sampler  # noqa: F401  (registers the ops)
+    import dspark_compile.kernels.rejection  # noqa: F401
+    res = {"environment": harness.environment(a.git_commit), "calls": a.calls, "cases": []}
+    dev = torch.device("cuda")
+    for name in a.ops.split(","):
+        make, fn = _ops()[name]
+        for B in (int(b) for b in a.batches.split(",")):
+            rows = profile(fn, make(B)(dev, 0), a.calls)
+            total = sum(r["us_per_call"] for r in rows)
+            res["cases"].append({"op": name, "B": B, "kernel_us_total": total, "kernels": rows})
+            print(f"\n== {name} B={B}: kernel time {total:.1f} us/call, "
+                  f"{sum(r['launches_per_call'] for r in rows):.0f} launches/call", flush=True)
+            for r in rows[:12]:
+                print(f"  {r['us_per_call']:9.1f} us  x{r['launches_per_call']:5.1f}  {r['kernel']}")
+            with open(a.out, "w") as f:          # after every case: a timeout keeps what ran
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
