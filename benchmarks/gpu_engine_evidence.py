@@ -99,10 +99,16 @@ def replay_vs_program(eng, bucket: int, seed: int) -> dict:
     _restore(eng.state, snap)
     t_g, n_g = eng.run_step(rows, use_graph=True, bucket=bucket)
     # every row but the trash row (garbage by design); float tensors may differ in reduction
-    # order (the sampler compacts candidates with atomics): recorded, and checked close
+    # order (the sampler compacts candidates with atomics): recorded, and checked close.
+    # draft_probs of greedy rows are unspecified on CUDA (kernels/markov_sampler.py: nothing
+    # reads them, zeroing them would cost more than the greedy sampler): compared on the
+    # probabilistic rows only.
+    sampled = eng.state["row.temperature"][:eng.trash] > 0
     differ, close = [], []
     for k, v in eng.state.items():
         x, y = v[:eng.trash], after[k][:eng.trash]
+        if k == "row.draft_probs":
+            x, y = x[sampled], y[sampled]
         if not torch.equal(x, y):
             differ.append(k)
             if x.is_floating_point() and x.element_size() > 1 and torch.allclose(

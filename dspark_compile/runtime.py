@@ -164,6 +164,9 @@ class Engine:
                     fn(rows, self.state)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
+            # torch.cuda.graph empties the allocator cache on entry: do it first, or the
+            # warm-up's freed blocks show up as a negative pool size
+            torch.cuda.empty_cache()
             before = self._reserved()
             graph = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
