@@ -15,12 +15,14 @@ Case protocol: a module `benchmarks/<anything>_cases.py` defines `cases(batches)
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
 import platform
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,6 +68,7 @@ class TimingConfig:
     warmup: int = 3                # eager warm-up rounds over the input sets before capture
     rotate_factor: float = 2.0     # one round over the input sets moves this many L2s
     max_sets: int = 2048           # guard for tiny ops; rows record rotation_mb actually used
+    variant_budget_s: float = 20.0  # slow variants get fewer calls/replays (rows record them)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -165,6 +168,17 @@ def time_variant(fn: Callable[[dict], object], sets: list[dict], cfg: TimingConf
         for s in sets:
             fn(s)
     torch.cuda.synchronize()
+    # a slow variant (an eager reference at B = 64 takes ~80 ms a call) gets fewer calls per
+    # graph and fewer replays, so that it costs about `variant_budget_s` and the run finishes
+    t = time.perf_counter()
+    fn(sets[0])
+    torch.cuda.synchronize()
+    per_call = time.perf_counter() - t
+    total = per_call * cfg.calls_per_graph * cfg.replays
+    if total > cfg.variant_budget_s:
+        calls = max(1, int(cfg.variant_budget_s / (per_call * cfg.replays)))
+        replays = max(5, min(cfg.replays, int(cfg.variant_budget_s / (per_call * calls))))
+        cfg = dataclasses.replace(cfg, calls_per_graph=calls, replays=replays)
     try:
         return _time_graphs(fn, sets, cfg)
     except Exception as e:  # noqa: BLE001 -- record why and keep the run going
@@ -206,7 +220,8 @@ def _time_graphs(fn, sets, cfg):
         times.append(a.elapsed_time(b) * 1e3 / n)
     del graphs
     rec = _quantiles(times)
-    rec.update(method="graph", calls_per_graph=per, graphs=math.ceil(len(sets) / per))
+    rec.update(method="graph", calls_per_graph=per, graphs=math.ceil(len(sets) / per),
+               replays=len(times))
     return rec
 
 

@@ -220,7 +220,8 @@ def run(args) -> dict:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     dev = torch.device("cuda")
     cfg = TimingConfig(calls_per_graph=args.calls_per_graph, replays=args.replays,
-                       warmup=args.warmup, rotate_factor=args.rotate_factor)
+                       warmup=args.warmup, rotate_factor=args.rotate_factor,
+                       variant_budget_s=args.variant_budget)
     env = harness.environment(args.git_commit)
     bw = harness.measure_copy_bandwidth()
     print(f"{env.get('device')}: copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
@@ -253,7 +254,18 @@ def run(args) -> dict:
         rows += case_rows
         del sets
         torch.cuda.empty_cache()
-    return {"environment": env, "copy_bandwidth": bw, "timing": vars(cfg), "rows": rows}
+        if args.out:                 # after every case: a run cut short keeps what it measured
+            write_results(args.out, {"environment": env, "copy_bandwidth": bw,
+                                     "timing": vars(cfg), "rows": rows, "complete": False})
+    return {"environment": env, "copy_bandwidth": bw, "timing": vars(cfg), "rows": rows,
+            "complete": True}
+
+
+def write_results(out: str, result: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "kernels.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    harness.write_csv(os.path.join(out, "kernels.csv"), result["rows"])
 
 
 def dry_run(selected) -> dict:
@@ -287,6 +299,8 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=60)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rotate-factor", type=float, default=2.0)
+    p.add_argument("--variant-budget", type=float, default=20.0,
+                   help="seconds a slow variant may take: fewer calls per graph / replays")
     p.add_argument("--git-commit", default=None, help="record this commit (when .git is absent)")
     p.add_argument("--dry-run", action="store_true", help="build and run each case once, no timing")
     p.add_argument("--case-dir", default=CASE_DIR, help="folder searched for *_cases.py modules")
@@ -297,10 +311,7 @@ def main(argv=None):
             "speedup_vs_compile", "method", "check"]
     print(harness.format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "kernels.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        harness.write_csv(os.path.join(args.out, "kernels.csv"), rows)
+        write_results(args.out, result)
         print(harness.write_plot(os.path.join(args.out, "kernels.png"), rows))
     return result
 

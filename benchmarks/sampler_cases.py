@@ -7,7 +7,7 @@ Cases per B (requests):
 - `markov_greedy`: every row greedy. Variants: the reference (eager / torch.compile), `ours`
   (the op in its default "full" mode, which still launches the probabilistic passes),
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
-  `ours-cfg*` logits-kernel tilings (tuning data for LOGITS_CONFIGS).
+  `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here; `ours-cfg*` as above; `ours-refine2` / `ours-refine4`:
   the op with 2 / 4 threshold refinement passes instead of REFINE_PASSES (3).
@@ -38,12 +38,18 @@ W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as models/synth.py draws 
 
 _WEIGHTS: dict = {}
 
-# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES); each
-# compiles for sm_120 without spills (see ms.LOGITS_CONFIGS). Tuning data only.
+# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES, DOT), keyed
+# like ms.LOGITS_CONFIGS (batch tile 1, 2, 16, 32, 64); DOT=False is the CUDA-core GEMV. Each
+# compiles for sm_120 without spills. Tuning data only.
 TILINGS = {
-    16: [(16, 128, 64, 8, 1), (16, 128, 32, 8, 4), (16, 128, 32, 4, 4), (16, 64, 64, 4, 3)],
-    32: [(32, 128, 32, 8, 1), (32, 128, 32, 8, 4)],
-    64: [(64, 128, 32, 8, 1), (64, 128, 64, 8, 2), (64, 128, 32, 8, 4)],
+    1: [(1, 32, 256, 4, 1, False), (1, 128, 256, 8, 1, False), (1, 64, 128, 4, 2, False),
+        (1, 128, 64, 4, 3, False), (16, 128, 64, 8, 3, True)],
+    2: [(2, 64, 256, 8, 1, False), (2, 64, 128, 4, 2, False), (16, 128, 64, 8, 3, True)],
+    16: [(16, 128, 64, 8, 1, True), (16, 128, 32, 8, 4, True), (16, 64, 64, 4, 3, True),
+         (4, 32, 64, 4, 3, False)],
+    32: [(32, 128, 32, 8, 1, True), (32, 128, 32, 8, 4, True), (32, 128, 64, 8, 3, True)],
+    64: [(64, 128, 32, 8, 1, True), (64, 128, 64, 8, 2, True), (64, 128, 32, 8, 4, True),
+         (64, 256, 32, 8, 3, True), (64, 64, 64, 4, 3, True), (32, 128, 64, 8, 3, True)],
 }
 
 
@@ -97,10 +103,12 @@ def _markov_bytes(B, probabilistic):
     return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + probs
 
 
-def _tiling_variants(B):
-    bb = min(64, max(16, 1 << (B - 1).bit_length()))
-    return {f"ours-cfg{'x'.join(map(str, c))}":
-            (lambda d, c=c: ms.markov_sample_launch(**d, logits_config=c)) for c in TILINGS[bb]}
+def _tiling_variants(B, mode="full"):
+    b = 1 << (B - 1).bit_length()
+    key = b if b <= 2 else min(64, max(16, b))
+    name = lambda c: "ours-cfg" + "x".join(str(int(x)) for x in c)  # noqa: E731
+    return {name(c): (lambda d, c=c: ms.markov_sample_launch(**d, mode=mode, logits_config=c))
+            for c in TILINGS[key]}
 
 
 def _refine_variants():
@@ -115,7 +123,7 @@ def markov_cases(batches):
     for B in batches:
         make = _markov_inputs(B, 0.0, 1.0)
         extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy")}
-        extra.update(_tiling_variants(B))
+        extra.update(_tiling_variants(B, mode="greedy"))     # the greedy graph's tilings
         out.append(Case("sampler", "markov_greedy", {"B": B, "N": N}, make,
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),

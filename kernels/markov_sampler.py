@@ -17,10 +17,15 @@ W2 once per step, 5 x 66.2 MB = 331 MB (the floor, ~78 us on an H200), + base lo
 
 Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
   logits  grid (cdiv(V, BLOCK_V),): a program owns a vocab block for *all* B rows, so W2 is read
-          exactly once per step; bias = W1[prev] . W2[block]^T on tensor cores (bf16 operands
-          give exact products, fp32 accumulation), + base, / T; per-block max, lowest-id argmax,
-          sum exp(z - max) and NaN flag; z of non-greedy rows goes to the step's draft_probs
-          slot. The [B, V] bias never exists anywhere else.
+          exactly once per step; bias = W1[prev] . W2[block]^T (tensor cores for >= 16 rows,
+          bf16 operands give exact products, fp32 accumulation; a CUDA-core GEMV for 1-2 rows),
+          + base, / T; per-block max, lowest-id argmax, sum exp(z - max) and NaN flag; z of
+          non-greedy rows goes to the step's draft_probs slot. Step 0 folds the anchor itself.
+          The [B, V] bias never exists anywhere else.
+          Mode "greedy" stops here: each program atomically maxes a packed int64 key
+          (order-preserving value bits, then the inverted id, NaN = the largest key) into the
+          step's row slot, and the next step's programs decode `prev` from it, so a step is one
+          launch; one small launch at the end writes the N drafts per row.
   reduce  grid (B, C chunks): each program folds its row's block statistics (row max, Z,
           argmax); greedy rows' tokens (and `prev`) are final here.
   select  grid (B, C): top-k/top-p rows only (see below).
@@ -60,8 +65,8 @@ from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens,
-                       check_sampling_params, fold_ids, greedy_rows, gumbel_argmax,
-                       logprobs_from_processed, mass_scale_bits, probs_from_processed,
+                       check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
+                       key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, select_warps, tile_max, tl_gumbel)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
@@ -116,15 +121,34 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
 
 MODES = {"greedy": 0, "plain": 1, "full": 2}
 _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
+_NAN_KEY = tl.constexpr(2 ** 63 - 1)
 
 
 @triton.jit
-def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
-                          bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
-                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off,
+def pack_argmax(bmax, barg, nan):
+    """int64 key whose maximum over a row's blocks is the row's greedy answer: the value first
+    (order-preserving bits, offset to be non-negative: zero-filled slots are below every key),
+    then the lowest id; a block holding a NaN gives the largest key."""
+    hi = (f32_key(bmax).to(tl.int64) + 2147483648) << 31
+    return tl.where(nan, _NAN_KEY, hi | (2147483647 - barg).to(tl.int64))
+
+
+@triton.jit
+def unpack_token(key):
+    """The token of a packed row maximum; 0 for a degenerate row (a NaN, or a maximum that is
+    not finite: all -inf, or +inf present), as kernels/sampling.py defines."""
+    v = key_f32((key >> 31) - 2147483648)
+    ok = (key != _NAN_KEY) & (v > float("-inf")) & (v < float("inf"))
+    return tl.where(ok, 2147483647 - (key & 2147483647), 0)
+
+
+@triton.jit
+def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr, temp_ptr,
+                          z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
+                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
-                          ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
+                          ALL_GREEDY: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
     # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
     # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
     blk = tl.program_id(0)
@@ -136,7 +160,13 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
     for b0 in range(0, B, BLOCK_B):
         rows = b0 + tl.arange(0, BLOCK_B)
         rmask = rows < B
-        prev = tl.load(prev_ptr + rows, mask=rmask, other=0)
+        if step == 0:               # the anchor, an id >= V folded to 0
+            a = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            prev = tl.where((a >= 0) & (a < V), a, 0)
+        elif ALL_GREEDY:            # the previous step's packed row maxima
+            prev = unpack_token(tl.load(packed_ptr + (step - 1) * B + rows, mask=rmask, other=0))
+        else:                       # written by the previous step's reduce / final programs
+            prev = tl.load(prev_ptr + rows, mask=rmask, other=0)
         acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
         for r0 in tl.range(0, R, BLOCK_R, num_stages=STAGES):
             rr = r0 + offs_r
@@ -149,7 +179,9 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
             else:
                 w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], mask=vmask[:, None],
                             other=0.0, eviction_policy="evict_first")
-            if DOT_F32:
+            if not DOT:                 # few rows: a GEMV on CUDA cores (no M >= 16 padding)
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            elif DOT_F32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
@@ -166,14 +198,31 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, prev_ptr, temp_ptr, z_ptr,
         zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
         bmax = tl.max(zn, axis=1)
         barg = tl.argmax(zn, axis=1, tie_break_left=True) + blk * BLOCK_V
-        e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
-        bsum = tl.sum(e, axis=1)
         bnan = tl.max((isnan & vmask[None, :]).to(tl.int32), axis=1)
-        so = rows * NBLK + blk
-        tl.store(bmax_ptr + so, bmax, mask=rmask)
-        tl.store(barg_ptr + so, barg, mask=rmask)
-        tl.store(bsum_ptr + so, bsum, mask=rmask)
-        tl.store(bnan_ptr + so, bnan, mask=rmask)
+        if ALL_GREEDY:
+            # the row reduction is an atomic max of packed (value, lowest id) keys: no reduce
+            # launch, and order-independent, so deterministic
+            tl.atomic_max(packed_ptr + step * B + rows, pack_argmax(bmax, barg, bnan > 0),
+                          mask=rmask, sem="relaxed")
+        else:
+            e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
+            bsum = tl.sum(e, axis=1)
+            so = rows * NBLK + blk
+            tl.store(bmax_ptr + so, bmax, mask=rmask)
+            tl.store(barg_ptr + so, barg, mask=rmask)
+            tl.store(bsum_ptr + so, bsum, mask=rmask)
+            tl.store(bnan_ptr + so, bnan, mask=rmask)
+
+
+@triton.jit
+def _markov_greedy_tokens_kernel(packed_ptr, drafts_ptr, B, stride_db, BLOCK: tl.constexpr):
+    """Mode "greedy": drafts[:, k] from step k's packed row maxima (grid (N,))."""
+    k = tl.program_id(0)
+    for b0 in range(0, B, BLOCK):
+        rows = b0 + tl.arange(0, BLOCK)
+        m = rows < B
+        key = tl.load(packed_ptr + k * B + rows, mask=m, other=0)
+        tl.store(drafts_ptr + rows * stride_db + k, unpack_token(key), mask=m)
 
 
 @triton.jit
@@ -238,21 +287,26 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) of the logits kernel per batch tile. STAGES
-# pipelines the r-loop's W2 loads (cp.async into shared memory: STAGES - 1 tiles in flight), which
-# is what a memory-bound stream needs. No spills and <= 99 KB shared memory on sm_120 (cuobjdump);
-# the benchmark sweeps alternatives (benchmarks/sampler_cases.py): put a better one here.
-LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 128, 32, 8, 3)}
+# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES, DOT) of the logits kernel per batch tile.
+# DOT: bias on tensor cores (tl.dot pads the row tile to >= 16); without it a CUDA-core GEMV,
+# which wastes nothing for one or two rows. STAGES pipelines the r-loop's W2 loads (cp.async into
+# shared memory: STAGES - 1 tiles in flight), which is what a memory-bound stream needs. No
+# spills and <= 99 KB shared memory on sm_120 (tests/kernels/test_sm12x_resources.py); the
+# benchmark sweeps alternatives (benchmarks/sampler_cases.py): put a better one here.
+LOGITS_CONFIGS = {1: (1, 64, 256, 4, 1, False), 2: (2, 32, 256, 4, 1, False),
+                  16: (16, 128, 64, 8, 3, True), 32: (32, 128, 32, 8, 3, True),
+                  64: (64, 128, 32, 8, 3, True)}
 
 
 def _logits_config(B: int, R: int, override=None):
     if R % 16:
         raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
-    BLOCK_B = min(64, max(16, next_pow2(B)))
-    BB, BV, BR, warps, stages = override or LOGITS_CONFIGS[BLOCK_B]
+    b = next_pow2(B)
+    key = b if b <= 2 else min(64, max(16, b))
+    BB, BV, BR, warps, stages, dot = override or LOGITS_CONFIGS[key]
     while R % BR:
         BR //= 2
-    return BB, BV, BR, warps, stages
+    return BB, BV, BR, warps, stages, dot
 
 
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
@@ -276,10 +330,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     B, N, V = base_logits.shape
     R = w1.shape[1]
     dev = base_logits.device
-    drafts = torch.zeros((B, N), dtype=torch.int64, device=dev)
+    # every row of every step is written (greedy rows by reduce or the packed maxima, the others
+    # by final), so no fill
+    drafts = torch.empty((B, N), dtype=torch.int64, device=dev)
     probs = torch.empty((B, N, V), dtype=torch.float32, device=dev)
     if B == 0 or N == 0:
-        return drafts, probs
+        return drafts.zero_(), probs
     if base_logits.stride(-1) != 1:
         base_logits = base_logits.contiguous()
     w1 = w1.contiguous()
@@ -288,12 +344,13 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         raise ValueError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
     kern = _markov_logits_kernel
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
-    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
+    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1, dot = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     scale = float(2 ** mass_scale_bits(V))
     f32, i32 = torch.float32, torch.int32
-    prev = ((anchor >= 0) & (anchor < V)).to(torch.int64) * anchor.to(torch.int64)
+    anchor = anchor.contiguous()
+    prev = torch.empty((B,), dtype=torch.int64, device=dev)     # step 0 folds the anchor itself
     temperature = temperature.contiguous()
     top_k, top_p, seed, start_pos = (t.contiguous() for t in (top_k, top_p, seed, start_pos))
     bmax = torch.empty((B, NBLK), dtype=f32, device=dev)
@@ -302,9 +359,11 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     bnan = torch.empty((B, NBLK), dtype=i32, device=dev)
     rowf = torch.empty((B, 4), dtype=f32, device=dev)
     rowi = torch.empty((B, 4), dtype=i32, device=dev)
-    # one memset for every ticket/slot counter of the call: [step, counter, row]
+    # one memset for every ticket/slot counter of the call: [step, counter, row]; mode "greedy"
+    # needs none, only its packed row maxima (zero is below every key)
     NCNT = 4 + 2 * refine_passes
-    counters = torch.zeros((N, NCNT, B), dtype=i32, device=dev)
+    counters = torch.zeros((N, NCNT, B) if MODE else (1,), dtype=i32, device=dev)
+    packed = torch.zeros((N, B) if MODE == 0 else (1,), dtype=torch.int64, device=dev)
     rst = torch.zeros((B, 4) if MODE == 2 else (1,), dtype=i32, device=dev)  # refine state
     kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
     hist = torch.empty((B, C, HIST_BINS) if MODE == 2 else (1,), dtype=i32, device=dev)
@@ -321,10 +380,13 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         zo = k * probs.stride(1)
         cnt = [(k * NCNT + j) * B for j in range(NCNT)]
         launch(_markov_logits_kernel)[(NBLK,)](
-            base_logits, w1, w2, prev, temperature, probs, bmax, barg, bsum, bnan,
-            B, V, NBLK, sb, sz, k * base_logits.stride(1), zo,
+            base_logits, w1, w2, anchor, prev, packed, temperature, probs, bmax, barg, bsum,
+            bnan, B, V, NBLK, sb, sz, k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
-            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32, num_warps=warps1)
+            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT=dot, DOT_F32=dot_f32,
+            num_warps=warps1)
+        if MODE == 0:
+            continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
@@ -351,6 +413,9 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 best_i, drafts, prev, counters, k, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
                 cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
                 num_warps=4)
+    if MODE == 0:
+        launch(_markov_greedy_tokens_kernel)[(N,)](packed, drafts, B, drafts.stride(0),
+                                                   BLOCK=min(1024, next_pow2(B)), num_warps=4)
     return drafts, probs
 
 
@@ -404,16 +469,20 @@ def _markov_configs():
     out = []
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
-    for B in (1, 32, 64):
-        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages = _logits_config(B, _R_FLASH)
+    for B in (1, 2, 16, 32, 64):
+        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages, dot = _logits_config(B, _R_FLASH)
         for greedy in (False, True):
             out.append(compile_config(_markov_logits_kernel, dict(
-                base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", prev_ptr="*i64",
-                temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
-                bsum_ptr="*fp32", bnan_ptr="*i32", B="i32", V=_D16, NBLK="i32",
-                stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16),
+                base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
+                prev_ptr="*i64", packed_ptr="*i64", temp_ptr="*fp32", z_ptr="*fp32",
+                bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", B="i32",
+                V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
+                step="i32"),
                 dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False), warps))
+                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT=dot, DOT_F32=False),
+                warps))
+    out.append(compile_config(_markov_greedy_tokens_kernel, dict(
+        packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
     TILE, _, _ = row_tiling(1, _V_FLASH, None, None)
     for mode in (0, 1, 2):
         out.append(compile_config(row_reduce_kernel, dict(

@@ -177,7 +177,7 @@ def test_fused_more_rows_than_a_batch_tile():
     seed, sp = torch.arange(B) + 77, torch.arange(B)
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain",
-                                        logits_config=(16, 128, 16, 4, 1), **ONE)
+                                        logits_config=(16, 128, 16, 4, 1, True), **ONE)
     assert torch.equal(got_d, want_d)
     ng = T > 0
     torch.testing.assert_close(got_p[ng], want_p[ng], rtol=1e-5, atol=1e-6)
@@ -225,6 +225,38 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
     assert torch.equal(d, want_d)
     ng = T2 > 0
     torch.testing.assert_close(q[ng], want_q[ng], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,config", [
+    (1, None), (2, None), (3, None),                      # the launcher's picks (GEMV, dot)
+    (1, (1, 32, 8, 4, 1, False)), (5, (4, 32, 16, 4, 2, False)),   # GEMV, several tiles
+    (20, (16, 32, 16, 4, 1, True))])                      # dot, two batch tiles
+def test_greedy_mode_packed_maxima(B, config):
+    """Mode "greedy" reduces rows with atomic maxima of packed (value, id) keys and decodes
+    `prev` in the next step's programs: ties across vocab blocks go to the lowest id, NaN /
+    all -inf / +inf rows give 0, out-of-range anchors fold to 0, every step chains."""
+    w1, w2 = weights(11)
+    g = torch.Generator().manual_seed(B)
+    base = torch.randn(B, N, V, generator=g) * 2
+    anchor = torch.randint(0, V, (B,), generator=g)
+    anchor[0] = -5 if B > 1 else V + 3
+    if B >= 5:
+        base[1] = float("nan")
+        base[2] = NINF
+        base[3, :, 50] = float("inf")
+        base[4] = 0.0                                   # ties everywhere: the bias decides
+    tie_w2 = torch.zeros_like(w2)                       # no bias: ties in the base decide
+    tb = torch.randn(B, N, V, generator=g)
+    tb[:, :, 3] = tb[:, :, 100] = tb.amax(-1) + 1.0     # equal maxima in two vocab blocks
+    T, k, p = params(B, 0.0)
+    seed, sp = torch.arange(B), torch.arange(B)
+    kw = dict(logits_config=config) if config else {}
+    for bl, ww2 in ((base, w2), (tb, tie_w2)):
+        args = (bl, anchor, w1, ww2, T, k, p, seed, sp)
+        want, _ = markov_sample_mode_reference(*args, "greedy")
+        got, _ = markov_sample_launch(*args, "greedy", **kw, **ONE)
+        assert torch.equal(got, want)
+    assert got.eq(3).all()
 
 
 def test_modes_and_op_dispatch():
@@ -284,6 +316,36 @@ def test_gpu_flash_dims_match_reference_and_replay_in_a_graph():
     eager_d, eager_p = torch.ops.dspark.markov_sample(*[*args[:7], seed + 1000, sp])
     assert torch.equal(out_d, eager_d)
     torch.testing.assert_close(out_p[ng], eager_p[ng])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 2, 3, 64])
+def test_gpu_greedy_mode_flash_dims(B):
+    """Mode "greedy" (GEMV for 1-2 rows, tensor cores above; packed atomic row maxima) against
+    the reference at Flash dims, and replayed in a CUDA graph with new anchors."""
+    dev = "cuda"
+    Vf, Rf = 129280, 256
+    g = torch.Generator(device=dev).manual_seed(B)
+    w1 = (torch.randn(Vf, Rf, device=dev, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(Vf, Rf, device=dev, generator=g) * 0.05).bfloat16()
+    base = torch.randn(B, N, Vf, device=dev, generator=g) * 3
+    anchor = torch.randint(0, Vf, (B,), device=dev, generator=g)
+    T, k, p = (t.to(dev) for t in params(B, 0.0))
+    seed, sp = torch.arange(B, device=dev), torch.arange(B, device=dev)
+    args = [base, anchor, w1, w2, T, k, p, seed, sp]
+    want, _ = markov_sample_reference(*args)
+    got, _ = torch.ops.dspark.markov_sample(*args, mode="greedy")
+    assert (got == want).all(1).float().mean() >= 0.95  # bias sums differ in order: rare flips
+    static = [a.clone() for a in args]
+    torch.ops.dspark.markov_sample(*static, mode="greedy")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = torch.ops.dspark.markov_sample(*static, mode="greedy")
+    static[1].copy_((anchor + 17) % Vf)
+    graph.replay()
+    eager, _ = torch.ops.dspark.markov_sample(*[base, (anchor + 17) % Vf, *args[2:]],
+                                             mode="greedy")
+    assert torch.equal(out, eager)
 
 
 def _flat_case(v, rows, seed, spread):
