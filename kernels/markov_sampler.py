@@ -17,9 +17,9 @@ W2 once per step, 5 x 66.2 MB = 331 MB (the floor, ~78 us on an H200), + base lo
 
 Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
   logits  grid (cdiv(V, BLOCK_V),): a program owns a vocab block for *all* B rows, so W2 is read
-          exactly once per step; bias = W1[prev] . W2[block]^T (tensor cores for >= 16 rows,
-          bf16 operands give exact products, fp32 accumulation; a CUDA-core GEMV for 1-2 rows),
-          + base, / T; per-block max, lowest-id argmax, sum exp(z - max) and NaN flag; z of
+          exactly once per step; bias = W1[prev] . W2[block]^T on tensor cores (bf16 operands
+          give exact products, fp32 accumulation; a CUDA-core GEMV for one row measured 1.3-2.6x
+          slower on the H200 than padding it to a 16-row tile), + base, / T; per-block max, lowest-id argmax, sum exp(z - max) and NaN flag; z of
           non-greedy rows goes to the step's draft_probs slot. Step 0 folds the anchor itself.
           The [B, V] bias never exists anywhere else.
           Mode "greedy" stops here: each program atomically maxes a packed int64 key
@@ -148,7 +148,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed
                           B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
-                          ALL_GREEDY: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+                          ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
     # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
     # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
     blk = tl.program_id(0)
@@ -179,9 +179,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed
             else:
                 w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], mask=vmask[:, None],
                             other=0.0, eviction_policy="evict_first")
-            if not DOT:                 # few rows: a GEMV on CUDA cores (no M >= 16 padding)
-                acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            elif DOT_F32:
+            if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
@@ -287,26 +285,23 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES, DOT) of the logits kernel per batch tile.
-# DOT: bias on tensor cores (tl.dot pads the row tile to >= 16); without it a CUDA-core GEMV,
-# which wastes nothing for one or two rows. STAGES pipelines the r-loop's W2 loads (cp.async into
-# shared memory: STAGES - 1 tiles in flight), which is what a memory-bound stream needs. No
-# spills and <= 99 KB shared memory on sm_120 (tests/kernels/test_sm12x_resources.py); the
-# benchmark sweeps alternatives (benchmarks/sampler_cases.py): put a better one here.
-LOGITS_CONFIGS = {1: (1, 64, 256, 4, 1, False), 2: (2, 32, 256, 4, 1, False),
-                  16: (16, 128, 64, 8, 3, True), 32: (32, 128, 32, 8, 3, True),
-                  64: (64, 128, 32, 8, 3, True)}
+# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) of the logits kernel per batch tile. STAGES
+# pipelines the r-loop's W2 loads (cp.async into shared memory: STAGES - 1 tiles in flight), which
+# is what a memory-bound stream needs. No spills and <= 99 KB shared memory on sm_120
+# (tests/kernels/test_sm12x_resources.py). Picked from the H200 sweep of
+# benchmarks/sampler_cases.py (results in benchmarks/results/h200_sampler_2026-11-29/): put a
+# better one here.
+LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 64, 64, 4, 3)}
 
 
 def _logits_config(B: int, R: int, override=None):
     if R % 16:
         raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
-    b = next_pow2(B)
-    key = b if b <= 2 else min(64, max(16, b))
-    BB, BV, BR, warps, stages, dot = override or LOGITS_CONFIGS[key]
+    BLOCK_B = min(64, max(16, next_pow2(B)))
+    BB, BV, BR, warps, stages = override or LOGITS_CONFIGS[BLOCK_B]
     while R % BR:
         BR //= 2
-    return BB, BV, BR, warps, stages, dot
+    return BB, BV, BR, warps, stages
 
 
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
@@ -344,7 +339,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         raise ValueError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
     kern = _markov_logits_kernel
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
-    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1, dot = _logits_config(B, R, logits_config)
+    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     scale = float(2 ** mass_scale_bits(V))
@@ -383,8 +378,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             base_logits, w1, w2, anchor, prev, packed, temperature, probs, bmax, barg, bsum,
             bnan, B, V, NBLK, sb, sz, k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
-            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT=dot, DOT_F32=dot_f32,
-            num_warps=warps1)
+            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32, num_warps=warps1)
         if MODE == 0:
             continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
@@ -469,8 +463,8 @@ def _markov_configs():
     out = []
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
-    for B in (1, 2, 16, 32, 64):
-        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages, dot = _logits_config(B, _R_FLASH)
+    for B in (1, 32, 64):
+        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages = _logits_config(B, _R_FLASH)
         for greedy in (False, True):
             out.append(compile_config(_markov_logits_kernel, dict(
                 base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
@@ -479,7 +473,7 @@ def _markov_configs():
                 V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
                 step="i32"),
                 dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT=dot, DOT_F32=False),
+                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False),
                 warps))
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
