@@ -359,7 +359,7 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         buffers. Every program's parameters/buffers must be in it with identical values.
     manifest_fields: must hold "model_config_hash" (or "model_config", hashed here) and
         "passes" (PassManager.manifest_entries()); may hold "target_sm" (default: this
-        machine's), "pass_config_hash", "pass_stats" and any other JSON-able field.
+        machine's GPU; build_engine records its build device's: "cpu" for a CPU build), "pass_config_hash", "pass_stats" and any other JSON-able field.
     extra_files: {"kernels/sm_XY/<name>": bytes | str} build reports.
     """
     out_dir = Path(out_dir).absolute()
@@ -520,7 +520,7 @@ def _check_structure(manifest: dict) -> None:
 
 
 def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] = (),
-                  check_files: bool = True) -> dict:
+                  check_files: bool = True, device=None) -> dict:
     """Read and validate `engine_dir/manifest.json`; returns it.
 
     Checked against the running environment: format_version, dspark_compile_version,
@@ -536,7 +536,7 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     if "format_version" not in skip and manifest.get("format_version") != FORMAT_VERSION:
         raise _mismatch("format_version", manifest.get("format_version"), FORMAT_VERSION, True)
     expect = dict(expect or {})
-    env = environment_fields()
+    env = environment_fields(device)     # target_sm: that of the device the engine will run on
     for field in ENV_FIELDS:
         if field in skip or field in expect:
             continue
@@ -566,7 +566,8 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
     {FQN: weight tensor}). The weights are loaded once (onto `device`) and the same tensors
     are attached to every program."""
     engine_dir = Path(engine_dir)
-    manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=check_files)
+    manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=check_files,
+                             device=device)
     register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], device)

@@ -88,11 +88,12 @@ def test_manifest_fields(default_engine):
     m = default_engine.manifest
     on_disk = json.loads((default_engine.path / "manifest.json").read_text())
     assert on_disk["checksum"] == m["checksum"]
-    env = environment_fields()
+    env = environment_fields("cpu")      # built on the CPU: target_sm "cpu" on any machine
     assert m["format_version"] == FORMAT_VERSION
     for k in ("torch_version", "triton_version", "cuda_version", "target_sm",
               "dspark_compile_version"):
         assert m[k] == env[k], k
+    assert m["target_sm"] == "cpu"
     assert m["model_config"]["dspark_block_size"] == 5
     assert m["model_config_hash"] == config_hash(m["model_config"])
     bc = m["build_config"]
