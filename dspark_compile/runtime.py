@@ -1,11 +1,13 @@
 """Runtime: load an engine, capture one CUDA graph per bucket, generate.
 
     Engine.load(dir) → validate manifest → register ops → load programs + shared weights →
-      allocate the decode state once → (CUDA) capture every bucket's step, largest first, into
-      one memory pool on one capture stream, after warm-up runs on padded rows only
+      per bucket also the greedy variant (dspark_compile/variants.py) → allocate the decode
+      state once → (CUDA) capture every bucket's step and its greedy variant, largest first,
+      into one memory pool on one capture stream, after warm-up runs on padded rows only
     Engine.generate(prompts, params) → per request: eager prefill into a free state row (the
       rebuilt reference model, same weights) → per step: split the live rows into groups of at
-      most the largest bucket, pad each group to its bucket with the trash row, replay, read the
+      most the largest bucket, pad each group to its bucket with the trash row, replay (the
+      greedy variant when every live row is greedy), read the
       committed tokens → requests that finish (stop id, max tokens) free their rows; waiting
       requests are admitted into free rows.
 
@@ -50,13 +52,14 @@ class _Graph:
 @dataclass
 class StepTimes:
     steps: int = 0
+    greedy_steps: int = 0          # of which ran the greedy draft-sampler variant
     seconds: float = 0.0
     per_bucket: dict = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
-                 device: torch.device, use_graphs: bool):
+                 device: torch.device, use_graphs: bool, greedy_variants: bool = True):
         from .models.config import ModelConfig
         from .models.state import allocate_state
 
@@ -72,7 +75,15 @@ class Engine:
         self.trash = self.cache.max_rows
         self.programs = programs   # the ExportedPrograms as loaded (inspection, checks)
         self.modules = {b: ep.module() for b, ep in programs.items()}
+        # per bucket, the step with the draft sampler's greedy launch plan, run when every live
+        # row is greedy (dspark_compile/variants.py); empty when disabled or nothing to switch
+        self.greedy_modules = {}
+        if greedy_variants:
+            from .variants import sampler_mode_variant
+            self.greedy_modules = {b: m for b, ep in programs.items()
+                                   if (m := sampler_mode_variant(ep)) is not None}
         self.graphs: dict[int, _Graph] = {}
+        self.greedy_graphs: dict[int, _Graph] = {}
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool_bytes: dict[int, int] = {}
         self.load_seconds = 0.0
@@ -83,7 +94,9 @@ class Engine:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
-             record_graph_memory: bool = True) -> "Engine":
+             record_graph_memory: bool = True, greedy_variants: bool = True) -> "Engine":
+        """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
+        draft-sampler plan, used for steps whose live rows are all greedy."""
         t0 = time.perf_counter()
         engine_dir = Path(engine_dir)
         built_for = _build_device(engine_dir)
@@ -101,7 +114,7 @@ class Engine:
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
-        eng = cls(engine_dir, manifest, programs, weights, device, use_graphs)
+        eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants)
         eng.load_seconds = time.perf_counter() - t0
         if use_graphs and record_graph_memory:
             eng._record_load()
@@ -156,26 +169,30 @@ class Engine:
             stream = torch.cuda.Stream(self.device)
         for b in sorted(self.buckets, reverse=True):   # largest first: smaller ones reuse its pool
             t = time.perf_counter()
-            rows = self._padded_rows(b)
-            fn = self.modules[b]
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(warmup):
-                    fn(rows, self.state)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            # torch.cuda.graph empties the allocator cache on entry: do it first, or the
-            # warm-up's freed blocks show up as a negative pool size
-            torch.cuda.empty_cache()
-            before = self._reserved()
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
-                out_tokens, out_num = fn(rows, self.state)
-            torch.cuda.synchronize(self.device)
-            after = self._reserved()
-            self.graphs[b] = _Graph(graph, rows, out_tokens, out_num)
+            added = 0
+            for graphs, fn in ((self.graphs, self.modules[b]),
+                               (self.greedy_graphs, self.greedy_modules.get(b))):
+                if fn is None:
+                    continue
+                rows = self._padded_rows(b)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream), torch.no_grad():
+                    for _ in range(warmup):
+                        fn(rows, self.state)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.synchronize(self.device)
+                # torch.cuda.graph empties the allocator cache on entry: do it first, or the
+                # warm-up's freed blocks show up as a negative pool size
+                torch.cuda.empty_cache()
+                before = self._reserved()
+                graph = torch.cuda.CUDAGraph()
+                with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out_tokens, out_num = fn(rows, self.state)
+                torch.cuda.synchronize(self.device)
+                added += self._reserved() - before
+                graphs[b] = _Graph(graph, rows, out_tokens, out_num)
             self.capture_seconds[b] = time.perf_counter() - t
-            self.graph_pool_bytes[b] = int(after - before)
+            self.graph_pool_bytes[b] = int(added)
 
     # ------------------------------------------------------------------ one step
     def bucket_for(self, n: int) -> int:
@@ -185,11 +202,14 @@ class Engine:
         return self.buckets[i]
 
     @torch.no_grad()
-    def run_step(self, rows: list[int], use_graph: bool = True, bucket: int | None = None):
+    def run_step(self, rows: list[int], use_graph: bool = True, bucket: int | None = None,
+                 variant: str | None = None):
         """One draft-plus-verify step for up to `largest bucket` state rows (the trash row may
         appear among them as explicit padding); returns (tokens [n, N+1], num_sampled [n]) on
         the host, rows in the given order. `bucket`: run that bucket's program (default: the
-        smallest that fits), padding with the trash row."""
+        smallest that fits), padding with the trash row. `variant`: "full" or "greedy" (the
+        greedy draft-sampler plan: only valid when every live row is greedy); default: greedy
+        exactly when every live row's temperature is <= 0 and the engine has the variant."""
         rows = [int(r) for r in rows]
         n = len(rows)
         if n == 0:
@@ -211,20 +231,40 @@ class Engine:
             b = bucket
         padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64)
         t = time.perf_counter()
-        if use_graph and b in self.graphs:
-            g = self.graphs[b]
+        greedy = self._use_greedy(live, b, variant)
+        graphs, modules = ((self.greedy_graphs, self.greedy_modules) if greedy
+                           else (self.graphs, self.modules))
+        if use_graph and b in graphs:
+            g = graphs[b]
             g.rows.copy_(padded)
             g.graph.replay()
             tokens, num = g.out_tokens, g.out_num
         else:
-            tokens, num = self.modules[b](padded.to(self.device), self.state)
+            tokens, num = modules[b](padded.to(self.device), self.state)
         # the graph's outputs live in the shared pool: copy them out before any other replay
         tokens, num = tokens[:n].cpu(), num[:n].cpu()
         self.times.steps += 1
         dt = time.perf_counter() - t
         self.times.seconds += dt
         self.times.per_bucket[b] = self.times.per_bucket.get(b, 0) + 1
+        self.times.greedy_steps += int(greedy)
         return tokens, num
+
+    def _use_greedy(self, live: list[int], bucket: int, variant: str | None) -> bool:
+        if variant not in (None, "full", "greedy"):
+            raise ValueError(f"variant must be 'full', 'greedy' or None, got {variant!r}")
+        if variant == "full" or bucket not in self.greedy_modules or not live:
+            if variant == "greedy":
+                raise ValueError(f"bucket {bucket} has no greedy variant (engine loaded with "
+                                 f"greedy_variants=False, or built without fuse_sampler)")
+            return False
+        # the rows' temperatures as the step will read them (one small device-to-host copy):
+        # the host's own bookkeeping could miss a direct set_row_sampling on the state
+        idx = torch.tensor(live, dtype=torch.int64, device=self.device)
+        all_greedy = bool((self.state["row.temperature"].index_select(0, idx) <= 0).all())
+        if variant == "greedy" and not all_greedy:
+            raise ValueError("variant='greedy' with a sampled (temperature > 0) row in the batch")
+        return all_greedy
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

@@ -63,6 +63,8 @@ def test_greedy_mixed_batch_equals_reference(greedy_run):
     # rows finished at different steps: later steps ran smaller buckets, padded
     assert len(times.per_bucket) >= 3, times.per_bucket
     assert times.steps == res.steps
+    # every row greedy: every step ran the greedy draft-sampler variant
+    assert times.greedy_steps == times.steps
 
 
 def test_greedy_engine_is_lossless(greedy_run, default_loaded, ref_model):
@@ -180,6 +182,51 @@ def test_padding_and_bucket_choice_do_not_change_a_step(default_loaded):
     for k, v in eng.state.items():
         assert torch.equal(v[keep], snap[k][keep]), f"state '{k}': a row outside the batch changed"
         torch.testing.assert_close(v[[3, 7]], after2[k][[3, 7]], msg=f"state '{k}'")
+
+
+def test_greedy_variant_equals_the_full_program(default_loaded):
+    """The greedy variant of a bucket (dspark_compile/variants.py) shares the program's weights,
+    differs only in the draft sampler's mode, and on greedy rows computes the same step as the
+    full program; it is refused for a batch with a sampled row and picked only without one."""
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.step import prefill
+    from dspark_compile.variants import sampler_modes
+    eng = default_loaded
+    b = 4
+    full, greedy = eng.modules[b], eng.greedy_modules[b]
+    assert sampler_modes(full) == ["full"] and sampler_modes(greedy) == ["greedy"]
+    fp = dict(full.named_buffers())
+    assert all(v.data_ptr() == fp[k].data_ptr() for k, v in greedy.named_buffers()), \
+        "the variant copied weights"
+    for row, prompt in ((9, [3, 1, 4, 1, 5]), (12, [2, 7])):
+        set_row_sampling(eng.state, row, SamplingParams())
+        prefill(eng.model, eng.state, row, prompt, eng.cache.max_step_tokens, speculative=True)
+    snap = {k: v.clone() for k, v in eng.state.items()}
+    outs = {}
+    for variant in ("full", "greedy"):
+        for k, v in eng.state.items():
+            v.copy_(snap[k])
+        eng.times = StepTimes()
+        outs[variant] = (*eng.run_step([9, 12], bucket=b, variant=variant),
+                         {k: v[:eng.trash].clone() for k, v in eng.state.items()})
+        assert eng.times.greedy_steps == (variant == "greedy")
+    (tf, nf, sf), (tg, ng, sg) = outs["full"], outs["greedy"]
+    assert torch.equal(tf, tg) and torch.equal(nf, ng)
+    for k in sf:
+        assert torch.equal(sf[k], sg[k]), f"state '{k}' differs between the variants"
+    # the default picks the greedy variant for these rows, the full program with a sampled row
+    for k, v in eng.state.items():
+        v.copy_(snap[k])
+    eng.times = StepTimes()
+    eng.run_step([9, 12], bucket=b)
+    assert eng.times.greedy_steps == 1
+    set_row_sampling(eng.state, 12, SamplingParams(temperature=0.5, seed=3))
+    with pytest.raises(ValueError, match="sampled"):
+        eng.run_step([9, 12], bucket=b, variant="greedy")
+    eng.run_step([9, 12], bucket=b)
+    assert eng.times.greedy_steps == 1
+    with pytest.raises(ValueError, match="variant"):
+        eng.run_step([9], variant="fast")
 
 
 def test_bad_requests_are_named(small_loaded):
