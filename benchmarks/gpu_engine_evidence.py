@@ -100,9 +100,9 @@ def replay_vs_program(eng, bucket: int, seed: int) -> dict:
     t_g, n_g = eng.run_step(rows, use_graph=True, bucket=bucket)
     # every row but the trash row (garbage by design); float tensors may differ in reduction
     # order (the sampler compacts candidates with atomics): recorded, and checked close.
-    # draft_probs of greedy rows are unspecified on CUDA (kernels/markov_sampler.py: nothing
-    # reads them, zeroing them would cost more than the greedy sampler): compared on the
-    # probabilistic rows only.
+    # draft_probs of greedy rows are unspecified when the step runs the greedy variant (an
+    # all-greedy batch; kernels/markov_sampler.py mode "greedy": nothing reads them, zeroing
+    # them would cost more than the greedy sampler): compared on the sampled rows only.
     sampled = eng.state["row.temperature"][:eng.trash] > 0
     differ, close = [], []
     for k, v in eng.state.items():

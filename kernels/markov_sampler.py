@@ -51,9 +51,11 @@ two short launches, or four on flat rows, + REFINE_PASSES near-empty launches.
 
 `mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored) and
 "greedy" also final (every row greedy) -- graphs the engine can capture for batches whose sampling
-parameters the host knows. On CUDA the draft_probs rows of greedy rows are not written
-(unspecified; the reference gives zeros): nothing reads them, and writing B*N*V zeros would cost
-more than the whole greedy sampler at B = 64.
+parameters the host knows. Modes "full" and "plain" write greedy rows' draft_probs as zeros,
+like the reference (an all-greedy batch at B = 64 pays ~40 us for it on the H200, which is why
+the runtime runs such batches with the "greedy" variant, dspark_compile/variants.py). Mode
+"greedy" leaves draft_probs unwritten (unspecified; its reference gives zeros): rejection never
+reads a greedy row's q, and writing B*N*V zeros would cost more than the whole greedy sampler.
 """
 from __future__ import annotations
 
@@ -190,8 +192,10 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed
             t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
             greedy = t <= 0.0
             z = tl.math.div_rn(z, tl.where(greedy, 1.0, t)[:, None])
-            tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :], z,
-                     mask=(rmask & ~greedy)[:, None] & vmask[None, :])
+            # greedy rows' draft_probs are zeros, as in the reference (nothing later touches
+            # them): the op's outputs are fully specified in this mode
+            tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :],
+                     tl.where(greedy[:, None], 0.0, z), mask=rmask[:, None] & vmask[None, :])
         isnan = z != z
         zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
         bmax = tl.max(zn, axis=1)
@@ -443,9 +447,8 @@ def markov_sample(base_logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Ten
                   w2: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
                   mode: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Markov sampler. On CUDA the draft_probs rows of greedy rows are left unwritten
-    (unspecified; the reference gives zeros): nothing reads them, and zeroing B*N*V floats would
-    cost more than the whole greedy sampler at B = 64."""
+    """Fused Markov sampler. Greedy rows' draft_probs are zeros in modes "full" and "plain"
+    and unspecified on CUDA in mode "greedy" (never read; the module docstring says why)."""
     return markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed,
                                 start_pos, mode)
 

@@ -118,8 +118,10 @@ def test_fused_equals_reference_probabilistic_and_greedy():
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
     assert torch.equal(got_d, want_d)
-    ng = T > 0                              # greedy rows' probs are unspecified in the fused op
-    torch.testing.assert_close(got_p[ng], want_p[ng], rtol=1e-5, atol=1e-6)
+    # every row, greedy ones (zeros) included: the op's outputs are fully specified
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert (got_p[T <= 0] == 0).all()
+    ng = T > 0
     # per step from the fused prefix: rows sum to 1, the drawn token has positive probability
     torch.testing.assert_close(got_p[ng], rebuild_probs(base, anchor, got_d, w1, w2, T, k, p)[ng],
                                rtol=1e-5, atol=1e-6)

@@ -144,8 +144,7 @@ def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp
     """On the GPU the fused ops run their Triton kernels on exactly the values the passes bind
     (views of the state caches, sliced draft tokens, ...). float32, FP8 simulated: the fused
     step commits the same tokens as the unfused one, moves the same positions and writes only
-    finite values (greedy rows' draft probabilities are unspecified on CUDA by design of
-    dspark::markov_sample, see its docstring; they are never read)."""
+    finite values."""
     ts = tiny_step.lib.TinyStep(tmp_path, dtype="float32", device="cuda")
     unfused = ts.cleaned()
     PassManager(["drop_region_markers"]).run(unfused, state_inputs=ts.states(unfused))
@@ -159,10 +158,10 @@ def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp
                                                                 got.outputs[i])
         for k in ("state_row_tokens", "state_row_last_pos"):
             assert torch.equal(ref.state[k], got.state[k]), (seed, k)
-        sampled = got.state["state_row_temperature"] > 0
-        sampled[-1] = False                                   # the trash row
+        greedy = got.state["state_row_temperature"][:-1] <= 0   # [:-1]: not the trash row
+        assert (got.state["state_row_draft_probs"][:-1][greedy] == 0).all(), seed
         for k, v in got.state.items():
             if not v.dtype.is_floating_point:
                 continue
-            v = v[sampled] if k == "state_row_draft_probs" else v
+            v = v[:-1] if k == "state_row_draft_probs" else v
             assert bool(torch.isfinite(v.float()).all()), (seed, k)
