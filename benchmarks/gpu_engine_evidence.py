@@ -85,30 +85,38 @@ def prefill_rows(eng, seed: int = 0) -> None:
         prefill(eng.model, eng.state, row, prompt, eng.cache.max_step_tokens, speculative=True)
 
 
-def replay_vs_program(eng, bucket: int, seed: int) -> dict:
+def _all_greedy(eng) -> None:
+    eng.state["row.temperature"].zero_()
+
+
+def replay_vs_program(eng, bucket: int, seed: int, variant: str = "full") -> dict:
     """The same state copy run by the uncaptured program and by the graph replay (a padded
-    batch); leaves the state as it was."""
+    batch); leaves the state as it was. variant "greedy": every row made greedy first, both
+    runs use the bucket's greedy variant."""
     rng = random.Random(seed)
     n_live = max(1, bucket - 1)
     rows = rng.sample(range(eng.cache.max_rows), n_live)
     if bucket > 1:
         rows.insert(rng.randrange(n_live + 1), eng.trash)
     snap = _snapshot(eng.state)
-    t_p, n_p = eng.run_step(rows, use_graph=False, bucket=bucket)
+    if variant == "greedy":
+        _all_greedy(eng)
+    before = _snapshot(eng.state)
+    t_p, n_p = eng.run_step(rows, use_graph=False, bucket=bucket, variant=variant)
     after = _snapshot(eng.state)
-    _restore(eng.state, snap)
-    t_g, n_g = eng.run_step(rows, use_graph=True, bucket=bucket)
+    _restore(eng.state, before)
+    t_g, n_g = eng.run_step(rows, use_graph=True, bucket=bucket, variant=variant)
     # every row but the trash row (garbage by design); float tensors may differ in reduction
     # order (the sampler compacts candidates with atomics): recorded, and checked close.
-    # draft_probs of greedy rows are unspecified when the step runs the greedy variant (an
-    # all-greedy batch; kernels/markov_sampler.py mode "greedy": nothing reads them, zeroing
-    # them would cost more than the greedy sampler): compared on the sampled rows only.
-    sampled = eng.state["row.temperature"][:eng.trash] > 0
+    # draft_probs of greedy rows are unspecified when the step runs the greedy variant
+    # (kernels/markov_sampler.py mode "greedy": nothing reads them, zeroing them would cost
+    # more than the greedy sampler), so that variant is compared without them; the full
+    # program writes them (zeros) and is compared on every row.
     differ, close = [], []
     for k, v in eng.state.items():
         x, y = v[:eng.trash], after[k][:eng.trash]
-        if k == "row.draft_probs":
-            x, y = x[sampled], y[sampled]
+        if k == "row.draft_probs" and variant == "greedy":
+            continue
         if not torch.equal(x, y):
             differ.append(k)
             if x.is_floating_point() and x.element_size() > 1 and torch.allclose(
@@ -126,17 +134,24 @@ def replay_vs_program(eng, bucket: int, seed: int) -> dict:
     return rec
 
 
-def time_bucket(eng, bucket: int, replays: int) -> dict:
-    """Step time with every row of the bucket live; state restored before each replay."""
+def time_bucket(eng, bucket: int, replays: int, variant: str = "full",
+                all_greedy: bool = False) -> dict:
+    """Step time with every row of the bucket live; state restored before each replay.
+    all_greedy: every row made greedy first; variant "greedy" (implies it): the bucket's
+    greedy variant replayed."""
     rows = list(range(bucket))
     snap = _snapshot(eng.state)
-    use_graph = bucket in eng.graphs
+    graphs = eng.greedy_graphs if variant == "greedy" else eng.graphs
+    if all_greedy or variant == "greedy":
+        _all_greedy(eng)
+    work = _snapshot(eng.state)
+    use_graph = bucket in graphs
     times = []
     if use_graph:
-        g = eng.graphs[bucket]
+        g = graphs[bucket]
         g.rows.copy_(torch.tensor(rows, dtype=torch.int64))
         for i in range(replays + 3):
-            _restore(eng.state, snap)
+            _restore(eng.state, work)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             g.graph.replay()
@@ -147,9 +162,9 @@ def time_bucket(eng, bucket: int, replays: int) -> dict:
         accepted = g.out_num[:bucket].float().mean().item()
     else:
         for i in range(replays + 1):
-            _restore(eng.state, snap)
+            _restore(eng.state, work)
             t = time.perf_counter()
-            _, num = eng.run_step(rows, use_graph=False, bucket=bucket)
+            _, num = eng.run_step(rows, use_graph=False, bucket=bucket, variant=variant)
             _sync(eng.device)
             if i >= 1:
                 times.append((time.perf_counter() - t) * 1e6)
@@ -232,6 +247,15 @@ def main(argv=None) -> int:
                    "pool_bytes": eng.graph_pool_bytes.get(b)}
             row.update(replay_vs_program(eng, b, seed=b))
             row.update(time_bucket(eng, b, args.replays))
+            if b in eng.greedy_modules:
+                g = replay_vs_program(eng, b, seed=b, variant="greedy")
+                row["greedy_variant_replay_equal"] = g["replay_equal"]
+                row["greedy_variant_padding_inert"] = g["padding_inert"]
+                # an all-greedy batch: the full program vs the greedy variant
+                row["us_median_all_greedy_full"] = time_bucket(
+                    eng, b, args.replays, "full", all_greedy=True)["us_median"]
+                row["us_median_greedy_variant"] = time_bucket(
+                    eng, b, args.replays, "greedy")["us_median"]
             rows.append(row)
             print(f"[bucket {b}] replay_equal={row['replay_equal']} median "
                   f"{row['us_median']:.1f} us", flush=True)
@@ -254,7 +278,9 @@ def main(argv=None) -> int:
           f"{rec['load_seconds']:.1f}s  pool {rec['graph_pool_total_bytes'] / 2**20:.1f} MiB")
     print(harness.format_table(rows, ["bucket", "capture_s", "pool_bytes", "replay_equal",
                                       "state_bit_equal", "padding_inert", "us_median", "us_p10",
-                                      "us_p90", "us_per_row", "tokens_per_row_step"]))
+                                      "us_p90", "us_per_row", "tokens_per_row_step",
+                                      "greedy_variant_replay_equal", "us_median_all_greedy_full",
+                                      "us_median_greedy_variant"]))
     ll = rec["lossless"]
     print(f"lossless: {ll['exact']}/{ll['requests']} exact, all exact or near-tie: "
           f"{ll['all_exact_or_near_tie']}; mean accepted length {ll['mean_accepted_length']:.2f}")
@@ -262,7 +288,10 @@ def main(argv=None) -> int:
         if not r["ok"]:
             print(f"  request {r['request']}: {r['line']}")
     print(f"written: {out}")
-    ok = all(r["replay_equal"] and r["padding_inert"] for r in rows) and ll["all_exact_or_near_tie"]
+    ok = all(r["replay_equal"] and r["padding_inert"]
+             and r.get("greedy_variant_replay_equal", True)
+             and r.get("greedy_variant_padding_inert", True) for r in rows) \
+        and ll["all_exact_or_near_tie"]
     return 0 if ok else 2
 
 
