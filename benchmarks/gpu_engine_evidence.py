@@ -108,15 +108,9 @@ def replay_vs_program(eng, bucket: int, seed: int, variant: str = "full") -> dic
     t_g, n_g = eng.run_step(rows, use_graph=True, bucket=bucket, variant=variant)
     # every row but the trash row (garbage by design); float tensors may differ in reduction
     # order (the sampler compacts candidates with atomics): recorded, and checked close.
-    # draft_probs of greedy rows are unspecified when the step runs the greedy variant
-    # (kernels/markov_sampler.py mode "greedy": nothing reads them, zeroing them would cost
-    # more than the greedy sampler), so that variant is compared without them; the full
-    # program writes them (zeros) and is compared on every row.
     differ, close = [], []
     for k, v in eng.state.items():
         x, y = v[:eng.trash], after[k][:eng.trash]
-        if k == "row.draft_probs" and variant == "greedy":
-            continue
         if not torch.equal(x, y):
             differ.append(k)
             if x.is_floating_point() and x.element_size() > 1 and torch.allclose(

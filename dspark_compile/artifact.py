@@ -47,7 +47,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .versions import ENV_FIELDS, environment_fields
+from .versions import ENV_FIELDS, environment_fields, target_sm
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -358,8 +358,8 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     weights: {FQN: tensor} to store once and share; None = every program's parameters and
         buffers. Every program's parameters/buffers must be in it with identical values.
     manifest_fields: must hold "model_config_hash" (or "model_config", hashed here) and
-        "passes" (PassManager.manifest_entries()); may hold "target_sm" (default: this
-        machine's GPU; build_engine records its build device's: "cpu" for a CPU build), "pass_config_hash", "pass_stats" and any other JSON-able field.
+        "passes" (PassManager.manifest_entries()); may hold "target_sm" (default: that of
+        the programs' device, "cpu" for CPU programs), "pass_config_hash", "pass_stats" and any other JSON-able field.
     extra_files: {"kernels/sm_XY/<name>": bytes | str} build reports.
     """
     out_dir = Path(out_dir).absolute()
@@ -374,6 +374,9 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     fields = dict(manifest_fields or {})
     if "model_config" in fields:
         fields.setdefault("model_config_hash", config_hash(fields["model_config"]))
+    # the programs' device decides where the engine runs: a CPU program is "cpu" even when this
+    # machine has a GPU
+    fields.setdefault("target_sm", target_sm(_programs_device(programs)))
     bad = sorted(set(fields) & _COMPUTED)
     if bad:
         raise ArtifactError(f"manifest_fields may not set computed fields {bad}", field=bad[0])
@@ -519,6 +522,15 @@ def _check_structure(manifest: dict) -> None:
                             field="weights")
 
 
+def _programs_device(programs: dict):
+    """The device of the programs' weights and constants (cpu when they hold none)."""
+    for ep in programs.values():
+        for t in list(ep.state_dict.values()) + list(ep.constants.values()):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                return t.device
+    return torch.device("cpu")
+
+
 def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] = (),
                   check_files: bool = True, device=None) -> dict:
     """Read and validate `engine_dir/manifest.json`; returns it.
@@ -536,7 +548,11 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     if "format_version" not in skip and manifest.get("format_version") != FORMAT_VERSION:
         raise _mismatch("format_version", manifest.get("format_version"), FORMAT_VERSION, True)
     expect = dict(expect or {})
-    env = environment_fields(device)     # target_sm: that of the device the engine will run on
+    # target_sm: that of the device the engine will run on; without one, this machine's GPU
+    # for a GPU engine and "cpu" for a CPU engine (which runs anywhere)
+    if device is None and manifest.get("target_sm") == "cpu":
+        device = "cpu"
+    env = environment_fields(device)
     for field in ENV_FIELDS:
         if field in skip or field in expect:
             continue

@@ -253,15 +253,16 @@ class Engine:
     def _use_greedy(self, live: list[int], bucket: int, variant: str | None) -> bool:
         if variant not in (None, "full", "greedy"):
             raise ValueError(f"variant must be 'full', 'greedy' or None, got {variant!r}")
+        if variant == "greedy" and bucket not in self.greedy_modules:
+            raise ValueError(f"bucket {bucket} has no greedy variant (engine loaded with "
+                             f"greedy_variants=False, or built without fuse_sampler)")
         if variant == "full" or bucket not in self.greedy_modules or not live:
-            if variant == "greedy":
-                raise ValueError(f"bucket {bucket} has no greedy variant (engine loaded with "
-                                 f"greedy_variants=False, or built without fuse_sampler)")
             return False
-        # the rows' temperatures as the step will read them (one small device-to-host copy):
-        # the host's own bookkeeping could miss a direct set_row_sampling on the state
-        idx = torch.tensor(live, dtype=torch.int64, device=self.device)
-        all_greedy = bool((self.state["row.temperature"].index_select(0, idx) <= 0).all())
+        # the rows' temperatures as the step will read them: one device-to-host copy of the
+        # (max_rows + 1) floats, no kernel; host bookkeeping could miss a direct
+        # set_row_sampling on the state, and a sampled row must never run the greedy plan
+        temps = self.state["row.temperature"].cpu()
+        all_greedy = bool((temps[live] <= 0).all())
         if variant == "greedy" and not all_greedy:
             raise ValueError("variant='greedy' with a sampled (temperature > 0) row in the batch")
         return all_greedy

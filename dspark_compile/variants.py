@@ -7,7 +7,7 @@ the sampler can run its greedy plan instead (kernels/markov_sampler.py: one laun
 step instead of ~8; 118.6 vs 183 us at B = 1 and 196 vs 360 us at B = 64 on the H200 at Flash
 dims). The runtime keeps both variants of each bucket and picks one per step from the rows'
 temperatures (dspark_compile/runtime.py). Rejection needs no variant: for greedy rows it never
-reads the draft probabilities, which the greedy plan leaves unwritten.
+reads the draft probabilities, which the greedy plan neither computes nor stores.
 """
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     """The program's module with every `dspark::markov_sample` call switched to `mode`; None when
     the program has no such call (a build without the fuse_sampler pass).
 
+    In mode "greedy" the op leaves its draft probabilities unwritten, so the variant also drops
+    the step's in-place copy of them into the state (`index_put_` of B x N x V floats: ~330 MB
+    of traffic per step at B = 64, Flash dims): a greedy request's `row.draft_probs` rows then
+    keep the zeros that admission and the full program write (models/generate.py
+    set_row_sampling, kernels/markov_sampler.py), and rejection never reads them anyway.
+
     `ExportedProgram.module()` builds a new module around a copy of the graph and the program's
     own weight tensors, so the variant costs a graph, not a second copy of the weights."""
     from .kernels.markov_sampler import MODES
@@ -39,11 +45,40 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     if not nodes:
         return None
     for n in nodes:
+        if len(n.args) < _MODE_ARG:
+            raise ValueError(f"unexpected dspark::markov_sample call {n.format_node()}: "
+                             f"{len(n.args)} positional arguments, expected >= {_MODE_ARG}")
         args = list(n.args[:_MODE_ARG]) + [mode]
         kwargs = {k: v for k, v in n.kwargs.items() if k != "mode"}
         n.args, n.kwargs = tuple(args), kwargs
+        if mode == GREEDY:
+            _drop_probs_writes(gm, n)
+    gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _drop_probs_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase the in-place state writes of `node`'s draft probabilities (output 1), when those
+    are all its uses; anything else reading them keeps them (and the writes) as they are."""
+    import operator
+    probs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    for g in probs:
+        writes = [u for u in g.users if u.target is torch.ops.aten.index_put_.default
+                  and u.args[2] is g and not u.users]
+        if len(writes) != len(g.users):
+            continue
+        for w in writes:
+            gm.graph.erase_node(w)
+        gm.graph.erase_node(g)
+
+
+def state_writes_of_probs(gm: torch.fx.GraphModule) -> int:
+    """How many in-place state writes take a `dspark::markov_sample` call's probabilities."""
+    import operator
+    return sum(1 for n in _markov_nodes(gm) for g in n.users
+               if g.target is operator.getitem and g.args[1] == 1
+               for u in g.users if u.target is torch.ops.aten.index_put_.default)
 
 
 def sampler_modes(gm: torch.fx.GraphModule) -> list[str]:

@@ -70,6 +70,11 @@ def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
     state["row.top_k"][row] = sp.top_k
     state["row.top_p"][row] = sp.top_p
     state["row.seed"][row] = sp.seed
+    if "row.draft_probs" in state:
+        # zeros until a step or prefill writes this row's draft probabilities: the engine's
+        # greedy variant never stores them, and zeros are exact if a row's sampling changes
+        # mid-request (q = 0 rejects every draft, the token is drawn from p)
+        state["row.draft_probs"][row].zero_()
 
 
 def append_committed(out: list[int], new: list[int], sp: SamplingParams) -> bool:

@@ -269,6 +269,25 @@ def test_environment_mismatch_names_the_field(engine, field):
         load_engine(engine)
 
 
+def test_target_sm_follows_the_programs_device(engine, monkeypatch):
+    """A CPU engine records "cpu" and loads on a machine with a GPU; a GPU engine must match the
+    GPU it loads onto, and cannot load onto the CPU (faked: a machine with an sm_90 GPU)."""
+    assert load_manifest(engine)["target_sm"] == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    load_manifest(engine)                                  # CPU engine, GPU machine: fine
+    load_manifest(engine, device="cpu")
+    update_manifest_field(engine, "target_sm", "sm_90")
+    load_manifest(engine)                                  # this machine's GPU
+    load_manifest(engine, device="cuda:0")
+    with pytest.raises(ArtifactError, match="manifest field 'target_sm': engine built with "
+                                            "sm_90, running cpu"):
+        load_manifest(engine, device="cpu")
+    update_manifest_field(engine, "target_sm", "sm_120")
+    with pytest.raises(ArtifactError, match="built with sm_120, running sm_90"):
+        load_manifest(engine)
+
+
 def test_skip_and_expect_override_environment_checks(engine):
     update_manifest_field(engine, "target_sm", "sm_90")
     load_manifest(engine, expect={"target_sm": "sm_90"})

@@ -186,15 +186,19 @@ def test_padding_and_bucket_choice_do_not_change_a_step(default_loaded):
 
 def test_greedy_variant_equals_the_full_program(default_loaded):
     """The greedy variant of a bucket (dspark_compile/variants.py) shares the program's weights,
-    differs only in the draft sampler's mode, and on greedy rows computes the same step as the
-    full program; it is refused for a batch with a sampled row and picked only without one."""
+    differs only in the draft sampler's mode and the dropped store of its probabilities, and on
+    greedy rows computes the same step as the full program, whole state included (greedy rows'
+    draft_probs stay zeros); it is refused for a batch with a sampled row and picked only
+    without one."""
     from dspark_compile.models.generate import set_row_sampling
     from dspark_compile.models.step import prefill
-    from dspark_compile.variants import sampler_modes
+    from dspark_compile.variants import sampler_modes, state_writes_of_probs
     eng = default_loaded
     b = 4
     full, greedy = eng.modules[b], eng.greedy_modules[b]
     assert sampler_modes(full) == ["full"] and sampler_modes(greedy) == ["greedy"]
+    # the greedy plan leaves the probabilities unwritten: the variant does not store them
+    assert state_writes_of_probs(full) == 1 and state_writes_of_probs(greedy) == 0
     fp = dict(full.named_buffers())
     assert all(v.data_ptr() == fp[k].data_ptr() for k, v in greedy.named_buffers()), \
         "the variant copied weights"
