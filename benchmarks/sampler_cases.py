@@ -10,7 +10,8 @@ Cases per B (requests):
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here; `ours-cfg*` as above; `ours-refine2` / `ours-refine4`:
-  the op with 2 / 4 threshold refinement passes instead of REFINE_PASSES (3).
+  the op with 2 / 4 threshold refinement passes instead of REFINE_PASSES (3); `ours-hist256` /
+  `ours-hist512`: threshold histograms of 256 / 512 bins instead of 1024.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
   Variants `ours-parallel` / `ours-serial` force one path of the op (tuning data for
@@ -113,6 +114,14 @@ def _refine_variants():
             for n in (2, 4)}
 
 
+def _hist_variants():
+    """Threshold histograms of 256 / 512 bins instead of HIST_BINS (1024): tl.histogram's cost
+    grows with the bins (the session-2 profile points at the histogram passes, ~3 us per
+    1024-token tile), the brackets' width shrinks with them."""
+    return {f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
+            for n in (256, 512)}
+
+
 def markov_cases(batches):
     out = []
     for B in batches:
@@ -128,7 +137,8 @@ def markov_cases(batches):
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
-                        extra={**_tiling_variants(B), **_refine_variants()}))
+                        extra={**_tiling_variants(B), **_refine_variants(),
+                               **_hist_variants()}))
     return out
 
 

@@ -311,7 +311,7 @@ def _logits_config(B: int, R: int, override=None):
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
                          logits_config=None, scan_fallback=True,
-                         refine_passes=REFINE_PASSES):
+                         refine_passes=REFINE_PASSES, hist_bins=HIST_BINS):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -319,9 +319,16 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     the bracket + refinement passes cannot resolve come out NaN instead of taking the slow exact
     scan; `logits_config` overrides LOGITS_CONFIGS and `refine_passes` (>= 1) REFINE_PASSES
     (tuning: each pass is one launch per step, near-empty for rows that need none).
+    `hist_bins` (tuning; a power of two in [64, 4096]) replaces HIST_BINS: the threshold
+    histograms' bins, always spanning 32 nats below the row max. tl.histogram's cost grows with
+    the bin count, the brackets' width shrinks with it (fewer refinement passes).
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
+    if not isinstance(hist_bins, int) or hist_bins < 64 or hist_bins > 4096 or \
+            hist_bins & (hist_bins - 1):
+        raise ValueError(f"hist_bins must be a power of two in [64, 4096], got {hist_bins!r}")
+    NB, INV_W = hist_bins, hist_bins / 32.0
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -365,7 +372,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     packed = torch.zeros((N, B) if MODE == 0 else (1,), dtype=torch.int64, device=dev)
     rst = torch.zeros((B, 4) if MODE == 2 else (1,), dtype=i32, device=dev)  # refine state
     kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
-    hist = torch.empty((B, C, HIST_BINS) if MODE == 2 else (1,), dtype=i32, device=dev)
+    hist = torch.empty((B, C, NB) if MODE == 2 else (1,), dtype=i32, device=dev)
     above_m = torch.empty((B, C), dtype=torch.int64, device=dev)
     above_c = torch.empty((B, C), dtype=torch.int64, device=dev)
     ckey = torch.empty((B, cap) if MODE == 2 else (1,), dtype=i32, device=dev)
@@ -389,13 +396,13 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
             rowi, hist, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0], 1,
-            NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=MODE,
+            NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=NB, INV_W=INV_W, MODE=MODE,
             num_warps=4)
         if MODE == 2:
             launch(row_select_kernel)[(B, C)](
                 temperature, top_k, top_p, probs, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
                 counters, counters, kext, rst, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2], 1,
-                TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
+                TILE=TILE, NB=NB, INV_W=INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
                 BLOCK_V=BLOCK_V, SCAN=scan_fallback, num_warps=select_warps(cap))
             # rows whose bracket overflowed CAP: exact radix refinement (others exit at once)
             for r in range(refine_passes):
@@ -403,7 +410,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                     temperature, top_k, top_p, probs, rowf, rowi, rst, bmax, above_m, above_c,
                     hist, kext, ckey, cmass, counters, counters, V, C, CHUNK, NBLK, sz, zo,
                     cnt[4 + 2 * r], cnt[5 + 2 * r], 1, int(r == refine_passes - 1),
-                    TILE=TILE, NB=HIST_BINS, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                    TILE=TILE, NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
                     SCAN=scan_fallback, num_warps=select_warps(cap))
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](

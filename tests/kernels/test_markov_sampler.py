@@ -382,6 +382,36 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
         torch.testing.assert_close(got_p, want_p[rows], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("hist_bins", [64, 256, 4096])
+def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
+    """Other histogram sizes (the same 32 nats, coarser or finer bins) give the same exact
+    thresholds: top-k, top-p and both, on peaked and near-flat rows, through bracket, gather
+    and refinement (scan fallback disabled for the rows that resolve without it)."""
+    w1, w2 = weights(6)
+    base, anchor = _case(4, 6)
+    T = torch.tensor([0.7, 1.3, 1.0, 0.9])
+    k = torch.tensor([1, V, 10, 0])
+    p = torch.tensor([1.0, 0.75, 0.8, 0.95])
+    seed, sp = torch.tensor([11, 12, 13, 14]), torch.tensor([0, 5, 9, 100])
+    args = (base[:, :2], anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = markov_sample_launch(*args, hist_bins=hist_bins, **MULTI)
+    assert torch.equal(got_d, want_d)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    v = 2048
+    base, anchor, w1, w2 = _flat_case(v, 3, 11, 0.3)
+    T, k, p = torch.ones(3), torch.tensor([0, 900, 0]), torch.tensor([0.95, 1.0, 0.5])
+    seed, sp = torch.arange(3), torch.arange(3) + 7
+    args = (base, anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = markov_sample_launch(*args, tile=256, chunk=512, cap=64, scan_fallback=False,
+                                        hist_bins=hist_bins)
+    assert torch.equal(got_d, want_d)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="hist_bins"):
+        markov_sample_launch(*args, hist_bins=hist_bins + 1)
+
+
 def test_fused_threshold_refinement_exact_ties_beyond_cap():
     """Quantised logits: far more than cap tokens share the threshold value exactly (all kept:
     ties at tau are kept); a single-key bracket is resolved without gathering."""
