@@ -39,14 +39,17 @@ W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as models/synth.py draws 
 
 _WEIGHTS: dict = {}
 
-# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES); each
-# compiles for sm_120 without spills (see ms.LOGITS_CONFIGS). Tuning data only.
+# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES[, PROGS_PER_SM]);
+# a 6th entry > 0 is a persistent grid of that many programs per SM (see ms.LOGITS_CONFIGS).
+# Tuning data only.
 TILINGS = {
     16: [(16, 128, 64, 8, 3), (16, 64, 64, 4, 3), (16, 64, 128, 4, 2), (16, 128, 64, 8, 4),
-         (16, 256, 64, 8, 3), (16, 64, 64, 4, 4)],
+         (16, 256, 64, 8, 3), (16, 64, 64, 4, 4),
+         (16, 128, 64, 8, 3, 2), (16, 128, 64, 8, 3, 3), (16, 64, 64, 4, 3, 4)],
     32: [(32, 128, 32, 8, 1), (32, 128, 32, 8, 4), (32, 64, 64, 4, 3)],
     64: [(64, 64, 64, 4, 3), (64, 64, 32, 4, 4), (64, 32, 64, 4, 3), (64, 64, 64, 4, 4),
-         (64, 64, 128, 8, 2), (64, 128, 32, 8, 4)],
+         (64, 64, 128, 8, 2), (64, 128, 32, 8, 4),
+         (64, 64, 64, 4, 3, 2), (64, 64, 64, 4, 3, 3), (64, 64, 256, 4, 1, 2)],
 }
 
 

@@ -147,15 +147,37 @@ def unpack_token(key):
 @triton.jit
 def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr, temp_ptr,
                           z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
-                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
+                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step, NPROG,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
-                          ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
+                          ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr,
+                          PERSIST: tl.constexpr):
     # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
     # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
-    blk = tl.program_id(0)
     base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
     z_ptr += z_off
+    if PERSIST:
+        # NPROG programs (a few per SM) loop over the vocab blocks: no partial last wave, and a
+        # program's W1[prev] rows stay in its L1 from one block to the next
+        for blk in range(tl.program_id(0), NBLK, NPROG):
+            _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr,
+                                 temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V,
+                                 NBLK, stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
+                                 STAGES, EVEN_V, ALL_GREEDY, DOT_F32)
+    else:
+        _markov_logits_block(tl.program_id(0), base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr,
+                             packed_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
+                             B, V, NBLK, stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
+                             STAGES, EVEN_V, ALL_GREEDY, DOT_F32)
+
+
+@triton.jit
+def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr,
+                         temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK,
+                         stride_bb, stride_zb, step, R: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+                         EVEN_V: tl.constexpr, ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr):
+    """Vocab block `blk` of one Markov step, for every row (see the module docstring)."""
     offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
     offs_r = tl.arange(0, BLOCK_R)
@@ -214,6 +236,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed
             tl.store(barg_ptr + so, barg, mask=rmask)
             tl.store(bsum_ptr + so, bsum, mask=rmask)
             tl.store(bnan_ptr + so, bnan, mask=rmask)
+
 
 
 @triton.jit
@@ -289,9 +312,11 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) of the logits kernel per batch tile. STAGES
-# pipelines the r-loop's W2 loads (cp.async into shared memory: STAGES - 1 tiles in flight), which
-# is what a memory-bound stream needs. No spills and <= 99 KB shared memory on sm_120
+# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES[, PROGS_PER_SM]) of the logits kernel per batch
+# tile. STAGES pipelines the r-loop's W2 loads (cp.async into shared memory: STAGES - 1 tiles in
+# flight), which is what a memory-bound stream needs. PROGS_PER_SM > 0 makes the grid persistent
+# (that many programs per SM, each looping over vocab blocks); absent or 0: one program per
+# vocab block. No spills and <= 99 KB shared memory on sm_120
 # (tests/kernels/test_sm12x_resources.py). Picked from the H200 sweep of
 # benchmarks/sampler_cases.py (results in benchmarks/results/h200_sampler_2026-11-29/): put a
 # better one here.
@@ -299,13 +324,28 @@ LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 64,
 
 
 def _logits_config(B: int, R: int, override=None):
+    """(BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES, PROGS_PER_SM) for B rows."""
     if R % 16:
         raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
     BLOCK_B = min(64, max(16, next_pow2(B)))
-    BB, BV, BR, warps, stages = override or LOGITS_CONFIGS[BLOCK_B]
+    cfg = tuple(override or LOGITS_CONFIGS[BLOCK_B])
+    if len(cfg) not in (5, 6):
+        raise ValueError(f"logits config must be (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES"
+                         f"[, PROGS_PER_SM]), got {cfg!r}")
+    BB, BV, BR, warps, stages = cfg[:5]
+    pps = cfg[5] if len(cfg) == 6 else 0
     while R % BR:
         BR //= 2
-    return BB, BV, BR, warps, stages
+    return BB, BV, BR, warps, stages, pps
+
+
+def _num_programs(nblk: int, progs_per_sm: int, device, interpret: bool) -> int:
+    """Grid of the logits kernel: one program per vocab block, or a persistent grid."""
+    if not progs_per_sm:
+        return nblk
+    # the interpreter has no SMs: 2 "SMs" still make every program loop over several blocks
+    sms = 2 if interpret else torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(nblk, progs_per_sm * sms))
 
 
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
@@ -350,8 +390,9 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         raise ValueError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
     kern = _markov_logits_kernel
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
-    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
+    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1, pps = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
+    NPROG = _num_programs(NBLK, pps, dev, interpreting(kern))
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     scale = float(2 ** mass_scale_bits(V))
     f32, i32 = torch.float32, torch.int32
@@ -385,11 +426,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # step k's slices are passed as offsets rather than views (plainer for export)
         zo = k * probs.stride(1)
         cnt = [(k * NCNT + j) * B for j in range(NCNT)]
-        launch(_markov_logits_kernel)[(NBLK,)](
+        launch(_markov_logits_kernel)[(NPROG,)](
             base_logits, w1, w2, anchor, prev, packed, temperature, probs, bmax, barg, bsum,
-            bnan, B, V, NBLK, sb, sz, k * base_logits.stride(1), zo, k,
+            bnan, B, V, NBLK, sb, sz, k * base_logits.stride(1), zo, k, NPROG,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
-            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32, num_warps=warps1)
+            EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32,
+            PERSIST=NPROG < NBLK, num_warps=warps1)
         if MODE == 0:
             continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
@@ -474,16 +516,17 @@ def _markov_configs():
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
-        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages = _logits_config(B, _R_FLASH)
+        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages, pps = _logits_config(B, _R_FLASH)
         for greedy in (False, True):
             out.append(compile_config(_markov_logits_kernel, dict(
                 base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
                 prev_ptr="*i64", packed_ptr="*i64", temp_ptr="*fp32", z_ptr="*fp32",
                 bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", B="i32",
                 V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
-                step="i32"),
+                step="i32", NPROG="i32"),
                 dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False),
+                     EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False,
+                     PERSIST=bool(pps)),
                 warps))
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))

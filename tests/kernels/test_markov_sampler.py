@@ -185,6 +185,23 @@ def test_fused_more_rows_than_a_batch_tile():
     torch.testing.assert_close(got_p[ng], want_p[ng], rtol=1e-5, atol=1e-6)
 
 
+def test_persistent_logits_grid_equals_reference():
+    """PROGS_PER_SM > 0: a few programs loop over the vocab blocks (2 programs for 5 blocks
+    under the interpreter), mode "full" with greedy, top-k and top-p rows."""
+    w1, w2 = weights(14)
+    base, anchor = _case(4, 14)
+    T = torch.tensor([0.0, 1.0, 0.8, 1.2])
+    k, p = torch.tensor([0, 0, 7, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9])
+    seed, sp = torch.arange(4) + 3, torch.arange(4) * 7
+    args = (base[:, :3], anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = markov_sample_launch(*args, logits_config=(16, 32, 16, 4, 1, 1), **ONE)
+    assert torch.equal(got_d, want_d)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="logits config"):
+        markov_sample_launch(*args, logits_config=(16, 32, 16, 4))
+
+
 def test_fused_threshold_fallback_when_candidates_overflow():
     """cap = 2 candidates forces the exact full-scan resolution of the threshold."""
     w1, w2 = weights(7)
@@ -231,7 +248,8 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
 
 @pytest.mark.parametrize("B,config", [
     (1, None), (5, None),                                 # the launcher's pick
-    (20, (16, 32, 16, 4, 1))])                            # two batch tiles, several blocks
+    (20, (16, 32, 16, 4, 1)),                             # two batch tiles, several blocks
+    (20, (16, 32, 16, 4, 1, 1))])                         # persistent: 2 programs, 5 blocks
 def test_greedy_mode_packed_maxima(B, config):
     """Mode "greedy" reduces rows with atomic maxima of packed (value, id) keys and decodes
     `prev` in the next step's programs: ties across vocab blocks go to the lowest id, NaN /
