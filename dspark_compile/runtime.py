@@ -161,38 +161,50 @@ class Engine:
         return int(torch.cuda.memory_stats(self.device).get("reserved_bytes.all.current", 0))
 
     def _capture_all(self, warmup: int = 2) -> None:
-        """`graph_pool_bytes[b]`: memory the capture of bucket b added to the shared pool (the
-        largest bucket's capture allocates it; smaller ones mostly reuse it). Measured around
+        """`graph_pool_bytes[b]`: memory the captures of bucket b (program and greedy variant)
+        added to the shared pool (the largest bucket's capture allocates it; smaller ones mostly
+        reuse it). Measured around
         the capture alone: warm-up runs allocate from the ordinary cache, not the pool."""
         pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(self.device):
             stream = torch.cuda.Stream(self.device)
         for b in sorted(self.buckets, reverse=True):   # largest first: smaller ones reuse its pool
             t = time.perf_counter()
-            added = 0
-            for graphs, fn in ((self.graphs, self.modules[b]),
-                               (self.greedy_graphs, self.greedy_modules.get(b))):
-                if fn is None:
-                    continue
-                rows = self._padded_rows(b)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream), torch.no_grad():
-                    for _ in range(warmup):
-                        fn(rows, self.state)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                # torch.cuda.graph empties the allocator cache on entry: do it first, or the
-                # warm-up's freed blocks show up as a negative pool size
-                torch.cuda.empty_cache()
-                before = self._reserved()
-                graph = torch.cuda.CUDAGraph()
-                with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out_tokens, out_num = fn(rows, self.state)
-                torch.cuda.synchronize(self.device)
-                added += self._reserved() - before
-                graphs[b] = _Graph(graph, rows, out_tokens, out_num)
+            self.graphs[b], added = self._capture(self.modules[b], b, pool, stream, warmup)
+            if b in self.greedy_modules:
+                try:
+                    self.greedy_graphs[b], more = self._capture(self.greedy_modules[b], b, pool,
+                                                                stream, warmup)
+                    added += more
+                except Exception as e:  # noqa: BLE001 -- an optimisation must not fail the load
+                    # all-greedy batches of this bucket then run the full program (correct,
+                    # slower); the warning says why
+                    del self.greedy_modules[b]
+                    warnings.warn(f"bucket {b}: the greedy variant could not be captured "
+                                  f"({type(e).__name__}: {str(e)[:200]}); all-greedy batches run "
+                                  f"the full program")
             self.capture_seconds[b] = time.perf_counter() - t
             self.graph_pool_bytes[b] = int(added)
+
+    def _capture(self, fn, b: int, pool, stream, warmup: int):
+        """Warm up `fn` on bucket b's padded rows, capture it into the shared pool; returns the
+        graph and the pool bytes the capture added."""
+        rows = self._padded_rows(b)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):
+                fn(rows, self.state)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        # torch.cuda.graph empties the allocator cache on entry: do it first, or the warm-up's
+        # freed blocks show up as a negative pool size
+        torch.cuda.empty_cache()
+        before = self._reserved()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
+            out_tokens, out_num = fn(rows, self.state)
+        torch.cuda.synchronize(self.device)
+        return _Graph(graph, rows, out_tokens, out_num), self._reserved() - before
 
     # ------------------------------------------------------------------ one step
     def bucket_for(self, n: int) -> int:

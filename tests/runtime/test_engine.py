@@ -233,6 +233,31 @@ def test_greedy_variant_equals_the_full_program(default_loaded):
         eng.run_step([9], variant="fast")
 
 
+def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeypatch):
+    """The greedy variant is an optimisation: if its capture fails (here: faked, CPU has no
+    graphs), the load warns, keeps the bucket's full graph and runs all-greedy batches on it."""
+    import contextlib
+    import copy
+    eng = copy.copy(small_loaded)
+    eng.greedy_modules = dict(small_loaded.greedy_modules)
+    eng.graphs, eng.greedy_graphs, eng.capture_seconds, eng.graph_pool_bytes = {}, {}, {}, {}
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda d=None: None)
+
+    def fake_capture(self, fn, b, pool, stream, warmup):
+        if fn is small_loaded.greedy_modules.get(b):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return f"graph {b}", 1024
+    monkeypatch.setattr(type(eng), "_capture", fake_capture)
+    with pytest.warns(UserWarning, match="greedy variant could not be captured"):
+        eng._capture_all()
+    assert eng.graphs == {b: f"graph {b}" for b in eng.buckets}
+    assert eng.greedy_graphs == {} and eng.greedy_modules == {}
+    assert eng.graph_pool_bytes == {b: 1024 for b in eng.buckets}
+    assert not eng._use_greedy([0], eng.buckets[0], None)
+
+
 def test_bad_requests_are_named(small_loaded):
     eng = small_loaded
     with pytest.raises(ValueError, match="max_seq_len"):
