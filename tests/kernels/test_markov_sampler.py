@@ -337,6 +337,41 @@ def test_gpu_flash_dims_match_reference_and_replay_in_a_graph():
     torch.testing.assert_close(out_p[ng], eager_p[ng])
 
 
+def assert_only_near_ties_differ(got, want, base, anchor, w1, w2, rel=1e-5, max_rows=2):
+    """Greedy drafts equal the reference's, except at a near-tie: the bias is summed in another
+    order on tensor cores, so where the two best logits (fp64 from the reference prefix) lie
+    within rounding of each other the fused kernel may pick the other one. Rows agree up to the
+    first such step; at most `max_rows` rows may differ."""
+    bad = (got != want).any(1).nonzero().flatten().tolist()
+    assert len(bad) <= max_rows, f"{len(bad)} rows differ"
+    prev = torch.cat((anchor[:, None], want[:, :-1]), 1)
+    for b in bad:
+        st = int((got[b] != want[b]).nonzero()[0])
+        z = base[b, st].double() + markov_bias(prev[b, st:st + 1], w1, w2)[0].double()
+        gap = (z[want[b, st]] - z[got[b, st]]).abs().item()
+        assert gap <= rel * z.abs().max().item(), (b, st, gap)
+
+
+def test_near_tie_check_accepts_only_ties():
+    """The GPU test's allowance, checked: a draft that differs at an exact tie of the two best
+    logits passes, one that picks a clearly worse token fails."""
+    w1, _ = weights(15)
+    w2 = torch.zeros_like(w1)                           # no bias: the base decides
+    base, anchor = _case(2, 15)
+    base[0, 0, 9] = base[0, 0, 20] = base[0, 0].max() + 1.0      # exact tie: ids 9 and 20
+    T, k, p = params(2, 0.0)
+    want, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, torch.arange(2),
+                                      torch.arange(2))
+    assert want[0, 0] == 9
+    tie = want.clone()
+    tie[0, 0] = 20
+    assert_only_near_ties_differ(tie, want, base, anchor, w1, w2)
+    worse = want.clone()
+    worse[1, 2] = int(base[1, 2].argmin())
+    with pytest.raises(AssertionError):
+        assert_only_near_ties_differ(worse, want, base, anchor, w1, w2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 2, 3, 64])
 def test_gpu_greedy_mode_flash_dims(B):
@@ -354,7 +389,7 @@ def test_gpu_greedy_mode_flash_dims(B):
     args = [base, anchor, w1, w2, T, k, p, seed, sp]
     want, _ = markov_sample_reference(*args)
     got, _ = torch.ops.dspark.markov_sample(*args, mode="greedy")
-    assert (got == want).all(1).float().mean() >= 0.95  # bias sums differ in order: rare flips
+    assert_only_near_ties_differ(got, want, base, anchor, w1, w2)
     static = [a.clone() for a in args]
     torch.ops.dspark.markov_sample(*static, mode="greedy")
     graph = torch.cuda.CUDAGraph()
