@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
+from dspark_compile.models.state import restore_state as _restore  # noqa: E402
+from dspark_compile.models.state import snapshot_state as _snapshot  # noqa: E402
 from dspark_compile.trace import DEFAULT_BUCKETS  # noqa: E402
 
 NEAR_TIE = 1e-3
@@ -59,15 +60,6 @@ def _args(argv=None):
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _snapshot(state):
-    return {k: v.clone() for k, v in state.items()}
-
-
-def _restore(state, snap):
-    for k, v in state.items():
-        v.copy_(snap[k])
 
 
 def prefill_rows(eng, seed: int = 0) -> None:
@@ -164,11 +156,9 @@ def time_bucket(eng, bucket: int, replays: int, variant: str = "full",
                 times.append((time.perf_counter() - t) * 1e6)
         accepted = num.float().mean().item()
     _restore(eng.state, snap)
-    xs = sorted(times)
+    q = harness.quantiles(times)
     return {"method": "graph-replay/cuda-events" if use_graph else "program/perf_counter",
-            "replays": len(xs), "us_median": statistics.median(xs),
-            "us_p10": xs[int(0.1 * (len(xs) - 1))], "us_p90": xs[int(0.9 * (len(xs) - 1))],
-            "us_per_row": statistics.median(xs) / bucket,
+            "replays": len(times), **q, "us_per_row": q["us_median"] / bucket,
             "tokens_per_row_step": accepted}
 
 

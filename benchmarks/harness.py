@@ -123,7 +123,7 @@ def environment(git_commit: str | None = None) -> dict:
 # timing
 # ------------------------------------------------------------------------------------------------
 
-def _quantiles(xs):
+def quantiles(xs):
     xs = sorted(xs)
     at = lambda q: xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
     return {"us_median": statistics.median(xs), "us_p10": at(0.1), "us_p90": at(0.9),
@@ -219,7 +219,7 @@ def _time_graphs(fn, sets, cfg):
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / n)
     del graphs
-    rec = _quantiles(times)
+    rec = quantiles(times)
     rec.update(method="graph", calls_per_graph=per, graphs=math.ceil(len(sets) / per),
                replays=len(times))
     return rec
@@ -235,7 +235,7 @@ def _time_events(fn, sets, cfg):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    rec = _quantiles(times)
+    rec = quantiles(times)
     rec.update(method="events")
     return rec
 
@@ -253,8 +253,8 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, exact: bool = Fals
         return f"{name}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
     if as_bytes or got.element_size() == 1:
         got, want = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-        d = (got.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
-        return "" if d == 0 else f"{name}: {d:.2%} bytes differ"
+        d = int((got != want).sum())
+        return "" if d == 0 else f"{name}: {d}/{got.numel()} bytes differ"
     g, w = got.double(), want.double()
     if g.isnan().any():
         return f"{name}: NaN"

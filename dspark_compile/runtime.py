@@ -241,9 +241,13 @@ class Engine:
                              f"{n} rows given")
         else:
             b = bucket
+        return self._step(rows, b, self._use_greedy(live, b, variant), use_graph)
+
+    def _step(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True):
+        """run_step once rows, bucket and variant are decided (and valid)."""
+        n = len(rows)
         padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64)
         t = time.perf_counter()
-        greedy = self._use_greedy(live, b, variant)
         graphs, modules = ((self.greedy_graphs, self.greedy_modules) if greedy
                            else (self.graphs, self.modules))
         if use_graph and b in graphs:
@@ -270,9 +274,9 @@ class Engine:
                              f"greedy_variants=False, or built without fuse_sampler)")
         if variant == "full" or bucket not in self.greedy_modules or not live:
             return False
-        # the rows' temperatures as the step will read them: one device-to-host copy of the
-        # (max_rows + 1) floats, no kernel; host bookkeeping could miss a direct
-        # set_row_sampling on the state, and a sampled row must never run the greedy plan
+        # a direct caller: the rows' temperatures as the step will read them (one device-to-host
+        # copy of max_rows + 1 floats), since a sampled row must never run the greedy plan.
+        # generate() knows its requests' parameters and decides without this read.
         temps = self.state["row.temperature"].cpu()
         all_greedy = bool((temps[live] <= 0).all())
         if variant == "greedy" and not all_greedy:
@@ -320,7 +324,10 @@ class Engine:
             rows = sorted(live)
             for start in range(0, len(rows), big):
                 group = rows[start:start + big]
-                tokens, num = self.run_step(group)
+                b = self.bucket_for(len(group))
+                greedy = b in self.greedy_modules and all(
+                    params[live[r]].temperature <= 0 for r in group)
+                tokens, num = self._step(group, b, greedy)
                 for i, row in enumerate(group):
                     req, n = live[row], int(num[i])
                     res.row_steps += 1

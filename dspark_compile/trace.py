@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +21,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .artifact import MANIFEST, save_engine
-from .versions import target_sm
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -166,9 +165,6 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         report = resource_report(bc.arch)
         extra[f"kernels/{bc.arch}/resources.json"] = json.dumps(report, indent=1)
     fields = {
-        # the SM the programs were built for (their Triton launches and device constants), not
-        # whichever GPU the build machine happens to have
-        "target_sm": target_sm(bc.device),
         "model_config": raw_config,
         "build_config": bc.to_manifest(),
         "passes": pm.manifest_entries(),

@@ -16,10 +16,16 @@ from typing import Optional
 import torch
 
 GREEDY = "greedy"
-_MODE_ARG = 9        # dspark::markov_sample(base_logits, ..., start_pos, str mode="full")
 
 
-def _markov_nodes(gm: torch.fx.GraphModule) -> list:
+def _mode_arg() -> int:
+    """Position of `mode` in dspark::markov_sample's schema."""
+    args = torch.ops.dspark.markov_sample.default._schema.arguments
+    return next(i for i, a in enumerate(args) if a.name == "mode")
+
+
+def markov_nodes(gm: torch.fx.GraphModule) -> list:
+    """The `dspark::markov_sample` calls of a graph."""
     op = torch.ops.dspark.markov_sample.default
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
 
@@ -40,15 +46,15 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     from .kernels.markov_sampler import MODES
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-    gm = program.module()
-    nodes = _markov_nodes(gm)
-    if not nodes:
+    if not markov_nodes(program.graph_module):     # nothing to switch: build no module
         return None
-    for n in nodes:
-        if len(n.args) < _MODE_ARG:
+    gm = program.module()
+    i = _mode_arg()
+    for n in markov_nodes(gm):
+        if len(n.args) < i:
             raise ValueError(f"unexpected dspark::markov_sample call {n.format_node()}: "
-                             f"{len(n.args)} positional arguments, expected >= {_MODE_ARG}")
-        args = list(n.args[:_MODE_ARG]) + [mode]
+                             f"{len(n.args)} positional arguments, expected >= {i}")
+        args = list(n.args[:i]) + [mode]
         kwargs = {k: v for k, v in n.kwargs.items() if k != "mode"}
         n.args, n.kwargs = tuple(args), kwargs
         if mode == GREEDY:
@@ -71,17 +77,3 @@ def _drop_probs_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         for w in writes:
             gm.graph.erase_node(w)
         gm.graph.erase_node(g)
-
-
-def state_writes_of_probs(gm: torch.fx.GraphModule) -> int:
-    """How many in-place state writes take a `dspark::markov_sample` call's probabilities."""
-    import operator
-    return sum(1 for n in _markov_nodes(gm) for g in n.users
-               if g.target is operator.getitem and g.args[1] == 1
-               for u in g.users if u.target is torch.ops.aten.index_put_.default)
-
-
-def sampler_modes(gm: torch.fx.GraphModule) -> list[str]:
-    """The launch mode of each `dspark::markov_sample` call in `gm` (inspection, tests)."""
-    return [n.args[_MODE_ARG] if len(n.args) > _MODE_ARG else n.kwargs.get("mode", "full")
-            for n in _markov_nodes(gm)]

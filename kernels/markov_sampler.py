@@ -409,17 +409,24 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     # one memset for every ticket/slot counter of the call: [step, counter, row]; mode "greedy"
     # needs none, only its packed row maxima (zero is below every key)
     NCNT = 4 + 2 * refine_passes
-    counters = torch.zeros((N, NCNT, B) if MODE else (1,), dtype=i32, device=dev)
-    packed = torch.zeros((N, B) if MODE == 0 else (1,), dtype=torch.int64, device=dev)
-    rst = torch.zeros((B, 4) if MODE == 2 else (1,), dtype=i32, device=dev)  # refine state
+    if MODE == 0:
+        packed = torch.zeros((N, B), dtype=torch.int64, device=dev)
+        counters = rst = packed                            # unused: no launch reads them
+    else:
+        packed = torch.empty((1,), dtype=torch.int64, device=dev)
+        # one memset: the ticket counters, then (mode "full") the refine state per row
+        nrst = 4 * B if MODE == 2 else 0
+        zeroed = torch.zeros((N * NCNT * B + nrst,), dtype=i32, device=dev)
+        counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
+        rst = zeroed[N * NCNT * B:].view(B, 4) if MODE == 2 else zeroed[:1]
     kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
     hist = torch.empty((B, C, NB) if MODE == 2 else (1,), dtype=i32, device=dev)
-    above_m = torch.empty((B, C), dtype=torch.int64, device=dev)
-    above_c = torch.empty((B, C), dtype=torch.int64, device=dev)
+    above_m = torch.empty((B, C) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
+    above_c = torch.empty((B, C) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
     ckey = torch.empty((B, cap) if MODE == 2 else (1,), dtype=i32, device=dev)
     cmass = torch.empty((B, cap) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
-    best_v = torch.empty((B, C), dtype=f32, device=dev)
-    best_i = torch.empty((B, C), dtype=i32, device=dev)
+    best_v = torch.empty((B, C) if MODE else (1,), dtype=f32, device=dev)
+    best_i = torch.empty((B, C) if MODE else (1,), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
     sb, sz = base_logits.stride(0), probs.stride(0)
     for k in range(N):

@@ -27,7 +27,7 @@ sampler `dspark::sample`), two paths with identical results:
   rejection (0.5 MB each in fp32 at V = 129280; the re-reads hit L2) + one q row + tokens.
   Bandwidth-lean, but one SM streams each row (loads pipelined, ROW_STAGES).
 - parallel (few rows: small B, and plain sampling): every row at once, the vocabulary split over
-  many programs (5 launches, below). Reads all B * (N + 1) rows (L2-resident at this size) plus
+  many programs (5 launches + REFINE_PASSES refinement launches, below). Reads all B * (N + 1) rows (L2-resident at this size) plus
   one q row per request: latency-lean.
 """
 from __future__ import annotations
@@ -375,7 +375,8 @@ def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_pt
 #   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
 #   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
 #            writes the token.
-# Every row is read ~3 times (L2-resident: rows * 0.5 MB), q once: 5 launches in all.
+# Every row is read ~3 times (L2-resident: rows * 0.5 MB), q once: 5 launches + REFINE_PASSES refinement launches (always launched; rows that
+# need none exit at once).
 
 @triton.jit
 def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
@@ -557,9 +558,9 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     if draft_probs.stride(-1) != 1:
         draft_probs = draft_probs.contiguous()
     drafts = draft_tokens.contiguous()
-    if N == 0:  # keep valid pointers for the (masked) draft loads
-        drafts = torch.zeros((B, 1), dtype=torch.int64, device=dev)
-        draft_probs = torch.zeros((B, 1, 1), dtype=torch.float32, device=dev)
+    if N == 0:  # valid pointers for the draft loads, which are all masked: no fill needed
+        drafts = torch.empty((B, 1), dtype=torch.int64, device=dev)
+        draft_probs = torch.empty((B, 1, 1), dtype=torch.float32, device=dev)
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
     args = (target_logits, drafts, draft_probs, *meta, tokens, num)
     if path == "serial":
@@ -601,9 +602,11 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
     targ = torch.empty((R,), dtype=i64, device=dev)
     scratch = torch.empty((R,), dtype=i64, device=dev)
-    # reduce, select x2, resample, refine x2 per pass
-    counters = torch.zeros((3 * R + B + 2 * REFINE_PASSES * R,), dtype=i32, device=dev)
-    rst = torch.zeros((R, 4), dtype=i32, device=dev)          # refine state per row
+    # one memset: ticket counters (reduce, select x2, resample, refine x2 per pass), then the
+    # refine state per row
+    NCNT = 3 * R + B + 2 * REFINE_PASSES * R
+    zeroed = torch.zeros((NCNT + 4 * R,), dtype=i32, device=dev)
+    counters, rst = zeroed[:NCNT], zeroed[NCNT:].view(R, 4)
     kext = torch.empty((R, C, 2), dtype=i32, device=dev)
     hist = torch.empty((R, C, HIST_BINS), dtype=i32, device=dev)
     above_m = torch.empty((R, C), dtype=i64, device=dev)

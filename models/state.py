@@ -89,3 +89,14 @@ def allocate_state(cfg: ModelConfig, cache: CacheConfig, prec: Precision, device
 
 def trash_row(state: dict) -> int:
     return state["row.last_pos"].shape[0] - 1
+
+
+def snapshot_state(state: dict) -> dict:
+    """A copy of every state tensor (to run one step twice from the same point)."""
+    return {k: v.clone() for k, v in state.items()}
+
+
+def restore_state(state: dict, snapshot: dict) -> None:
+    """Copy `snapshot` back into the state's own tensors, in place (CUDA graphs hold them)."""
+    for k, v in state.items():
+        v.copy_(snapshot[k])

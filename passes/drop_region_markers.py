@@ -10,7 +10,7 @@ unfused reference for those regions, and carries no annotation into the engine.
 from __future__ import annotations
 
 from .base import PassResult
-from .graph_utils import is_region_marker, region_meta
+from .graph_utils import is_region_marker, region_meta, strip_region_meta
 from .registry import register_pass
 
 
@@ -25,11 +25,7 @@ def drop_region_markers_pass(gm, ctx) -> PassResult:
             gm.graph.erase_node(node)
             dropped += 1
         elif region_meta(node):
-            kept = {k: v for k, v in node.meta["custom"].items() if not k.startswith("dspark_")}
-            if kept:
-                node.meta["custom"] = kept
-            else:
-                del node.meta["custom"]
+            strip_region_meta(node.meta)
             unannotated += 1
     return PassResult(dropped, changed=bool(dropped or unannotated),
                       notes={"markers": dropped, "annotated_nodes": unannotated})

@@ -308,6 +308,17 @@ def region_meta(node: Node) -> dict:
     return c if isinstance(c, dict) and _region.CALL in c else {}
 
 
+def strip_region_meta(meta: dict) -> None:
+    """Remove the fusable-region annotation (the "dspark_*" keys) from a node's meta, in place."""
+    c = meta.get("custom")
+    if isinstance(c, dict):
+        kept = {k: v for k, v in c.items() if not k.startswith("dspark_")}
+        if kept:
+            meta["custom"] = kept
+        else:
+            meta.pop("custom")
+
+
 def is_region_marker(node: Node) -> bool:
     """An argument or output marker of a fusable region: an `aten.alias` the cleanup passes keep,
     because the fusion pass reads the region's signature from it (kernels/region.py)."""

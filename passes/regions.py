@@ -41,7 +41,7 @@ from dspark_compile.kernels import region as R
 
 from .base import PassResult
 from .dce import eliminate_dead_code
-from .graph_utils import ASSERT_OPS, alias_source, region_meta, written_args
+from .graph_utils import ASSERT_OPS, alias_source, region_meta, strip_region_meta, written_args
 
 # meta keys copied from the region's last node onto the fused op (readable dumps, lint locations)
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "seq_nr")
@@ -211,15 +211,6 @@ def _fake_outputs(reg: Region, op, args: list) -> list:
     return outs if not bare else [out]
 
 
-def _strip(meta: dict) -> None:
-    c = meta.get("custom")
-    if isinstance(c, dict):
-        kept = {k: v for k, v in c.items() if not k.startswith("dspark_")}
-        if kept:
-            meta["custom"] = kept
-        else:
-            meta.pop("custom")
-
 
 def fuse_region(gm: torch.fx.GraphModule, reg: Region,
                 user_inputs: frozenset = frozenset()) -> Node:
@@ -257,7 +248,7 @@ def fuse_region(gm: torch.fx.GraphModule, reg: Region,
         if any(i in members for i in chk.all_input_nodes):
             graph.erase_node(chk)
         else:
-            _strip(chk.meta)
+            strip_region_meta(chk.meta)
     for n in reversed(reg.nodes):
         graph.erase_node(n)
     return fused

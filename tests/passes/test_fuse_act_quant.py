@@ -15,7 +15,6 @@ def test_counts_and_pattern_gone(tiny_step):
     blocks = cfg.num_hidden_layers + cfg.n_mtp_layers
     expected = {"rmsnorm_quant": 3 * blocks + 1, "swiglu_quant": blocks,
                 "act_quant": 2 * blocks + 1}
-    assert {o: tiny_step.expected[o] for o in OPS} == expected
     assert lib.region_counts(ep, OPS) == expected
     others_before = lib.region_counts(ep, [o for o in lib.ALL_OPS if o not in OPS])
 
