@@ -12,6 +12,7 @@ and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[h
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import importlib.util
 import json
@@ -192,16 +193,22 @@ def collect_cases(batches, case_dir: str = CASE_DIR) -> list[Case]:
 # running
 # ------------------------------------------------------------------------------------------------
 
-def variants(case: Case, compile_modes: list[str]) -> dict:
-    v = {"eager": case.reference}
+def variants(case: Case, compile_modes: list[str], patterns: list[str] | None = None) -> dict:
+    """Every timed variant of a case, by label; with patterns (fnmatch, e.g. "ours*"), only the
+    labels matching one of them (tuning runs skip the slow references; torch.compile is then
+    not even set up)."""
+    def keep(label):
+        return patterns is None or any(fnmatch.fnmatchcase(label, p) for p in patterns)
+    v = {"eager": case.reference} if keep("eager") else {}
     if case.compile:
         for mode in compile_modes:
             label = "compile" if mode == "default" else f"compile-{mode}"
             kwargs = {} if mode == "default" else {"mode": mode}
-            v[label] = torch.compile(case.reference, **kwargs)
-    if case.ours is not None:
+            if keep(label):
+                v[label] = torch.compile(case.reference, **kwargs)
+    if case.ours is not None and keep("ours"):
         v["ours"] = case.ours
-    v.update(case.extra)
+    v.update({k: fn for k, fn in case.extra.items() if keep(k)})
     return v
 
 
@@ -226,6 +233,7 @@ def run(args) -> dict:
     bw = harness.measure_copy_bandwidth()
     print(f"{env.get('device')}: copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     modes = ["default"] + (["max-autotune-no-cudagraphs"] if args.max_autotune else [])
+    patterns = args.variants.split(",") if args.variants else None
     rows = []
     for case in selected:
         torch._dynamo.reset()              # each case compiles fresh: no cache-limit fallbacks
@@ -236,7 +244,7 @@ def run(args) -> dict:
                 "rotation_mb": n_sets * case.bytes_moved / 1e6, "bytes": case.bytes_moved,
                 "check": check}
         case_rows = []
-        for label, fn in variants(case, modes).items():
+        for label, fn in variants(case, modes, patterns).items():
             try:
                 t = harness.time_variant(fn, sets, cfg)
             except Exception as e:  # noqa: BLE001 -- a failing variant must not end the run
@@ -301,6 +309,8 @@ def main(argv=None):
     p.add_argument("--rotate-factor", type=float, default=2.0)
     p.add_argument("--variant-budget", type=float, default=20.0,
                    help="seconds a slow variant may take: fewer calls per graph / replays")
+    p.add_argument("--variants", default="",
+                   help='comma-separated fnmatch patterns of variant labels to time ("ours*,compile")')
     p.add_argument("--git-commit", default=None, help="record this commit (when .git is absent)")
     p.add_argument("--dry-run", action="store_true", help="build and run each case once, no timing")
     p.add_argument("--case-dir", default=CASE_DIR, help="folder searched for *_cases.py modules")
