@@ -14,8 +14,6 @@ Cases per B (requests):
   `ours-hist512`: threshold histograms of 256 / 512 bins instead of 1024.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
-  Variants `ours-parallel` / `ours-serial` force one path of the op (tuning data for
-  rj.PARALLEL_MAX_ROWS: the op takes the parallel path up to 48 rows, i.e. B <= 8).
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
@@ -184,13 +182,10 @@ def rejection_cases(batches):
         for name, T, top_p, greedy in (("rejection_topp", 1.0, TOP_P, False),
                                        ("rejection_greedy", 0.0, 1.0, True)):
             make = _rejection_inputs(B, T, top_p, greedy)
-            extra = {f"ours-{path}":
-                     (lambda d, path=path: rj.rejection_sample_launch(**d, path=path))
-                     for path in ("parallel", "serial")}
             out.append(Case("sampler", name, {"B": B, "N": N}, make,
                             lambda d: rj.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),
-                            nbytes, check=_rejection_check(make), extra=extra))
+                            nbytes, check=_rejection_check(make)))
     return out
 
 

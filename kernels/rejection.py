@@ -18,17 +18,12 @@ Outputs: tokens [B, N + 1] int64 (committed tokens first: the accepted drafts, t
 resampled/bonus token; -1 after them) and num_sampled [B] int64 in [1, N + 1].
 
 Fused op `dspark::rejection_sample` (with N = 0 and STREAM_TARGET it is also the plain target
-sampler `dspark::sample`), two paths with identical results:
-- serial (B * (N + 1) > PARALLEL_MAX_ROWS): one program per request walks its rows in order and
-  stops at the first rejection, so only rows that decide something are read. Row i costs one
-  statistics pass (max, Z, argmax) and, with top-k/top-p, a histogram and a candidate pass (exact
-  threshold, kernels/sampling.py); the deciding row one more pass for the residual/bonus
-  Gumbel-max, reading q_i too. Bytes per request: the a + 1 target rows up to the first
-  rejection (0.5 MB each in fp32 at V = 129280; the re-reads hit L2) + one q row + tokens.
-  Bandwidth-lean, but one SM streams each row (loads pipelined, ROW_STAGES).
-- parallel (few rows: small B, and plain sampling): every row at once, the vocabulary split over
-  many programs (5 launches + REFINE_PASSES refinement launches, below). Reads all B * (N + 1) rows (L2-resident at this size) plus
-  one q row per request: latency-lean.
+sampler `dspark::sample`): every row of every request at once, the vocabulary split over many
+programs (the row passes of kernels/sampling.py; launches listed below). It reads all
+B * (N + 1) target rows, although a request only needs the rows up to its first rejection: a
+serial path (one program per request walking its rows, stopping at the first rejection) read
+fewer bytes but was latency-bound, and measured slower at every B on the H200 (B = 64: 13.7 ms vs
+5.2 ms at top-p 0.95, 404 vs 175 us greedy; B = 1: 6.4 ms vs 166 us), so it was removed.
 """
 from __future__ import annotations
 
@@ -39,14 +34,12 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens, bracket,
-                       check_sampling_params, d_bin, f32_key, fixed_mass, fold_ids, gumbel_argmax,
-                       greedy_rows, load_scaled, logprobs_from_processed, mass_scale_bits,
-                       key_bracket, key_shift, probs_from_processed, process_logits, resolve,
-                       resolve_by_scan, resolve_one_key,
-                       row_flags, row_reduce_kernel, row_refine_kernel, row_select_kernel,
-                       row_tiling,
-                       sample_reference, select_warps, tile_max, tl_gumbel, tl_uniform)
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens,
+                       check_sampling_params, fold_ids, gumbel_argmax, greedy_rows,
+                       logprobs_from_processed, mass_scale_bits, probs_from_processed,
+                       process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
+                       row_select_kernel, row_tiling, sample_reference, select_warps, tile_max,
+                       tl_gumbel, tl_uniform)
 from .tl_helpers import compile_config, launch, next_pow2
 
 
@@ -126,257 +119,20 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernel
+# Triton kernels: every row in parallel, the vocabulary split over many programs
 # ----------------------------------------------------------------------------------------------
 
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
-# One program streams a request's rows: pipelining the row loops (cp.async, STAGES - 1 tiles in
-# flight) is what keeps a single program from being bound by one load's latency per tile.
-ROW_STAGES = 4
-
-
-@triton.jit
-def _row_stats(row_ptr, V, t, TILE: tl.constexpr, STAGES: tl.constexpr):
-    """(max, sum exp(z - max), lowest-id argmax, any NaN) of z = row / t, online over tiles."""
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    arg = tl.zeros((), tl.int32)
-    nan = tl.zeros((), tl.int32)
-    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
-        offs = v0 + tl.arange(0, TILE)
-        vm = offs < V
-        z = tl.math.div_rn(tl.load(row_ptr + offs, mask=vm, other=0.0).to(tl.float32), t)
-        isn = (z != z) & vm
-        zn = tl.where(isn | ~vm, float("-inf"), z)
-        tm = tl.max(zn, axis=0)
-        ta = tl.argmax(zn, axis=0, tie_break_left=True) + v0
-        nm = tl.maximum(m, tm)
-        fin = nm > float("-inf")
-        es = tl.sum(tl.where(zn > float("-inf"), tl.exp(zn - nm), 0.0), axis=0)
-        s = tl.where(fin, s * tl.exp(tl.where(fin, m - nm, 0.0)) + es, 0.0)
-        arg = tl.where(tm > m, ta, arg)
-        m = nm
-        nan = tl.maximum(nan, tl.max(isn.to(tl.int32), axis=0))
-    return m, s, arg, nan
-
-
-_REFINE_PASSES = tl.constexpr(REFINE_PASSES)
-
-
-@triton.jit(noinline=True)
-def _threshold(row_ptr, V, t, m, Z, k, p, k_on, p_on, ckey_ptr, cmass_ptr,
-               TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr, CAP: tl.constexpr,
-               SCALE: tl.constexpr, STAGES: tl.constexpr):
-    """(tau, kept mass as float) of a non-degenerate row with top-k and/or top-p on."""
-    cnt = tl.zeros((NB,), tl.int32)
-    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
-        offs = v0 + tl.arange(0, TILE)
-        z = load_scaled(row_ptr, offs, V, t)
-        cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
-    k_on = k_on & (k <= tl.sum(cnt, axis=0))
-    jlo, jhi = bracket(cnt, Z, k, p, k_on, p_on, NB, INV_W)
-    am = tl.zeros((), tl.int64)
-    ac = tl.zeros((), tl.int64)
-    n = tl.zeros((), tl.int32)
-    kmin = tl.full((), 2147483647, tl.int64)
-    kmax = tl.full((), -2147483648, tl.int64)
-    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
-        offs = v0 + tl.arange(0, TILE)
-        z = load_scaled(row_ptr, offs, V, t)
-        fin = z > float("-inf")
-        j = d_bin(z, m, INV_W, NB)
-        above = fin & (j < jlo)
-        cand = fin & (j >= jlo) & (j <= jhi)
-        key = f32_key(z)
-        am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
-        ac += tl.sum(above.to(tl.int64), axis=0)
-        kmin = tl.minimum(kmin, tl.min(tl.where(cand, key, 2147483647), axis=0).to(tl.int64))
-        kmax = tl.maximum(kmax, tl.max(tl.where(cand, key, -2147483648), axis=0).to(tl.int64))
-        pos = n + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-        ok = cand & (pos < CAP)
-        tl.store(ckey_ptr + pos, key, mask=ok)
-        tl.store(cmass_ptr + pos, fixed_mass(z, m, SCALE), mask=ok)
-        n += tl.sum(cand.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    idx = tl.arange(0, CAP)
-    valid = idx < n
-    keys = tl.load(ckey_ptr + idx, mask=valid, other=0)
-    w = tl.load(cmass_ptr + idx, mask=valid, other=0)
-    tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
-    # overflow: the exact radix refinement of kernels/sampling.py (row_refine_kernel), here in
-    # one program; the candidates are exactly the tokens with key in [kmin, kmax]
-    klo = kmin
-    khi = kmax
-    state = tl.where(n > CAP, tl.where(kmin == kmax, 2, 1), 0)
-    ok = ok & (n <= CAP)
-    for _ in range(0, _REFINE_PASSES):
-        if state != 0:
-            shift = key_shift(klo, khi, NB)
-            am = tl.zeros((), tl.int64)
-            ac = tl.zeros((), tl.int64)
-            n = tl.zeros((), tl.int32)
-            cnt = tl.zeros((NB,), tl.int32)
-            kmin = tl.full((), 2147483647, tl.int64)
-            kmax = tl.full((), -2147483648, tl.int64)
-            for v0 in tl.range(0, V, TILE, num_stages=STAGES):
-                offs = v0 + tl.arange(0, TILE)
-                z = load_scaled(row_ptr, offs, V, t)
-                fin = z > float("-inf")
-                key = f32_key(z).to(tl.int64)
-                above = fin & (key > khi)
-                inb = fin & (key >= klo) & (key <= khi)
-                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
-                ac += tl.sum(above.to(tl.int64), axis=0)
-                if state == 1:
-                    sub = tl.where(inb, (khi - key) >> shift, 0).to(tl.int32)
-                    cnt += tl.histogram(sub, NB, mask=inb)
-                    kmin = tl.minimum(kmin, tl.min(tl.where(inb, key, 2147483647), axis=0))
-                    kmax = tl.maximum(kmax, tl.max(tl.where(inb, key, -2147483648), axis=0))
-                else:
-                    pos = n + tl.cumsum(inb.to(tl.int32), axis=0) - 1
-                    tl.store(ckey_ptr + pos, key.to(tl.int32), mask=inb & (pos < CAP))
-                    tl.store(cmass_ptr + pos, fixed_mass(z, m, SCALE), mask=inb & (pos < CAP))
-                n += tl.sum(inb.to(tl.int32), axis=0)
-            if state == 1:
-                if kmin == kmax:
-                    tau, kept, ok = resolve_one_key(kmin, n.to(tl.int64), am, ac, m, Z, k, p,
-                                                    k_on, p_on, SCALE)
-                    state = state * 0
-                else:
-                    nklo, nkhi, nn = key_bracket(cnt, klo, khi, shift, m, am, ac, Z, k, p, k_on,
-                                                 p_on, NB, SCALE)
-                    klo = tl.maximum(nklo, kmin)
-                    khi = tl.minimum(nkhi, kmax)
-                    state = tl.where((nn <= CAP) | (klo == khi), 2, 1)
-            else:
-                tl.debug_barrier()
-                valid = idx < n
-                keys = tl.load(ckey_ptr + idx, mask=valid, other=0)
-                w = tl.load(cmass_ptr + idx, mask=valid, other=0)
-                tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
-                if n > CAP:
-                    tau, kept, ok = resolve_one_key(klo, n.to(tl.int64), am, ac, m, Z, k, p,
-                                                    k_on, p_on, SCALE)
-                    ok = ok & (klo == khi)
-                state = state * 0
-    if ~ok:
-        tau, kept = resolve_by_scan(row_ptr, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE)
-    return tau, (kept.to(tl.float64) / SCALE).to(tl.float32)
-
-
-@triton.jit
-def _rejection_kernel(logits_ptr, drafts_ptr, q_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
-                      pos_ptr, tokens_ptr, num_ptr, ckey_ptr, cmass_ptr,
-                      N, V, stride_lb, stride_li, stride_db, stride_qb, stride_qi, stride_tb,
-                      TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
-                      CAP: tl.constexpr, SCALE: tl.constexpr, STREAM: tl.constexpr,
-                      STAGES: tl.constexpr):
-    b = tl.program_id(0)
-    temp = tl.load(temp_ptr + b).to(tl.float32)
-    greedy = temp <= 0.0
-    t = tl.where(greedy, 1.0, temp)
-    k = tl.load(topk_ptr + b).to(tl.int64)
-    p = tl.load(topp_ptr + b).to(tl.float32)
-    k_on = (k > 0) & (k < V) & ~greedy
-    p_on = (p < 1.0) & ~greedy
-    seed = tl.load(seed_ptr + b)
-    sp = tl.load(pos_ptr + b)
-    acc = tl.zeros((), tl.int32)
-    last = tl.zeros((), tl.int64)
-    done = tl.zeros((), tl.int1)
-    for i in range(0, N + 1):
-        if ~done:
-            row = logits_ptr + b.to(tl.int64) * stride_lb + i * stride_li
-            m, Z, arg, nan = _row_stats(row, V, t, TILE, STAGES)
-            deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
-            targ = tl.where(deg, 0, arg).to(tl.int64)
-            d = tl.load(drafts_ptr + b * stride_db + tl.minimum(i, N - 1), mask=i < N,
-                        other=-1).to(tl.int64)
-            dvalid = (d >= 0) & (d < V) & (i < N)
-            if greedy:
-                if dvalid & (d == targ):
-                    acc += 1
-                else:
-                    last = targ
-                    done = True
-            else:
-                tau = tl.full((), float("-inf"), tl.float32)
-                Zk = Z
-                if (k_on | p_on) & ~deg:
-                    tau, Zk = _threshold(row, V, t, m, Z, k, p, k_on, p_on,
-                                         ckey_ptr + b * CAP, cmass_ptr + b * CAP,
-                                         TILE, NB, INV_W, CAP, SCALE, STAGES)
-                logz = tl.log(Zk)
-                qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(i, N - 1) * stride_qi
-                xf = tl.where(dvalid, d, 0)
-                zx = tl.math.div_rn(tl.load(row + xf).to(tl.float32), t)
-                px = tl.where((zx >= tau) & (zx > float("-inf")) & ~deg,
-                              tl.math.div_rn(tl.exp(zx - m), Zk), 0.0)
-                qx = tl.load(qrow + xf, mask=i < N, other=0.0)
-                qx = tl.where((qx > 0.0) & (qx < float("inf")), qx, 0.0)
-                u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
-                if dvalid & (qx > 0.0) & (px >= u * qx):
-                    acc += 1
-                else:
-                    # residual max(p - q, 0) (q = 0 for the bonus row); p itself if that is 0
-                    rsum = tl.zeros((), tl.float32)
-                    br = tl.full((), float("-inf"), tl.float32)
-                    bri = tl.zeros((), tl.int32)
-                    bp = tl.full((), float("-inf"), tl.float32)
-                    bpi = tl.zeros((), tl.int32)
-                    for v0 in tl.range(0, V, TILE, num_stages=STAGES):
-                        offs = v0 + tl.arange(0, TILE)
-                        vm = offs < V
-                        # loads outside the branch, so the loop's loads can be pipelined
-                        z = load_scaled(row, offs, V, t)
-                        qv = tl.load(qrow + offs, mask=vm & (i < N), other=0.0)
-                        keep = (z >= tau) & (z > float("-inf")) & ~deg
-                        if tl.max(keep.to(tl.int32), axis=0) > 0:
-                            pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
-                            qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
-                            r = tl.maximum(pv - qv, 0.0)
-                            rsum += tl.sum(r, axis=0)
-                            g = tl_gumbel(seed, offs, sp + i, STREAM)
-                            lr = tl.log(tl.where(r > 0.0, r, 1.0))
-                            sr = tl.where(r > 0.0, lr + g, float("-inf"))
-                            s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
-                            tb = tl.max(sr, axis=0)
-                            ti = tl.argmax(sr, axis=0, tie_break_left=True) + v0
-                            bri = tl.where(tb > br, ti, bri)
-                            br = tl.where(tb > br, tb, br)
-                            tb = tl.max(s, axis=0)
-                            ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
-                            bpi = tl.where(tb > bp, ti, bpi)
-                            bp = tl.where(tb > bp, tb, bp)
-                    use_r = (rsum > 0.0) & (i < N)
-                    bv = tl.where(use_r, br, bp)
-                    last = tl.where(bv > float("-inf"), tl.where(use_r, bri, bpi), 0).to(tl.int64)
-                    done = True
-    # committed tokens: the accepted drafts, then the resampled/bonus token, then -1
-    for j in range(0, N + 1):
-        dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=j < N,
-                     other=-1).to(tl.int64)
-        tok = tl.where(j < acc, dj, tl.where(j == acc, last, -1))
-        tl.store(tokens_ptr + b * stride_tb + j, tok)
-    tl.store(num_ptr + b, (acc + 1).to(tl.int64))
-
-
-# ----------------------------------------------------------------------------------------------
-# Parallel path (few rows: every row in parallel, the vocabulary split over many programs)
-# ----------------------------------------------------------------------------------------------
 #
-# One program per request streams a 0.5 MB row at the speed of the loads one SM keeps in flight,
-# several times per row: fine in bandwidth at B = 64 (it reads only the rows it needs), slow in
-# latency at small B. There the rows are few, so every row is processed at once, with the row
-# passes of kernels/sampling.py (C programs per row):
+# The row passes of kernels/sampling.py (C programs per row), then the acceptance chain:
 #   stats    grid (rows, blocks): z = l / T into a scratch buffer + block statistics
 #   reduce   row max, Z, argmax (greedy rows), top-k/top-p histogram + bracket    (sampling.py)
 #   select   exact top-k/top-p thresholds                                          (sampling.py)
 #   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
 #   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
 #            writes the token.
-# Every row is read ~3 times (L2-resident: rows * 0.5 MB), q once: 5 launches + REFINE_PASSES refinement launches (always launched; rows that
-# need none exit at once).
+# Every row is read ~3 times (from L2 at small B: rows * 0.5 MB), q once: 5 launches +
+# REFINE_PASSES refinement launches (always launched; rows that need none exit at once).
 
 @triton.jit
 def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
@@ -525,19 +281,14 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
             tl.store(tokens_ptr + b * stride_tb + a, tok)
 
 
-# Requests * (N + 1) rows up to which every row is processed in parallel (the rows then sit in
-# L2 anyway: 48 x 0.5 MB at Flash); beyond, one program per request reads only the rows it needs.
-PARALLEL_MAX_ROWS = 48
 
 
 def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
-                            seed, start_pos, *, path=None, tile=None, chunk=None, cap=CAND_CAP,
+                            seed, start_pos, *, tile=None, chunk=None, cap=CAND_CAP,
                             stream=STREAM_RESAMPLE):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
-    `path`: "parallel" (all rows at once, many programs per row) or "serial" (one program per
-    request, stops at the first rejection); None picks parallel for at most PARALLEL_MAX_ROWS
-    rows (or no drafts). `stream` keys the residual/bonus noise; plain target sampling is this
+    `stream` keys the residual/bonus noise; plain target sampling is this
     with N = 0 and STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks.
     """
     check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
@@ -549,10 +300,6 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     num = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
         return tokens, num
-    if path is None:
-        path = "parallel" if N == 0 or B * N1 <= PARALLEL_MAX_ROWS else "serial"
-    if path not in ("parallel", "serial"):
-        raise ValueError(f"path must be 'parallel' or 'serial', got {path!r}")
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
     if draft_probs.stride(-1) != 1:
@@ -563,25 +310,8 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
         draft_probs = torch.empty((B, 1, 1), dtype=torch.float32, device=dev)
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
     args = (target_logits, drafts, draft_probs, *meta, tokens, num)
-    if path == "serial":
-        _serial(*args, tile, cap, stream)
-    else:
-        _parallel(*args, tile, chunk, cap, stream)
+    _parallel(*args, tile, chunk, cap, stream)
     return tokens, num
-
-
-def _serial(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
-            cap, stream):
-    B, N1, V = logits.shape
-    TILE = tile or min(1024, next_pow2(V))
-    ckey = torch.empty((B, cap), dtype=torch.int32, device=logits.device)
-    cmass = torch.empty((B, cap), dtype=torch.int64, device=logits.device)
-    launch(_rejection_kernel)[(B,)](
-        logits, drafts, q, temperature, top_k, top_p, seed, start_pos,
-        tokens, num, ckey, cmass, N1 - 1, V, logits.stride(0), logits.stride(1),
-        drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0),
-        TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap,
-        SCALE=float(2 ** mass_scale_bits(V)), STREAM=stream, STAGES=ROW_STAGES, num_warps=8)
 
 
 def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
@@ -645,7 +375,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, num_warps=4)
 
 
-def sample_launch(logits, temperature, top_k, top_p, seed, position, *, path=None, tile=None,
+def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=None,
                   chunk=None, cap=CAND_CAP):
     """Fused plain target sampling (sampling.sample_reference): the rejection kernel with no
     drafts samples its single row's 'bonus' token with STREAM_TARGET at `position`."""
@@ -656,7 +386,7 @@ def sample_launch(logits, temperature, top_k, top_p, seed, position, *, path=Non
     tokens, _ = rejection_sample_launch(
         logits[:, None], torch.zeros((B, 0), dtype=torch.int64, device=logits.device),
         torch.zeros((B, 0, V), dtype=torch.float32, device=logits.device), temperature, top_k,
-        top_p, seed, position, path=path, tile=tile, chunk=chunk, cap=cap, stream=STREAM_TARGET)
+        top_p, seed, position, tile=tile, chunk=chunk, cap=cap, stream=STREAM_TARGET)
     return tokens[:, 0]
 
 
@@ -690,22 +420,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return sample_launch(logits, temperature, top_k, top_p, seed, position)
 
 
-# SM12x readiness: the configurations the launchers pick at the Flash vocabulary (one program
-# per request, 1024-wide tiles, 4096 candidates), bf16 or fp32 logits, int64 metadata.
-def _rejection_configs(logit_t: str, stream: int):
-    d16 = "i32:16"   # V and the V-multiple strides: the JIT specialises multiples of 16
-    types = dict(logits_ptr=logit_t, drafts_ptr="*i64", q_ptr="*fp32", temp_ptr="*fp32",
-                 topk_ptr="*i64", topp_ptr="*fp32", seed_ptr="*i64", pos_ptr="*i64",
-                 tokens_ptr="*i64", num_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64", N="i32",
-                 V=d16, stride_lb=d16, stride_li=d16, stride_db="i32", stride_qb=d16,
-                 stride_qi=d16, stride_tb="i32")
-    consts = dict(TILE=1024, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
-                  SCALE=float(2 ** mass_scale_bits(129280)), STREAM=stream, STAGES=ROW_STAGES)
-    return compile_config(_rejection_kernel, types, consts, 8)
-
-
+# SM12x readiness: the configurations the launcher picks at the Flash vocabulary (1024-wide
+# tiles), fp32 logits, int64 metadata.
 def _parallel_configs(stream: int):
-    """The parallel path's own kernels (its row passes are registered by markov_sample)."""
+    """The op's own kernels (its row passes are registered by markov_sample)."""
     d16, flags = "i32:16", dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     out = [compile_config(_rows_stats_kernel, dict(
         logits_ptr="*fp32", temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
@@ -730,7 +448,5 @@ def _parallel_configs(stream: int):
 
 
 # fp32 logits (what the target head produces); a bf16 variant compiles alike
-add_compile_configs("rejection_sample", [_rejection_configs("*fp32", STREAM_RESAMPLE)]
-                    + _parallel_configs(STREAM_RESAMPLE))
-add_compile_configs("sample", [_rejection_configs("*fp32", STREAM_TARGET)]
-                    + _parallel_configs(STREAM_TARGET))
+add_compile_configs("rejection_sample", _parallel_configs(STREAM_RESAMPLE))
+add_compile_configs("sample", _parallel_configs(STREAM_TARGET))

@@ -27,16 +27,14 @@ def onehot_logits(ids, V, hi=5.0):
 
 
 def _fn(fused):
-    """The reference, or the fused sampler on one of its two paths."""
-    if not fused:
-        return rejection_sample_reference
-    return lambda *a: rejection_sample_launch(*a, path=fused)
+    """The reference, or the fused sampler."""
+    return rejection_sample_launch if fused else rejection_sample_reference
 
 
-PATHS = [False, "parallel", "serial"]
+IMPLS = [False, True]
 
 
-@pytest.mark.parametrize("fused", PATHS)
+@pytest.mark.parametrize("fused", IMPLS)
 def test_greedy_perfect_match_early_mismatch_multi_sequence(fused):
     V, N = 50, 4
     drafts = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [7, 8, 9, 10], [1, 2, 3, 4]])
@@ -53,7 +51,7 @@ def test_greedy_perfect_match_early_mismatch_multi_sequence(fused):
                                [1, 2, 3, 4, 49]]
 
 
-@pytest.mark.parametrize("fused", PATHS)
+@pytest.mark.parametrize("fused", IMPLS)
 def test_out_of_range_drafts_are_rejected(fused):
     V, N = 20, 3
     drafts = torch.tensor([[2, -1, 4], [V, 1, 1], [2, 3, 1 << 40]])
@@ -164,27 +162,25 @@ def _mixed_case(seed=0, B=8, N=4, V=137):
     return logits, drafts, q.contiguous(), T, k, p
 
 
-@pytest.mark.parametrize("path", ["parallel", "serial"])
-def test_fused_equals_reference_mixed_rows(path):
+def test_fused_equals_reference_mixed_rows():
     logits, drafts, q, T, k, p = _mixed_case()
     for s in range(2):
         seed = torch.arange(8) * 7 + 1000 * s
         pos = torch.arange(8) + 3 * s
         want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
-        got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, path=path,
+        got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos,
                                       tile=64, chunk=64 if s else None, cap=64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), s
     # the exact-threshold fallback (2 candidates) decides the same
-    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, path=path, tile=256,
+    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=256,
                                   cap=2)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("path", ["parallel", "serial"])
-def test_fused_degenerate_and_padded_rows(path):
+def test_fused_degenerate_and_padded_rows():
     logits, drafts, q, T, k, p = _mixed_case(1, B=4)
     seed, pos = torch.arange(4), torch.arange(4) * 5
-    alone = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, path=path, tile=256)
+    alone = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=256)
     N, V = drafts.shape[1], logits.shape[-1]
     pl = torch.randn(3, N + 1, V)
     pl[0] = float("nan")
@@ -200,7 +196,7 @@ def test_fused_degenerate_and_padded_rows(path):
     p2 = torch.cat((p, torch.tensor([float("nan"), 0.0, 0.5])))
     s2 = torch.cat((seed, torch.tensor([-5, 1 << 62, 0])))
     pos2 = torch.cat((pos, torch.tensor([-1, 1 << 40, 7])))
-    tokens, num = rejection_sample_launch(L, D, Q, T2, k2, p2, s2, pos2, path=path, tile=256)
+    tokens, num = rejection_sample_launch(L, D, Q, T2, k2, p2, s2, pos2, tile=256)
     assert torch.equal(tokens[:4], alone[0]) and torch.equal(num[:4], alone[1])
     assert ((num >= 1) & (num <= N + 1)).all()
     committed = torch.arange(N + 1)[None] < num[:, None]
@@ -239,15 +235,11 @@ def test_gpu_flash_vocab_matches_reference():
     got = torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos)
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0], want[0])
-    for path in ("parallel", "serial"):
-        other = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, path=path)
-        assert torch.equal(other[0], got[0]) and torch.equal(other[1], got[1]), path
 
 
-@pytest.mark.parametrize("path", ["serial", "parallel"])
-def test_fused_threshold_refinement_on_near_flat_rows(path):
+def test_fused_threshold_refinement_on_near_flat_rows():
     """Near-flat target rows whose top-k/top-p brackets overflow cap = 64 by far: the exact
-    radix refinement (both paths) must reproduce the reference."""
+    radix refinement must reproduce the reference."""
     g = torch.Generator().manual_seed(21)
     B, v = 3, 2048
     logits = torch.randn(B, 2, v, generator=g) * 0.3
@@ -259,6 +251,6 @@ def test_fused_threshold_refinement_on_near_flat_rows(path):
     p = torch.tensor([0.95, 1.0, 0.7])
     seed, sp = torch.tensor([5, 6, 7]), torch.tensor([0, 3, 9])
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, sp)
-    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, path=path, tile=256,
+    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, tile=256,
                                   chunk=512, cap=64)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
