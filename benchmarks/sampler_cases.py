@@ -9,9 +9,10 @@ Cases per B (requests):
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
-  top-p, so it is not a variant here; `ours-cfg*` as above; `ours-refine2` / `ours-refine4`:
-  the op with 2 / 4 threshold refinement passes instead of REFINE_PASSES (3); `ours-hist256` /
-  `ours-hist512`: threshold histograms of 256 / 512 bins instead of 1024.
+  top-p, so it is not a variant here. `ours-refine3`: 3 threshold refinement passes instead of
+  REFINE_PASSES (4); `ours-hist8` / `ours-hist32`: threshold mass histograms of 8 / 32 bins
+  instead of HIST_BINS (16); `ours-hist32-refine3` both (32 bins narrow a bracket faster, so one
+  refinement launch fewer may do).
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
@@ -115,19 +116,16 @@ def _tiling_variants(B, mode="full"):
             for c in TILINGS[bb]}
 
 
-def _refine_variants():
-    """Refinement passes (kernels/sampling.py): 2 covers the benchmark rows (one histogram and
-    one gathering pass); each pass is one more, mostly empty, launch per step."""
-    return {f"ours-refine{n}": (lambda d, n=n: ms.markov_sample_launch(**d, refine_passes=n))
-            for n in (2, 4)}
-
-
-def _hist_variants():
-    """Threshold histograms of 256 / 512 bins instead of HIST_BINS (1024): tl.histogram's cost
-    grows with the bins (the session-2 profile points at the histogram passes, ~3 us per
-    1024-token tile), the brackets' width shrinks with them."""
-    return {f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
-            for n in (256, 512)}
+def _threshold_variants():
+    """Threshold search knobs (kernels/sampling.py): refinement launches per step (each one more
+    launch, near-empty for rows already resolved) and mass-histogram bins (cost per token grows
+    with them, brackets narrow faster)."""
+    out = {"ours-refine3": lambda d: ms.markov_sample_launch(**d, refine_passes=3)}
+    out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
+                for n in (8, 32)})
+    out["ours-hist32-refine3"] = lambda d: ms.markov_sample_launch(**d, hist_bins=32,
+                                                                   refine_passes=3)
+    return out
 
 
 def markov_cases(batches):
@@ -145,8 +143,7 @@ def markov_cases(batches):
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
-                        extra={**_tiling_variants(B), **_refine_variants(),
-                               **_hist_variants()}))
+                        extra=_threshold_variants()))
     return out
 
 

@@ -70,7 +70,7 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_to
                        check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
-                       row_select_kernel, row_tiling, select_warps, tile_max, tl_gumbel)
+                       row_select_kernel, row_tiling, select_warps, tile_max, tl_vocab_gumbel)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -285,7 +285,7 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
                 keep = (z >= tau) & (z > float("-inf"))
                 prob = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
                 tl.store(zrow + offs, prob, mask=vm)
-                g = tl_gumbel(seed, offs, pos, _STREAM_DRAFT)
+                g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
                 tb = tl.max(s, axis=0)
                 ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
@@ -359,15 +359,15 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     the bracket + refinement passes cannot resolve come out NaN instead of taking the slow exact
     scan; `logits_config` overrides LOGITS_CONFIGS and `refine_passes` (>= 1) REFINE_PASSES
     (tuning: each pass is one launch per step, near-empty for rows that need none).
-    `hist_bins` (tuning; a power of two in [64, 4096]) replaces HIST_BINS: the threshold
-    histograms' bins, always spanning 32 nats below the row max. tl.histogram's cost grows with
-    the bin count, the brackets' width shrinks with it (fewer refinement passes).
+    `hist_bins` (tuning; a power of two in [4, 128]) replaces HIST_BINS: the threshold mass
+    histograms' bins, always spanning 32 nats below the row max. Their cost per token grows
+    with the bin count; the brackets' width shrinks with it (fewer refinement passes).
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
-    if not isinstance(hist_bins, int) or hist_bins < 64 or hist_bins > 4096 or \
+    if not isinstance(hist_bins, int) or hist_bins < 4 or hist_bins > 128 or \
             hist_bins & (hist_bins - 1):
-        raise ValueError(f"hist_bins must be a power of two in [64, 4096], got {hist_bins!r}")
+        raise ValueError(f"hist_bins must be a power of two in [4, 128], got {hist_bins!r}")
     NB, INV_W = hist_bins, hist_bins / 32.0
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
@@ -420,7 +420,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
         rst = zeroed[N * NCNT * B:].view(B, 4) if MODE == 2 else zeroed[:1]
     kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
-    hist = torch.empty((B, C, NB) if MODE == 2 else (1,), dtype=i32, device=dev)
+    hist = torch.empty((B, C, 2 * NB) if MODE == 2 else (1,), dtype=i32, device=dev)
     above_m = torch.empty((B, C) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
     above_c = torch.empty((B, C) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
     ckey = torch.empty((B, cap) if MODE == 2 else (1,), dtype=i32, device=dev)

@@ -39,7 +39,7 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_to
                        logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, sample_reference, select_warps, tile_max,
-                       tl_gumbel, tl_uniform)
+                       tl_uniform, tl_vocab_gumbel)
 from .tl_helpers import compile_config, launch, next_pow2
 
 
@@ -247,7 +247,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                 qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
                 res = tl.maximum(pv - qv, 0.0)
                 rsum += tl.sum(res, axis=0)
-                g = tl_gumbel(seed, offs, pos, STREAM)
+                g = tl_vocab_gumbel(seed, v0, pos, TILE, STREAM)
                 sr = tl.where(res > 0.0, tl.log(tl.where(res > 0.0, res, 1.0)) + g, float("-inf"))
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
                 tb = tl.max(sr, axis=0)
@@ -338,7 +338,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     zeroed = torch.zeros((NCNT + 4 * R,), dtype=i32, device=dev)
     counters, rst = zeroed[:NCNT], zeroed[NCNT:].view(R, 4)
     kext = torch.empty((R, C, 2), dtype=i32, device=dev)
-    hist = torch.empty((R, C, HIST_BINS), dtype=i32, device=dev)
+    hist = torch.empty((R, C, 2 * HIST_BINS), dtype=i32, device=dev)
     above_m = torch.empty((R, C), dtype=i64, device=dev)
     above_c = torch.empty((R, C), dtype=i64, device=dev)
     ckey = torch.empty((R, cap), dtype=i32, device=dev)

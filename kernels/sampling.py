@@ -17,7 +17,8 @@ plain target decoding), all fixed-shape and capture-safe:
 - A degenerate row (any NaN, or a maximum that is not finite: all -inf, or +inf present) yields
   token 0 and probabilities that are all (finite) zeros. Greedy rows follow the same rule.
 - Sampling from a distribution p is Gumbel-max: argmax_v(log p(v) + g(v)) with
-  g = kernels.philox.gumbel(seed, c0 = v, c1 = position of the token being sampled, c2 = stream);
+  g = kernels.philox.vocab_gumbel(seed, position of the token being sampled, V, stream) (token v:
+  word v % 4 of Philox(seed, c0 = v // 4, c1 = position, c2 = stream));
   excluded tokens (p = 0) never win; nothing left -> token 0.
 - Token ids outside [0, V) are folded to 0 before they index anything.
 
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import STREAM_TARGET, gumbel
+from .philox import STREAM_TARGET, vocab_gumbel
 from .tl_helpers import next_pow2
 from .region import fusable
 
@@ -138,10 +139,8 @@ def logprobs_from_processed(z: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, V: int, stream: int) -> torch.Tensor:
-    """[B, V] fp32 Gumbel noise keyed (seed[b], c0 = v, c1 = position[b], c2 = stream)."""
-    vocab = torch.arange(V, dtype=torch.int64, device=seed.device)[None, :]
-    c2 = torch.full((1, 1), stream, dtype=torch.int64, device=seed.device)
-    return gumbel(seed.to(torch.int64)[:, None], vocab, position.to(torch.int64)[:, None], c2)
+    """[B, V] fp32 Gumbel noise keyed (seed[b], position[b], stream): philox.vocab_gumbel."""
+    return vocab_gumbel(seed, position, V, stream)
 
 
 def gumbel_argmax(logw: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
@@ -171,25 +170,39 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 # Triton device helpers shared by the fused samplers (markov_sampler.py, rejection.py)
 # ----------------------------------------------------------------------------------------------
 #
-# Exact top-k / top-p without sorting. A row's kept set is {z >= tau}; tau is found in three
-# steps that each touch the row once and never hold more than a tile of it:
-#   1. count histogram of d = max - z in NB bins of 1/INV_W nats (tl.histogram: cheap);
-#   2. `bracket`: from the counts and per-bin mass bounds [n e^-(j+1)w, n e^-jw], the bin range
-#      [jlo, jhi] that must contain tau (top-k from the exact counts, top-p from the bounds);
+# Exact top-k / top-p without sorting. A row's kept set is {z >= tau}; tau is found in steps that
+# each touch the row once and never hold more than a tile of it:
+#   1. a mass histogram of d = max - z: per bin of 1/INV_W nats, the exact token count and the
+#      summed mass exp(z - max) (fp32);
+#   2. `bracket`: from the bins' masses (within a relative MASS_EPS) and exact counts, the bin
+#      range [jlo, jhi] that must contain tau: for top-p, usually the single bin where the
+#      cumulative mass crosses top_p * Z;
 #   3. one pass sums the exact fixed-point masses of the tokens above the range and gathers the
 #      tokens inside it (the candidates, at most CAP); `resolve` bisects over their fp32 bit
-#      keys for the exact tau. Overflow (> CAP candidates: the common case for near-flat rows,
-#      where top-p 0.95 keeps most of the vocabulary and the ~3 % mass bounds of a bin bracket
-#      10^4+ tokens) goes to the radix refinement below (REFINE_PASSES more passes). What that
-#      cannot decide (top-k and top-p both on with > CAP tokens between their thresholds,
-#      > CAP tokens within ~1 ulp of m - z but of different values, bounds too loose) falls
-#      back to `resolve_by_scan`, which bisects with a full row scan per probe: exact, slow.
-# Masses are exp(z - max) in fixed point (int64, 2^SCALE_BITS per unit): sums are exact and
-# order-independent, so the result does not depend on which program finished first.
+#      keys for the exact tau. Overflow (> CAP candidates: near-flat rows, where top-p 0.95 keeps
+#      most of the vocabulary and one 2-nat bin holds 10^4+ tokens) goes to the radix refinement
+#      below: each pass splits the overflowing key range into NB sub-bins with their masses, so
+#      it narrows by ~NB (REFINE_PASSES more passes). What that cannot decide (top-k and top-p
+#      both on with > CAP tokens between their thresholds, > CAP tokens within ~1 ulp, a wrong
+#      bracket) falls back to `resolve_by_scan`, which bisects with a full row scan per probe:
+#      exact, slow.
+# Masses are exp(z - max) in fixed point (int64, 2^SCALE_BITS per unit) wherever they decide
+# something: sums are exact and order-independent, so the result does not depend on which
+# program finished first. The fp32 bin masses only place the bracket (resolve() checks it).
+#
+# Why mass bins and few of them: the first version counted tokens per bin (tl.histogram) and
+# bounded a bin's mass by count * [e^-(j+1)w, e^-jw]. Those bounds are only as tight as the bin is
+# narrow, so it needed 1024 bins of 1/32 nat, and tl.histogram's cost grows with the bin count:
+# on the H200 the histogram passes took ~90 % of a top-p step at B = 64 (5.1 ms per call). Summed
+# masses make the bracket one bin wide whatever the width, so 16 bins do (a compare/select per bin
+# and token: cheap at 16).
 
-HIST_BINS = 1024          # NB: bins of 1/32 nat cover d in [0, 32), the last bin is open
-HIST_INV_W = 32.0
+HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
+HIST_INV_W = HIST_BINS / 32.0
 CAND_CAP = 4096           # candidates resolved in registers by one program
+# relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms per program, then
+# <= 64 chunk partials: < 1e-5; exp error ~1e-7): it only widens a bracket
+MASS_EPS = tl.constexpr(1e-4)
 
 
 def select_warps(cap: int) -> int:
@@ -202,7 +215,9 @@ def row_tiling(rows: int, V: int, tile: int | None = None, chunk: int | None = N
 
     Few rows get more, shorter chunks so the row passes still fill the GPU.
     """
-    TILE = tile or min(1024, next_pow2(V))
+    TILE = tile or min(1024, max(16, next_pow2(V)))   # >= 16: whole Philox blocks per tile
+    if TILE < 16 or TILE & (TILE - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {TILE}")
     if chunk is None:
         chunk = 2048 if rows <= 4 else 4096 if rows <= 16 else 8192
     CHUNK = max(TILE, chunk // TILE * TILE)
@@ -215,18 +230,35 @@ def mass_scale_bits(V: int) -> int:
 
 
 @triton.jit
-def tl_uniform(seed, c0, c1, STREAM: tl.constexpr):
-    """kernels.philox.uniform(seed, c0, c1, STREAM), bit for bit (c0, c1 wrap to 32 bits)."""
-    r, _, _, _ = tl.philox(seed, c0.to(tl.uint32), c1.to(tl.uint32), STREAM, 0)
+def bits_uniform(r):
+    """kernels.philox.bits_to_uniform of uint32 Philox words."""
     x = r.to(tl.int32, bitcast=True)
     x = tl.where(x < 0, -x - 1, x)
     return x.to(tl.float32) * 4.6566127342e-10
 
 
 @triton.jit
-def tl_gumbel(seed, c0, c1, STREAM: tl.constexpr):
-    """kernels.philox.gumbel: -log(-log(max(u, 1e-20)))."""
-    u = tl.maximum(tl_uniform(seed, c0, c1, STREAM), 1e-20)
+def tl_uniform(seed, c0, c1, STREAM: tl.constexpr):
+    """kernels.philox.uniform(seed, c0, c1, STREAM), bit for bit (c0, c1 wrap to 32 bits)."""
+    r, _, _, _ = tl.philox(seed, c0.to(tl.uint32), c1.to(tl.uint32), STREAM, 0)
+    return bits_uniform(r)
+
+
+@triton.jit
+def tl_vocab_uniform(seed, v0, pos, TILE: tl.constexpr, STREAM: tl.constexpr):
+    """The uniforms behind kernels.philox.vocab_gumbel, bit for bit, for tokens v0 .. v0 + TILE - 1
+    (v0 a multiple of 4): one Philox block per 4 tokens, its words interleaved into token order."""
+    c0 = (v0 // 4 + tl.arange(0, TILE // 4)).to(tl.uint32)
+    c1 = (pos + tl.zeros((TILE // 4,), tl.int64)).to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, STREAM, 0)
+    return bits_uniform(tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)))
+
+
+@triton.jit
+def tl_vocab_gumbel(seed, v0, pos, TILE: tl.constexpr, STREAM: tl.constexpr):
+    """kernels.philox.vocab_gumbel for tokens v0 .. v0 + TILE - 1 (the logs round like the
+    device's, within an ulp or two of torch's)."""
+    u = tl.maximum(tl_vocab_uniform(seed, v0, pos, TILE, STREAM), 1e-20)
     return -tl.log(-tl.log(u))
 
 
@@ -265,26 +297,53 @@ def fixed_mass(z, m, SCALE: tl.constexpr):
 
 
 @triton.jit
-def bracket(cnt, Zf, k, top_p, K_ON, P_ON, NB: tl.constexpr, INV_W: tl.constexpr):
-    """Bin range [jlo, jhi] that holds tau, from the summed count histogram cnt [NB].
+def mass_hist(j, e, valid, NB: tl.constexpr):
+    """(count [NB] int32, mass [NB] fp32): tokens and summed masses e per bin j in [0, NB)."""
+    hit = (j[:, None] == tl.arange(0, NB)[None, :]) & valid[:, None]
+    return tl.histogram(j, NB, mask=valid), tl.sum(tl.where(hit, e[:, None], 0.0), axis=0)
+
+
+@triton.jit
+def store_hist(hist_ptr, o, cnt, mass, NB: tl.constexpr):
+    """A program's histogram at hist[o : o + 2 NB]: counts, then the masses' fp32 bits."""
+    idx = tl.arange(0, NB)
+    tl.store(hist_ptr + o + idx, cnt)
+    tl.store(hist_ptr + o + NB + idx, mass.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def sum_hists(hist_ptr, o, C, NB: tl.constexpr):
+    """(counts, masses) summed over the C program histograms from hist[o] on, in fixed order
+    (read past L1: other programs wrote them)."""
+    idx = tl.arange(0, NB)
+    tot = tl.zeros((NB,), tl.int32)
+    tm = tl.zeros((NB,), tl.float32)
+    for cc in range(C):
+        tot += tl.load(hist_ptr + o + cc * 2 * NB + idx, cache_modifier=".cg")
+        tm += tl.load(hist_ptr + o + cc * 2 * NB + NB + idx,
+                      cache_modifier=".cg").to(tl.float32, bitcast=True)
+    return tot, tm
+
+
+@triton.jit
+def bracket(cnt, mass, k, top_p, K_ON, P_ON, NB: tl.constexpr):
+    """Bin range [jlo, jhi] that holds tau, from the summed histogram: exact counts cnt [NB] and
+    fp32 masses [NB] (any common unit), bins in descending z.
 
     K_ON / P_ON: top-k / top-p active (K_ON must already mean 0 < k <= number of finite
-    tokens); Zf: the row's total mass exp(z - m) (float). fp32 bounds with a 1e-3 margin (more
-    than fp32 rounding of 1024-term sums), which only widens the range; resolve() checks it
-    exactly anyway.
+    tokens). A bin's true mass lies within mass * (1 -+ MASS_EPS); the range covers every bin the
+    bounds allow, and resolve() checks it exactly anyway.
     """
     j = tl.arange(0, NB)
-    c = cnt.to(tl.float32)
-    hi = c * tl.exp(-(j.to(tl.float32) / INV_W)) * 1.001
-    lo = tl.where(j == NB - 1, 0.0, c * tl.exp(-((j + 1).to(tl.float32) / INV_W)) * 0.999)
+    hi = mass * (1.0 + MASS_EPS)
+    lo = mass * (1.0 - MASS_EPS)
     CH = tl.cumsum(hi, axis=0)
     CL = tl.cumsum(lo, axis=0)
     cc = tl.cumsum(cnt, axis=0)
     jk = tl.minimum(tl.sum((cc < k).to(tl.int32), axis=0), NB - 1)
-    zk_lo = tl.sum(tl.where(j < jk, lo, 0.0), axis=0)
-    zk_hi = tl.sum(tl.where(j <= jk, hi, 0.0), axis=0)
-    zk_lo = tl.where(K_ON, zk_lo, Zf * 0.999)
-    zk_hi = tl.where(K_ON, zk_hi, Zf * 1.001)
+    # the top-k set's mass (the whole row without top-k): bounds
+    zk_lo = tl.sum(tl.where(K_ON & (j >= jk), 0.0, lo), axis=0)
+    zk_hi = tl.sum(tl.where(K_ON & (j > jk), 0.0, hi), axis=0)
     jp_min = tl.minimum(tl.sum((CH < top_p * zk_lo).to(tl.int32), axis=0), NB - 1)
     jp_max = tl.minimum(tl.sum((CL < top_p * zk_hi).to(tl.int32), axis=0), NB - 1)
     jp_min = tl.where(K_ON, tl.minimum(jp_min, jk), jp_min)
@@ -459,20 +518,22 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
             if (~greedy) & (~deg) & (k_on | p_on):
                 zrow = z_ptr + b.to(tl.int64) * stride_zb
                 cnt = tl.zeros((NB,), tl.int32)
+                ms = tl.zeros((NB,), tl.float32)
                 for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
                     offs = v0 + tl.arange(0, TILE)
                     z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                    cnt += tl.histogram(d_bin(z, m, INV_W, NB), NB, mask=z > float("-inf"))
-                tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+                    fin = z > float("-inf")
+                    e = tl.where(fin, tl.exp(z - m), 0.0)
+                    c_t, m_t = mass_hist(d_bin(z, m, INV_W, NB), e, fin, NB)
+                    cnt += c_t
+                    ms += m_t
+                store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
                 tl.debug_barrier()   # every thread's stores happen before the releasing ticket
                 if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-                    tot = tl.zeros((NB,), tl.int32)
-                    for cc in range(C):
-                        tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
-                                       cache_modifier=".cg")
+                    tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB)
                     # k beyond the finite tokens: keep all
                     k_on = k_on & (k <= tl.sum(tot, axis=0))
-                    jlo, jhi = bracket(tot, Z, k, p, k_on, p_on, NB, INV_W)
+                    jlo, jhi = bracket(tot, tm, k, p, k_on, p_on, NB)
                     tl.store(rowi_ptr + b * 4, jlo)
                     tl.store(rowi_ptr + b * 4 + 1, jhi)
                     tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
@@ -583,7 +644,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # tokens are gathered: resolve() verifies the bracket with exact sums, and anything it cannot
 # decide (or a row still unresolved after the last pass) takes resolve_by_scan: exact always.
 
-REFINE_PASSES = 3
+REFINE_PASSES = 4
 # relative slack of the per-sub-bin mass bounds (fp32 exp error is ~1e-7)
 _REFINE_EPS = tl.constexpr(1e-5)
 
@@ -599,27 +660,27 @@ def key_shift(klo, khi, NB: tl.constexpr):
 
 
 @triton.jit
-def key_bracket(cnt, klo, khi, shift, m, am, ac, Zf, k, top_p, K_ON, P_ON,
+def key_bracket(cnt, mass, klo, khi, shift, am, ac, Zf, k, top_p, K_ON, P_ON,
                 NB: tl.constexpr, SCALE: tl.constexpr):
-    """(klo', khi', n') from counts cnt [NB] of descending sub-bins j = (khi - key) >> shift and
-    the exact fixed mass am / count ac of the tokens above khi. Same logic as bracket()."""
+    """(klo', khi', n') from the histogram of descending sub-bins j = (khi - key) >> shift
+    (exact counts cnt [NB], fp32 masses [NB] in units of exp(z - max)) and the exact fixed mass
+    am / count ac of the tokens above khi. Same logic as bracket(), in fixed-point units (a
+    token's fixed mass is floor(e * SCALE): up to one unit below e * SCALE). Without top-k the
+    target is top_p times the whole row's mass Zf (the sub-bins only cover the bracket)."""
     j = tl.arange(0, NB).to(tl.int64)
-    top = tl.maximum(khi - (j << shift), klo)                   # highest key of sub-bin j
-    bot = tl.maximum(khi - ((j + 1) << shift) + 1, klo)         # lowest
-    c = cnt.to(tl.float64)
-    e_hi = tl.exp(key_f32(top) - m).to(tl.float64)
-    e_lo = tl.exp(key_f32(bot) - m).to(tl.float64)
-    hi = c * (e_hi * (1.0 + _REFINE_EPS) * SCALE)
-    lo = tl.maximum(c * (e_lo * (1.0 - _REFINE_EPS) * SCALE - 1.0), 0.0)
+    msc = mass.to(tl.float64) * SCALE
+    hi = msc * (1.0 + MASS_EPS)
+    lo = tl.maximum(msc * (1.0 - MASS_EPS) - cnt.to(tl.float64), 0.0)
     A = am.to(tl.float64)
     CH = A + tl.cumsum(hi, axis=0)
     CL = A + tl.cumsum(lo, axis=0)
     cc = ac + tl.cumsum(cnt.to(tl.int64), axis=0)
     jk = tl.minimum(tl.sum((cc < k).to(tl.int64), axis=0), NB - 1)
+    zrow = Zf.to(tl.float64) * SCALE
     zk_lo = tl.where(K_ON, A + tl.sum(tl.where(j < jk, lo, 0.0), axis=0),
-                     Zf.to(tl.float64) * SCALE)
+                     zrow * (1.0 - MASS_EPS))
     zk_hi = tl.where(K_ON, A + tl.sum(tl.where(j <= jk, hi, 0.0), axis=0),
-                     Zf.to(tl.float64) * SCALE)
+                     zrow * (1.0 + MASS_EPS))
     p = top_p.to(tl.float64)
     t_lo = tl.maximum(zk_lo * p, 1.0)
     t_hi = tl.maximum(zk_hi * p, 1.0)
@@ -675,6 +736,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
         am = tl.zeros((), tl.int64)
         ac = tl.zeros((), tl.int64)
         cnt = tl.zeros((NB,), tl.int32)
+        ms = tl.zeros((NB,), tl.float32)
         kmin = tl.full((), 2147483647, tl.int64)        # actual key range inside the bracket
         kmax = tl.full((), -2147483648, tl.int64)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
@@ -685,11 +747,14 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                 key = f32_key(z).to(tl.int64)
                 above = fin & (key > khi)
                 inb = fin & (key >= klo) & (key <= khi)
-                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
+                e = tl.where(fin, tl.exp(z - m), 0.0)
+                am += tl.sum(tl.where(above, (e * SCALE).to(tl.int64), 0), axis=0)
                 ac += tl.sum(above.to(tl.int64), axis=0)
                 if state == 1:
                     sub = tl.where(inb, (khi - key) >> shift, 0).to(tl.int32)
-                    cnt += tl.histogram(sub, NB, mask=inb)
+                    c_t, m_t = mass_hist(sub, e, inb, NB)
+                    cnt += c_t
+                    ms += m_t
                     kmin = tl.minimum(kmin, tl.min(tl.where(inb, key, 2147483647), axis=0))
                     kmax = tl.maximum(kmax, tl.max(tl.where(inb, key, -2147483648), axis=0))
                 else:
@@ -699,11 +764,11 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                         pos = slot + tl.cumsum(inb.to(tl.int32), axis=0) - 1
                         ok = inb & (pos < CAP)
                         tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
-                        tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
+                        tl.store(cmass_ptr + b * CAP + pos, (e * SCALE).to(tl.int64), mask=ok)
         tl.store(above_m_ptr + b * C + c, am)
         tl.store(above_c_ptr + b * C + c, ac)
         if state == 1:
-            tl.store(hist_ptr + (b * C + c) * NB + tl.arange(0, NB), cnt)
+            store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
             tl.store(kext_ptr + (b * C + c) * 2, kmin.to(tl.int32))
             tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax.to(tl.int32))
         tl.debug_barrier()
@@ -718,16 +783,13 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             tau = tl.zeros((), tl.float32)
             kept = tl.zeros((), tl.int64)
             if state == 1:
-                tot = tl.zeros((NB,), tl.int32)
-                for cc in range(C):
-                    tot += tl.load(hist_ptr + (b * C + cc) * NB + tl.arange(0, NB),
-                                   cache_modifier=".cg")
+                tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB)
                 kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
                                       cache_modifier=".cg"), axis=0).to(tl.int64)
                 kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
                                       other=-2147483648, cache_modifier=".cg"), axis=0).to(tl.int64)
-                nklo, nkhi, n = key_bracket(tot, klo, khi, shift, m, am, ac, Z, k, p, k_on, p_on,
-                                            NB, SCALE)
+                nklo, nkhi, n = key_bracket(tot, tm, klo, khi, shift, am, ac, Z, k, p, k_on,
+                                            p_on, NB, SCALE)
                 # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
                 nklo = tl.maximum(nklo, kmin)
                 nkhi = tl.minimum(nkhi, kmax)

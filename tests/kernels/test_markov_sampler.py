@@ -7,7 +7,7 @@ from dspark_compile.kernels.markov_sampler import (markov_bias, markov_sample_la
                                                    markov_sample_mode_reference,
                                                    markov_sample_reference)
 from dspark_compile.kernels.philox import STREAM_DRAFT
-from dspark_compile.kernels.sampling import (gumbel_noise, probs_from_processed,
+from dspark_compile.kernels.sampling import (HIST_BINS, gumbel_noise, probs_from_processed,
                                              process_logits)
 from stats_utils import chi2_pvalue
 
@@ -438,11 +438,11 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
         torch.testing.assert_close(got_p, want_p[rows], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hist_bins", [64, 256, 4096])
+@pytest.mark.parametrize("hist_bins", [8, 32, 128])
 def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     """Other histogram sizes (the same 32 nats, coarser or finer bins) give the same exact
     thresholds: top-k, top-p and both, on peaked and near-flat rows, through bracket, gather
-    and refinement (scan fallback disabled for the rows that resolve without it)."""
+    and refinement (scan fallback disabled where the refinement must resolve the rows)."""
     w1, w2 = weights(6)
     base, anchor = _case(4, 6)
     T = torch.tensor([0.7, 1.3, 1.0, 0.9])
@@ -460,8 +460,10 @@ def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     seed, sp = torch.arange(3), torch.arange(3) + 7
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
     want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, tile=256, chunk=512, cap=64, scan_fallback=False,
-                                        hist_bins=hist_bins)
+    # coarser bins than the default narrow a bracket more slowly: at this toy cap they may need
+    # more refinement passes than REFINE_PASSES, so only they may take the exact scan
+    got_d, got_p = markov_sample_launch(*args, tile=256, chunk=512, cap=64,
+                                        scan_fallback=hist_bins < HIST_BINS, hist_bins=hist_bins)
     assert torch.equal(got_d, want_d)
     torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="hist_bins"):

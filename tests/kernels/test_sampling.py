@@ -5,12 +5,15 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from dspark_compile.kernels.philox import STREAM_TARGET
+from dspark_compile.kernels.philox import STREAM_TARGET, bits_to_uniform, philox
 from dspark_compile.kernels.rejection import sample_launch
 from dspark_compile.kernels.sampling import (argmax_tokens, fold_ids, gumbel_argmax,
-                                             probs_from_processed, process_logits,
-                                             sample_reference)
+                                             gumbel_noise, probs_from_processed, process_logits,
+                                             sample_reference, tl_vocab_gumbel,
+                                             tl_vocab_uniform)
 from stats_utils import chi2_pvalue
 
 NINF = float("-inf")
@@ -191,3 +194,55 @@ def test_fused_sample_equals_reference():
     got = sample_launch(logits, T, k, p, seed, pos, tile=128, cap=64)
     assert torch.equal(got, want)
     assert got[2] == 0 and got[5] == 0
+
+
+# ------------------------------------------------------------------------------------------
+# vocabulary noise: four tokens per Philox block, kernel and reference bit for bit
+# ------------------------------------------------------------------------------------------
+
+@triton.jit
+def _vocab_noise_kernel(seed_ptr, pos_ptr, u_ptr, g_ptr, V, TILE: tl.constexpr,
+                        STREAM: tl.constexpr):
+    b = tl.program_id(0)
+    v0 = tl.program_id(1) * TILE
+    offs = v0 + tl.arange(0, TILE)
+    seed, pos = tl.load(seed_ptr + b), tl.load(pos_ptr + b)
+    tl.store(u_ptr + b * V + offs, tl_vocab_uniform(seed, v0, pos, TILE, STREAM), mask=offs < V)
+    tl.store(g_ptr + b * V + offs, tl_vocab_gumbel(seed, v0, pos, TILE, STREAM), mask=offs < V)
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+def test_vocab_noise_kernel_equals_reference(tile):
+    """Every token of an irregular vocabulary (V % 4 != 0, a partial last tile), seeds past 2^32
+    and negative, positions past 2^32 (they wrap to 32 bits, as the reference's): the uniforms
+    bit for bit, the Gumbel values within the logs' rounding."""
+    V = 4 * 37 + 3
+    seed = torch.tensor([0, 1, (1 << 62) + 12345, -7])
+    pos = torch.tensor([0, 5, (1 << 33) + 9, 100000])
+    u = torch.empty((4, V), dtype=torch.float32)
+    g = torch.empty((4, V), dtype=torch.float32)
+    _vocab_noise_kernel[(4, triton.cdiv(V, tile))](seed, pos, u, g, V, TILE=tile, STREAM=3)
+    n4 = (V + 3) // 4
+    words = philox(seed[:, None], torch.arange(n4)[None, :], pos[:, None], torch.tensor([[3]]))
+    want_u = bits_to_uniform(torch.stack(words, -1).reshape(4, 4 * n4)[:, :V])
+    assert torch.equal(u.view(torch.int32), want_u.view(torch.int32))
+    want = gumbel_noise(seed, pos, V, 3)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+    # the four words of a block are different draws, and streams / positions give other noise
+    assert (want[:, 1:] != want[:, :-1]).all()
+    assert not torch.equal(gumbel_noise(seed, pos, V, 4), want)
+    assert not torch.equal(gumbel_noise(seed, pos + 1, V, 3), want)
+
+
+def test_vocab_gumbel_is_standard_gumbel_in_every_word():
+    """Each of the four word positions (token v % 4) follows the standard Gumbel law: a
+    chi-square test of exp(-exp(-g)) (uniform under the law) in 20 bins, per word; a shifted
+    law fails the same test."""
+    g = gumbel_noise(torch.arange(64), torch.arange(64) * 3, 4 * 2000, 1)
+    for w in range(4):
+        u = torch.exp(-torch.exp(-g[:, w::4].double())).flatten()
+        counts = torch.histc(u, bins=20, min=0.0, max=1.0)
+        assert chi2_pvalue(counts, torch.full((20,), 0.05)) > 1e-4, w
+    u = torch.exp(-torch.exp(-(g[:, 0::4].double() + 0.05))).flatten()
+    assert chi2_pvalue(torch.histc(u, bins=20, min=0.0, max=1.0), torch.full((20,), 0.05)) < 1e-6
