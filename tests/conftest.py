@@ -26,6 +26,12 @@ if not _HAS_CUDA:
     torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu-engine-buckets", default="",
+                     help="comma-separated buckets the GPU engine tests build (default: all of "
+                          "trace.DEFAULT_BUCKETS); fewer fit a short device run")
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return

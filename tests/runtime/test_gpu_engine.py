@@ -24,8 +24,24 @@ SEQ = 256
 NEAR_TIE = 1e-3
 
 
+def _buckets(config) -> tuple:
+    """The buckets under test: --gpu-engine-buckets, else every default bucket."""
+    opt = config.getoption("--gpu-engine-buckets")
+    return tuple(int(b) for b in opt.split(",")) if opt else tuple(DEFAULT_BUCKETS)
+
+
+def pytest_generate_tests(metafunc):
+    if "bucket" in metafunc.fixturenames:
+        metafunc.parametrize("bucket", _buckets(metafunc.config))
+
+
 @pytest.fixture(scope="module")
-def gpu_engine(tmp_path_factory):
+def buckets(request):
+    return _buckets(request.config)
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(tmp_path_factory, buckets):
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
     from dspark_compile.trace import BuildConfig, build_engine
@@ -33,7 +49,7 @@ def gpu_engine(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_engine")
     ckpt = synth_checkpoint("tiny", root / "ckpt", seed=0)
     t = time.perf_counter()
-    build_engine(ckpt, root / "engine", BuildConfig(buckets=DEFAULT_BUCKETS, max_rows=64,
+    build_engine(ckpt, root / "engine", BuildConfig(buckets=buckets, max_rows=64,
                                                     max_seq_len=SEQ, dtype="float32",
                                                     device="cuda"), log=lambda s: None)
     build_s = time.perf_counter() - t
@@ -79,34 +95,33 @@ def state_differences(a: dict, b: dict, trash: int):
     return differ, close
 
 
-def test_engine_captured_every_bucket(gpu_engine):
+def test_engine_captured_every_bucket(gpu_engine, buckets):
     eng = gpu_engine
-    assert sorted(eng.graphs) == list(DEFAULT_BUCKETS)
-    assert sorted(eng.greedy_graphs) == list(DEFAULT_BUCKETS)
-    assert set(eng.capture_seconds) == set(DEFAULT_BUCKETS)
+    assert sorted(eng.graphs) == sorted(buckets)
+    assert sorted(eng.greedy_graphs) == sorted(buckets)
+    assert set(eng.capture_seconds) == set(buckets)
     assert all(s > 0 for s in eng.capture_seconds.values())
-    assert eng.graph_pool_bytes[max(DEFAULT_BUCKETS)] > 0, "the largest bucket allocates the pool"
+    assert eng.graph_pool_bytes[max(buckets)] > 0, "the largest bucket allocates the pool"
 
 
-def test_manifest_records_capture_time_and_graph_memory(gpu_engine):
+def test_manifest_records_capture_time_and_graph_memory(gpu_engine, buckets):
     from dspark_compile.artifact import load_manifest
 
     eng = gpu_engine
     m = load_manifest(eng.dir)               # still valid: the checksum was updated
     major, minor = torch.cuda.get_device_capability()
     assert m["target_sm"] == f"sm_{major}{minor}" and m["torch_version"] == torch.__version__
-    assert m["graph_memory_bytes"] == {str(b): eng.graph_pool_bytes[b] for b in DEFAULT_BUCKETS}
+    assert m["graph_memory_bytes"] == {str(b): eng.graph_pool_bytes[b] for b in buckets}
     assert all(isinstance(v, int) and v >= 0 for v in m["graph_memory_bytes"].values())
     rl = m["runtime_load"]
     assert rl["device"] == torch.cuda.get_device_name()
     assert rl["load_seconds"] > 0
-    assert set(rl["capture_seconds"]) == {str(b) for b in DEFAULT_BUCKETS}
+    assert set(rl["capture_seconds"]) == {str(b) for b in buckets}
     assert all(v > 0 for v in rl["capture_seconds"].values())
     assert rl["graph_pool_total_bytes"] == sum(eng.graph_pool_bytes.values())
 
 
 @pytest.mark.parametrize("variant", ["full", "greedy"])
-@pytest.mark.parametrize("bucket", DEFAULT_BUCKETS)
 def test_graph_replay_equals_uncaptured_program(gpu_engine, live_rows, bucket, variant):
     """Same state copy, two ways: the program run directly vs its captured graph replayed.
     Padded batch: bucket - 1 live rows (scattered state rows) and the trash row among them.
