@@ -38,16 +38,15 @@ last; it reads the others' partials (bypassing L1) in a fixed order, so results 
 which program finished first. Ticket counters are one zeroed tensor per call.
 
 Top-k / top-p cost (exact thresholds without sorting, kernels/sampling.py): for rows that use
-them, reduce also builds a count histogram of its chunk (one more read of z) and the extra
+them, reduce also builds a 16-bin mass histogram of its chunk (one more read of z) and the extra
 `select` launch reads z once more (tiles whose best token is below the bracket are skipped from
-the block maxima) to collect the exact masses and the few candidates the threshold is resolved
-from. That is 2 launches and ~2 row reads (z is L2-resident: 0.5 MB per row) per step beyond
-plain sampling; `final` then skips the reads and the Philox noise for tiles with nothing kept.
-Near-flat rows overflow the candidate cap (top-p 0.95 keeps most of the vocabulary): then up to
-REFINE_PASSES `refine` launches (always launched, rows that need none exit at once) narrow the
-exact key range of the threshold by 1024x per pass from L2 (typically: one histogram pass, one
-gathering pass). T = 1.0 / top-p 0.95 (deployed) therefore costs roughly the plain path plus
-two short launches, or four on flat rows, + REFINE_PASSES near-empty launches.
+the block maxima) to collect the exact masses and the candidates the threshold is resolved
+from, when they fit CAP. Near-flat rows overflow it (top-p 0.95 keeps most of the vocabulary,
+one 2-nat bin holds ~10^4 tokens): then `refine` launches narrow the bracket ~16-fold per pass
+(typically one histogram pass and one gathering pass; REFINE_PASSES are always launched, rows
+already resolved exit at once). `final` skips the reads and the Philox noise for tiles with
+nothing kept. Every row pass keeps per-lane partials over its chunk and reduces them once: a
+reduction per tile (a CTA barrier each) made these passes ~10x slower than their bytes.
 
 `mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored) and
 "greedy" also final (every row greedy) -- graphs the engine can capture for batches whose sampling
@@ -70,7 +69,8 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_to
                        check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
-                       row_select_kernel, row_tiling, select_warps, tile_max, tl_vocab_gumbel)
+                       row_select_kernel, row_tiling, select_warps, tile_max,
+                       tl_vocab_gumbel, hist_tile)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -274,8 +274,9 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
         seed = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b) + step
         zrow = z_ptr + b.to(tl.int64) * stride_zb
-        best = tl.full((), float("-inf"), tl.float32)
-        bid = tl.full((), 0, tl.int32)
+        # per-lane best (strictly greater: the lowest id per lane), reduced once at the end
+        best_v = tl.full((TILE,), float("-inf"), tl.float32)
+        bid_v = tl.zeros((TILE,), tl.int32)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
             offs = v0 + tl.arange(0, TILE)
             vm = offs < V
@@ -287,12 +288,13 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
                 tl.store(zrow + offs, prob, mask=vm)
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
-                tb = tl.max(s, axis=0)
-                ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
-                bid = tl.where(tb > best, ti, bid)
-                best = tl.where(tb > best, tb, best)
+                upd = s > best_v
+                bid_v = tl.where(upd, offs, bid_v)
+                best_v = tl.where(upd, s, best_v)
             else:
                 tl.store(zrow + offs, tl.zeros((TILE,), tl.float32), mask=vm)
+        best = tl.max(best_v, axis=0)
+        bid = tl.min(tl.where(best_v == best, bid_v, 2147483647), axis=0)
         tl.store(best_v_ptr + b * C + c, best)
         tl.store(best_i_ptr + b * C + c, bid)
         tl.debug_barrier()
@@ -394,6 +396,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     NBLK = triton.cdiv(V, BLOCK_V)
     NPROG = _num_programs(NBLK, pps, dev, interpreting(kern))
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
+    HTILE = hist_tile(TILE, NB)
     scale = float(2 ** mass_scale_bits(V))
     f32, i32 = torch.float32, torch.int32
     anchor = anchor.contiguous()
@@ -444,8 +447,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
-            rowi, hist, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0], 1,
-            NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=NB, INV_W=INV_W, MODE=MODE,
+            rowi, hist, rst, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0], 1,
+            NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, INV_W=INV_W, MODE=MODE,
             num_warps=4)
         if MODE == 2:
             launch(row_select_kernel)[(B, C)](
@@ -459,7 +462,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                     temperature, top_k, top_p, probs, rowf, rowi, rst, bmax, above_m, above_c,
                     hist, kext, ckey, cmass, counters, counters, V, C, CHUNK, NBLK, sz, zo,
                     cnt[4 + 2 * r], cnt[5 + 2 * r], 1, int(r == refine_passes - 1),
-                    TILE=TILE, NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                    TILE=HTILE, NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
                     SCAN=scan_fallback, num_warps=select_warps(cap))
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
@@ -542,10 +545,11 @@ def _markov_configs():
         out.append(compile_config(row_reduce_kernel, dict(
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
             z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
-            rowi_ptr="*i32", hist_ptr="*i32", done_ptr="*i32", V=_D16, NBLK="i32", C=_D16,
-            CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16, step="i32",
-            done_off="i32", RPR="i32"),
-            dict(NBLK_P2=next_pow2(nblk), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W,
+            rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32", V=_D16,
+            NBLK="i32", C=_D16, CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16,
+            step="i32", done_off="i32", RPR="i32"),
+            dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
+                 INV_W=HIST_INV_W,
                  MODE=mode), 4))
     c_p2 = sorted({next_pow2(row_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
     for cp in c_p2:
@@ -564,7 +568,7 @@ def _markov_configs():
             kext_ptr="*i32", ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32",
             done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
             done_off="i32", RPR="i32", LAST="i32"),
-            dict(TILE=TILE, NB=HIST_BINS, CAP=CAND_CAP,
+            dict(TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128, SCAN=True),
             select_warps(CAND_CAP)))
         for mode in (1, 2):

@@ -39,7 +39,7 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_to
                        logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, sample_reference, select_warps, tile_max,
-                       tl_uniform, tl_vocab_gumbel)
+                       tl_uniform, tl_vocab_gumbel, hist_tile)
 from .tl_helpers import compile_config, launch, next_pow2
 
 
@@ -230,11 +230,12 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
         use_q = a < N
         qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(a, N - 1) * stride_qi
         zrow = z_ptr + r.to(tl.int64) * V
-        rsum = tl.zeros((), tl.float32)
-        br = tl.full((), float("-inf"), tl.float32)
-        bri = tl.zeros((), tl.int32)
-        bp = tl.full((), float("-inf"), tl.float32)
-        bpi = tl.zeros((), tl.int32)
+        # per-lane partials (strictly greater: the lowest id per lane), reduced once at the end
+        rsum_v = tl.zeros((TILE,), tl.float32)
+        br_v = tl.full((TILE,), float("-inf"), tl.float32)
+        bri_v = tl.zeros((TILE,), tl.int32)
+        bp_v = tl.full((TILE,), float("-inf"), tl.float32)
+        bpi_v = tl.zeros((TILE,), tl.int32)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
             # nothing of the row is kept in this tile: p = 0, so the residual is 0 too
             if (tile_max(bmax_ptr, r, NBLK, v0, TILE, BLOCK) >= tau) & ~deg:
@@ -246,18 +247,21 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                 qv = tl.load(qrow + offs, mask=vm & use_q, other=0.0)
                 qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
                 res = tl.maximum(pv - qv, 0.0)
-                rsum += tl.sum(res, axis=0)
+                rsum_v += res
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, STREAM)
                 sr = tl.where(res > 0.0, tl.log(tl.where(res > 0.0, res, 1.0)) + g, float("-inf"))
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
-                tb = tl.max(sr, axis=0)
-                ti = tl.argmax(sr, axis=0, tie_break_left=True) + v0
-                bri = tl.where(tb > br, ti, bri)
-                br = tl.where(tb > br, tb, br)
-                tb = tl.max(s, axis=0)
-                ti = tl.argmax(s, axis=0, tie_break_left=True) + v0
-                bpi = tl.where(tb > bp, ti, bpi)
-                bp = tl.where(tb > bp, tb, bp)
+                upd = sr > br_v
+                bri_v = tl.where(upd, offs, bri_v)
+                br_v = tl.where(upd, sr, br_v)
+                upd = s > bp_v
+                bpi_v = tl.where(upd, offs, bpi_v)
+                bp_v = tl.where(upd, s, bp_v)
+        rsum = tl.sum(rsum_v, axis=0)
+        br = tl.max(br_v, axis=0)
+        bri = tl.min(tl.where(br_v == br, bri_v, 2147483647), axis=0)
+        bp = tl.max(bp_v, axis=0)
+        bpi = tl.min(tl.where(bp_v == bp, bpi_v, 2147483647), axis=0)
         o = (b * C + c) * 3
         tl.store(part_f_ptr + o, rsum)
         tl.store(part_f_ptr + o + 1, br)
@@ -350,10 +354,12 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     launch(_rows_stats_kernel)[(R, NBLK)](
         logits, temperature, z, bmax, barg, bsum, bnan, V, NBLK, N1, logits.stride(1),
         BLOCK=TILE, num_warps=4)
+    HTILE = hist_tile(TILE, HIST_BINS)
     launch(row_reduce_kernel)[(R, C)](
-        bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, hist, counters,
+        bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, hist, rst, counters,
         V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
-        NBLK_P2=next_pow2(NBLK), TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=2, num_warps=4)
+        NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=2,
+        num_warps=4)
     launch(row_select_kernel)[(R, C)](
         *flags, z, rowf, rowi, bmax, above_m, above_c, ckey, cmass, counters, counters,
         kext, rst, V, C, CHUNK, NBLK, V, 0, R, 2 * R, N1,
@@ -364,7 +370,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         launch(row_refine_kernel)[(R, C)](
             *flags, z, rowf, rowi, rst, bmax, above_m, above_c, hist, kext, ckey, cmass, counters,
             counters, V, C, CHUNK, NBLK, V, 0, o, o + R, N1, int(r == REFINE_PASSES - 1),
-            TILE=TILE, NB=HIST_BINS, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
+            TILE=HTILE, NB=HIST_BINS, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
             C_P2=next_pow2(C), BLOCK_V=TILE, num_warps=select_warps(cap))
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,

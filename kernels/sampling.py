@@ -224,6 +224,12 @@ def row_tiling(rows: int, V: int, tile: int | None = None, chunk: int | None = N
     return TILE, CHUNK, triton.cdiv(V, CHUNK)
 
 
+def hist_tile(tile: int, nb: int) -> int:
+    """Tokens per loop step of the histogram passes (reduce, refine): they keep per-lane
+    [tile, nb] histograms in registers, so 4096 cells (32 per thread at 4 warps)."""
+    return max(16, min(tile, 4096 // nb))
+
+
 def mass_scale_bits(V: int) -> int:
     """Fixed-point fraction bits: V masses <= 1 sum below 2^62."""
     return 61 - max(int(V - 1).bit_length(), 1)
@@ -290,17 +296,36 @@ def d_bin(z, m, INV_W: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def fixed_mass(z, m, SCALE: tl.constexpr):
-    """exp(z - m) as int64 fixed point (0 for -inf)."""
-    e = tl.where(z > float("-inf"), tl.exp(z - m), 0.0)
+def fixed_of(e, SCALE: tl.constexpr):
+    """A mass e = exp(z - m) in int64 fixed point (floor of e * SCALE)."""
     return (e * SCALE).to(tl.int64)
 
 
 @triton.jit
-def mass_hist(j, e, valid, NB: tl.constexpr):
-    """(count [NB] int32, mass [NB] fp32): tokens and summed masses e per bin j in [0, NB)."""
+def fixed_mass(z, m, SCALE: tl.constexpr):
+    """exp(z - m) as int64 fixed point (0 for -inf)."""
+    return fixed_of(tl.where(z > float("-inf"), tl.exp(z - m), 0.0), SCALE)
+
+
+@triton.jit
+def hist_add(cnt2, ms2, j, e, valid, NB: tl.constexpr):
+    """Add tokens (bin j in [0, NB), mass e) to per-lane histograms cnt2 / ms2 [TILE, NB].
+
+    Nothing crosses threads here: a program sums its lanes once, after its loop (a histogram
+    reduced per tile costs a CTA barrier per tile, which is what bounded these passes)."""
     hit = (j[:, None] == tl.arange(0, NB)[None, :]) & valid[:, None]
-    return tl.histogram(j, NB, mask=valid), tl.sum(tl.where(hit, e[:, None], 0.0), axis=0)
+    return cnt2 + hit.to(tl.int32), ms2 + tl.where(hit, e[:, None], 0.0)
+
+
+@triton.jit
+def gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, sel, key, w, CAP: tl.constexpr):
+    """Append the selected tokens' (key, fixed mass) to row b's candidate list, one atomic slot
+    per token (lanes not selected issue none). ccount[b] ends as the number of candidates, also
+    past CAP; their order is arbitrary, which resolve() does not depend on."""
+    slot = tl.atomic_add(ccount_ptr + b + tl.zeros_like(key), 1, mask=sel, sem="relaxed")
+    ok = sel & (slot < CAP)
+    tl.store(ckey_ptr + b * CAP + slot, key, mask=ok)
+    tl.store(cmass_ptr + b * CAP + slot, w, mask=ok)
 
 
 @triton.jit
@@ -483,7 +508,7 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 
 @triton.jit
 def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
-                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, done_ptr,
+                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
                       V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off, RPR,
                       NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
                       INV_W: tl.constexpr, MODE: tl.constexpr):
@@ -517,16 +542,16 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
         if MODE == 2:
             if (~greedy) & (~deg) & (k_on | p_on):
                 zrow = z_ptr + b.to(tl.int64) * stride_zb
-                cnt = tl.zeros((NB,), tl.int32)
-                ms = tl.zeros((NB,), tl.float32)
+                cnt2 = tl.zeros((TILE, NB), tl.int32)
+                ms2 = tl.zeros((TILE, NB), tl.float32)
                 for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
                     offs = v0 + tl.arange(0, TILE)
                     z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
                     fin = z > float("-inf")
                     e = tl.where(fin, tl.exp(z - m), 0.0)
-                    c_t, m_t = mass_hist(d_bin(z, m, INV_W, NB), e, fin, NB)
-                    cnt += c_t
-                    ms += m_t
+                    cnt2, ms2 = hist_add(cnt2, ms2, d_bin(z, m, INV_W, NB), e, fin, NB)
+                cnt = tl.sum(cnt2, axis=0)
+                ms = tl.sum(ms2, axis=0)
                 store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
                 tl.debug_barrier()   # every thread's stores happen before the releasing ticket
                 if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
@@ -534,6 +559,10 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                     # k beyond the finite tokens: keep all
                     k_on = k_on & (k <= tl.sum(tot, axis=0))
                     jlo, jhi = bracket(tot, tm, k, p, k_on, p_on, NB)
+                    jj = tl.arange(0, NB)
+                    # the bracket's exact token count: select gathers only what fits CAP
+                    tl.store(rst_ptr + b * 4 + 3, tl.sum(tl.where((jj >= jlo) & (jj <= jhi), tot, 0),
+                                                         axis=0))
                     tl.store(rowi_ptr + b * 4, jlo)
                     tl.store(rowi_ptr + b * 4 + 1, jhi)
                     tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
@@ -562,11 +591,13 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
         jhi = tl.load(rowi_ptr + b * 4 + 1)
         m = tl.load(rowf_ptr + b * 4)
         Z = tl.load(rowf_ptr + b * 4 + 1)
+        nb = tl.load(rst_ptr + b * 4 + 3)            # tokens in the bracket (exact, from reduce)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
-        am = tl.zeros((), tl.int64)
-        ac = tl.zeros((), tl.int64)
-        kmin = tl.full((), 2147483647, tl.int32)        # key range of the candidates
-        kmax = tl.full((), -2147483648, tl.int32)
+        # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
+        am_v = tl.zeros((TILE,), tl.int64)               # exact fixed mass above the bracket
+        ac_v = tl.zeros((TILE,), tl.int32)
+        kmin_v = tl.full((TILE,), 2147483647, tl.int32)   # key range of the candidates
+        kmax_v = tl.full((TILE,), -2147483648, tl.int32)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
             # a tile whose best token lies below the bracket holds nothing of interest
             if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
@@ -576,20 +607,18 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                 j = d_bin(z, m, INV_W, NB)
                 above = fin & (j < jlo)
                 cand = fin & (j >= jlo) & (j <= jhi)
-                am += tl.sum(tl.where(above, fixed_mass(z, m, SCALE), 0), axis=0)
-                ac += tl.sum(above.to(tl.int64), axis=0)
-                n_t = tl.sum(cand.to(tl.int32), axis=0)
-                if n_t > 0:
-                    key = f32_key(z)
-                    kmin = tl.minimum(kmin, tl.min(tl.where(cand, key, 2147483647), axis=0))
-                    kmax = tl.maximum(kmax, tl.max(tl.where(cand, key, -2147483648), axis=0))
-                    slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
-                    pos = slot + tl.cumsum(cand.to(tl.int32), axis=0) - 1
-                    ok = cand & (pos < CAP)
-                    tl.store(ckey_ptr + b * CAP + pos, key, mask=ok)
-                    tl.store(cmass_ptr + b * CAP + pos, fixed_mass(z, m, SCALE), mask=ok)
-        tl.store(above_m_ptr + b * C + c, am)
-        tl.store(above_c_ptr + b * C + c, ac)
+                w = fixed_mass(z, m, SCALE)
+                am_v += tl.where(above, w, 0)
+                ac_v += above.to(tl.int32)
+                key = f32_key(z)
+                kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
+                kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
+                if nb <= CAP:
+                    gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
+        tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
+        tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
+        kmin = tl.min(kmin_v, axis=0)
+        kmax = tl.max(kmax_v, axis=0)
         tl.store(kext_ptr + (b * C + c) * 2, kmin)
         tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax)
         tl.debug_barrier()
@@ -600,12 +629,12 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                         axis=0)
             ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
                         axis=0)
-            n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")
+            n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")      # == nb when gathered
             idx = tl.arange(0, CAP)
             valid = idx < n
             keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
             w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-            if n > CAP:
+            if nb > CAP:
                 # overflow: the candidates are exactly the tokens with key in [kmin, kmax];
                 # row_refine_kernel narrows that range (and resolves tau)
                 kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
@@ -630,69 +659,70 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # Refinement of an overflowing bracket (radix-select style, exact)
 # ----------------------------------------------------------------------------------------------
 #
-# Near-flat rows (top-p 0.95 over a flat-ish distribution) put far more than CAP tokens in the
-# first bracket: per-bin mass bounds are only good to ~3 %. The select pass then records the
-# bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly the finite
-# tokens with key in it, since bins are monotone in z) and each refine pass over the row
-#   HIST:   sums the exact fixed-point mass/count above khi and a count histogram of NB
-#           sub-bins of 2^shift keys (descending); its last program narrows [klo, khi] to the
-#           sub-bins that hold tau (exact offsets + per-sub-bin mass bounds from the bin edges);
+# Near-flat rows (top-p 0.95 over a flat-ish distribution) put more than CAP tokens in the
+# first bracket (one 2-nat bin holds ~10^4 tokens at the Flash vocabulary). The select pass then
+# records the bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly the
+# finite tokens with key in it, since bins are monotone in z) and each refine pass over the row
+#   HIST:   sums the exact fixed-point mass/count above khi, and for NB fp32 edges splitting the
+#           bracket's value range evenly, the count and fp32 mass of its tokens above each edge;
+#           its last program narrows [klo, khi] to the edge interval(s) that hold tau;
 #   GATHER: once the bracket holds <= CAP tokens (or a single key), collects them and resolves
 #           tau exactly as the select pass does.
-# A key span of 2^31 shrinks by NB per HIST pass; a bracket ~0.1 nat wide needs one. Row
-# state (rst): [state (0 done, 1 HIST, 2 GATHER), klo, khi, -]. Bounds only decide which
-# tokens are gathered: resolve() verifies the bracket with exact sums, and anything it cannot
-# decide (or a row still unresolved after the last pass) takes resolve_by_scan: exact always.
+# Edges are explicit fp32 values and membership is a comparison, so an interval is exactly a key
+# range (even across zero, where key-space bins of equal width would hold nearly every token).
+# Each HIST pass narrows the bracket ~NB-fold in value. Row state (rst): [state (0 done, 1 HIST,
+# 2 GATHER), klo, khi, tokens in the select bracket]. Bounds only decide which tokens are
+# gathered: resolve() verifies the bracket with exact sums, and anything it cannot decide (or a
+# row still unresolved after the last pass) takes resolve_by_scan: exact always.
 
 REFINE_PASSES = 4
-# relative slack of the per-sub-bin mass bounds (fp32 exp error is ~1e-7)
-_REFINE_EPS = tl.constexpr(1e-5)
 
 
 @triton.jit
-def key_shift(klo, khi, NB: tl.constexpr):
-    """Smallest shift with (khi - klo) >> shift < NB (keys int64)."""
-    span = khi - klo
-    shift = tl.zeros((), tl.int64)
-    while (span >> shift) >= NB:
-        shift += 1
-    return shift
+def refine_edges(klo, khi, NB: tl.constexpr):
+    """NB descending fp32 edges splitting [key_f32(klo), key_f32(khi)] into even intervals
+    (interval i: t[i] < z <= t[i - 1]); the last edge is -inf, so it takes the rest."""
+    zlo = key_f32(klo)
+    zhi = key_f32(khi)
+    i = tl.arange(0, NB)
+    w = zhi / NB - zlo / NB                     # no overflow for any finite pair
+    t = zhi - (i + 1).to(tl.float32) * w
+    return tl.where(i == NB - 1, float("-inf"), t)
 
 
 @triton.jit
-def key_bracket(cnt, mass, klo, khi, shift, am, ac, Zf, k, top_p, K_ON, P_ON,
-                NB: tl.constexpr, SCALE: tl.constexpr):
-    """(klo', khi', n') from the histogram of descending sub-bins j = (khi - key) >> shift
-    (exact counts cnt [NB], fp32 masses [NB] in units of exp(z - max)) and the exact fixed mass
-    am / count ac of the tokens above khi. Same logic as bracket(), in fixed-point units (a
-    token's fixed mass is floor(e * SCALE): up to one unit below e * SCALE). Without top-k the
-    target is top_p times the whole row's mass Zf (the sub-bins only cover the bracket)."""
-    j = tl.arange(0, NB).to(tl.int64)
-    msc = mass.to(tl.float64) * SCALE
-    hi = msc * (1.0 + MASS_EPS)
-    lo = tl.maximum(msc * (1.0 - MASS_EPS) - cnt.to(tl.float64), 0.0)
+def edge_bracket(cg, mg, t, klo, khi, am, ac, Zf, k, top_p, K_ON, P_ON,
+                 NB: tl.constexpr, SCALE: tl.constexpr):
+    """(klo', khi', n') from the bracket tokens' counts cg [NB] and fp32 masses mg [NB] (units of
+    exp(z - max)) above each edge t [NB], and the exact fixed mass am / count ac of the tokens
+    above khi. Same logic as bracket(), on cumulative sums and in fixed-point units (a token's
+    fixed mass is floor(e * SCALE): up to one unit below e * SCALE). Without top-k the target is
+    top_p times the whole row's mass Zf (the edges only cover the bracket)."""
+    i = tl.arange(0, NB)
+    msc = mg.to(tl.float64) * SCALE
     A = am.to(tl.float64)
-    CH = A + tl.cumsum(hi, axis=0)
-    CL = A + tl.cumsum(lo, axis=0)
-    cc = ac + tl.cumsum(cnt.to(tl.int64), axis=0)
-    jk = tl.minimum(tl.sum((cc < k).to(tl.int64), axis=0), NB - 1)
+    CH = A + msc * (1.0 + MASS_EPS)
+    CL = A + tl.maximum(msc * (1.0 - MASS_EPS) - cg.to(tl.float64), 0.0)
+    cc = ac + cg.to(tl.int64)
+    ik = tl.minimum(tl.sum((cc < k).to(tl.int32), axis=0), NB - 1)
     zrow = Zf.to(tl.float64) * SCALE
-    zk_lo = tl.where(K_ON, A + tl.sum(tl.where(j < jk, lo, 0.0), axis=0),
-                     zrow * (1.0 - MASS_EPS))
-    zk_hi = tl.where(K_ON, A + tl.sum(tl.where(j <= jk, hi, 0.0), axis=0),
-                     zrow * (1.0 + MASS_EPS))
+    zk_lo = tl.where(K_ON, tl.max(tl.where(i < ik, CL, A), axis=0), zrow * (1.0 - MASS_EPS))
+    zk_hi = tl.where(K_ON, tl.max(tl.where(i <= ik, CH, A), axis=0), zrow * (1.0 + MASS_EPS))
     p = top_p.to(tl.float64)
     t_lo = tl.maximum(zk_lo * p, 1.0)
     t_hi = tl.maximum(zk_hi * p, 1.0)
-    jp_min = tl.minimum(tl.sum((CH < t_lo).to(tl.int64), axis=0), NB - 1)
-    jp_max = tl.minimum(tl.sum((CL < t_hi).to(tl.int64), axis=0), NB - 1)
-    jp_min = tl.where(K_ON, tl.minimum(jp_min, jk), jp_min)
-    jlo = tl.where(P_ON, jp_min, jk)
-    jhi = tl.where(K_ON, jk, jp_max)
-    n = tl.sum(tl.where((j >= jlo) & (j <= jhi), cnt.to(tl.int64), 0), axis=0)
-    nkhi = khi - (jlo << shift)
-    nklo = tl.maximum(khi - ((jhi + 1) << shift) + 1, klo)
-    return nklo, nkhi, n
+    ip_min = tl.minimum(tl.sum((CH < t_lo).to(tl.int32), axis=0), NB - 1)
+    ip_max = tl.minimum(tl.sum((CL < t_hi).to(tl.int32), axis=0), NB - 1)
+    ip_min = tl.where(K_ON, tl.minimum(ip_min, ik), ip_min)
+    jlo = tl.where(P_ON, ip_min, ik)
+    jhi = tl.where(K_ON, ik, ip_max)
+    below = tl.sum(tl.where(i == jlo - 1, cg, 0), axis=0)          # 0 when jlo == 0
+    n = tl.sum(tl.where(i == jhi, cg, 0), axis=0) - below
+    t_top = tl.max(tl.where(i == jlo - 1, t, float("-inf")), axis=0)
+    t_bot = tl.max(tl.where(i == jhi, t, float("-inf")), axis=0)
+    nkhi = tl.where(jlo == 0, khi, f32_key(t_top).to(tl.int64))
+    nklo = tl.where(jhi == NB - 1, klo, f32_key(t_bot).to(tl.int64) + 1)
+    return nklo, nkhi, n.to(tl.int64)
 
 
 @triton.jit
@@ -728,49 +758,45 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
         k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
         klo = tl.load(rst_ptr + b * 4 + 1).to(tl.int64)
         khi = tl.load(rst_ptr + b * 4 + 2).to(tl.int64)
-        shift = key_shift(klo, khi, NB)
         m = tl.load(rowf_ptr + b * 4)
         Z = tl.load(rowf_ptr + b * 4 + 1)
         zlo = key_f32(klo)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
-        am = tl.zeros((), tl.int64)
-        ac = tl.zeros((), tl.int64)
-        cnt = tl.zeros((NB,), tl.int32)
-        ms = tl.zeros((NB,), tl.float32)
-        kmin = tl.full((), 2147483647, tl.int64)        # actual key range inside the bracket
-        kmax = tl.full((), -2147483648, tl.int64)
+        t = refine_edges(klo, khi, NB)
+        # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
+        am_v = tl.zeros((TILE,), tl.int64)                 # exact fixed mass above khi
+        ac_v = tl.zeros((TILE,), tl.int32)
+        kmin_v = tl.full((TILE,), 2147483647, tl.int32)    # actual key range inside the bracket
+        kmax_v = tl.full((TILE,), -2147483648, tl.int32)
+        cg2 = tl.zeros((TILE, NB), tl.int32)               # bracket tokens above each edge
+        mg2 = tl.zeros((TILE, NB), tl.float32)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
             if tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= zlo:   # else all below klo
                 offs = v0 + tl.arange(0, TILE)
                 z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
                 fin = z > float("-inf")
-                key = f32_key(z).to(tl.int64)
+                key = f32_key(z)
                 above = fin & (key > khi)
                 inb = fin & (key >= klo) & (key <= khi)
                 e = tl.where(fin, tl.exp(z - m), 0.0)
-                am += tl.sum(tl.where(above, (e * SCALE).to(tl.int64), 0), axis=0)
-                ac += tl.sum(above.to(tl.int64), axis=0)
+                w = fixed_of(e, SCALE)
+                am_v += tl.where(above, w, 0)
+                ac_v += above.to(tl.int32)
                 if state == 1:
-                    sub = tl.where(inb, (khi - key) >> shift, 0).to(tl.int32)
-                    c_t, m_t = mass_hist(sub, e, inb, NB)
-                    cnt += c_t
-                    ms += m_t
-                    kmin = tl.minimum(kmin, tl.min(tl.where(inb, key, 2147483647), axis=0))
-                    kmax = tl.maximum(kmax, tl.max(tl.where(inb, key, -2147483648), axis=0))
+                    gt = (z[:, None] > t[None, :]) & inb[:, None]
+                    cg2 += gt.to(tl.int32)
+                    mg2 += tl.where(gt, e[:, None], 0.0)
+                    kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
+                    kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
                 else:
-                    n_t = tl.sum(inb.to(tl.int32), axis=0)
-                    if n_t > 0:
-                        slot = tl.atomic_add(ccount_ptr + b, n_t, sem="relaxed")
-                        pos = slot + tl.cumsum(inb.to(tl.int32), axis=0) - 1
-                        ok = inb & (pos < CAP)
-                        tl.store(ckey_ptr + b * CAP + pos, f32_key(z), mask=ok)
-                        tl.store(cmass_ptr + b * CAP + pos, (e * SCALE).to(tl.int64), mask=ok)
-        tl.store(above_m_ptr + b * C + c, am)
-        tl.store(above_c_ptr + b * C + c, ac)
+                    gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, inb, key, w, CAP)
+        tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
+        tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
         if state == 1:
-            store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
-            tl.store(kext_ptr + (b * C + c) * 2, kmin.to(tl.int32))
-            tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax.to(tl.int32))
+            store_hist(hist_ptr, (b * C + c) * 2 * NB, tl.sum(cg2, axis=0), tl.sum(mg2, axis=0),
+                       NB)
+            tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
+            tl.store(kext_ptr + (b * C + c) * 2 + 1, tl.max(kmax_v, axis=0))
         tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
             co = tl.arange(0, C_P2)
@@ -788,8 +814,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                                       cache_modifier=".cg"), axis=0).to(tl.int64)
                 kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
                                       other=-2147483648, cache_modifier=".cg"), axis=0).to(tl.int64)
-                nklo, nkhi, n = key_bracket(tot, tm, klo, khi, shift, am, ac, Z, k, p, k_on,
-                                            p_on, NB, SCALE)
+                nklo, nkhi, n = edge_bracket(tot, tm, t, klo, khi, am, ac, Z, k, p, k_on, p_on,
+                                             NB, SCALE)
                 # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
                 nklo = tl.maximum(nklo, kmin)
                 nkhi = tl.minimum(nkhi, kmax)
@@ -799,7 +825,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                 if kmin == kmax:
                     # the whole bracket is one value (exact ties): resolved here, exactly
                     finish = kmin == kmax
-                    tau, kept, ok = resolve_one_key(kmin, tl.sum(tot, axis=0).to(tl.int64), am,
+                    tau, kept, ok = resolve_one_key(kmin, tl.max(tot, axis=0).to(tl.int64), am,
                                                     ac, m, Z, k, p, k_on, p_on, SCALE)
                     if ~ok:
                         tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
