@@ -675,7 +675,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # gathered: resolve() verifies the bracket with exact sums, and anything it cannot decide (or a
 # row still unresolved after the last pass) takes resolve_by_scan: exact always.
 
-REFINE_PASSES = 4
+REFINE_PASSES = 3
 
 
 @triton.jit
