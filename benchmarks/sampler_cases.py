@@ -9,10 +9,9 @@ Cases per B (requests):
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
-  top-p, so it is not a variant here. `ours-refine3`: 3 threshold refinement passes instead of
-  REFINE_PASSES (4); `ours-hist4` / `ours-hist16`: threshold mass histograms of 4 / 16 bins
-  instead of HIST_BINS (8); `ours-hist16-refine3` the previous default; `ours-cap1024`: 1024
-  threshold candidates instead of CAND_CAP.
+  top-p, so it is not a variant here. `ours-refine4`: 4 threshold refinement passes instead of
+  REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass histograms of 8 / 32 bins
+  instead of HIST_BINS (16); `ours-cap1024`: 1024 threshold candidates instead of CAND_CAP.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
@@ -121,11 +120,9 @@ def _threshold_variants():
     launch, near-empty for rows already resolved), mass-histogram bins (cost per token grows
     with them, brackets narrow faster) and the candidate cap (the resolving program bisects over
     that many registers; a smaller cap overflows into one more refinement pass more often)."""
-    out = {"ours-refine3": lambda d: ms.markov_sample_launch(**d, refine_passes=3)}
+    out = {"ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4)}
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
-                for n in (4, 16)})
-    out["ours-hist16-refine3"] = lambda d: ms.markov_sample_launch(**d, hist_bins=16,
-                                                                   refine_passes=3)
+                for n in (8, 32)})
     out["ours-cap1024"] = lambda d: ms.markov_sample_launch(**d, cap=1024)
     return out
 

@@ -38,12 +38,12 @@ last; it reads the others' partials (bypassing L1) in a fixed order, so results 
 which program finished first. Ticket counters are one zeroed tensor per call.
 
 Top-k / top-p cost (exact thresholds without sorting, kernels/sampling.py): for rows that use
-them, reduce also builds an 8-bin mass histogram of its chunk (one more read of z) and the extra
+them, reduce also builds a 16-bin mass histogram of its chunk (one more read of z) and the extra
 `select` launch reads z once more (tiles whose best token is below the bracket are skipped from
 the block maxima) to collect the exact masses and the candidates the threshold is resolved
 from, when they fit CAP. Near-flat rows overflow it (top-p 0.95 keeps most of the vocabulary,
-one 4-nat bin holds ~10^4 tokens): then `refine` launches narrow the bracket ~8-fold per pass
-(typically two histogram passes and one gathering pass; REFINE_PASSES are always launched, rows
+one 2-nat bin holds ~10^4 tokens): then `refine` launches narrow the bracket ~16-fold per pass
+(typically one histogram pass and one gathering pass; REFINE_PASSES are always launched, rows
 already resolved exit at once). `final` skips the reads and the Philox noise for tiles with
 nothing kept. Every row pass keeps per-lane partials over its chunk and reduces them once: a
 reduction per tile (a CTA barrier each) made these passes ~10x slower than their bytes.

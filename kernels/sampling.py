@@ -180,7 +180,7 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #   3. one pass sums the exact fixed-point masses of the tokens above the range and gathers the
 #      tokens inside it (the candidates, at most CAP); `resolve` bisects over their fp32 bit
 #      keys for the exact tau. Overflow (> CAP candidates: near-flat rows, where top-p 0.95 keeps
-#      most of the vocabulary and one 4-nat bin holds 10^4+ tokens) goes to the radix refinement
+#      most of the vocabulary and one 2-nat bin holds 10^4+ tokens) goes to the radix refinement
 #      below: each pass splits the overflowing key range into NB sub-bins with their masses, so
 #      it narrows by ~NB (REFINE_PASSES more passes). What that cannot decide (top-k and top-p
 #      both on with > CAP tokens between their thresholds, > CAP tokens within ~1 ulp, a wrong
@@ -194,11 +194,10 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 # bounded a bin's mass by count * [e^-(j+1)w, e^-jw]. Those bounds are only as tight as the bin is
 # narrow, so it needed 1024 bins of 1/32 nat, and tl.histogram's cost grows with the bin count:
 # on the H200 the histogram passes took ~90 % of a top-p step at B = 64 (5.1 ms per call). Summed
-# masses make the bracket one bin wide whatever the width, so a few bins do. Their cost is a
-# compare/select per bin and token: on the H200 at B = 64, 8 bins beat 16 by ~6 % per call (the
-# histogram pass halves; the extra refinement launch costs less) and 32 bins lose 40 %.
+# masses make the bracket one bin wide whatever the width, so 16 bins do (a compare/select per bin
+# and token: cheap at 16).
 
-HIST_BINS = 8             # NB: bins of 4 nats cover d in [0, 32), the last bin is open
+HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
 CAND_CAP = 4096           # candidates resolved in registers by one program
 # relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms per program, then
@@ -661,7 +660,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # ----------------------------------------------------------------------------------------------
 #
 # Near-flat rows (top-p 0.95 over a flat-ish distribution) put more than CAP tokens in the
-# first bracket (one 4-nat bin holds ~10^4 tokens at the Flash vocabulary). The select pass then
+# first bracket (one 2-nat bin holds ~10^4 tokens at the Flash vocabulary). The select pass then
 # records the bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly the
 # finite tokens with key in it, since bins are monotone in z) and each refine pass over the row
 #   HIST:   sums the exact fixed-point mass/count above khi, and for NB fp32 edges splitting the
@@ -676,7 +675,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # gathered: resolve() verifies the bracket with exact sums, and anything it cannot decide (or a
 # row still unresolved after the last pass) takes resolve_by_scan: exact always.
 
-REFINE_PASSES = 4     # 8 edges per pass: ~8-fold narrowing; near-flat toy rows need 4
+REFINE_PASSES = 3
 
 
 @triton.jit
