@@ -310,7 +310,8 @@ def main(argv=None):
     p.add_argument("--variant-budget", type=float, default=20.0,
                    help="seconds a slow variant may take: fewer calls per graph / replays")
     p.add_argument("--variants", default="",
-                   help='comma-separated fnmatch patterns of variant labels to time ("ours*,compile")')
+                   help='comma-separated fnmatch patterns of the variant labels to time '
+                        '("ours*,compile")')
     p.add_argument("--git-commit", default=None, help="record this commit (when .git is absent)")
     p.add_argument("--dry-run", action="store_true", help="build and run each case once, no timing")
     p.add_argument("--case-dir", default=CASE_DIR, help="folder searched for *_cases.py modules")

@@ -181,24 +181,26 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #      tokens inside it (the candidates, at most CAP); `resolve` bisects over their fp32 bit
 #      keys for the exact tau. Overflow (> CAP candidates: near-flat rows, where top-p 0.95 keeps
 #      most of the vocabulary and one 2-nat bin holds 10^4+ tokens) goes to the radix refinement
-#      below: each pass splits the overflowing key range into NB sub-bins with their masses, so
-#      it narrows by ~NB (REFINE_PASSES more passes). What that cannot decide (top-k and top-p
-#      both on with > CAP tokens between their thresholds, > CAP tokens within ~1 ulp, a wrong
-#      bracket) falls back to `resolve_by_scan`, which bisects with a full row scan per probe:
-#      exact, slow.
+#      below: each pass splits the overflowing value range at NB edges and sums the masses
+#      above each, so it narrows by ~NB (REFINE_PASSES more passes). What that cannot decide
+#      (top-k and top-p both on with > CAP tokens between their thresholds, > CAP tokens within
+#      ~1 ulp, a wrong bracket) falls back to `resolve_by_scan`, which bisects with a full row
+#      scan per probe: exact, slow.
 # Masses are exp(z - max) in fixed point (int64, 2^SCALE_BITS per unit) wherever they decide
 # something: sums are exact and order-independent, so the result does not depend on which
 # program finished first. The fp32 bin masses only place the bracket (resolve() checks it).
 #
-# Why mass bins and few of them: the first version counted tokens per bin (tl.histogram) and
-# bounded a bin's mass by count * [e^-(j+1)w, e^-jw]. Those bounds are only as tight as the bin is
-# narrow, so it needed 1024 bins of 1/32 nat, and tl.histogram's cost grows with the bin count:
-# on the H200 the histogram passes took ~90 % of a top-p step at B = 64 (5.1 ms per call). Summed
-# masses make the bracket one bin wide whatever the width, so a few bins do. Their cost is a
-# compare/select per bin and token. Measured on the H200 (B = 64, top-p 0.95, per call): 16 bins
-# 2313 us, 32 bins 3919 us, 8 bins 2163 us but with 3 refinement passes, which 8 edges do not
-# always resolve near-flat rows in (the toy rows of the tests need 4). 8 bins + 4 passes is the
-# next candidate; it is not the default because it has not been timed or run on a GPU yet.
+# Why mass bins, few of them, and per-lane partials (H200, B = 64, top-p 0.95, per call):
+# - The first version counted tokens per bin (tl.histogram) and bounded a bin's mass by
+#   count * [e^-(j+1)w, e^-jw]. Those bounds are only as tight as the bin is narrow: it needed
+#   1024 bins of 1/32 nat (5.1 ms per call). Summed masses make the bracket one bin wide
+#   whatever the width, so a few bins do: 3.99 ms with 16.
+# - The rest was structure, not arithmetic: every pass reduced each tile across the CTA (5-6
+#   barriers per 1024 tokens). Per-lane partials reduced once per program: 2.31 ms.
+# - A mass bin costs a compare/select per token: 32 bins 3.92 ms, 8 bins 2.16 ms but with 3
+#   refinement passes, in which 8 edges do not always resolve near-flat rows (the tests' toy
+#   rows need 4). 8 bins + 4 passes is the next candidate; it is not the default because it has
+#   not been timed or run on a GPU yet.
 
 HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
@@ -564,8 +566,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                     jlo, jhi = bracket(tot, tm, k, p, k_on, p_on, NB)
                     jj = tl.arange(0, NB)
                     # the bracket's exact token count: select gathers only what fits CAP
-                    tl.store(rst_ptr + b * 4 + 3, tl.sum(tl.where((jj >= jlo) & (jj <= jhi), tot, 0),
-                                                         axis=0))
+                    n_in = tl.sum(tl.where((jj >= jlo) & (jj <= jhi), tot, 0), axis=0)
+                    tl.store(rst_ptr + b * 4 + 3, n_in)
                     tl.store(rowi_ptr + b * 4, jlo)
                     tl.store(rowi_ptr + b * 4 + 1, jhi)
                     tl.store(rowi_ptr + b * 4 + 2, k_on.to(tl.int32))
