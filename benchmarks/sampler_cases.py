@@ -11,7 +11,8 @@ Cases per B (requests):
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4`: 4 threshold refinement passes instead of
   REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass histograms of 8 / 32 bins
-  instead of HIST_BINS (16); `ours-cap1024`: 1024 threshold candidates instead of CAND_CAP.
+  instead of HIST_BINS (16); `ours-cap1024`: 1024 threshold candidates instead of CAND_CAP;
+  `ours-hist8-refine4`: 8 bins with 4 passes (the next default candidate).
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
@@ -124,6 +125,9 @@ def _threshold_variants():
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
                 for n in (8, 32)})
     out["ours-cap1024"] = lambda d: ms.markov_sample_launch(**d, cap=1024)
+    # the next default candidate: 8 edges narrow more slowly, so one refinement pass more
+    out["ours-hist8-refine4"] = lambda d: ms.markov_sample_launch(**d, hist_bins=8,
+                                                                  refine_passes=4)
     return out
 
 
