@@ -155,9 +155,13 @@ def test_batch_larger_than_the_largest_bucket(small_loaded, ref_model):
     ref = generate(ref_model, prompts, params, speculative=True)
     _assert_same(res, ref, prompts)
     times = small_loaded.times
-    # 5 live rows over buckets of at most 2: every step is split across calls (2 + 2 + 1 at
-    # first), so both programs ran
-    assert times.steps >= 2 * res.steps and set(times.per_bucket) == {1, 2}, times
+    # 5 live rows over buckets of at most 2: the first step alone takes 3 calls (2 + 2 + 1),
+    # both programs ran, and the calls carried every live row of every step (a call holds at
+    # most 2). How many calls the later steps take depends on when rows finish (sampled rows:
+    # on the noise), so no tighter count is asserted.
+    assert set(times.per_bucket) == {1, 2}, times
+    assert times.steps >= res.steps + 2, times
+    assert 2 * times.per_bucket[2] + times.per_bucket[1] >= res.row_steps, (times, res.row_steps)
     assert (res.steps, res.accepted_at) == (ref.steps, ref.accepted_at)
 
 
