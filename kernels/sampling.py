@@ -592,72 +592,80 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
     deg = tl.load(rowi_ptr + b * 4 + 3) != 0
     if (~greedy) & (~deg) & (k_on | p_on):
         k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
-        jlo = tl.load(rowi_ptr + b * 4)
-        jhi = tl.load(rowi_ptr + b * 4 + 1)
-        m = tl.load(rowf_ptr + b * 4)
-        Z = tl.load(rowf_ptr + b * 4 + 1)
-        nb = tl.load(rst_ptr + b * 4 + 3)            # tokens in the bracket (exact, from reduce)
-        zrow = z_ptr + b.to(tl.int64) * stride_zb
-        # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
-        am_v = tl.zeros((TILE,), tl.int64)               # exact fixed mass above the bracket
-        ac_v = tl.zeros((TILE,), tl.int32)
-        kmin_v = tl.full((TILE,), 2147483647, tl.int32)   # key range of the candidates
-        kmax_v = tl.full((TILE,), -2147483648, tl.int32)
-        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-            # a tile whose best token lies below the bracket holds nothing of interest
-            if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
-                offs = v0 + tl.arange(0, TILE)
-                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                fin = z > float("-inf")
-                j = d_bin(z, m, INV_W, NB)
-                above = fin & (j < jlo)
-                cand = fin & (j >= jlo) & (j <= jhi)
-                w = fixed_mass(z, m, SCALE)
-                am_v += tl.where(above, w, 0)
-                ac_v += above.to(tl.int32)
-                key = f32_key(z)
-                kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
-                kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
-                if nb <= CAP:
-                    gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
-        tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
-        tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
-        kmin = tl.min(kmin_v, axis=0)
-        kmax = tl.max(kmax_v, axis=0)
-        tl.store(kext_ptr + (b * C + c) * 2, kmin)
-        tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax)
-        tl.debug_barrier()
-        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-            co = tl.arange(0, C_P2)
-            cm = co < C
-            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
-                        axis=0)
-            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
-                        axis=0)
-            n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")      # == nb when gathered
-            idx = tl.arange(0, CAP)
-            valid = idx < n
-            keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-            w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-            if nb > CAP:
-                # overflow: the candidates are exactly the tokens with key in [kmin, kmax];
-                # row_refine_kernel narrows that range (and resolves tau)
-                kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
-                                      cache_modifier=".cg"), axis=0)
-                kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
-                                      other=-2147483648, cache_modifier=".cg"), axis=0)
-                tl.store(rst_ptr + b * 4 + 1, kmin)
-                tl.store(rst_ptr + b * 4 + 2, kmax)
-                tl.store(rst_ptr + b * 4, tl.where(kmin == kmax, 2, 1))
-            else:
-                tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
-                if ~ok:
-                    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
-                                                SCALE)
-                    if not SCAN:
-                        tau = tl.full((), float("nan"), tl.float32)
-                tl.store(rowf_ptr + b * 4 + 2, tau)
-                tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+        if (~k_on) & (~p_on):
+            # top-k beyond the finite tokens (reduce turned it off) and no top-p: every finite
+            # token is kept, so there is nothing to search
+            if c == 0:
+                tl.store(rowf_ptr + b * 4 + 2, float("-inf"))
+                tl.store(rowf_ptr + b * 4 + 3, tl.load(rowf_ptr + b * 4 + 1))
+        else:
+            jlo = tl.load(rowi_ptr + b * 4)
+            jhi = tl.load(rowi_ptr + b * 4 + 1)
+            m = tl.load(rowf_ptr + b * 4)
+            Z = tl.load(rowf_ptr + b * 4 + 1)
+            nb = tl.load(rst_ptr + b * 4 + 3)     # tokens in the bracket (exact, from reduce)
+            zrow = z_ptr + b.to(tl.int64) * stride_zb
+            # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
+            am_v = tl.zeros((TILE,), tl.int64)               # exact fixed mass above the bracket
+            ac_v = tl.zeros((TILE,), tl.int32)
+            kmin_v = tl.full((TILE,), 2147483647, tl.int32)   # key range of the candidates
+            kmax_v = tl.full((TILE,), -2147483648, tl.int32)
+            for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+                # a tile whose best token lies below the bracket holds nothing of interest
+                if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
+                    offs = v0 + tl.arange(0, TILE)
+                    z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
+                    fin = z > float("-inf")
+                    j = d_bin(z, m, INV_W, NB)
+                    above = fin & (j < jlo)
+                    cand = fin & (j >= jlo) & (j <= jhi)
+                    w = fixed_mass(z, m, SCALE)
+                    am_v += tl.where(above, w, 0)
+                    ac_v += above.to(tl.int32)
+                    key = f32_key(z)
+                    kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
+                    kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
+                    if nb <= CAP:
+                        gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
+            tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
+            tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
+            kmin = tl.min(kmin_v, axis=0)
+            kmax = tl.max(kmax_v, axis=0)
+            tl.store(kext_ptr + (b * C + c) * 2, kmin)
+            tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax)
+            tl.debug_barrier()
+            if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+                co = tl.arange(0, C_P2)
+                cm = co < C
+                am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0,
+                                    cache_modifier=".cg"), axis=0)
+                ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0,
+                                    cache_modifier=".cg"), axis=0)
+                n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")      # == nb when gathered
+                idx = tl.arange(0, CAP)
+                valid = idx < n
+                keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+                w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+                if nb > CAP:
+                    # overflow: the candidates are exactly the tokens with key in [kmin, kmax];
+                    # row_refine_kernel narrows that range (and resolves tau)
+                    kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
+                                          cache_modifier=".cg"), axis=0)
+                    kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
+                                          other=-2147483648, cache_modifier=".cg"), axis=0)
+                    tl.store(rst_ptr + b * 4 + 1, kmin)
+                    tl.store(rst_ptr + b * 4 + 2, kmax)
+                    tl.store(rst_ptr + b * 4, tl.where(kmin == kmax, 2, 1))
+                else:
+                    tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+                    ok = ok & (n == nb)      # every candidate gathered (reduce's count holds)
+                    if ~ok:
+                        tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
+                                                    SCALE)
+                        if not SCAN:
+                            tau = tl.full((), float("nan"), tl.float32)
+                    tl.store(rowf_ptr + b * 4 + 2, tau)
+                    tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
 
 
 # ----------------------------------------------------------------------------------------------

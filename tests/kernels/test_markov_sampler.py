@@ -20,6 +20,13 @@ MULTI = dict(tile=32, chunk=64, cap=64)
 
 
 
+
+def assert_probs_match(got, want):
+    """The same kept sets (a token kept or dropped by one side only fails, however small its
+    probability), then the values within fp32 rounding."""
+    assert torch.equal(got > 0, want > 0), int(((got > 0) != (want > 0)).sum())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
 def weights(seed=0, scale=0.3, dtype=torch.bfloat16, v=V):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(v, R, generator=g).to(dtype),
@@ -119,7 +126,7 @@ def test_fused_equals_reference_probabilistic_and_greedy():
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
     assert torch.equal(got_d, want_d)
     # every row, greedy ones (zeros) included: the op's outputs are fully specified
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
     assert (got_p[T <= 0] == 0).all()
     ng = T > 0
     # per step from the fused prefix: rows sum to 1, the drawn token has positive probability
@@ -162,7 +169,7 @@ def test_fused_top_k_top_p():
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI)
     assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
     assert ((got_p[0] > 0).sum(-1) == 1).all()            # top-k 1
     assert ((got_p[2] > 0).sum(-1) <= 10).all()
 
@@ -182,7 +189,7 @@ def test_fused_more_rows_than_a_batch_tile():
                                         logits_config=(16, 128, 16, 4, 1), **ONE)
     assert torch.equal(got_d, want_d)
     ng = T > 0
-    torch.testing.assert_close(got_p[ng], want_p[ng], rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p[ng], want_p[ng])
 
 
 def test_persistent_logits_grid_equals_reference():
@@ -197,13 +204,14 @@ def test_persistent_logits_grid_equals_reference():
     want_d, want_p = markov_sample_reference(*args)
     got_d, got_p = markov_sample_launch(*args, logits_config=(16, 32, 16, 4, 1, 1), **ONE)
     assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
     with pytest.raises(ValueError, match="logits config"):
         markov_sample_launch(*args, logits_config=(16, 32, 16, 4))
 
 
 def test_fused_threshold_fallback_when_candidates_overflow():
-    """cap = 2 candidates forces the exact full-scan resolution of the threshold."""
+    """cap = 2 candidates: brackets overflow at once, so rows resolve through the refinement
+    passes or, where those cannot decide, the exact full-scan fallback."""
     w1, w2 = weights(7)
     base, anchor = _case(2, 7, base_scale=0.5)            # flat rows: many near the boundary
     base = base[:, :2]
@@ -213,7 +221,7 @@ def test_fused_threshold_fallback_when_candidates_overflow():
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp,
                                         tile=256, chunk=256, cap=2)
     assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
 
 
 def test_fused_degenerate_out_of_range_and_padded_rows():
@@ -435,7 +443,7 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
             base[rows], anchor[rows], w1, w2, T[rows], k[rows], p[rows], seed[rows], sp[rows],
             tile=256, chunk=512, cap=64, scan_fallback=scan)
         assert torch.equal(got_d, want_d[rows])
-        torch.testing.assert_close(got_p, want_p[rows], rtol=1e-5, atol=1e-6)
+        assert_probs_match(got_p, want_p[rows])
 
 
 @pytest.mark.parametrize("hist_bins", [8, 32, 128])
@@ -453,7 +461,7 @@ def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     want_d, want_p = markov_sample_reference(*args)
     got_d, got_p = markov_sample_launch(*args, hist_bins=hist_bins, **MULTI)
     assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
     v = 2048
     base, anchor, w1, w2 = _flat_case(v, 3, 11, 0.3)
     T, k, p = torch.ones(3), torch.tensor([0, 900, 0]), torch.tensor([0.95, 1.0, 0.5])
@@ -465,7 +473,7 @@ def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     got_d, got_p = markov_sample_launch(*args, tile=256, chunk=512, cap=64,
                                         scan_fallback=hist_bins < HIST_BINS, hist_bins=hist_bins)
     assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
     with pytest.raises(ValueError, match="hist_bins"):
         markov_sample_launch(*args, hist_bins=hist_bins + 1)
 
@@ -483,7 +491,7 @@ def test_fused_threshold_refinement_exact_ties_beyond_cap():
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=256,
                                         chunk=512, cap=64, scan_fallback=False)
     assert torch.equal(got_d, want_d)
-    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    assert_probs_match(got_p, want_p)
 
 
 @pytest.mark.gpu
@@ -563,3 +571,24 @@ def test_boundary_flip_check_accepts_only_the_boundary_token():
             with pytest.raises(AssertionError):
                 assert_close_but_top_p_boundary(got, want, same, base, anchor, d, w1, w2, T,
                                                 torch.tensor([p_edge]).double())
+
+
+def test_top_k_beyond_the_finite_tokens_keeps_them_all_without_a_search():
+    """0 < k < V but more than the row's finite tokens (the rest -inf), top-p off: every finite
+    token is kept (the reference's k-th value is -inf). The select pass settles it at once: with
+    the scan fallback disabled (unresolved rows would come out all-zero) the result is exact.
+    Also with top-p on, where the search runs as usual."""
+    w1, w2 = weights(9)
+    base, anchor = _case(3, 9)
+    base = base[:, :2].clone()
+    base[:, :, 40:] = NINF                     # 40 finite tokens per row (of V = 137)
+    T = torch.tensor([1.0, 0.8, 1.0])
+    k = torch.tensor([100, 41, 100])
+    p = torch.tensor([1.0, 1.0, 0.9])
+    seed, sp = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
+    args = (base, anchor % 40, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = markov_sample_launch(*args, tile=32, chunk=64, cap=64, scan_fallback=False)
+    assert torch.equal(got_d, want_d)
+    assert_probs_match(got_p, want_p)
+    assert ((got_p[:2] > 0).sum(-1) == 40).all()      # rows 0-1: all finite tokens kept
