@@ -592,3 +592,21 @@ def test_top_k_beyond_the_finite_tokens_keeps_them_all_without_a_search():
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     assert ((got_p[:2] > 0).sum(-1) == 40).all()      # rows 0-1: all finite tokens kept
+
+
+def test_production_tiling_refinement_matches_reference():
+    """The launcher's own tiling (tile 1024 for the select/final passes, the histogram passes'
+    smaller tile, 2 chunks per row) on near-flat rows whose brackets overflow a small cap: the
+    refinement alone (scan disabled) gives the reference's exact kept sets, for top-p, top-k and
+    both."""
+    v = 4096
+    base, anchor, w1, w2 = _flat_case(v, 3, 13, 0.3)
+    T = torch.tensor([1.0, 0.9, 1.0])
+    k = torch.tensor([0, 1500, 0])
+    p = torch.tensor([0.95, 1.0, 0.6])
+    seed, sp = torch.arange(3) + 20, torch.arange(3)
+    args = (base, anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = markov_sample_launch(*args, cap=64, scan_fallback=False)
+    assert torch.equal(got_d, want_d)
+    assert_probs_match(got_p, want_p)
