@@ -70,7 +70,8 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_to
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, select_warps, tile_max,
-                       tl_vocab_gumbel, hist_tile)
+                       tl_vocab_gumbel, hist_tile, lane_argmax_finish,
+                       lane_argmax_update)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -274,7 +275,7 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
         seed = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b) + step
         zrow = z_ptr + b.to(tl.int64) * stride_zb
-        # per-lane best (strictly greater: the lowest id per lane), reduced once at the end
+        # per-lane best, reduced once at the end
         best_v = tl.full((TILE,), float("-inf"), tl.float32)
         bid_v = tl.zeros((TILE,), tl.int32)
         for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
@@ -288,13 +289,10 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
                 tl.store(zrow + offs, prob, mask=vm)
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
-                upd = s > best_v
-                bid_v = tl.where(upd, offs, bid_v)
-                best_v = tl.where(upd, s, best_v)
+                best_v, bid_v = lane_argmax_update(best_v, bid_v, s, offs)
             else:
                 tl.store(zrow + offs, tl.zeros((TILE,), tl.float32), mask=vm)
-        best = tl.max(best_v, axis=0)
-        bid = tl.min(tl.where(best_v == best, bid_v, 2147483647), axis=0)
+        best, bid = lane_argmax_finish(best_v, bid_v)
         tl.store(best_v_ptr + b * C + c, best)
         tl.store(best_i_ptr + b * C + c, bid)
         tl.debug_barrier()
@@ -566,8 +564,8 @@ def _markov_configs():
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
             bmax_ptr="*fp32", above_m_ptr="*i64", above_c_ptr="*i64", hist_ptr="*i32",
             kext_ptr="*i32", ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32",
-            done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
-            done_off="i32", RPR="i32", LAST="i32"),
+            done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16,
+            z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32", LAST="i32"),
             dict(TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128, SCAN=True),
             select_warps(CAND_CAP)))

@@ -77,8 +77,8 @@ def uniform_to_gumbel(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def vocab_gumbel(seed: torch.Tensor, position: torch.Tensor, V: int, stream: int) -> torch.Tensor:
-    """[B, V] Gumbel noise over a vocabulary: token v takes word v % 4 of
+def vocab_uniform(seed: torch.Tensor, position: torch.Tensor, V: int, stream: int) -> torch.Tensor:
+    """[B, V] uniforms over a vocabulary: token v takes word v % 4 of
     Philox(seed[b], c0 = v // 4, c1 = position[b], c2 = stream).
 
     One Philox block serves four consecutive tokens: a kernel drawing noise for every token of
@@ -89,5 +89,9 @@ def vocab_gumbel(seed: torch.Tensor, position: torch.Tensor, V: int, stream: int
     c0 = torch.arange(n4, dtype=torch.int64, device=seed.device)[None, :]
     c2 = torch.full((1, 1), stream, dtype=torch.int64, device=seed.device)
     words = philox(seed.to(torch.int64)[:, None], c0, position.to(torch.int64)[:, None], c2)
-    bits = torch.stack(words, dim=-1).reshape(B, 4 * n4)[:, :V]
-    return uniform_to_gumbel(bits_to_uniform(bits))
+    return bits_to_uniform(torch.stack(words, dim=-1).reshape(B, 4 * n4)[:, :V])
+
+
+def vocab_gumbel(seed: torch.Tensor, position: torch.Tensor, V: int, stream: int) -> torch.Tensor:
+    """[B, V] Gumbel noise over a vocabulary, from vocab_uniform."""
+    return uniform_to_gumbel(vocab_uniform(seed, position, V, stream))

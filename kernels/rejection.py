@@ -39,7 +39,8 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_to
                        logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, sample_reference, select_warps, tile_max,
-                       tl_uniform, tl_vocab_gumbel, hist_tile)
+                       tl_uniform, tl_vocab_gumbel, hist_tile,
+                       lane_argmax_finish, lane_argmax_update)
 from .tl_helpers import compile_config, launch, next_pow2
 
 
@@ -230,7 +231,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
         use_q = a < N
         qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(a, N - 1) * stride_qi
         zrow = z_ptr + r.to(tl.int64) * V
-        # per-lane partials (strictly greater: the lowest id per lane), reduced once at the end
+        # per-lane partials, reduced once at the end
         rsum_v = tl.zeros((TILE,), tl.float32)
         br_v = tl.full((TILE,), float("-inf"), tl.float32)
         bri_v = tl.zeros((TILE,), tl.int32)
@@ -251,17 +252,11 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, STREAM)
                 sr = tl.where(res > 0.0, tl.log(tl.where(res > 0.0, res, 1.0)) + g, float("-inf"))
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
-                upd = sr > br_v
-                bri_v = tl.where(upd, offs, bri_v)
-                br_v = tl.where(upd, sr, br_v)
-                upd = s > bp_v
-                bpi_v = tl.where(upd, offs, bpi_v)
-                bp_v = tl.where(upd, s, bp_v)
+                br_v, bri_v = lane_argmax_update(br_v, bri_v, sr, offs)
+                bp_v, bpi_v = lane_argmax_update(bp_v, bpi_v, s, offs)
         rsum = tl.sum(rsum_v, axis=0)
-        br = tl.max(br_v, axis=0)
-        bri = tl.min(tl.where(br_v == br, bri_v, 2147483647), axis=0)
-        bp = tl.max(bp_v, axis=0)
-        bpi = tl.min(tl.where(bp_v == bp, bpi_v, 2147483647), axis=0)
+        br, bri = lane_argmax_finish(br_v, bri_v)
+        bp, bpi = lane_argmax_finish(bp_v, bpi_v)
         o = (b * C + c) * 3
         tl.store(part_f_ptr + o, rsum)
         tl.store(part_f_ptr + o + 1, br)

@@ -334,6 +334,22 @@ def gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, sel, key, w, CAP: tl.c
 
 
 @triton.jit
+def lane_argmax_update(best_v, id_v, s, offs):
+    """Per-lane running argmax: a lane takes a later token only if strictly greater, so it keeps
+    its lowest id on ties (no cross-thread work per tile)."""
+    upd = s > best_v
+    return tl.where(upd, s, best_v), tl.where(upd, offs, id_v)
+
+
+@triton.jit
+def lane_argmax_finish(best_v, id_v):
+    """(max, lowest id reaching it) over the lanes; all -inf -> (-inf, lowest id held: 0 when
+    no lane ever updated)."""
+    best = tl.max(best_v, axis=0)
+    return best, tl.min(tl.where(best_v == best, id_v, 2147483647), axis=0)
+
+
+@triton.jit
 def store_hist(hist_ptr, o, cnt, mass, NB: tl.constexpr):
     """A program's histogram at hist[o : o + 2 NB]: counts, then the masses' fp32 bits."""
     idx = tl.arange(0, NB)
@@ -473,6 +489,59 @@ def resolve_by_scan(z_ptr, V, m, t, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr
     return key_f32(lo), kept
 
 
+@triton.jit
+def scan_threshold(zrow, V, m, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr,
+                   SCALE: tl.constexpr, SCAN: tl.constexpr):
+    """resolve_by_scan for a row the brackets could not decide; with SCAN False (test hook) tau
+    is NaN instead, so a test can prove the bracket/refinement path alone resolved its rows."""
+    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Zf, k, top_p, K_ON, P_ON, TILE, SCALE)
+    if not SCAN:
+        tau = tl.full((), float("nan"), tl.float32)
+    return tau, kept
+
+
+@triton.jit
+def store_threshold(rowf_ptr, b, tau, kept, SCALE: tl.constexpr):
+    """Row b's threshold and kept mass (fixed point -> units of exp(z - max))."""
+    tl.store(rowf_ptr + b * 4 + 2, tau)
+    tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+
+
+@triton.jit
+def sum_above(above_m_ptr, above_c_ptr, b, C, C_P2: tl.constexpr):
+    """(fixed mass, count) of the tokens above the bracket, summed over row b's C chunk
+    programs (read past L1: other programs wrote them)."""
+    co = tl.arange(0, C_P2)
+    cm = co < C
+    am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"), axis=0)
+    ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"), axis=0)
+    return am, ac
+
+
+@triton.jit
+def key_extent(kext_ptr, b, C, C_P2: tl.constexpr):
+    """(lowest, highest) key of the bracket's tokens over row b's C chunk programs (int64)."""
+    co = tl.arange(0, C_P2)
+    cm = co < C
+    kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
+                          cache_modifier=".cg"), axis=0)
+    kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm, other=-2147483648,
+                          cache_modifier=".cg"), axis=0)
+    return kmin.to(tl.int64), kmax.to(tl.int64)
+
+
+@triton.jit
+def load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP: tl.constexpr):
+    """Row b's gathered candidates: (keys, fixed masses, valid mask, count; the count may
+    exceed CAP, the lists hold the first CAP)."""
+    n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel").to(tl.int64)
+    idx = tl.arange(0, CAP)
+    valid = idx < n
+    keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+    w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+    return keys, w, valid, n
+
+
 # ----------------------------------------------------------------------------------------------
 # Row passes shared by the fused samplers (one row = one distribution over the vocabulary)
 # ----------------------------------------------------------------------------------------------
@@ -581,8 +650,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                       TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
                       BLOCK_V: tl.constexpr, SCAN: tl.constexpr = True):
-    # SCAN = False (test hook) replaces the resolve_by_scan fallback by tau = NaN, so a test can
-    # prove that the bracket/refinement path alone resolved its rows
+    # SCAN: the scan_threshold test hook
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -623,49 +691,33 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                     am_v += tl.where(above, w, 0)
                     ac_v += above.to(tl.int32)
                     key = f32_key(z)
-                    kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
-                    kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
                     if nb <= CAP:
                         gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
+                    else:       # overflow: refine needs only the candidates' key range
+                        kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
+                        kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
-            kmin = tl.min(kmin_v, axis=0)
-            kmax = tl.max(kmax_v, axis=0)
-            tl.store(kext_ptr + (b * C + c) * 2, kmin)
-            tl.store(kext_ptr + (b * C + c) * 2 + 1, kmax)
+            tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
+            tl.store(kext_ptr + (b * C + c) * 2 + 1, tl.max(kmax_v, axis=0))
             tl.debug_barrier()
             if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-                co = tl.arange(0, C_P2)
-                cm = co < C
-                am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0,
-                                    cache_modifier=".cg"), axis=0)
-                ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0,
-                                    cache_modifier=".cg"), axis=0)
-                n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel")      # == nb when gathered
-                idx = tl.arange(0, CAP)
-                valid = idx < n
-                keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-                w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
                 if nb > CAP:
                     # overflow: the candidates are exactly the tokens with key in [kmin, kmax];
                     # row_refine_kernel narrows that range (and resolves tau)
-                    kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
-                                          cache_modifier=".cg"), axis=0)
-                    kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
-                                          other=-2147483648, cache_modifier=".cg"), axis=0)
-                    tl.store(rst_ptr + b * 4 + 1, kmin)
-                    tl.store(rst_ptr + b * 4 + 2, kmax)
+                    kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
+                    tl.store(rst_ptr + b * 4 + 1, kmin.to(tl.int32))
+                    tl.store(rst_ptr + b * 4 + 2, kmax.to(tl.int32))
                     tl.store(rst_ptr + b * 4, tl.where(kmin == kmax, 2, 1))
                 else:
+                    am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
+                    keys, w, valid, n = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP)
                     tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
                     ok = ok & (n == nb)      # every candidate gathered (reduce's count holds)
                     if ~ok:
-                        tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
-                                                    SCALE)
-                        if not SCAN:
-                            tau = tl.full((), float("nan"), tl.float32)
-                    tl.store(rowf_ptr + b * 4 + 2, tau)
-                    tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+                        tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE,
+                                                   SCAN)
+                    store_threshold(rowf_ptr, b, tau, kept, SCALE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -812,21 +864,13 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             tl.store(kext_ptr + (b * C + c) * 2 + 1, tl.max(kmax_v, axis=0))
         tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-            co = tl.arange(0, C_P2)
-            cm = co < C
-            am = tl.sum(tl.load(above_m_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
-                        axis=0)
-            ac = tl.sum(tl.load(above_c_ptr + b * C + co, mask=cm, other=0, cache_modifier=".cg"),
-                        axis=0)
+            am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
             finish = (state != 1) | (LAST != 0)
             tau = tl.zeros((), tl.float32)
             kept = tl.zeros((), tl.int64)
             if state == 1:
                 tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB)
-                kmin = tl.min(tl.load(kext_ptr + (b * C + co) * 2, mask=cm, other=2147483647,
-                                      cache_modifier=".cg"), axis=0).to(tl.int64)
-                kmax = tl.max(tl.load(kext_ptr + (b * C + co) * 2 + 1, mask=cm,
-                                      other=-2147483648, cache_modifier=".cg"), axis=0).to(tl.int64)
+                kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
                 nklo, nkhi, n = edge_bracket(tot, tm, t, klo, khi, am, ac, Z, k, p, k_on, p_on,
                                              NB, SCALE)
                 # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
@@ -841,33 +885,19 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                     tau, kept, ok = resolve_one_key(kmin, tl.max(tot, axis=0).to(tl.int64), am,
                                                     ac, m, Z, k, p, k_on, p_on, SCALE)
                     if ~ok:
-                        tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
-                                                    SCALE)
-                        if not SCAN:
-                            tau = tl.full((), float("nan"), tl.float32)
+                        tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE,
+                                                   SCAN)
                 elif LAST != 0:
-                    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
-                                                SCALE)
-                    if not SCAN:
-                        tau = tl.full((), float("nan"), tl.float32)
+                    tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE, SCAN)
             else:
-                n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel").to(tl.int64)
-                idx = tl.arange(0, CAP)
-                valid = idx < n
-                keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0,
-                               cache_modifier=".cg")
-                w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
+                keys, w, valid, n = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP)
                 tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
                 if n > CAP:
                     tau, kept, ok = resolve_one_key(klo, n, am, ac, m, Z, k, p, k_on, p_on,
                                                     SCALE)
                     ok = ok & (klo == khi)
                 if ~ok:
-                    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Z, k, p, k_on, p_on, TILE,
-                                                SCALE)
-                    if not SCAN:
-                        tau = tl.full((), float("nan"), tl.float32)
+                    tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE, SCAN)
             if finish:
                 tl.store(rst_ptr + b * 4, 0)
-                tl.store(rowf_ptr + b * 4 + 2, tau)
-                tl.store(rowf_ptr + b * 4 + 3, (kept.to(tl.float64) / SCALE).to(tl.float32))
+                store_threshold(rowf_ptr, b, tau, kept, SCALE)

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.philox import STREAM_TARGET, bits_to_uniform, philox
+from dspark_compile.kernels.philox import (STREAM_TARGET, bits_to_uniform, philox,
+                                           vocab_uniform)
 from dspark_compile.kernels.rejection import sample_launch
 from dspark_compile.kernels.sampling import (argmax_tokens, fold_ids, gumbel_argmax,
                                              gumbel_noise, probs_from_processed, process_logits,
@@ -222,10 +223,11 @@ def test_vocab_noise_kernel_equals_reference(tile):
     u = torch.empty((4, V), dtype=torch.float32)
     g = torch.empty((4, V), dtype=torch.float32)
     _vocab_noise_kernel[(4, triton.cdiv(V, tile))](seed, pos, u, g, V, TILE=tile, STREAM=3)
-    n4 = (V + 3) // 4
-    words = philox(seed[:, None], torch.arange(n4)[None, :], pos[:, None], torch.tensor([[3]]))
-    want_u = bits_to_uniform(torch.stack(words, -1).reshape(4, 4 * n4)[:, :V])
-    assert torch.equal(u.view(torch.int32), want_u.view(torch.int32))
+    assert torch.equal(u.view(torch.int32), vocab_uniform(seed, pos, V, 3).view(torch.int32))
+    # token v is word v % 4 of Philox block v // 4 (one token checked against philox() itself)
+    words = philox(seed[:, None], torch.tensor([[9]]), pos[:, None], torch.tensor([[3]]))
+    assert torch.equal(vocab_uniform(seed, pos, V, 3)[:, 4 * 9 + 2],
+                       bits_to_uniform(words[2][:, 0]))
     want = gumbel_noise(seed, pos, V, 3)
     assert torch.isfinite(want).all()
     torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
