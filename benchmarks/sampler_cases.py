@@ -9,10 +9,10 @@ Cases per B (requests):
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
-  top-p, so it is not a variant here. `ours-refine4`: 4 threshold refinement passes instead of
-  REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass histograms of 8 / 32 bins
-  instead of HIST_BINS (16); `ours-cap1024`: 1024 threshold candidates instead of CAND_CAP;
-  `ours-hist8-refine4`: 8 bins with 4 passes (the next default candidate).
+  top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
+  refinement passes instead of REFINE_PASSES (3); `ours-hist4` / `ours-hist16`: threshold mass
+  histograms of 4 / 16 bins instead of HIST_BINS (8); `ours-cap1024`: 1024 threshold candidates
+  instead of CAND_CAP.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
@@ -121,13 +121,11 @@ def _threshold_variants():
     launch, near-empty for rows already resolved), mass-histogram bins (cost per token grows
     with them, brackets narrow faster) and the candidate cap (the resolving program bisects over
     that many registers; a smaller cap overflows into one more refinement pass more often)."""
-    out = {"ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4)}
+    out = {"ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
+           "ours-refine2": lambda d: ms.markov_sample_launch(**d, refine_passes=2)}
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
-                for n in (8, 32)})
+                for n in (4, 16)})
     out["ours-cap1024"] = lambda d: ms.markov_sample_launch(**d, cap=1024)
-    # the next default candidate: 8 edges narrow more slowly, so one refinement pass more
-    out["ours-hist8-refine4"] = lambda d: ms.markov_sample_launch(**d, hist_bins=8,
-                                                                  refine_passes=4)
     return out
 
 

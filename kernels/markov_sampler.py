@@ -65,7 +65,8 @@ import triton.language as tl
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens,
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_EDGES, REFINE_PASSES,
+                       argmax_tokens, launch_select_refine, threshold_scratch,
                        check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
@@ -395,7 +396,6 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     NPROG = _num_programs(NBLK, pps, dev, interpreting(kern))
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     HTILE = hist_tile(TILE, NB)
-    scale = float(2 ** mass_scale_bits(V))
     f32, i32 = torch.float32, torch.int32
     anchor = anchor.contiguous()
     prev = torch.empty((B,), dtype=torch.int64, device=dev)     # step 0 folds the anchor itself
@@ -420,12 +420,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         zeroed = torch.zeros((N * NCNT * B + nrst,), dtype=i32, device=dev)
         counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
         rst = zeroed[N * NCNT * B:].view(B, 4) if MODE == 2 else zeroed[:1]
-    kext = torch.empty((B, C, 2) if MODE == 2 else (1,), dtype=i32, device=dev)
-    hist = torch.empty((B, C, 2 * NB) if MODE == 2 else (1,), dtype=i32, device=dev)
-    above_m = torch.empty((B, C) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
-    above_c = torch.empty((B, C) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
-    ckey = torch.empty((B, cap) if MODE == 2 else (1,), dtype=i32, device=dev)
-    cmass = torch.empty((B, cap) if MODE == 2 else (1,), dtype=torch.int64, device=dev)
+    thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, REFINE_EDGES, dev)
     best_v = torch.empty((B, C) if MODE else (1,), dtype=f32, device=dev)
     best_i = torch.empty((B, C) if MODE else (1,), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
@@ -445,23 +440,16 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
-            rowi, hist, rst, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0), zo, k, cnt[0], 1,
-            NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, INV_W=INV_W, MODE=MODE,
+            rowi, thr["hist"], rst, thr["spn"], counters, V, NBLK, C, CHUNK, sz, drafts.stride(0),
+            zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, INV_W=INV_W, MODE=MODE,
             num_warps=4)
         if MODE == 2:
-            launch(row_select_kernel)[(B, C)](
-                temperature, top_k, top_p, probs, rowf, rowi, bmax, above_m, above_c, ckey, cmass,
-                counters, counters, kext, rst, V, C, CHUNK, NBLK, sz, zo, cnt[1], cnt[2], 1,
-                TILE=TILE, NB=NB, INV_W=INV_W, CAP=cap, SCALE=scale, C_P2=C_P2,
-                BLOCK_V=BLOCK_V, SCAN=scan_fallback, num_warps=select_warps(cap))
-            # rows whose bracket overflowed CAP: exact radix refinement (others exit at once)
-            for r in range(refine_passes):
-                launch(row_refine_kernel)[(B, C)](
-                    temperature, top_k, top_p, probs, rowf, rowi, rst, bmax, above_m, above_c,
-                    hist, kext, ckey, cmass, counters, counters, V, C, CHUNK, NBLK, sz, zo,
-                    cnt[4 + 2 * r], cnt[5 + 2 * r], 1, int(r == refine_passes - 1),
-                    TILE=HTILE, NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-                    SCAN=scan_fallback, num_warps=select_warps(cap))
+            # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
+            launch_select_refine(
+                (temperature, top_k, top_p), probs, zo, sz, rowf, rowi, rst, bmax, thr, counters,
+                (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
+                V=V, C=C, CHUNK=CHUNK, NBLK=NBLK, BLOCK_V=BLOCK_V, RPR=1, TILE=TILE, NB=NB,
+                edges=REFINE_EDGES, cap=cap, scan=scan_fallback)
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
                 temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
@@ -543,8 +531,8 @@ def _markov_configs():
         out.append(compile_config(row_reduce_kernel, dict(
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
             z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
-            rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32", V=_D16,
-            NBLK="i32", C=_D16, CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16,
+            rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", spn_ptr="*i32", done_ptr="*i32",
+            V=_D16, NBLK="i32", C=_D16, CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16,
             step="i32", done_off="i32", RPR="i32"),
             dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
                  INV_W=HIST_INV_W,
@@ -553,8 +541,9 @@ def _markov_configs():
     for cp in c_p2:
         out.append(compile_config(row_select_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
-            above_m_ptr="*i64", above_c_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
-            ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32", rst_ptr="*i32", V=_D16,
+            above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64", ckey_ptr="*i32",
+            cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32",
+            rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", V=_D16,
             C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
             done_off="i32", RPR="i32"),
             dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
@@ -562,12 +551,13 @@ def _markov_configs():
             select_warps(CAND_CAP)))
         out.append(compile_config(row_refine_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
-            bmax_ptr="*fp32", above_m_ptr="*i64", above_c_ptr="*i64", hist_ptr="*i32",
-            kext_ptr="*i32", ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32",
-            done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16,
-            z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32", LAST="i32"),
-            dict(TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128, SCAN=True),
+            above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64", hist_ptr="*i32",
+            kext_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", ckey_ptr="*i32",
+            cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16,
+            stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32",
+            LAST="i32"),
+            dict(TILE=hist_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, SCAN=True),
             select_warps(CAND_CAP)))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(

@@ -34,13 +34,12 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_PASSES, argmax_tokens,
-                       check_sampling_params, fold_ids, gumbel_argmax, greedy_rows,
-                       logprobs_from_processed, mass_scale_bits, probs_from_processed,
-                       process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
-                       row_select_kernel, row_tiling, sample_reference, select_warps, tile_max,
-                       tl_uniform, tl_vocab_gumbel, hist_tile,
-                       lane_argmax_finish, lane_argmax_update)
+from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_EDGES, REFINE_PASSES,
+                       argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax, greedy_rows,
+                       hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
+                       logprobs_from_processed, probs_from_processed, process_logits, row_flags,
+                       row_reduce_kernel, row_tiling, sample_reference, threshold_scratch,
+                       tile_max, tl_uniform, tl_vocab_gumbel)
 from .tl_helpers import compile_config, launch, next_pow2
 
 
@@ -336,12 +335,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     NCNT = 3 * R + B + 2 * REFINE_PASSES * R
     zeroed = torch.zeros((NCNT + 4 * R,), dtype=i32, device=dev)
     counters, rst = zeroed[:NCNT], zeroed[NCNT:].view(R, 4)
-    kext = torch.empty((R, C, 2), dtype=i32, device=dev)
-    hist = torch.empty((R, C, 2 * HIST_BINS), dtype=i32, device=dev)
-    above_m = torch.empty((R, C), dtype=i64, device=dev)
-    above_c = torch.empty((R, C), dtype=i64, device=dev)
-    ckey = torch.empty((R, cap), dtype=i32, device=dev)
-    cmass = torch.empty((R, cap), dtype=i64, device=dev)
+    thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
@@ -349,24 +343,17 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     launch(_rows_stats_kernel)[(R, NBLK)](
         logits, temperature, z, bmax, barg, bsum, bnan, V, NBLK, N1, logits.stride(1),
         BLOCK=TILE, num_warps=4)
-    HTILE = hist_tile(TILE, HIST_BINS)
     launch(row_reduce_kernel)[(R, C)](
-        bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, hist, rst, counters,
-        V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
-        NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=HIST_BINS, INV_W=HIST_INV_W, MODE=2,
-        num_warps=4)
-    launch(row_select_kernel)[(R, C)](
-        *flags, z, rowf, rowi, bmax, above_m, above_c, ckey, cmass, counters, counters,
-        kext, rst, V, C, CHUNK, NBLK, V, 0, R, 2 * R, N1,
-        TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
-        C_P2=next_pow2(C), BLOCK_V=TILE, num_warps=select_warps(cap))
-    for r in range(REFINE_PASSES):     # rows whose bracket overflowed CAP (kernels/sampling.py)
-        o = 3 * R + B + 2 * r * R
-        launch(row_refine_kernel)[(R, C)](
-            *flags, z, rowf, rowi, rst, bmax, above_m, above_c, hist, kext, ckey, cmass, counters,
-            counters, V, C, CHUNK, NBLK, V, 0, o, o + R, N1, int(r == REFINE_PASSES - 1),
-            TILE=HTILE, NB=HIST_BINS, CAP=cap, SCALE=float(2 ** mass_scale_bits(V)),
-            C_P2=next_pow2(C), BLOCK_V=TILE, num_warps=select_warps(cap))
+        bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
+        thr["spn"], counters, V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
+        NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
+        INV_W=HIST_INV_W, MODE=2, num_warps=4)
+    # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
+    launch_select_refine(
+        flags, z, 0, V, rowf, rowi, rst, bmax, thr, counters, (R, 2 * R),
+        [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
+        V=V, C=C, CHUNK=CHUNK, NBLK=NBLK, BLOCK_V=TILE, RPR=N1, TILE=TILE, NB=HIST_BINS,
+        edges=REFINE_EDGES, cap=cap, scan=True)
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)

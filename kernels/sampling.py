@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from .philox import STREAM_TARGET, vocab_gumbel
-from .tl_helpers import next_pow2
 from .region import fusable
+from .tl_helpers import launch, next_pow2
 
 NEG_INF = float("-inf")
 
@@ -202,8 +202,9 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #   rows need 4). 8 bins + 4 passes is the next candidate; it is not the default because it has
 #   not been timed or run on a GPU yet.
 
-HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
+HIST_BINS = 8             # NB: bins of 4 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
+REFINE_EDGES = 16         # edges per refinement pass (over the spilled bracket only)
 CAND_CAP = 4096           # candidates resolved in registers by one program
 # relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms per program, then
 # <= 64 chunk partials: < 1e-5; exp error ~1e-7): it only widens a bracket
@@ -230,9 +231,11 @@ def row_tiling(rows: int, V: int, tile: int | None = None, chunk: int | None = N
 
 
 def hist_tile(tile: int, nb: int) -> int:
-    """Tokens per loop step of the histogram passes (reduce, refine): they keep per-lane
-    [tile, nb] histograms in registers, so 4096 cells (32 per thread at 4 warps)."""
-    return max(16, min(tile, 4096 // nb))
+    """Tokens per load of the histogram passes (reduce, refine): they keep per-lane [tile, nb]
+    histograms in registers, so 2048 cells (16 per thread at 4 warps), which leaves room for
+    the next tiles' loads in flight (H200: 256 x 8 with two tiles prefetched ran the reduce
+    loop in half the time of 256 x 16 without, benchmarks/row_pass_probe.py)."""
+    return max(16, min(tile, 2048 // nb))
 
 
 def mass_scale_bits(V: int) -> int:
@@ -323,6 +326,14 @@ def hist_add(cnt2, ms2, j, e, valid, NB: tl.constexpr):
 
 
 @triton.jit
+def hist_add_z(cnt2, ms2, z, m, INV_W: tl.constexpr, NB: tl.constexpr):
+    """hist_add for a tile of z (-inf: nothing) below the row max m."""
+    fin = z > float("-inf")
+    e = tl.where(fin, tl.exp(z - m), 0.0)
+    return hist_add(cnt2, ms2, d_bin(z, m, INV_W, NB), e, fin, NB)
+
+
+@triton.jit
 def gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, sel, key, w, CAP: tl.constexpr):
     """Append the selected tokens' (key, fixed mass) to row b's candidate list, one atomic slot
     per token (lanes not selected issue none). ccount[b] ends as the number of candidates, also
@@ -331,6 +342,16 @@ def gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, sel, key, w, CAP: tl.c
     ok = sel & (slot < CAP)
     tl.store(ckey_ptr + b * CAP + slot, key, mask=ok)
     tl.store(cmass_ptr + b * CAP + slot, w, mask=ok)
+
+
+@triton.jit
+def spill(spn_ptr, spill_ptr, pc, CHUNK, sel, z):
+    """Append the selected z to chunk program pc's spill region (CHUNK slots: a chunk never
+    overflows it), one atomic slot per token on the program's own counter spn[pc] (so no
+    contention across programs); the order is arbitrary and nothing depends on it."""
+    pc = pc.to(tl.int64)
+    slot = tl.atomic_add(spn_ptr + pc + tl.zeros_like(z).to(tl.int64), 1, mask=sel, sem="relaxed")
+    tl.store(spill_ptr + pc * CHUNK + slot, z, mask=sel)
 
 
 @triton.jit
@@ -582,7 +603,8 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 
 @triton.jit
 def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
-                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
+                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, spn_ptr,
+                      done_ptr,
                       V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off, RPR,
                       NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
                       INV_W: tl.constexpr, MODE: tl.constexpr):
@@ -614,16 +636,28 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 tl.store(drafts_ptr + b * stride_db, tok)
                 tl.store(prev_ptr + b, tok)
         if MODE == 2:
+            tl.store(spn_ptr + b * C + c, 0)         # this program's spill region (select)
             if (~greedy) & (~deg) & (k_on | p_on):
                 zrow = z_ptr + b.to(tl.int64) * stride_zb
                 cnt2 = tl.zeros((TILE, NB), tl.int32)
                 ms2 = tl.zeros((TILE, NB), tl.float32)
-                for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-                    offs = v0 + tl.arange(0, TILE)
-                    z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                    fin = z > float("-inf")
-                    e = tl.where(fin, tl.exp(z - m), 0.0)
-                    cnt2, ms2 = hist_add(cnt2, ms2, d_bin(z, m, INV_W, NB), e, fin, NB)
+                # two tiles per step, the next step's two loaded before this step's are binned:
+                # binning costs ~4 instructions per token and bin, and without loads in flight
+                # behind it the pass waited on memory as long as it computed
+                # (benchmarks/row_pass_probe.py)
+                lo = c * CHUNK
+                hi = tl.minimum(lo + CHUNK, V)
+                ar = tl.arange(0, TILE)
+                na = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+                nb2 = tl.load(zrow + lo + TILE + ar, mask=lo + TILE + ar < hi, other=float("-inf"))
+                for v0 in range(lo, hi, 2 * TILE):
+                    za = na
+                    zb = nb2
+                    nx = v0 + 2 * TILE + ar
+                    na = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
+                    nb2 = tl.load(zrow + nx + TILE, mask=nx + TILE < hi, other=float("-inf"))
+                    cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, INV_W, NB)
+                    cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, INV_W, NB)
                 cnt = tl.sum(cnt2, axis=0)
                 ms = tl.sum(ms2, axis=0)
                 store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
@@ -644,8 +678,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 
 @triton.jit
 def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
-                      above_m_ptr, above_c_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
-                      kext_ptr, rst_ptr,
+                      above_m_ptr, above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr,
+                      done_ptr, kext_ptr, rst_ptr, spill_ptr, spn_ptr,
                       V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
                       TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
@@ -693,9 +727,12 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                     key = f32_key(z)
                     if nb <= CAP:
                         gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
-                    else:       # overflow: refine needs only the candidates' key range
+                    else:
+                        # overflow: refine reads the bracket from this program's spill region
+                        # (a fraction of the chunk) instead of the row, and needs its key range
                         kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
                         kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
+                        spill(spn_ptr, spill_ptr, b * C + c, CHUNK, cand, z)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
             tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
@@ -706,6 +743,9 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                     # overflow: the candidates are exactly the tokens with key in [kmin, kmax];
                     # row_refine_kernel narrows that range (and resolves tau)
                     kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
+                    am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
+                    tl.store(rowa_ptr + b * 2, am)         # refine sees only the spilled tokens
+                    tl.store(rowa_ptr + b * 2 + 1, ac)
                     tl.store(rst_ptr + b * 4 + 1, kmin.to(tl.int32))
                     tl.store(rst_ptr + b * 4 + 2, kmax.to(tl.int32))
                     tl.store(rst_ptr + b * 4, tl.where(kmin == kmax, 2, 1))
@@ -725,10 +765,12 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # ----------------------------------------------------------------------------------------------
 #
 # Near-flat rows (top-p 0.95 over a flat-ish distribution) put more than CAP tokens in the
-# first bracket (one 2-nat bin holds ~10^4 tokens at the Flash vocabulary). The select pass then
-# records the bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly the
-# finite tokens with key in it, since bins are monotone in z) and each refine pass over the row
-#   HIST:   sums the exact fixed-point mass/count above khi, and for NB fp32 edges splitting the
+# first bracket (one 4-nat bin holds ~2 x 10^4 tokens at the Flash vocabulary). The select pass
+# then records the bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly
+# the finite tokens with key in it, since bins are monotone in z), the exact mass/count above it
+# (rowa), and spills the bracket's z values into its chunk's spill region (`spill`). Each refine
+# pass reads only the spill regions -- a tenth of the row or less -- not the row:
+#   HIST:   sums the exact fixed-point mass/count above khi (plus rowa), and for NB fp32 edges splitting the
 #           bracket's value range evenly, the count and fp32 mass of its tokens above each edge;
 #           its last program narrows [klo, khi] to the edge interval(s) that hold tau;
 #   GATHER: once the bracket holds <= CAP tokens (or a single key), collects them and resolves
@@ -806,11 +848,11 @@ def resolve_one_key(key, n, am, ac, m, Zf, k, top_p, K_ON, P_ON, SCALE: tl.const
 
 
 @triton.jit
-def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr, bmax_ptr,
-                      above_m_ptr, above_c_ptr, hist_ptr, kext_ptr, ckey_ptr, cmass_ptr, ccount_ptr,
-                      done_ptr, V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
-                      LAST, TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
-                      SCALE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr,
+                      above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr, spill_ptr, spn_ptr,
+                      ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, z_off,
+                      ccount_off, done_off, RPR, LAST, TILE: tl.constexpr, NB: tl.constexpr,
+                      CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
                       SCAN: tl.constexpr = True):
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -825,36 +867,41 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
         khi = tl.load(rst_ptr + b * 4 + 2).to(tl.int64)
         m = tl.load(rowf_ptr + b * 4)
         Z = tl.load(rowf_ptr + b * 4 + 1)
-        zlo = key_f32(klo)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         t = refine_edges(klo, khi, NB)
-        # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
+        # this program's spill region: the select bracket's tokens of its chunk (every token
+        # of the current bracket, and those the earlier passes narrowed away)
+        pc = (b * C + c).to(tl.int64)
+        n_c = tl.load(spn_ptr + pc)
+        src = spill_ptr + pc * CHUNK
+        ar = tl.arange(0, TILE)
+        # per-lane partials over the region, reduced once at the end (no per-tile barriers)
         am_v = tl.zeros((TILE,), tl.int64)                 # exact fixed mass above khi
         ac_v = tl.zeros((TILE,), tl.int32)
         kmin_v = tl.full((TILE,), 2147483647, tl.int32)    # actual key range inside the bracket
         kmax_v = tl.full((TILE,), -2147483648, tl.int32)
         cg2 = tl.zeros((TILE, NB), tl.int32)               # bracket tokens above each edge
         mg2 = tl.zeros((TILE, NB), tl.float32)
-        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-            if tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= zlo:   # else all below klo
-                offs = v0 + tl.arange(0, TILE)
-                z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                fin = z > float("-inf")
-                key = f32_key(z)
-                above = fin & (key > khi)
-                inb = fin & (key >= klo) & (key <= khi)
-                e = tl.where(fin, tl.exp(z - m), 0.0)
-                w = fixed_of(e, SCALE)
-                am_v += tl.where(above, w, 0)
-                ac_v += above.to(tl.int32)
-                if state == 1:
-                    gt = (z[:, None] > t[None, :]) & inb[:, None]
-                    cg2 += gt.to(tl.int32)
-                    mg2 += tl.where(gt, e[:, None], 0.0)
-                    kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
-                    kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
-                else:
-                    gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, inb, key, w, CAP)
+        zn = tl.load(src + ar, mask=ar < n_c, other=float("-inf"))
+        for v0 in range(0, n_c, TILE):
+            z = zn
+            zn = tl.load(src + v0 + TILE + ar, mask=v0 + TILE + ar < n_c, other=float("-inf"))
+            fin = z > float("-inf")
+            key = f32_key(z)
+            above = fin & (key > khi)
+            inb = fin & (key >= klo) & (key <= khi)
+            e = tl.where(fin, tl.exp(z - m), 0.0)
+            w = fixed_of(e, SCALE)
+            am_v += tl.where(above, w, 0)
+            ac_v += above.to(tl.int32)
+            if state == 1:
+                gt = (z[:, None] > t[None, :]) & inb[:, None]
+                cg2 += gt.to(tl.int32)
+                mg2 += tl.where(gt, e[:, None], 0.0)
+                kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
+                kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
+            else:
+                gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, inb, key, w, CAP)
         tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
         tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
         if state == 1:
@@ -865,6 +912,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
         tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
             am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
+            am += tl.load(rowa_ptr + b * 2)          # the tokens above the select bracket
+            ac += tl.load(rowa_ptr + b * 2 + 1)
             finish = (state != 1) | (LAST != 0)
             tau = tl.zeros((), tl.float32)
             kept = tl.zeros((), tl.int64)
@@ -901,3 +950,49 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             if finish:
                 tl.store(rst_ptr + b * 4, 0)
                 store_threshold(rowf_ptr, b, tau, kept, SCALE)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launching the threshold search's select and refine passes (both fused samplers use this)
+# ----------------------------------------------------------------------------------------------
+
+def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: int, dev):
+    """Scratch of the select/refine passes for `rows` rows in C chunk programs (uninitialised:
+    every slot is written before it is read; the spill counters are zeroed by row_reduce)."""
+    i32, i64 = torch.int32, torch.int64
+    return dict(
+        hist=torch.empty((rows, C, 2 * max(nb, edges)), dtype=i32, device=dev),
+        kext=torch.empty((rows, C, 2), dtype=i32, device=dev),
+        above_m=torch.empty((rows, C), dtype=i64, device=dev),
+        above_c=torch.empty((rows, C), dtype=i64, device=dev),
+        rowa=torch.empty((rows, 2), dtype=i64, device=dev),
+        ckey=torch.empty((rows, cap), dtype=i32, device=dev),
+        cmass=torch.empty((rows, cap), dtype=i64, device=dev),
+        # the overflowing brackets' tokens, per chunk program (rows x V fp32 at most)
+        spill=torch.empty((rows, C, CHUNK), dtype=torch.float32, device=dev),
+        spn=torch.empty((rows, C), dtype=i32, device=dev))
+
+
+def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, bmax, scratch,
+                         counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
+                         NBLK: int, BLOCK_V: int, RPR: int, TILE: int, NB: int, edges: int,
+                         cap: int, scan: bool) -> None:
+    """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
+    resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
+    offsets into `counters` for each launch (zeroed by the caller)."""
+    s = scratch
+    scale = float(2 ** mass_scale_bits(V))
+    C_P2 = next_pow2(C)
+    launch(row_select_kernel)[(rowf.shape[0], C)](
+        *flags, z, rowf, rowi, bmax, s["above_m"], s["above_c"], s["rowa"], s["ckey"],
+        s["cmass"], counters, counters, s["kext"], rst, s["spill"], s["spn"], V, C, CHUNK, NBLK,
+        stride_zb, z_off, select_offs[0], select_offs[1], RPR,
+        TILE=TILE, NB=NB, INV_W=NB / 32.0, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
+        SCAN=scan, num_warps=select_warps(cap))
+    for r, (co, do) in enumerate(refine_offs):
+        launch(row_refine_kernel)[(rowf.shape[0], C)](
+            *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
+            s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
+            CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
+            TILE=hist_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, SCAN=scan,
+            num_warps=select_warps(cap))
