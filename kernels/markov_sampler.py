@@ -71,7 +71,7 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_EDGES, REFINE_PAS
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, select_warps, tile_max,
-                       tl_vocab_gumbel, hist_tile, lane_argmax_finish,
+                       tl_vocab_gumbel, hist_tile, refine_tile, lane_argmax_finish,
                        lane_argmax_update)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
@@ -440,7 +440,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
-            rowi, thr["hist"], rst, thr["spn"], counters, V, NBLK, C, CHUNK, sz, drafts.stride(0),
+            rowi, thr["hist"], rst, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0),
             zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, INV_W=INV_W, MODE=MODE,
             num_warps=4)
         if MODE == 2:
@@ -531,7 +531,7 @@ def _markov_configs():
         out.append(compile_config(row_reduce_kernel, dict(
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
             z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
-            rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", spn_ptr="*i32", done_ptr="*i32",
+            rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
             V=_D16, NBLK="i32", C=_D16, CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16,
             step="i32", done_off="i32", RPR="i32"),
             dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
@@ -556,7 +556,7 @@ def _markov_configs():
             cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16,
             stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32",
             LAST="i32"),
-            dict(TILE=hist_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
+            dict(TILE=refine_tile(TILE, REFINE_EDGES, CAND_CAP), NB=REFINE_EDGES, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, SCAN=True),
             select_warps(CAND_CAP)))
         for mode in (1, 2):

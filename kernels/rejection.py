@@ -345,7 +345,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         BLOCK=TILE, num_warps=4)
     launch(row_reduce_kernel)[(R, C)](
         bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
-        thr["spn"], counters, V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
+        counters, V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
         NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
         INV_W=HIST_INV_W, MODE=2, num_warps=4)
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes

@@ -202,7 +202,7 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #   rows need 4). 8 bins + 4 passes is the next candidate; it is not the default because it has
 #   not been timed or run on a GPU yet.
 
-HIST_BINS = 8             # NB: bins of 4 nats cover d in [0, 32), the last bin is open
+HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
 REFINE_EDGES = 16         # edges per refinement pass (over the spilled bracket only)
 CAND_CAP = 4096           # candidates resolved in registers by one program
@@ -236,6 +236,11 @@ def hist_tile(tile: int, nb: int) -> int:
     the next tiles' loads in flight (H200: 256 x 8 with two tiles prefetched ran the reduce
     loop in half the time of 256 x 16 without, benchmarks/row_pass_probe.py)."""
     return max(16, min(tile, 2048 // nb))
+
+
+def refine_tile(tile: int, edges: int, cap: int) -> int:
+    """hist_tile for row_refine_kernel, which runs select_warps(cap) warps."""
+    return hist_tile(tile, edges) * select_warps(cap) // 4
 
 
 def mass_scale_bits(V: int) -> int:
@@ -345,13 +350,14 @@ def gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, sel, key, w, CAP: tl.c
 
 
 @triton.jit
-def spill(spn_ptr, spill_ptr, pc, CHUNK, sel, z):
-    """Append the selected z to chunk program pc's spill region (CHUNK slots: a chunk never
-    overflows it), one atomic slot per token on the program's own counter spn[pc] (so no
-    contention across programs); the order is arbitrary and nothing depends on it."""
-    pc = pc.to(tl.int64)
-    slot = tl.atomic_add(spn_ptr + pc + tl.zeros_like(z).to(tl.int64), 1, mask=sel, sem="relaxed")
-    tl.store(spill_ptr + pc * CHUNK + slot, z, mask=sel)
+def spill(spill_ptr, pc, CHUNK, n, sel, z):
+    """Append the selected z of a tile to chunk program pc's spill region, which holds n tokens
+    so far (CHUNK slots: a chunk never overflows it), in token order; returns the new count.
+    A scan over the tile places them: no atomics (per-token atomic slots on the program's
+    counter made the select pass ~2x slower on the H200: each tile waited on its round trip)."""
+    pos = tl.cumsum(sel.to(tl.int32), axis=0)
+    tl.store(spill_ptr + pc.to(tl.int64) * CHUNK + n + pos - 1, z, mask=sel)
+    return n + tl.max(pos, axis=0)
 
 
 @triton.jit
@@ -603,8 +609,7 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 
 @triton.jit
 def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
-                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, spn_ptr,
-                      done_ptr,
+                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
                       V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off, RPR,
                       NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
                       INV_W: tl.constexpr, MODE: tl.constexpr):
@@ -636,7 +641,6 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 tl.store(drafts_ptr + b * stride_db, tok)
                 tl.store(prev_ptr + b, tok)
         if MODE == 2:
-            tl.store(spn_ptr + b * C + c, 0)         # this program's spill region (select)
             if (~greedy) & (~deg) & (k_on | p_on):
                 zrow = z_ptr + b.to(tl.int64) * stride_zb
                 cnt2 = tl.zeros((TILE, NB), tl.int32)
@@ -712,6 +716,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
             ac_v = tl.zeros((TILE,), tl.int32)
             kmin_v = tl.full((TILE,), 2147483647, tl.int32)   # key range of the candidates
             kmax_v = tl.full((TILE,), -2147483648, tl.int32)
+            n_sp = tl.zeros((), tl.int32)                      # tokens spilled (overflow)
             for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
                 # a tile whose best token lies below the bracket holds nothing of interest
                 if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
@@ -732,11 +737,12 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
                         # (a fraction of the chunk) instead of the row, and needs its key range
                         kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
                         kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
-                        spill(spn_ptr, spill_ptr, b * C + c, CHUNK, cand, z)
+                        n_sp = spill(spill_ptr, b * C + c, CHUNK, n_sp, cand, z)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
             tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
             tl.store(kext_ptr + (b * C + c) * 2 + 1, tl.max(kmax_v, axis=0))
+            tl.store(spn_ptr + b * C + c, n_sp)
             tl.debug_barrier()
             if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
                 if nb > CAP:
@@ -958,7 +964,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 
 def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: int, dev):
     """Scratch of the select/refine passes for `rows` rows in C chunk programs (uninitialised:
-    every slot is written before it is read; the spill counters are zeroed by row_reduce)."""
+    every slot is written before it is read)."""
     i32, i64 = torch.int32, torch.int64
     return dict(
         hist=torch.empty((rows, C, 2 * max(nb, edges)), dtype=i32, device=dev),
@@ -994,5 +1000,5 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
             s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
             CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
-            TILE=hist_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, SCAN=scan,
+            TILE=refine_tile(TILE, edges, cap), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, SCAN=scan,
             num_warps=select_warps(cap))
