@@ -70,7 +70,7 @@ from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_EDGES, REFINE_PAS
                        check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
-                       row_select_kernel, row_tiling, select_warps, tile_max,
+                       row_select_kernel, row_tiling, SELECT_WARPS, select_tile, tile_max,
                        tl_vocab_gumbel, hist_tile, refine_tile, lane_argmax_finish,
                        lane_argmax_update)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
@@ -279,12 +279,22 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
         # per-lane best, reduced once at the end
         best_v = tl.full((TILE,), float("-inf"), tl.float32)
         bid_v = tl.zeros((TILE,), tl.int32)
-        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-            offs = v0 + tl.arange(0, TILE)
+        # the next tile's z and block maximum are loaded before this tile is used (a tile
+        # decided, then loaded, waited on two round trips)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        ar = tl.arange(0, TILE)
+        zn = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+        tmn = tile_max(bmax_ptr, b, NBLK, lo, TILE, BLOCK_V)
+        for v0 in range(lo, hi, TILE):
+            z = zn
+            tm = tmn
+            offs = v0 + ar
             vm = offs < V
-            # nothing kept in the tile (its best token is below tau): write zeros, read nothing
-            if (tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V) >= tau) & ~deg:
-                z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
+            zn = tl.load(zrow + offs + TILE, mask=offs + TILE < hi, other=float("-inf"))
+            tmn = tile_max(bmax_ptr, b, NBLK, v0 + TILE, TILE, BLOCK_V)
+            # nothing kept in the tile (its best token is below tau): zeros, and no noise
+            if (tm >= tau) & ~deg:
                 keep = (z >= tau) & (z > float("-inf"))
                 prob = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
                 tl.store(zrow + offs, prob, mask=vm)
@@ -546,9 +556,9 @@ def _markov_configs():
             rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", V=_D16,
             C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
             done_off="i32", RPR="i32"),
-            dict(TILE=TILE, NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
+            dict(TILE=select_tile(TILE), NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128, SCAN=True),
-            select_warps(CAND_CAP)))
+            SELECT_WARPS))
         out.append(compile_config(row_refine_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
             above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64", hist_ptr="*i32",
@@ -556,9 +566,9 @@ def _markov_configs():
             cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16,
             stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32",
             LAST="i32"),
-            dict(TILE=refine_tile(TILE, REFINE_EDGES, CAND_CAP), NB=REFINE_EDGES, CAP=CAND_CAP,
+            dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, SCAN=True),
-            select_warps(CAND_CAP)))
+            SELECT_WARPS))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",

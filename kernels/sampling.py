@@ -205,15 +205,19 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
 REFINE_EDGES = 16         # edges per refinement pass (over the spilled bracket only)
-CAND_CAP = 4096           # candidates resolved in registers by one program
+CAND_CAP = 1024           # candidates resolved in registers by one program
 # relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms per program, then
 # <= 64 chunk partials: < 1e-5; exp error ~1e-7): it only widens a bracket
 MASS_EPS = tl.constexpr(1e-4)
 
 
-def select_warps(cap: int) -> int:
-    """Warps of row_select_kernel: its last program holds `cap` candidates in registers."""
-    return 4 if cap <= 1024 else 8
+SELECT_WARPS = 8          # row_select / row_refine: their last program resolves CAP candidates
+
+
+def select_tile(tile: int) -> int:
+    """Tokens per load of row_select_kernel: 512 at 8 warps keeps it at 64 registers on sm_90
+    (4 programs per SM; 1024 tokens took 128, and the pass waited on memory)."""
+    return min(tile, 512)
 
 
 def row_tiling(rows: int, V: int, tile: int | None = None, chunk: int | None = None):
@@ -238,9 +242,9 @@ def hist_tile(tile: int, nb: int) -> int:
     return max(16, min(tile, 2048 // nb))
 
 
-def refine_tile(tile: int, edges: int, cap: int) -> int:
-    """hist_tile for row_refine_kernel, which runs select_warps(cap) warps."""
-    return hist_tile(tile, edges) * select_warps(cap) // 4
+def refine_tile(tile: int, edges: int) -> int:
+    """hist_tile for row_refine_kernel, which runs SELECT_WARPS warps."""
+    return hist_tile(tile, edges) * SELECT_WARPS // 4
 
 
 def mass_scale_bits(V: int) -> int:
@@ -340,13 +344,18 @@ def hist_add_z(cnt2, ms2, z, m, INV_W: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, sel, key, w, CAP: tl.constexpr):
-    """Append the selected tokens' (key, fixed mass) to row b's candidate list, one atomic slot
-    per token (lanes not selected issue none). ccount[b] ends as the number of candidates, also
-    past CAP; their order is arbitrary, which resolve() does not depend on."""
-    slot = tl.atomic_add(ccount_ptr + b + tl.zeros_like(key), 1, mask=sel, sem="relaxed")
-    ok = sel & (slot < CAP)
-    tl.store(ckey_ptr + b * CAP + slot, key, mask=ok)
-    tl.store(cmass_ptr + b * CAP + slot, w, mask=ok)
+    """Append the selected tokens' (key, fixed mass) to row b's candidate list: a scan over the
+    tile places them, and one atomic per tile that selects anything reserves their slots
+    (an atomic slot per token made every tile wait on a contended round trip). ccount[b] ends
+    as the number of candidates, also past CAP; their order is arbitrary, which resolve() does
+    not depend on."""
+    pos = tl.cumsum(sel.to(tl.int32), axis=0)
+    n = tl.max(pos, axis=0)
+    if n > 0:
+        slot = tl.atomic_add(ccount_ptr + b, n, sem="relaxed") + pos - 1
+        ok = sel & (slot < CAP)
+        tl.store(ckey_ptr + b * CAP + slot, key, mask=ok)
+        tl.store(cmass_ptr + b * CAP + slot, w, mask=ok)
 
 
 @triton.jit
@@ -717,27 +726,33 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
             kmin_v = tl.full((TILE,), 2147483647, tl.int32)   # key range of the candidates
             kmax_v = tl.full((TILE,), -2147483648, tl.int32)
             n_sp = tl.zeros((), tl.int32)                      # tokens spilled (overflow)
-            for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
-                # a tile whose best token lies below the bracket holds nothing of interest
-                if d_bin(tile_max(bmax_ptr, b, NBLK, v0, TILE, BLOCK_V), m, INV_W, NB) <= jhi:
-                    offs = v0 + tl.arange(0, TILE)
-                    z = tl.load(zrow + offs, mask=offs < V, other=float("-inf"))
-                    fin = z > float("-inf")
-                    j = d_bin(z, m, INV_W, NB)
-                    above = fin & (j < jlo)
-                    cand = fin & (j >= jlo) & (j <= jhi)
-                    w = fixed_mass(z, m, SCALE)
-                    am_v += tl.where(above, w, 0)
-                    ac_v += above.to(tl.int32)
-                    key = f32_key(z)
-                    if nb <= CAP:
-                        gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
-                    else:
-                        # overflow: refine reads the bracket from this program's spill region
-                        # (a fraction of the chunk) instead of the row, and needs its key range
-                        kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
-                        kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
-                        n_sp = spill(spill_ptr, b * C + c, CHUNK, n_sp, cand, z)
+            # every tile is read, the next one loaded before this one is used: skipping tiles
+            # below the bracket (from the block maxima) saved bytes but put a dependent load in
+            # front of every tile's, and the pass waited on the two round trips (H200)
+            lo = c * CHUNK
+            hi = tl.minimum(lo + CHUNK, V)
+            ar = tl.arange(0, TILE)
+            zn = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+            for v0 in range(lo, hi, TILE):
+                z = zn
+                nx = v0 + TILE + ar
+                zn = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
+                fin = z > float("-inf")
+                j = d_bin(z, m, INV_W, NB)
+                above = fin & (j < jlo)
+                cand = fin & (j >= jlo) & (j <= jhi)
+                w = fixed_mass(z, m, SCALE)
+                am_v += tl.where(above, w, 0)
+                ac_v += above.to(tl.int32)
+                key = f32_key(z)
+                if nb <= CAP:
+                    gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
+                else:
+                    # overflow: refine reads the bracket from this program's spill region
+                    # (a fraction of the chunk) instead of the row, and needs its key range
+                    kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
+                    kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
+                    n_sp = spill(spill_ptr, b * C + c, CHUNK, n_sp, cand, z)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
             tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
@@ -993,12 +1008,12 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
         *flags, z, rowf, rowi, bmax, s["above_m"], s["above_c"], s["rowa"], s["ckey"],
         s["cmass"], counters, counters, s["kext"], rst, s["spill"], s["spn"], V, C, CHUNK, NBLK,
         stride_zb, z_off, select_offs[0], select_offs[1], RPR,
-        TILE=TILE, NB=NB, INV_W=NB / 32.0, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-        SCAN=scan, num_warps=select_warps(cap))
+        TILE=select_tile(TILE), NB=NB, INV_W=NB / 32.0, CAP=cap, SCALE=scale, C_P2=C_P2,
+        BLOCK_V=BLOCK_V, SCAN=scan, num_warps=SELECT_WARPS)
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
             s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
             CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
-            TILE=refine_tile(TILE, edges, cap), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, SCAN=scan,
-            num_warps=select_warps(cap))
+            TILE=refine_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, SCAN=scan,
+            num_warps=SELECT_WARPS)
