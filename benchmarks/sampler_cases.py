@@ -10,8 +10,8 @@ Cases per B (requests):
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
-  refinement passes instead of REFINE_PASSES (3); `ours-hist4` / `ours-hist16`: threshold mass
-  histograms of 4 / 16 bins instead of HIST_BINS (8); `ours-cap256` / `ours-cap4096`: 256 / 4096
+  refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
+  histograms of 8 / 32 bins instead of HIST_BINS (16); `ours-cap256` / `ours-cap4096`: 256 / 4096
   threshold candidates instead of CAND_CAP (1024); `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
@@ -124,7 +124,7 @@ def _threshold_variants():
     out = {"ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
            "ours-refine2": lambda d: ms.markov_sample_launch(**d, refine_passes=2)}
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
-                for n in (4, 16)})
+                for n in (8, 32)})
     out.update({f"ours-cap{n}": (lambda d, n=n: ms.markov_sample_launch(**d, cap=n))
                 for n in (256, 4096)})
     # tokens per row-pass program (row_tiling's default: 2048 / 4096 / 8192 for <= 4 / <= 16 /
