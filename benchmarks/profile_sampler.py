@@ -47,15 +47,22 @@ def profile(fn, d, calls):
             fn(d)
         torch.cuda.synchronize()
     per = defaultdict(lambda: [0.0, 0])
+    seq = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             name = e.name.split("(")[0][:60]
-            per[name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            per[name][0] += t
             per[name][1] += 1
+            seq.append((e.time_range.start, name, t))
     rows = [{"kernel": k, "us_per_call": t / calls, "launches_per_call": n / calls}
             for k, (t, n) in per.items()]
     rows.sort(key=lambda r: -r["us_per_call"])
-    return rows
+    # the last call's launches in issue order: which refinement pass, which step, costs what
+    seq.sort()
+    n = round(sum(r["launches_per_call"] for r in rows))
+    last = [{"kernel": k, "us": t} for _, k, t in seq[-n:]]
+    return rows, last
 
 
 def main(argv=None):
@@ -65,6 +72,8 @@ def main(argv=None):
     p.add_argument("--ops", default=",".join(_ops()))
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--git-commit", default=None)
+    p.add_argument("--sequence", action="store_true", help="also print the last call's launches "
+                   "in order (always in the json)")
     a = p.parse_args(argv)
     import dspark_compile.kernels.markov_sampler  # noqa: F401  (registers the ops)
     import dspark_compile.kernels.rejection  # noqa: F401
@@ -73,13 +82,17 @@ def main(argv=None):
     for name in a.ops.split(","):
         make, fn = _ops()[name]
         for B in (int(b) for b in a.batches.split(",")):
-            rows = profile(fn, make(B)(dev, 0), a.calls)
+            rows, last = profile(fn, make(B)(dev, 0), a.calls)
             total = sum(r["us_per_call"] for r in rows)
-            res["cases"].append({"op": name, "B": B, "kernel_us_total": total, "kernels": rows})
+            res["cases"].append({"op": name, "B": B, "kernel_us_total": total, "kernels": rows,
+                                 "last_call": last})
             print(f"\n== {name} B={B}: kernel time {total:.1f} us/call, "
                   f"{sum(r['launches_per_call'] for r in rows):.0f} launches/call", flush=True)
             for r in rows[:12]:
                 print(f"  {r['us_per_call']:9.1f} us  x{r['launches_per_call']:5.1f}  {r['kernel']}")
+            if a.sequence:
+                print("  last call, in order: " + ", ".join(
+                    f"{r['kernel'].replace('_kernel', '')} {r['us']:.1f}" for r in last))
             with open(a.out, "w") as f:          # after every case: a timeout keeps what ran
                 json.dump(res, f, indent=1)
 

@@ -12,7 +12,9 @@ Cases per B (requests):
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
   histograms of 8 / 32 bins instead of HIST_BINS (16); `ours-cap256` / `ours-cap4096`: 256 / 4096
-  threshold candidates instead of CAND_CAP (1024); `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
+  threshold candidates instead of CAND_CAP (1024); `ours-edges32` / `ours-edges64`: refinement
+  passes splitting at 32 / 64 edges instead of REFINE_EDGES (16), `ours-hist8-edges64` both
+  knobs; `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
@@ -127,6 +129,10 @@ def _threshold_variants():
                 for n in (8, 32)})
     out.update({f"ours-cap{n}": (lambda d, n=n: ms.markov_sample_launch(**d, cap=n))
                 for n in (256, 4096)})
+    out.update({f"ours-edges{n}": (lambda d, n=n: ms.markov_sample_launch(**d, refine_edges=n))
+                for n in (32, 64)})
+    out["ours-hist8-edges64"] = lambda d: ms.markov_sample_launch(**d, hist_bins=8,
+                                                                  refine_edges=64)
     # tokens per row-pass program (row_tiling's default: 2048 / 4096 / 8192 for <= 4 / <= 16 /
     # more rows): more, shorter programs per row against more partials to combine
     out.update({f"ours-chunk{n}": (lambda d, n=n: ms.markov_sample_launch(**d, chunk=n))

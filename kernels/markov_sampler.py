@@ -362,7 +362,8 @@ def _num_programs(nblk: int, progs_per_sm: int, device, interpret: bool) -> int:
 def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
                          logits_config=None, scan_fallback=True,
-                         refine_passes=REFINE_PASSES, hist_bins=HIST_BINS):
+                         refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
+                         refine_edges=REFINE_EDGES):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -372,13 +373,18 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     (tuning: each pass is one launch per step, near-empty for rows that need none).
     `hist_bins` (tuning; a power of two in [4, 128]) replaces HIST_BINS: the threshold mass
     histograms' bins, always spanning 32 nats below the row max. Their cost per token grows
-    with the bin count; the brackets' width shrinks with it (fewer refinement passes).
+    with the bin count; the brackets' width shrinks with it (fewer tokens spilled, fewer
+    refinement passes). `refine_edges` (tuning; a power of two in [4, 128]) replaces
+    REFINE_EDGES: the edges each refinement pass splits an overflowing bracket at.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
     if not isinstance(hist_bins, int) or hist_bins < 4 or hist_bins > 128 or \
             hist_bins & (hist_bins - 1):
         raise ValueError(f"hist_bins must be a power of two in [4, 128], got {hist_bins!r}")
+    if not isinstance(refine_edges, int) or refine_edges < 4 or refine_edges > 128 or \
+            refine_edges & (refine_edges - 1):
+        raise ValueError(f"refine_edges must be a power of two in [4, 128], got {refine_edges!r}")
     NB, INV_W = hist_bins, hist_bins / 32.0
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
@@ -430,7 +436,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         zeroed = torch.zeros((N * NCNT * B + nrst,), dtype=i32, device=dev)
         counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
         rst = zeroed[N * NCNT * B:].view(B, 4) if MODE == 2 else zeroed[:1]
-    thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, REFINE_EDGES, dev)
+    thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, refine_edges, dev)
     best_v = torch.empty((B, C) if MODE else (1,), dtype=f32, device=dev)
     best_i = torch.empty((B, C) if MODE else (1,), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
@@ -459,7 +465,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 (temperature, top_k, top_p), probs, zo, sz, rowf, rowi, rst, bmax, thr, counters,
                 (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
                 V=V, C=C, CHUNK=CHUNK, NBLK=NBLK, BLOCK_V=BLOCK_V, RPR=1, TILE=TILE, NB=NB,
-                edges=REFINE_EDGES, cap=cap, scan=scan_fallback)
+                edges=refine_edges, cap=cap, scan=scan_fallback)
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
                 temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
