@@ -630,18 +630,32 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, MODE)
     # only chunk 0 has work for greedy / plain rows: the others skip reading the B x NBLK block
     # statistics (16 B per block: (C - 1) x 16 KB per row and step at the Flash vocabulary)
-    if (c == 0) | ((~greedy) & (k_on | p_on)):
+    search = (~greedy) & (k_on | p_on)
+    if (c == 0) | search:
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        ar = tl.arange(0, TILE)
+        if MODE == 2:
+            # the histogram's first two tiles, requested before the row statistics they wait for
+            # (two tiles per step, the next step's two loaded before this step's are binned:
+            # binning costs ~4 instructions per token and bin, and without loads in flight
+            # behind it the pass waited on memory as long as it computed,
+            # benchmarks/row_pass_probe.py)
+            hs = tl.where(search, hi, lo)               # nothing to read without a search
+            na = tl.load(zrow + lo + ar, mask=lo + ar < hs, other=float("-inf"))
+            nb2 = tl.load(zrow + lo + TILE + ar, mask=lo + TILE + ar < hs, other=float("-inf"))
         o = tl.arange(0, NBLK_P2)
         om = o < NBLK
         bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
         m = tl.max(bm, axis=0)
         nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
         deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
-        bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
-        Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
-        ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
-        arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
-        if c == 0:
+        if c == 0:      # Z and the argmax: only the program that stores them reads their stats
+            bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
+            Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
+            ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
+            arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
             tl.store(rowf_ptr + b * 4, m)
             tl.store(rowf_ptr + b * 4 + 1, Z)
             tl.store(rowi_ptr + b * 4 + 3, deg.to(tl.int32))
@@ -650,19 +664,9 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 tl.store(drafts_ptr + b * stride_db, tok)
                 tl.store(prev_ptr + b, tok)
         if MODE == 2:
-            if (~greedy) & (~deg) & (k_on | p_on):
-                zrow = z_ptr + b.to(tl.int64) * stride_zb
+            if search & (~deg):
                 cnt2 = tl.zeros((TILE, NB), tl.int32)
                 ms2 = tl.zeros((TILE, NB), tl.float32)
-                # two tiles per step, the next step's two loaded before this step's are binned:
-                # binning costs ~4 instructions per token and bin, and without loads in flight
-                # behind it the pass waited on memory as long as it computed
-                # (benchmarks/row_pass_probe.py)
-                lo = c * CHUNK
-                hi = tl.minimum(lo + CHUNK, V)
-                ar = tl.arange(0, TILE)
-                na = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
-                nb2 = tl.load(zrow + lo + TILE + ar, mask=lo + TILE + ar < hi, other=float("-inf"))
                 for v0 in range(lo, hi, 2 * TILE):
                     za = na
                     zb = nb2
