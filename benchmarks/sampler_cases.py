@@ -11,8 +11,8 @@ Cases per B (requests):
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
-  histograms of 8 / 32 bins instead of HIST_BINS (16); `ours-cap2048` / `ours-cap4096`: 2048 / 4096
-  threshold candidates instead of CAND_CAP (1024); `ours-edges32` / `ours-edges64`: refinement
+  histograms of 8 / 32 bins instead of HIST_BINS (16); `ours-cap1024` / `ours-cap4096`: 1024 / 4096
+  threshold candidates instead of CAND_CAP (2048); `ours-edges32` / `ours-edges64`: refinement
   passes splitting at 32 / 64 edges instead of REFINE_EDGES (16), `ours-hist8-edges64` both
   knobs; `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
@@ -128,7 +128,7 @@ def _threshold_variants():
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
                 for n in (8, 32)})
     out.update({f"ours-cap{n}": (lambda d, n=n: ms.markov_sample_launch(**d, cap=n))
-                for n in (2048, 4096)})
+                for n in (1024, 4096)})
     out.update({f"ours-edges{n}": (lambda d, n=n: ms.markov_sample_launch(**d, refine_edges=n))
                 for n in (32, 64)})
     out["ours-hist8-edges64"] = lambda d: ms.markov_sample_launch(**d, hist_bins=8,

@@ -205,7 +205,7 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
 REFINE_EDGES = 16         # edges per refinement pass (over the spilled bracket only)
-CAND_CAP = 1024           # candidates resolved in registers by one program
+CAND_CAP = 2048           # candidates resolved in registers by one program
 # relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms per program, then
 # <= 64 chunk partials: < 1e-5; exp error ~1e-7): it only widens a bracket
 MASS_EPS = tl.constexpr(1e-4)
