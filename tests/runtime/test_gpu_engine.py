@@ -161,7 +161,7 @@ def test_graph_replay_equals_uncaptured_program(gpu_engine, live_rows, bucket, v
     eng.state["row.temperature"].copy_(temps)
 
 
-def test_greedy_generation_through_graphs_is_lossless(gpu_engine):
+def test_greedy_generation_through_graphs_is_lossless(gpu_engine, buckets):
     """Greedy speculative decoding through the CUDA graphs vs greedy decoding of the target
     alone (eager, same GPU). A divergence must be a near-tie of the target's logits; every
     report is printed."""
@@ -176,7 +176,8 @@ def test_greedy_generation_through_graphs_is_lossless(gpu_engine):
     params = [SamplingParams(max_new_tokens=n) for n in (40, 32, 24, 48, 16, 40, 30, 8, 1)]
     eng.times = StepTimes()
     res = eng.generate(prompts, params)
-    assert len(eng.times.per_bucket) >= 2, eng.times   # rows finished at different steps
+    if len(buckets) > 1:    # rows finished at different steps and moved to smaller buckets
+        assert len(eng.times.per_bucket) >= 2, eng.times
     assert sum(res.accepted_at) > 0, "no draft accepted"
     exact, ties = 0, []
     for i, (p, sp, out) in enumerate(zip(prompts, params, res.tokens)):
