@@ -350,10 +350,10 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         INV_W=HIST_INV_W, MODE=2, num_warps=4)
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
-        flags, z, 0, V, rowf, rowi, rst, bmax, thr, counters, (R, 2 * R),
+        flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
-        V=V, C=C, CHUNK=CHUNK, NBLK=NBLK, BLOCK_V=TILE, RPR=N1, TILE=TILE, NB=HIST_BINS,
-        edges=REFINE_EDGES, cap=cap, scan=True)
+        V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
+        scan=True)
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)

@@ -177,30 +177,34 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #   2. `bracket`: from the bins' masses (within a relative MASS_EPS) and exact counts, the bin
 #      range [jlo, jhi] that must contain tau: for top-p, usually the single bin where the
 #      cumulative mass crosses top_p * Z;
-#   3. one pass sums the exact fixed-point masses of the tokens above the range and gathers the
-#      tokens inside it (the candidates, at most CAP); `resolve` bisects over their fp32 bit
-#      keys for the exact tau. Overflow (> CAP candidates: near-flat rows, where top-p 0.95 keeps
-#      most of the vocabulary and one 2-nat bin holds 10^4+ tokens) goes to the radix refinement
-#      below: each pass splits the overflowing value range at NB edges and sums the masses
-#      above each, so it narrows by ~NB (REFINE_PASSES more passes). What that cannot decide
-#      (top-k and top-p both on with > CAP tokens between their thresholds, > CAP tokens within
-#      ~1 ulp, a wrong bracket) falls back to `resolve_by_scan`, which bisects with a full row
-#      scan per probe: exact, slow.
+#   3. one pass (select) sums the exact fixed-point masses of the tokens above the range and
+#      gathers the tokens inside it (the candidates, at most CAP); `resolve` bisects over their
+#      fp32 bit keys for the exact tau. Overflow (> CAP candidates: near-flat rows, where top-p
+#      0.95 keeps most of the vocabulary and one 2-nat bin holds 10^4+ tokens) spills the
+#      bracket's tokens into per-chunk regions instead, and the radix refinement below reads only
+#      those: each pass splits the overflowing value range at REFINE_EDGES edges and sums the
+#      masses above each, so it narrows by ~REFINE_EDGES (REFINE_PASSES more launches). What
+#      that cannot decide (top-k and top-p both on with > CAP tokens between their thresholds,
+#      > CAP tokens within ~1 ulp, a wrong bracket) falls back to `resolve_by_scan`, which
+#      bisects with a full row scan per probe: exact, slow.
 # Masses are exp(z - max) in fixed point (int64, 2^SCALE_BITS per unit) wherever they decide
 # something: sums are exact and order-independent, so the result does not depend on which
 # program finished first. The fp32 bin masses only place the bracket (resolve() checks it).
 #
-# Why mass bins, few of them, and per-lane partials (H200, B = 64, top-p 0.95, per call):
+# How it got here (H200, B = 64, top-p 0.95 over randn * 3 rows, the whole Markov call):
 # - The first version counted tokens per bin (tl.histogram) and bounded a bin's mass by
 #   count * [e^-(j+1)w, e^-jw]. Those bounds are only as tight as the bin is narrow: it needed
 #   1024 bins of 1/32 nat (5.1 ms per call). Summed masses make the bracket one bin wide
 #   whatever the width, so a few bins do: 3.99 ms with 16.
-# - The rest was structure, not arithmetic: every pass reduced each tile across the CTA (5-6
-#   barriers per 1024 tokens). Per-lane partials reduced once per program: 2.31 ms.
-# - A mass bin costs a compare/select per token: 32 bins 3.92 ms, 8 bins 2.16 ms but with 3
-#   refinement passes, in which 8 edges do not always resolve near-flat rows (the tests' toy
-#   rows need 4). 8 bins + 4 passes is the next candidate; it is not the default because it has
-#   not been timed or run on a GPU yet.
+# - Structure, not arithmetic: every pass reduced each tile across the CTA (5-6 barriers per
+#   1024 tokens). Per-lane partials reduced once per program: 2.31 ms.
+# - Latency and occupancy (benchmarks/row_pass_probe.py timed the loops alone): the passes
+#   waited on one small load at a time, behind a dependent block-maximum load, at 2 programs per
+#   SM (the resolving program's registers). Loads now run a tile or two ahead, select reads
+#   every tile (no block-max check) at 8 warps x 512 tokens (64 registers), and an overflowing
+#   bracket is spilled so refinement reads a tenth of the row: 1.33 ms. The histogram itself
+#   is now the bound: binning costs ~5 instructions per token and bin (8 bins: the reduce pass
+#   ~2x faster, but twice the tokens spilled and refined, 1.55 ms overall; 32 bins 2.27 ms).
 
 HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
 HIST_INV_W = HIST_BINS / 32.0
@@ -694,13 +698,12 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 
 
 @triton.jit
-def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr,
-                      above_m_ptr, above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr,
-                      done_ptr, kext_ptr, rst_ptr, spill_ptr, spn_ptr,
-                      V, C, CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
-                      TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
+def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
+                      above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
+                      rst_ptr, spill_ptr, spn_ptr, V, C, CHUNK, stride_zb, z_off, ccount_off,
+                      done_off, RPR, TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      BLOCK_V: tl.constexpr, SCAN: tl.constexpr = True):
+                      SCAN: tl.constexpr = True):
     # SCAN: the scan_threshold test hook
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -790,22 +793,25 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, b
 # ----------------------------------------------------------------------------------------------
 #
 # Near-flat rows (top-p 0.95 over a flat-ish distribution) put more than CAP tokens in the
-# first bracket (one 4-nat bin holds ~2 x 10^4 tokens at the Flash vocabulary). The select pass
-# then records the bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly
-# the finite tokens with key in it, since bins are monotone in z), the exact mass/count above it
-# (rowa), and spills the bracket's z values into its chunk's spill region (`spill`). Each refine
-# pass reads only the spill regions -- a tenth of the row or less -- not the row:
-#   HIST:   sums the exact fixed-point mass/count above khi (plus rowa), and for NB fp32 edges splitting the
-#           bracket's value range evenly, the count and fp32 mass of its tokens above each edge;
-#           its last program narrows [klo, khi] to the edge interval(s) that hold tau;
+# first bracket (one 2-nat bin holds ~10^4 tokens at the Flash vocabulary). The select pass then
+# records the bracket's exact key range [klo, khi] (fp32 order keys; candidates are exactly the
+# finite tokens with key in it, since bins are monotone in z), the exact mass/count above it
+# (rowa), and spills the bracket's z values into its chunk's spill region (`spill`: CHUNK slots
+# per chunk program, so it cannot overflow). Each refine pass reads only the spill regions -- a
+# tenth of the row on the benchmark's rows, less on peaked ones -- not the row:
+#   HIST:   sums the exact fixed-point mass/count above khi (plus rowa), and for NB fp32 edges
+#           splitting the bracket's value range evenly, the count and fp32 mass of its tokens
+#           above each edge; its last program narrows [klo, khi] to the edge interval(s) that
+#           hold tau;
 #   GATHER: once the bracket holds <= CAP tokens (or a single key), collects them and resolves
 #           tau exactly as the select pass does.
-# Edges are explicit fp32 values and membership is a comparison, so an interval is exactly a key
-# range (even across zero, where key-space bins of equal width would hold nearly every token).
-# Each HIST pass narrows the bracket ~NB-fold in value. Row state (rst): [state (0 done, 1 HIST,
-# 2 GATHER), klo, khi, tokens in the select bracket]. Bounds only decide which tokens are
-# gathered: resolve() verifies the bracket with exact sums, and anything it cannot decide (or a
-# row still unresolved after the last pass) takes resolve_by_scan: exact always.
+# Spilled tokens outside the current [klo, khi] (narrowed away by an earlier pass) are read and
+# skipped. Edges are explicit fp32 values and membership is a comparison, so an interval is
+# exactly a key range (even across zero, where key-space bins of equal width would hold nearly
+# every token). Each HIST pass narrows the bracket ~NB-fold in value. Row state (rst): [state
+# (0 done, 1 HIST, 2 GATHER), klo, khi, tokens in the select bracket]. Bounds only decide which
+# tokens are gathered: resolve() verifies the bracket with exact sums, and anything it cannot
+# decide (or a row still unresolved after the last pass) takes resolve_by_scan: exact always.
 
 REFINE_PASSES = 3
 
@@ -998,10 +1004,9 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
         spn=torch.empty((rows, C), dtype=i32, device=dev))
 
 
-def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, bmax, scratch,
+def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
-                         NBLK: int, BLOCK_V: int, RPR: int, TILE: int, NB: int, edges: int,
-                         cap: int, scan: bool) -> None:
+                         RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller)."""
@@ -1009,11 +1014,11 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     scale = float(2 ** mass_scale_bits(V))
     C_P2 = next_pow2(C)
     launch(row_select_kernel)[(rowf.shape[0], C)](
-        *flags, z, rowf, rowi, bmax, s["above_m"], s["above_c"], s["rowa"], s["ckey"],
-        s["cmass"], counters, counters, s["kext"], rst, s["spill"], s["spn"], V, C, CHUNK, NBLK,
-        stride_zb, z_off, select_offs[0], select_offs[1], RPR,
+        *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
+        counters, counters, s["kext"], rst, s["spill"], s["spn"], V, C, CHUNK, stride_zb, z_off,
+        select_offs[0], select_offs[1], RPR,
         TILE=select_tile(TILE), NB=NB, INV_W=NB / 32.0, CAP=cap, SCALE=scale, C_P2=C_P2,
-        BLOCK_V=BLOCK_V, SCAN=scan, num_warps=SELECT_WARPS)
+        SCAN=scan, num_warps=SELECT_WARPS)
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
