@@ -11,9 +11,10 @@ import triton.language as tl
 from dspark_compile.kernels.philox import (STREAM_TARGET, bits_to_uniform, philox,
                                            vocab_uniform)
 from dspark_compile.kernels.rejection import sample_launch
-from dspark_compile.kernels.sampling import (argmax_tokens, fold_ids, gumbel_argmax,
-                                             gumbel_noise, probs_from_processed, process_logits,
-                                             sample_reference, tl_vocab_gumbel,
+from dspark_compile.kernels.sampling import (argmax_tokens, f32_key, fold_ids,
+                                             gather_candidates, gumbel_argmax, gumbel_noise,
+                                             probs_from_processed, process_logits,
+                                             sample_reference, spill, tl_vocab_gumbel,
                                              tl_vocab_uniform)
 from stats_utils import chi2_pvalue
 
@@ -248,3 +249,63 @@ def test_vocab_gumbel_is_standard_gumbel_in_every_word():
         assert chi2_pvalue(counts, torch.full((20,), 0.05)) > 1e-4, w
     u = torch.exp(-torch.exp(-(g[:, 0::4].double() + 0.05))).flatten()
     assert chi2_pvalue(torch.histc(u, bins=20, min=0.0, max=1.0), torch.full((20,), 0.05)) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------
+# the threshold search's two ways of collecting tokens (kernels/sampling.py): `spill` into a
+# chunk program's own region, `gather_candidates` into a row's shared, capped list
+
+@triton.jit
+def _collect_kernel(z_ptr, sel_ptr, spill_ptr, spn_ptr, ccount_ptr, ckey_ptr, cmass_ptr, NT,
+                    CHUNK, TILE: tl.constexpr, CAP: tl.constexpr):
+    """Program p walks its NT tiles: spills the selected z into region p and gathers (key, id)
+    of the same tokens into row 0's candidate list, as the select/refine passes do."""
+    pid = tl.program_id(0)
+    n = tl.zeros((), tl.int32)
+    for t in range(NT):
+        offs = (pid * NT + t) * TILE + tl.arange(0, TILE)
+        z = tl.load(z_ptr + offs)
+        sel = tl.load(sel_ptr + offs) != 0
+        n = spill(spill_ptr, pid, CHUNK, n, sel, z)
+        gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, 0, sel, f32_key(z), offs.to(tl.int64),
+                          CAP)
+    tl.store(spn_ptr + pid, n)
+
+
+@pytest.mark.parametrize("cap", [32, 256])
+def test_spill_and_gather_collect_exactly_the_selected_tokens(cap):
+    """Spill: each program's region holds its selected z in token order and its count (tiles
+    selecting nothing, everything, or a few). Gather: the row's counter counts every selected
+    token, also past CAP; the list holds min(count, CAP) distinct selected tokens with their
+    keys (all of them when they fit)."""
+    P, NT, TILE = 3, 4, 16
+    CHUNK = NT * TILE
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(P * CHUNK, generator=g)
+    sel = torch.rand(P * CHUNK, generator=g) < 0.4
+    sel[0:TILE] = False                   # program 0, tile 0: nothing
+    sel[CHUNK + TILE:CHUNK + 2 * TILE] = True      # program 1, tile 1: everything
+    sel[2 * CHUNK:] = False
+    sel[2 * CHUNK + 5] = True             # program 2: a single token
+    spill_buf = torch.full((P, CHUNK), float("nan"))
+    spn = torch.full((P,), -1, dtype=torch.int32)
+    ccount = torch.zeros(1, dtype=torch.int32)
+    ckey = torch.full((1, cap), -1, dtype=torch.int32)
+    cmass = torch.full((1, cap), -1, dtype=torch.int64)
+    _collect_kernel[(P,)](z, sel.to(torch.int32), spill_buf, spn, ccount, ckey, cmass, NT, CHUNK,
+                          TILE=TILE, CAP=cap)
+    for p in range(P):
+        want = z[p * CHUNK:(p + 1) * CHUNK][sel[p * CHUNK:(p + 1) * CHUNK]]
+        assert int(spn[p]) == want.numel()
+        assert torch.equal(spill_buf[p, :want.numel()], want)
+        assert torch.isnan(spill_buf[p, want.numel():]).all()      # nothing written past it
+    total = int(sel.sum())
+    assert (total > 32) and int(ccount[0]) == total     # cap 32 overflows
+    kept = min(total, cap)
+    ids = cmass[0, :kept]
+    assert (ids >= 0).all() and ids.unique().numel() == kept and sel[ids].all()
+    bits = z[ids].view(torch.int32)           # f32_key: order-preserving (no zeros drawn here)
+    assert torch.equal(ckey[0, :kept], torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF))
+    assert (cmass[0, kept:] == -1).all()
+    if total <= cap:
+        assert torch.equal(ids.sort().values, sel.nonzero()[:, 0])
