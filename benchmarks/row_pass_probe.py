@@ -46,14 +46,18 @@ def _ld(zrow, offs, hi):
 
 
 @triton.jit
-def hist_probe(z_ptr, out_ptr, V, CHUNK, m, TILE: tl.constexpr, NB: tl.constexpr,
-               U: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+def _chunk(z_ptr, V, CHUNK):
+    """(row, chunk, chunks, row pointer, chunk start, chunk end) of this program."""
     b = tl.program_id(0)
     c = tl.program_id(1)
-    C = tl.num_programs(1)
-    zrow = z_ptr + b.to(tl.int64) * V
     lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
+    return b, c, tl.num_programs(1), z_ptr + b.to(tl.int64) * V, lo, tl.minimum(lo + CHUNK, V)
+
+
+@triton.jit
+def hist_probe(z_ptr, out_ptr, V, CHUNK, m, TILE: tl.constexpr, NB: tl.constexpr,
+               U: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr):
+    b, c, C, zrow, lo, hi = _chunk(z_ptr, V, CHUNK)
     ar = tl.arange(0, TILE)
     cnt2 = tl.zeros((TILE, NB), tl.int32)
     ms2 = tl.zeros((TILE, NB), tl.float32)
@@ -92,12 +96,7 @@ def hist_probe(z_ptr, out_ptr, V, CHUNK, m, TILE: tl.constexpr, NB: tl.constexpr
 @triton.jit
 def scan_probe(z_ptr, bmax_ptr, out_ptr, V, CHUNK, NBLK, m, tau, TILE: tl.constexpr,
                CHECK: tl.constexpr, BLOCK_V: tl.constexpr):
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    C = tl.num_programs(1)
-    zrow = z_ptr + b.to(tl.int64) * V
-    lo = c * CHUNK
-    hi = tl.minimum(lo + CHUNK, V)
+    b, c, C, zrow, lo, hi = _chunk(z_ptr, V, CHUNK)
     ar = tl.arange(0, TILE)
     am = tl.zeros((TILE,), tl.int64)
     ac = tl.zeros((TILE,), tl.int32)
