@@ -103,7 +103,7 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     a = accepted
     rows = torch.arange(B, device=dev)
     pa, logpa = p[rows, a], logp[rows, a]
-    qa = torch.cat((q, torch.zeros_like(q[:, :1])), 1)[rows, a]  # q_N = 0
+    qa = torch.cat((q, q.new_zeros((B, 1, V))), 1)[rows, a]  # q_N = 0 (also when N = 0)
     resid = (pa - qa).clamp_min(0.0)
     use_p = (resid.sum(-1) <= 0)[:, None] | (a == N)[:, None]
     logw = torch.where(use_p, logpa, torch.log(resid))
@@ -112,7 +112,7 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 
     num_sampled = a + 1
     col = torch.arange(N1, device=dev)[None, :]
-    drafts_ext = torch.cat((d, torch.zeros_like(d[:, :1])), 1)
+    drafts_ext = torch.cat((d, d.new_zeros((B, 1))), 1)
     tokens = torch.where(col < a[:, None], drafts_ext, torch.full_like(drafts_ext, -1))
     tokens = torch.where(col == a[:, None], last[:, None], tokens)
     return tokens, num_sampled

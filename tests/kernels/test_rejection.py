@@ -177,6 +177,24 @@ def test_fused_equals_reference_mixed_rows():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("T", [0.0, 1.0])
+def test_no_drafts_samples_the_bonus_only(T):
+    """N = 0 (the shape plain target sampling uses): one token per request, the bonus from
+    p_0, fused equal to the reference (which used to fail indexing an empty q)."""
+    g = torch.Generator().manual_seed(3)
+    B, V = 4, 97
+    logits = torch.randn(B, 1, V, generator=g) * 2
+    drafts, q = torch.zeros((B, 0), dtype=torch.int64), torch.zeros((B, 0, V))
+    T_, k, p = meta(B, T, 5, 0.9)
+    seed, pos = torch.arange(B) + 11, torch.arange(B) * 3
+    want = rejection_sample_reference(logits, drafts, q, T_, k, p, seed, pos)
+    assert torch.equal(want[1], torch.ones(B, dtype=torch.int64))
+    if T == 0.0:
+        assert torch.equal(want[0][:, 0], logits[:, 0].argmax(-1))
+    got = rejection_sample_launch(logits, drafts, q, T_, k, p, seed, pos, tile=32, cap=8)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_fused_degenerate_and_padded_rows():
     logits, drafts, q, T, k, p = _mixed_case(1, B=4)
     seed, pos = torch.arange(4), torch.arange(4) * 5
