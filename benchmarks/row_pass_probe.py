@@ -28,16 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dspark_compile.kernels.sampling import hist_add_z
+
 V = 129280
-
-
-@triton.jit
-def _hist_tile(cnt2, ms2, z, m, NB: tl.constexpr):
-    fin = z > float("-inf")
-    e = tl.where(fin, tl.exp(z - m), 0.0)
-    j = tl.minimum((m - z) * (NB / 32.0), NB - 1.0).to(tl.int32)
-    hit = (j[:, None] == tl.arange(0, NB)[None, :]) & fin[:, None]
-    return cnt2 + hit.to(tl.int32), ms2 + tl.where(hit, e[:, None], 0.0)
 
 
 @triton.jit
@@ -71,9 +64,9 @@ def hist_probe(z_ptr, out_ptr, V, CHUNK, m, TILE: tl.constexpr, NB: tl.constexpr
             if U >= 2:
                 z1 = n1
                 n1 = _ld(zrow, v0 + (U + 1) * TILE + ar, hi)
-            cnt2, ms2 = _hist_tile(cnt2, ms2, z0, m, NB)
+            cnt2, ms2 = hist_add_z(cnt2, ms2, z0, m, NB)
             if U >= 2:
-                cnt2, ms2 = _hist_tile(cnt2, ms2, z1, m, NB)
+                cnt2, ms2 = hist_add_z(cnt2, ms2, z1, m, NB)
     else:
         for v0 in tl.range(lo, hi, U * TILE, num_stages=STAGES):
             z0 = _ld(zrow, v0 + ar, hi)
@@ -82,12 +75,12 @@ def hist_probe(z_ptr, out_ptr, V, CHUNK, m, TILE: tl.constexpr, NB: tl.constexpr
             if U >= 4:
                 z2 = _ld(zrow, v0 + 2 * TILE + ar, hi)
                 z3 = _ld(zrow, v0 + 3 * TILE + ar, hi)
-            cnt2, ms2 = _hist_tile(cnt2, ms2, z0, m, NB)
+            cnt2, ms2 = hist_add_z(cnt2, ms2, z0, m, NB)
             if U >= 2:
-                cnt2, ms2 = _hist_tile(cnt2, ms2, z1, m, NB)
+                cnt2, ms2 = hist_add_z(cnt2, ms2, z1, m, NB)
             if U >= 4:
-                cnt2, ms2 = _hist_tile(cnt2, ms2, z2, m, NB)
-                cnt2, ms2 = _hist_tile(cnt2, ms2, z3, m, NB)
+                cnt2, ms2 = hist_add_z(cnt2, ms2, z2, m, NB)
+                cnt2, ms2 = hist_add_z(cnt2, ms2, z3, m, NB)
     o = (b * C + c) * 2 * NB + tl.arange(0, NB)
     tl.store(out_ptr + o, tl.sum(cnt2, axis=0).to(tl.float32))
     tl.store(out_ptr + o + NB, tl.sum(ms2, axis=0))

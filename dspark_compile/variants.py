@@ -5,8 +5,8 @@ The build exports one program per bucket with the Markov draft sampler in its ge
 plan (mode "full": per-row temperature, top-k, top-p). When every live row of a step is greedy,
 the sampler can run its greedy plan instead (kernels/markov_sampler.py: one launch per Markov
 step instead of ~7; 117 vs 185 us at B = 1 and 187 vs 398 us at B = 64 on the H200 at Flash
-dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each bucket and picks one per step from the rows'
-temperatures (dspark_compile/runtime.py). Rejection needs no variant: for greedy rows it never
+dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each
+bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py). Rejection needs no variant: for greedy rows it never
 reads the draft probabilities, which the greedy plan neither computes nor stores.
 """
 from __future__ import annotations

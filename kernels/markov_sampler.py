@@ -68,7 +68,7 @@ import triton.language as tl
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_EDGES, REFINE_PASSES,
+from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, launch_select_refine, threshold_scratch,
                        check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
                        key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
@@ -391,7 +391,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     if not isinstance(refine_edges, int) or refine_edges < 4 or refine_edges > 128 or \
             refine_edges & (refine_edges - 1):
         raise ValueError(f"refine_edges must be a power of two in [4, 128], got {refine_edges!r}")
-    NB, INV_W = hist_bins, hist_bins / 32.0
+    NB = hist_bins
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -463,7 +463,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0),
-            zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, INV_W=INV_W, MODE=MODE,
+            zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, MODE=MODE,
             num_warps=4)
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
@@ -557,7 +557,6 @@ def _markov_configs():
             V=_D16, NBLK="i32", C=_D16, CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16,
             step="i32", done_off="i32", RPR="i32"),
             dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-                 INV_W=HIST_INV_W,
                  MODE=mode), 4))
     c_p2 = sorted({next_pow2(row_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
     for cp in c_p2:
@@ -567,7 +566,7 @@ def _markov_configs():
             ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32", rst_ptr="*i32",
             spill_ptr="*fp32", spn_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, stride_zb=_D16,
             z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32"),
-            dict(TILE=select_tile(TILE), NB=HIST_BINS, INV_W=HIST_INV_W, CAP=CAND_CAP,
+            dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, SCAN=True),
             SELECT_WARPS))
         out.append(compile_config(row_refine_kernel, dict(

@@ -34,7 +34,7 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, HIST_INV_W, REFINE_EDGES, REFINE_PASSES,
+from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax, greedy_rows,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
@@ -347,7 +347,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
         counters, V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
         NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-        INV_W=HIST_INV_W, MODE=2, num_warps=4)
+        MODE=2, num_warps=4)
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
         flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),

@@ -172,8 +172,8 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #
 # Exact top-k / top-p without sorting. A row's kept set is {z >= tau}; tau is found in steps that
 # each touch the row once and never hold more than a tile of it:
-#   1. a mass histogram of d = max - z: per bin of 1/INV_W nats, the exact token count and the
-#      summed mass exp(z - max) (fp32);
+#   1. a mass histogram of d = max - z: per bin of HIST_SPAN / NB nats, the exact token count
+#      and the summed mass exp(z - max) (fp32);
 #   2. `bracket`: from the bins' masses (within a relative MASS_EPS) and exact counts, the bin
 #      range [jlo, jhi] that must contain tau: for top-p, usually the single bin where the
 #      cumulative mass crosses top_p * Z;
@@ -206,8 +206,8 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #   is now the bound: binning costs ~5 instructions per token and bin (8 bins: the reduce pass
 #   ~2x faster, but twice the tokens spilled and refined, 1.55 ms overall; 32 bins 2.27 ms).
 
-HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, 32), the last bin is open
-HIST_INV_W = HIST_BINS / 32.0
+HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, HIST_SPAN), the last bin is open
+HIST_SPAN = tl.constexpr(32.0)   # nats below the row max the histogram bins split evenly
 REFINE_EDGES = 16         # edges per refinement pass (over the spilled bracket only)
 CAND_CAP = 2048           # candidates resolved in registers by one program
 # relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms per program, then
@@ -311,9 +311,9 @@ def load_scaled(ptr, offs, V, t):
 
 
 @triton.jit
-def d_bin(z, m, INV_W: tl.constexpr, NB: tl.constexpr):
+def d_bin(z, m, NB: tl.constexpr):
     """Histogram bin of z below the row max m (monotone in z; only used for finite z)."""
-    return tl.minimum((m - z) * INV_W, NB - 1.0).to(tl.int32)
+    return tl.minimum((m - z) * (NB / HIST_SPAN), NB - 1.0).to(tl.int32)
 
 
 @triton.jit
@@ -329,21 +329,27 @@ def fixed_mass(z, m, SCALE: tl.constexpr):
 
 
 @triton.jit
-def hist_add(cnt2, ms2, j, e, valid, NB: tl.constexpr):
-    """Add tokens (bin j in [0, NB), mass e) to per-lane histograms cnt2 / ms2 [TILE, NB].
+def lane_hist_add(cnt2, ms2, hit, e):
+    """Add the tokens of a tile to per-lane histograms cnt2 / ms2 [TILE, NB]: hit [TILE, NB]
+    says which bins each token counts in, e [TILE] its mass.
 
     Nothing crosses threads here: a program sums its lanes once, after its loop (a histogram
     reduced per tile costs a CTA barrier per tile, which is what bounded these passes)."""
-    hit = (j[:, None] == tl.arange(0, NB)[None, :]) & valid[:, None]
     return cnt2 + hit.to(tl.int32), ms2 + tl.where(hit, e[:, None], 0.0)
 
 
 @triton.jit
-def hist_add_z(cnt2, ms2, z, m, INV_W: tl.constexpr, NB: tl.constexpr):
+def hist_add(cnt2, ms2, j, e, valid, NB: tl.constexpr):
+    """lane_hist_add of tokens in bin j in [0, NB) (valid ones only)."""
+    return lane_hist_add(cnt2, ms2, (j[:, None] == tl.arange(0, NB)[None, :]) & valid[:, None], e)
+
+
+@triton.jit
+def hist_add_z(cnt2, ms2, z, m, NB: tl.constexpr):
     """hist_add for a tile of z (-inf: nothing) below the row max m."""
     fin = z > float("-inf")
     e = tl.where(fin, tl.exp(z - m), 0.0)
-    return hist_add(cnt2, ms2, d_bin(z, m, INV_W, NB), e, fin, NB)
+    return hist_add(cnt2, ms2, d_bin(z, m, NB), e, fin, NB)
 
 
 @triton.jit
@@ -594,8 +600,8 @@ def load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP: tl.constexpr):
 
 @triton.jit
 def tile_max(bmax_ptr, b, NBLK, v0, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Max z over tokens [v0, v0 + TILE) from the logits kernel's block maxima: tiles that
-    cannot matter are then skipped without reading z."""
+    """Max z over tokens [v0, v0 + TILE) from the logits kernel's block maxima: the sampling
+    passes skip the noise (and the resample pass the reads) of tiles with nothing kept."""
     NBT: tl.constexpr = 2 * max(TILE // BLOCK_V, 1)     # a power of two >= blocks touched
     blk = v0 // BLOCK_V + tl.arange(0, NBT)
     ok = (blk <= (v0 + TILE - 1) // BLOCK_V) & (blk < NBLK)
@@ -625,7 +631,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                       z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
                       V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off, RPR,
                       NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
-                      INV_W: tl.constexpr, MODE: tl.constexpr):
+                      MODE: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -677,8 +683,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                     nx = v0 + 2 * TILE + ar
                     na = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
                     nb2 = tl.load(zrow + nx + TILE, mask=nx + TILE < hi, other=float("-inf"))
-                    cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, INV_W, NB)
-                    cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, INV_W, NB)
+                    cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
+                    cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
                 cnt = tl.sum(cnt2, axis=0)
                 ms = tl.sum(ms2, axis=0)
                 store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
@@ -701,7 +707,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
                       above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
                       rst_ptr, spill_ptr, spn_ptr, V, C, CHUNK, stride_zb, z_off, ccount_off,
-                      done_off, RPR, TILE: tl.constexpr, NB: tl.constexpr, INV_W: tl.constexpr,
+                      done_off, RPR, TILE: tl.constexpr, NB: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
                       SCAN: tl.constexpr = True):
     # SCAN: the scan_threshold test hook
@@ -745,7 +751,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                 nx = v0 + TILE + ar
                 zn = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
                 fin = z > float("-inf")
-                j = d_bin(z, m, INV_W, NB)
+                j = d_bin(z, m, NB)
                 above = fin & (j < jlo)
                 cand = fin & (j >= jlo) & (j <= jhi)
                 w = fixed_mass(z, m, SCALE)
@@ -926,9 +932,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             am_v += tl.where(above, w, 0)
             ac_v += above.to(tl.int32)
             if state == 1:
-                gt = (z[:, None] > t[None, :]) & inb[:, None]
-                cg2 += gt.to(tl.int32)
-                mg2 += tl.where(gt, e[:, None], 0.0)
+                cg2, mg2 = lane_hist_add(cg2, mg2, (z[:, None] > t[None, :]) & inb[:, None], e)
                 kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
                 kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
             else:
@@ -1017,7 +1021,7 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
         *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
         counters, counters, s["kext"], rst, s["spill"], s["spn"], V, C, CHUNK, stride_zb, z_off,
         select_offs[0], select_offs[1], RPR,
-        TILE=select_tile(TILE), NB=NB, INV_W=NB / 32.0, CAP=cap, SCALE=scale, C_P2=C_P2,
+        TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2,
         SCAN=scan, num_warps=SELECT_WARPS)
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
