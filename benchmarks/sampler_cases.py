@@ -7,7 +7,9 @@ Cases per B (requests):
 - `markov_greedy`: every row greedy. Variants: the reference (eager / torch.compile), `ours`
   (the op in its default "full" mode, which still launches the probabilistic passes),
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
-  `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS).
+  `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS);
+  `ours-mode-greedy-forward` / `ours-forward` (markov_topp): every step walks W2 in the same
+  order (reverse_odd_steps=False), the L2 reuse across steps off.
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
@@ -123,7 +125,8 @@ def _threshold_variants():
     launch, near-empty for rows already resolved), mass-histogram bins (cost per token grows
     with them, brackets narrow faster) and the candidate cap (the resolving program bisects over
     that many registers; a smaller cap overflows into one more refinement pass more often)."""
-    out = {"ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
+    out = {"ours-forward": lambda d: ms.markov_sample_launch(**d, reverse_odd_steps=False),
+           "ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
            "ours-refine2": lambda d: ms.markov_sample_launch(**d, refine_passes=2)}
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
                 for n in (8, 32)})
@@ -144,7 +147,10 @@ def markov_cases(batches):
     out = []
     for B in batches:
         make = _markov_inputs(B, 0.0, 1.0)
-        extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy")}
+        extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy"),
+                 # every step walks W2 in the same order (no L2 reuse across steps)
+                 "ours-mode-greedy-forward": lambda d: ms.markov_sample_launch(
+                     **d, mode="greedy", reverse_odd_steps=False)}
         extra.update(_tiling_variants(B, mode="greedy"))     # the greedy graph's tilings
         out.append(Case("sampler", "markov_greedy", {"B": B, "N": N}, make,
                         lambda d: ms.markov_sample_reference(**d),

@@ -156,21 +156,28 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
                           ALL_GREEDY: tl.constexpr, DOT_F32: tl.constexpr,
-                          PERSIST: tl.constexpr):
+                          PERSIST: tl.constexpr, REVERSE_ODD: tl.constexpr):
     # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
     # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
     base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
     z_ptr += z_off
+    # Odd steps walk the vocab blocks from the end (programs start roughly in id order): W2 is
+    # larger than the L2, so a step that repeats the last one's order finds nothing of it there
+    # (least-recently-used eviction), while the reversed walk starts on the blocks the last
+    # step read most recently, still in the L2.
+    flip = REVERSE_ODD & (step % 2 == 1)
     if PERSIST:
         # NPROG programs (a few per SM) loop over the vocab blocks: no partial last wave, and a
         # program's W1[prev] rows stay in its L1 from one block to the next
-        for blk in range(tl.program_id(0), NBLK, NPROG):
+        for i in range(tl.program_id(0), NBLK, NPROG):
+            blk = tl.where(flip, NBLK - 1 - i, i)
             _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr,
                                  temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V,
                                  NBLK, stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
                                  STAGES, EVEN_V, ALL_GREEDY, DOT_F32)
     else:
-        _markov_logits_block(tl.program_id(0), base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr,
+        blk = tl.where(flip, NBLK - 1 - tl.program_id(0), tl.program_id(0))
+        _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr,
                              packed_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
                              B, V, NBLK, stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
                              STAGES, EVEN_V, ALL_GREEDY, DOT_F32)
@@ -200,20 +207,22 @@ def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, pa
         for r0 in tl.range(0, R, BLOCK_R, num_stages=STAGES):
             rr = r0 + offs_r
             a = tl.load(w1_ptr + prev[:, None] * R + rr[None, :])
-            # W2 is streamed once per step: keep it from evicting z / statistics in L2. A masked
-            # load costs ~3x the registers, so only a ragged last block pays for the mask.
+            # W2 keeps the default L2 priority: the next step re-reads what is left of it (see
+            # flip). A masked load costs ~3x the registers, so only a ragged last block pays
+            # for the mask.
             if EVEN_V:
-                w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :],
-                            eviction_policy="evict_first")
+                w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :])
             else:
                 w = tl.load(w2_ptr + offs_v[:, None] * R + rr[None, :], mask=vmask[:, None],
-                            other=0.0, eviction_policy="evict_first")
+                            other=0.0)
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
+        # read once: first out of the L2, which is better spent on W2 (see flip)
         base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
-                       mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+                       mask=rmask[:, None] & vmask[None, :], other=0.0,
+                       eviction_policy="evict_first").to(tl.float32)
         z = base + acc
         if not ALL_GREEDY:
             t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
@@ -369,7 +378,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
                          logits_config=None, scan_fallback=True,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
-                         refine_edges=REFINE_EDGES):
+                         refine_edges=REFINE_EDGES, reverse_odd_steps=True):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -382,6 +391,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     with the bin count; the brackets' width shrinks with it (fewer tokens spilled, fewer
     refinement passes). `refine_edges` (tuning; a power of two in [4, 128]) replaces
     REFINE_EDGES: the edges each refinement pass splits an overflowing bracket at.
+    `reverse_odd_steps` (tuning; default on): odd steps' logits programs walk the vocab blocks
+    from the end, so they start on the W2 rows the step before left in the L2.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -456,7 +467,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             bnan, B, V, NBLK, sb, sz, k * base_logits.stride(1), zo, k, NPROG,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
             EVEN_V=V % BLOCK_V == 0, ALL_GREEDY=MODE == 0, DOT_F32=dot_f32,
-            PERSIST=NPROG < NBLK, num_warps=warps1)
+            PERSIST=NPROG < NBLK, REVERSE_ODD=reverse_odd_steps, num_warps=warps1)
         if MODE == 0:
             continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
@@ -544,7 +555,7 @@ def _markov_configs():
                 step="i32", NPROG="i32"),
                 dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
                      EVEN_V=_V_FLASH % BLOCK_V == 0, ALL_GREEDY=greedy, DOT_F32=False,
-                     PERSIST=bool(pps)),
+                     PERSIST=bool(pps), REVERSE_ODD=True),
                 warps))
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
