@@ -9,8 +9,7 @@ Cases per B (requests):
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS);
   `ours-mode-greedy-forward` / `ours-forward` (markov_topp): every step walks W2 in the same
-  order (reverse_odd_steps=False), the L2 reuse across steps off; `ours-mode-greedy-fused`
-  and `ours-fused-cfg*`: mode "greedy" with all steps in one launch (fuse_greedy_steps).
+  order (reverse_odd_steps=False), the L2 reuse across steps off.
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
@@ -121,27 +120,6 @@ def _tiling_variants(B, mode="full"):
             for c in TILINGS[bb]}
 
 
-# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) of the one-launch greedy kernel (one program
-# per SM, so more warps and stages per program than the per-step grid wants)
-FUSED_TILINGS = {
-    16: [(16, 128, 64, 8, 3), (16, 128, 64, 8, 4), (16, 128, 64, 16, 4), (16, 256, 64, 16, 3),
-         (16, 64, 128, 8, 4)],
-    32: [(32, 128, 32, 8, 3), (32, 128, 64, 8, 4)],
-    64: [(64, 64, 64, 4, 3), (64, 64, 64, 8, 4), (64, 128, 64, 8, 3), (64, 128, 32, 8, 4)],
-}
-
-
-def _fused_greedy_variants(B):
-    """Mode "greedy" with all steps in one launch: the launcher's tiling and FUSED_TILINGS."""
-    bb = min(64, max(16, 1 << (B - 1).bit_length()))
-    out = {"ours-mode-greedy-fused": lambda d: ms.markov_sample_launch(
-        **d, mode="greedy", fuse_greedy_steps=True)}
-    out.update({f"ours-fused-cfg{'x'.join(map(str, c))}": (
-        lambda d, c=c: ms.markov_sample_launch(**d, mode="greedy", fuse_greedy_steps=True,
-                                               logits_config=c)) for c in FUSED_TILINGS[bb]})
-    return out
-
-
 def _threshold_variants():
     """Threshold search knobs (kernels/sampling.py): refinement launches per step (each one more
     launch, near-empty for rows already resolved), mass-histogram bins (cost per token grows
@@ -174,7 +152,6 @@ def markov_cases(batches):
                  "ours-mode-greedy-forward": lambda d: ms.markov_sample_launch(
                      **d, mode="greedy", reverse_odd_steps=False)}
         extra.update(_tiling_variants(B, mode="greedy"))     # the greedy graph's tilings
-        extra.update(_fused_greedy_variants(B))
         out.append(Case("sampler", "markov_greedy", {"B": B, "N": N}, make,
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),

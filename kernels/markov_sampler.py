@@ -200,10 +200,7 @@ def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, pa
             a = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
             prev = tl.where((a >= 0) & (a < V), a, 0)
         elif ALL_GREEDY:            # the previous step's packed row maxima
-            # through L2 (.cg): in the fused greedy kernel this SM's L1 may hold the line from
-            # the previous step's read, before other programs' atomics landed
-            prev = unpack_token(tl.load(packed_ptr + (step - 1) * B + rows, mask=rmask, other=0,
-                                        cache_modifier=".cg"))
+            prev = unpack_token(tl.load(packed_ptr + (step - 1) * B + rows, mask=rmask, other=0))
         else:                       # written by the previous step's reduce / final programs
             prev = tl.load(prev_ptr + rows, mask=rmask, other=0)
         acc = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
@@ -254,57 +251,6 @@ def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, pa
             tl.store(bsum_ptr + so, bsum, mask=rmask)
             tl.store(bnan_ptr + so, bnan, mask=rmask)
 
-
-
-@triton.jit
-def grid_barrier(bar_ptr, target):
-    """Wait until `target` arrivals are counted at bar_ptr (each program adds one per barrier).
-    Every program of the grid must be resident at once: the launcher gives one program per SM
-    (or one program under the interpreter, which runs programs one after another)."""
-    tl.debug_barrier()          # this program's atomics (its block maxima) are issued ...
-    tl.atomic_add(bar_ptr, 1, sem="release")      # ... and ordered before its arrival
-    n = tl.atomic_add(bar_ptr, 0, sem="acquire")
-    while n < target:
-        n = tl.atomic_add(bar_ptr, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _markov_greedy_fused_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, packed_ptr, drafts_ptr,
-                                B, V, NBLK, N, stride_bb, stride_bn, stride_db, NPROG,
-                                R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
-                                BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                                EVEN_V: tl.constexpr, DOT_F32: tl.constexpr,
-                                WRITE_BLOCK: tl.constexpr):
-    """Mode "greedy" in one launch: all N steps, a grid barrier between them (step k + 1 needs
-    every block's maximum of step k). A program owns the same vocab blocks every step and walks
-    them in reverse on odd steps, so it starts each step on the W2 rows it read last -- from the
-    L2 near its own SM, as the same program stays on the same SM for the whole launch. No launch
-    gaps and no partial last waves between steps. packed[N * B] is the barrier's counter."""
-    pid = tl.program_id(0)
-    bar_ptr = packed_ptr + N * B
-    n_mine = tl.cdiv(NBLK - pid, NPROG)
-    for k in range(N):
-        if k > 0:
-            grid_barrier(bar_ptr, NPROG * k)
-        for j in range(n_mine):
-            jj = tl.where(k % 2 == 1, n_mine - 1 - j, j)
-            _markov_logits_block(pid + jj * NPROG, base_ptr + k * stride_bn, w1_ptr, w2_ptr,
-                                 anchor_ptr, packed_ptr, packed_ptr, packed_ptr, base_ptr,
-                                 base_ptr, base_ptr, base_ptr, base_ptr, B, V, NBLK, stride_bb,
-                                 0, k, R, BLOCK_B, BLOCK_V, BLOCK_R, STAGES, EVEN_V, True,
-                                 DOT_F32)
-    if pid == 0:
-        grid_barrier(bar_ptr, NPROG * N)
-        for b0 in range(0, B, WRITE_BLOCK):
-            rows = b0 + tl.arange(0, WRITE_BLOCK)
-            m = rows < B
-            for k in range(N):
-                key = tl.load(packed_ptr + k * B + rows, mask=m, other=0, cache_modifier=".cg")
-                tl.store(drafts_ptr + rows * stride_db + k, unpack_token(key), mask=m)
-    else:
-        tl.debug_barrier()
-        tl.atomic_add(bar_ptr, 1, sem="release")
 
 
 @triton.jit
@@ -432,8 +378,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
                          logits_config=None, scan_fallback=True,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
-                         refine_edges=REFINE_EDGES, reverse_odd_steps=True,
-                         fuse_greedy_steps=False):
+                         refine_edges=REFINE_EDGES, reverse_odd_steps=True):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -448,8 +393,6 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     REFINE_EDGES: the edges each refinement pass splits an overflowing bracket at.
     `reverse_odd_steps` (tuning; default on): odd steps' logits programs walk the vocab blocks
     from the end, so they start on the W2 rows the step before left in the L2.
-    `fuse_greedy_steps` (mode "greedy"): all steps in one launch with a grid barrier between
-    them (_markov_greedy_fused_kernel); `logits_config`'s PROGS_PER_SM does not apply there.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -484,19 +427,6 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1, pps = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
     NPROG = _num_programs(NBLK, pps, dev, interpreting(kern))
-    if MODE == 0 and fuse_greedy_steps:
-        # one launch for all N steps; one program per SM, so all are resident at once (the grid
-        # barrier needs it); the interpreter runs programs in turn, so it gets one
-        nprog = 1 if interpreting(kern) else min(
-            NBLK, torch.cuda.get_device_properties(dev).multi_processor_count)
-        packed = torch.zeros((N * B + 1,), dtype=torch.int64, device=dev)   # + barrier count
-        launch(_markov_greedy_fused_kernel)[(nprog,)](
-            base_logits, w1, w2, anchor.contiguous(), packed, drafts, B, V, NBLK, N,
-            base_logits.stride(0), base_logits.stride(1), drafts.stride(0), nprog,
-            R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
-            EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, WRITE_BLOCK=min(256, next_pow2(B)),
-            num_warps=warps1)
-        return drafts, probs
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     HTILE = hist_tile(TILE, NB)
     f32, i32 = torch.float32, torch.int32

@@ -258,13 +258,10 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
     (1, None), (5, None),                                 # the launcher's pick
     (20, (16, 32, 16, 4, 1)),                             # two batch tiles, several blocks
     (20, (16, 32, 16, 4, 1, 1))])                         # persistent: 2 programs, 5 blocks
-@pytest.mark.parametrize("fuse", [False, True], ids=["per-step", "fused-steps"])
-def test_greedy_mode_packed_maxima(B, config, fuse):
+def test_greedy_mode_packed_maxima(B, config):
     """Mode "greedy" reduces rows with atomic maxima of packed (value, id) keys and decodes
     `prev` in the next step's programs: ties across vocab blocks go to the lowest id, NaN /
-    all -inf / +inf rows give 0, out-of-range anchors fold to 0, every step chains. Also with
-    all steps in one launch (fuse_greedy_steps; the interpreter runs it as one program, the GPU
-    test below with one per SM)."""
+    all -inf / +inf rows give 0, out-of-range anchors fold to 0, every step chains."""
     w1, w2 = weights(11)
     g = torch.Generator().manual_seed(B)
     base = torch.randn(B, N, V, generator=g) * 2
@@ -281,7 +278,6 @@ def test_greedy_mode_packed_maxima(B, config, fuse):
     T, k, p = params(B, 0.0)
     seed, sp = torch.arange(B), torch.arange(B)
     kw = dict(logits_config=config) if config else {}
-    kw["fuse_greedy_steps"] = fuse
     for bl, ww2 in ((base, w2), (tb, tie_w2)):
         args = (bl, anchor, w1, ww2, T, k, p, seed, sp)
         want, _ = markov_sample_mode_reference(*args, "greedy")
@@ -415,39 +411,6 @@ def test_gpu_greedy_mode_flash_dims(B):
     eager, _ = torch.ops.dspark.markov_sample(*[base, (anchor + 17) % VF, *args[2:]],
                                              mode="greedy")
     assert torch.equal(out, eager)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B", [1, 3, 64])
-def test_gpu_greedy_fused_steps_equal_per_step_launches(B):
-    """All greedy steps in one launch (one program per SM, grid barriers between steps, odd
-    steps walking each program's blocks backwards) give exactly the per-step launches' drafts,
-    also for a NaN row, and replay in a CUDA graph with fresh anchors."""
-    dev = "cuda"
-    g, w1, w2 = flash_weights(B)
-    base = torch.randn(B, N, VF, device=dev, generator=g) * 3
-    if B > 2:
-        base[1] = float("nan")
-        base[2, :, VF - 9] = 1e4                        # the last block wins every step
-    anchor = torch.randint(0, VF, (B,), device=dev, generator=g)
-    T, k, p = (t.to(dev) for t in params(B, 0.0))
-    seed, sp = torch.arange(B, device=dev), torch.arange(B, device=dev)
-    args = [base, anchor, w1, w2, T, k, p, seed, sp]
-    want, _ = markov_sample_launch(*args, "greedy")
-    got, _ = markov_sample_launch(*args, "greedy", fuse_greedy_steps=True)
-    assert torch.equal(got, want)
-    if B > 2:
-        assert (got[1] == 0).all() and (got[2] == VF - 9).all()
-    static = [a.clone() for a in args]
-    markov_sample_launch(*static, "greedy", fuse_greedy_steps=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = markov_sample_launch(*static, "greedy", fuse_greedy_steps=True)
-    for shift in (17, 29):
-        static[1].copy_((anchor + shift) % VF)
-        graph.replay()
-        eager, _ = markov_sample_launch(*[base, (anchor + shift) % VF, *args[2:]], "greedy")
-        assert torch.equal(out, eager)
 
 
 def _flat_case(v, rows, seed, spread):
