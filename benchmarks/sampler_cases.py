@@ -18,7 +18,8 @@ Cases per B (requests):
   passes splitting at 32 / 64 edges instead of REFINE_EDGES (16), `ours-hist8-edges64` both
   knobs; `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
-  T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows.
+  T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows;
+  `ours-mode-greedy` is the op's all-greedy plan (mode="greedy", the engine's greedy variant).
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
@@ -197,10 +198,12 @@ def rejection_cases(batches):
         for name, T, top_p, greedy in (("rejection_topp", 1.0, TOP_P, False),
                                        ("rejection_greedy", 0.0, 1.0, True)):
             make = _rejection_inputs(B, T, top_p, greedy)
+            extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.rejection_sample(
+                **d, mode="greedy")} if greedy else {}
             out.append(Case("sampler", name, {"B": B, "N": N}, make,
                             lambda d: rj.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),
-                            nbytes, check=_rejection_check(make)))
+                            nbytes, check=_rejection_check(make), extra=extra))
     return out
 
 

@@ -6,8 +6,10 @@ plan (mode "full": per-row temperature, top-k, top-p). When every live row of a 
 the sampler can run its greedy plan instead (kernels/markov_sampler.py: one launch per Markov
 step instead of ~7; 117 vs 185 us at B = 1 and 187 vs 398 us at B = 64 on the H200 at Flash
 dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each
-bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py). Rejection needs no variant: for greedy rows it never
-reads the draft probabilities, which the greedy plan neither computes nor stores.
+bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py).
+Rejection switches too: its greedy plan (kernels/rejection.py) reads each target row once for
+its argmax, where the general plan runs the top-k/top-p passes over a copy of every row, and it
+never reads the draft probabilities, which the Markov greedy plan neither computes nor stores.
 """
 from __future__ import annotations
 
@@ -18,22 +20,38 @@ import torch
 GREEDY = "greedy"
 
 
-def _mode_arg() -> int:
-    """Position of `mode` in dspark::markov_sample's schema."""
-    args = torch.ops.dspark.markov_sample.default._schema.arguments
-    return next(i for i, a in enumerate(args) if a.name == "mode")
+def _mode_arg(op) -> int:
+    """Position of `mode` in a dspark op's schema."""
+    return next(i for i, a in enumerate(op._schema.arguments) if a.name == "mode")
+
+
+def _op_nodes(gm: torch.fx.GraphModule, op) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
 
 
 def markov_nodes(gm: torch.fx.GraphModule) -> list:
     """The `dspark::markov_sample` calls of a graph."""
-    op = torch.ops.dspark.markov_sample.default
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+    return _op_nodes(gm, torch.ops.dspark.markov_sample.default)
+
+
+def rejection_nodes(gm: torch.fx.GraphModule) -> list:
+    """The `dspark::rejection_sample` calls of a graph."""
+    return _op_nodes(gm, torch.ops.dspark.rejection_sample.default)
+
+
+def _set_mode(node: torch.fx.Node, i: int, mode: str) -> None:
+    if len(node.args) < i:
+        raise ValueError(f"unexpected {node.target} call {node.format_node()}: "
+                         f"{len(node.args)} positional arguments, expected >= {i}")
+    node.args = tuple(node.args[:i]) + (mode,)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k != "mode"}
 
 
 def sampler_mode_variant(program: torch.export.ExportedProgram,
                          mode: str = GREEDY) -> Optional[torch.fx.GraphModule]:
-    """The program's module with every `dspark::markov_sample` call switched to `mode`; None when
-    the program has no such call (a build without the fuse_sampler pass).
+    """The program's module with every `dspark::markov_sample` call switched to `mode` (and, for
+    mode "greedy", every `dspark::rejection_sample` call too); None when the program has no
+    Markov sampler call (a build without the fuse_sampler pass).
 
     In mode "greedy" the op leaves its draft probabilities unwritten, so the variant also drops
     the step's in-place copy of them into the state (`index_put_` of B x N x V floats: ~330 MB
@@ -49,16 +67,15 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     if not markov_nodes(program.graph_module):     # nothing to switch: build no module
         return None
     gm = program.module()
-    i = _mode_arg()
+    i = _mode_arg(torch.ops.dspark.markov_sample.default)
     for n in markov_nodes(gm):
-        if len(n.args) < i:
-            raise ValueError(f"unexpected dspark::markov_sample call {n.format_node()}: "
-                             f"{len(n.args)} positional arguments, expected >= {i}")
-        args = list(n.args[:i]) + [mode]
-        kwargs = {k: v for k, v in n.kwargs.items() if k != "mode"}
-        n.args, n.kwargs = tuple(args), kwargs
+        _set_mode(n, i, mode)
         if mode == GREEDY:
             _drop_probs_writes(gm, n)
+    if mode == GREEDY:
+        j = _mode_arg(torch.ops.dspark.rejection_sample.default)
+        for n in rejection_nodes(gm):
+            _set_mode(n, j, GREEDY)
     gm.graph.lint()
     gm.recompile()
     return gm

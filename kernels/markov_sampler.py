@@ -70,12 +70,12 @@ from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, launch_select_refine, threshold_scratch,
-                       check_sampling_params, f32_key, fold_ids, greedy_rows, gumbel_argmax,
-                       key_f32, logprobs_from_processed, mass_scale_bits, probs_from_processed,
+                       check_sampling_params, fold_ids, greedy_rows, gumbel_argmax,
+                       logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
                        row_select_kernel, row_tiling, SELECT_WARPS, select_tile, tile_max,
                        tl_vocab_gumbel, hist_tile, refine_tile, lane_argmax_finish,
-                       lane_argmax_update)
+                       lane_argmax_update, pack_argmax, unpack_token)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -128,27 +128,6 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
 
 MODES = {"greedy": 0, "plain": 1, "full": 2}
 _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
-_NAN_KEY = tl.constexpr(2 ** 63 - 1)
-
-
-@triton.jit
-def pack_argmax(bmax, barg, nan):
-    """int64 key whose maximum over a row's blocks is the row's greedy answer: the value first
-    (order-preserving bits, offset to be non-negative: zero-filled slots are below every key),
-    then the lowest id; a block holding a NaN gives the largest key."""
-    hi = (f32_key(bmax).to(tl.int64) + 2147483648) << 31
-    return tl.where(nan, _NAN_KEY, hi | (2147483647 - barg).to(tl.int64))
-
-
-@triton.jit
-def unpack_token(key):
-    """The token of a packed row maximum; 0 for a degenerate row (a NaN, or a maximum that is
-    not finite: all -inf, or +inf present), as kernels/sampling.py defines."""
-    v = key_f32((key >> 31) - 2147483648)
-    ok = (key != _NAN_KEY) & (v > float("-inf")) & (v < float("inf"))
-    return tl.where(ok, 2147483647 - (key & 2147483647), 0)
-
-
 @triton.jit
 def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr, temp_ptr,
                           z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,

@@ -24,6 +24,13 @@ B * (N + 1) target rows, although a request only needs the rows up to its first 
 serial path (one program per request walking its rows, stopping at the first rejection) read
 fewer bytes but was latency-bound, and measured slower at every B on the H200 (B = 64: 13.7 ms vs
 5.2 ms at top-p 0.95, 404 vs 175 us greedy; B = 1: 6.4 ms vs 166 us), so it was removed.
+
+Mode "greedy" (every row greedy, whatever its temperature: the plan of the engine's all-greedy
+step variant, dspark_compile/variants.py): one launch reads each target row once, (rows,
+chunks) programs maxing packed (value, lowest id) keys into one int64 per row
+(kernels/sampling.py pack_argmax), and one small launch walks the acceptance chain. No z copy,
+no scratch rows, draft_probs never read; B * (N + 1) * V * 4 bytes read (Flash, B = 64: 199 MB,
+~47 us at 4.2 TB/s) against the full plan's several passes and ~400 MB of scratch.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax, greedy_rows,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
+                       pack_argmax, unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
                        row_reduce_kernel, row_tiling, sample_reference, threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
@@ -123,6 +131,7 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 # ----------------------------------------------------------------------------------------------
 
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
+MODES = ("full", "greedy")
 #
 # The row passes of kernels/sampling.py (C programs per row), then the acceptance chain:
 #   stats    grid (rows, blocks): z = l / T into a scratch buffer + block statistics
@@ -154,6 +163,55 @@ def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr
     tl.store(barg_ptr + so, tl.argmax(zn, axis=0, tie_break_left=True) + blk * BLOCK)
     tl.store(bsum_ptr + so, tl.sum(tl.where(zn > float("-inf"), tl.exp(zn - bmax), 0.0), axis=0))
     tl.store(bnan_ptr + so, tl.max(isnan.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _rows_argmax_kernel(logits_ptr, packed_ptr, V, CHUNK, stride_lr, TILE: tl.constexpr):
+    """Mode "greedy", grid (rows, chunks): the chunk's max / lowest-id argmax / NaN flag as one
+    packed key, maxed into the row's slot. Reads each target row once; writes nothing else."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    row = logits_ptr + r.to(tl.int64) * stride_lr
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    ar = tl.arange(0, TILE)
+    best_v = tl.full((TILE,), float("-inf"), tl.float32)
+    id_v = tl.zeros((TILE,), tl.int32)
+    nan_v = tl.zeros((TILE,), tl.int32)
+    xn = tl.load(row + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+    for v0 in range(lo, hi, TILE):
+        x = xn.to(tl.float32)
+        offs = v0 + ar
+        xn = tl.load(row + offs + TILE, mask=offs + TILE < hi, other=float("-inf"))  # in flight
+        isnan = x != x
+        nan_v = tl.maximum(nan_v, isnan.to(tl.int32))
+        best_v, id_v = lane_argmax_update(best_v, id_v, tl.where(isnan, float("-inf"), x), offs)
+    best, bid = lane_argmax_finish(best_v, id_v)
+    tl.atomic_max(packed_ptr + r, pack_argmax(best, bid, tl.max(nan_v, axis=0) > 0),
+                  sem="relaxed")
+
+
+@triton.jit
+def _greedy_accept_kernel(drafts_ptr, packed_ptr, tokens_ptr, num_ptr, B, N, V, stride_db,
+                          stride_tb, BLOCK: tl.constexpr):
+    """Mode "greedy", BLOCK requests per program: accept drafts while they equal their row's
+    argmax, then that row's argmax (the correction, or the bonus after N accepted)."""
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bm = b < B
+    acc = tl.zeros((BLOCK,), tl.int64)
+    live = bm
+    for i in range(0, N):
+        d = tl.load(drafts_ptr + b * stride_db + i, mask=bm, other=-1).to(tl.int64)
+        t = unpack_token(tl.load(packed_ptr + b * (N + 1) + i, mask=bm, other=0))
+        live = live & (d >= 0) & (d < V) & (d == t)
+        acc += live.to(tl.int64)
+    last = unpack_token(tl.load(packed_ptr + b * (N + 1) + acc, mask=bm, other=0))
+    for j in range(0, N + 1):
+        dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=bm & (j < N),
+                     other=-1).to(tl.int64)
+        tok = tl.where(j < acc, dj, tl.where(j == acc, last, -1))
+        tl.store(tokens_ptr + b * stride_tb + j, tok, mask=bm)
+    tl.store(num_ptr + b, acc + 1, mask=bm)
 
 
 @triton.jit
@@ -282,13 +340,17 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
 
 
 def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
-                            seed, start_pos, *, tile=None, chunk=None, cap=CAND_CAP,
-                            stream=STREAM_RESAMPLE):
+                            seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
+                            cap=CAND_CAP, stream=STREAM_RESAMPLE):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
-    `stream` keys the residual/bonus noise; plain target sampling is this
-    with N = 0 and STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks.
+    `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
+    (the plan an all-greedy batch can capture: two launches, no scratch rows, draft_probs never
+    read). `stream` keys the residual/bonus noise; plain target sampling is this with N = 0 and
+    STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
                            seed, start_pos)
     B, N1, V = target_logits.shape
@@ -306,18 +368,43 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     if N == 0:  # valid pointers for the draft loads, which are all masked: no fill needed
         drafts = torch.empty((B, 1), dtype=torch.int64, device=dev)
         draft_probs = torch.empty((B, 1, 1), dtype=torch.float32, device=dev)
+    if mode == "greedy":
+        _greedy(target_logits, drafts, tokens, num, tile, chunk)
+        return tokens, num
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
     args = (target_logits, drafts, draft_probs, *meta, tokens, num)
     _parallel(*args, tile, chunk, cap, stream)
     return tokens, num
 
 
+def _rows_view(logits):
+    """logits [B, N+1, V] with row r = b * (N+1) + i at r * stride(1)."""
+    B, N1, _ = logits.shape
+    if logits.stride(0) != N1 * logits.stride(1):
+        logits = logits.contiguous()
+    return logits
+
+
+def _greedy(logits, drafts, tokens, num, tile, chunk):
+    """Mode "greedy": each row's argmax as packed atomic maxima, then the acceptance chain."""
+    B, N1, V = logits.shape
+    logits = _rows_view(logits)
+    R = B * N1
+    TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
+    packed = torch.zeros((R,), dtype=torch.int64, device=logits.device)
+    launch(_rows_argmax_kernel)[(R, C)](logits, packed, V, CHUNK, logits.stride(1), TILE=TILE,
+                                         num_warps=4)
+    BLOCK = min(128, next_pow2(B))
+    launch(_greedy_accept_kernel)[(triton.cdiv(B, BLOCK),)](
+        drafts, packed, tokens, num, B, N1 - 1, V, drafts.stride(0), tokens.stride(0),
+        BLOCK=BLOCK, num_warps=4)
+
+
 def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
               chunk, cap, stream):
     B, N1, V = logits.shape
     N, R, dev = N1 - 1, B * N1, logits.device
-    if logits.stride(0) != N1 * logits.stride(1):
-        logits = logits.contiguous()             # rows r = b * (N+1) + i at r * stride(1)
+    logits = _rows_view(logits)
     TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
     NBLK = triton.cdiv(V, TILE)                  # statistics blocks = tiles (tile_max skips)
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
@@ -382,20 +469,33 @@ def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=Non
 # Registration
 # ----------------------------------------------------------------------------------------------
 
+def rejection_sample_mode_reference(target_logits, draft_tokens, draft_probs, temperature,
+                                    top_k, top_p, seed, start_pos, mode: str = "full"):
+    """The reference under a launch mode: "greedy" treats every row as greedy."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if mode == "greedy":
+        temperature = torch.zeros_like(temperature)
+    return rejection_sample_reference(target_logits, draft_tokens, draft_probs, temperature,
+                                      top_k, top_p, seed, start_pos)
+
+
 def _rejection_fake(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p, seed,
-                    start_pos):
+                    start_pos, mode="full"):
     B, N1, _ = target_logits.shape
     return (target_logits.new_empty((B, N1), dtype=torch.int64),
             target_logits.new_empty((B,), dtype=torch.int64))
 
 
-@dspark_op("rejection_sample", reference=rejection_sample_reference, fake=_rejection_fake)
+@dspark_op("rejection_sample", reference=rejection_sample_mode_reference, fake=_rejection_fake)
 def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                      draft_probs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, seed: torch.Tensor,
-                     start_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
+                     mode: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused rejection sampling; mode "greedy" treats every row as greedy (the module
+    docstring's greedy plan)."""
     return rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k,
-                                   top_p, seed, start_pos)
+                                   top_p, seed, start_pos, mode)
 
 
 def _sample_fake(logits, temperature, top_k, top_p, seed, position):
@@ -418,6 +518,12 @@ def _parallel_configs(stream: int):
         bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
         dict(BLOCK=1024), 4)]
     if stream == STREAM_RESAMPLE:
+        out.append(compile_config(_rows_argmax_kernel, dict(
+            logits_ptr="*fp32", packed_ptr="*i64", V=d16, CHUNK=d16, stride_lr=d16),
+            dict(TILE=1024), 4))
+        out.append(compile_config(_greedy_accept_kernel, dict(
+            drafts_ptr="*i64", packed_ptr="*i64", tokens_ptr="*i64", num_ptr="*i64", B="i32",
+            N="i32", V=d16, stride_db="i32", stride_tb="i32"), dict(BLOCK=64), 4))
         out.append(compile_config(_accept_kernel, dict(
             drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
             targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", tokens_ptr="*i64",

@@ -379,6 +379,29 @@ def spill(spill_ptr, pc, CHUNK, n, sel, z):
     return n + tl.max(pos, axis=0)
 
 
+# Greedy rows' argmax as one atomic maximum per block (the Markov sampler's and rejection's
+# greedy plans): the row's slot starts at 0 and every block maxes its packed key into it.
+_NAN_KEY = tl.constexpr(2 ** 63 - 1)
+
+
+@triton.jit
+def pack_argmax(bmax, barg, nan):
+    """int64 key whose maximum over a row's blocks is the row's greedy answer: the value first
+    (order-preserving bits, offset to be non-negative: zero-filled slots are below every key),
+    then the lowest id; a block holding a NaN gives the largest key."""
+    hi = (f32_key(bmax).to(tl.int64) + 2147483648) << 31
+    return tl.where(nan, _NAN_KEY, hi | (2147483647 - barg).to(tl.int64))
+
+
+@triton.jit
+def unpack_token(key):
+    """The token of a packed row maximum; 0 for a degenerate row (a NaN, or a maximum that is
+    not finite: all -inf, or +inf present), as argmax_tokens defines."""
+    v = key_f32((key >> 31) - 2147483648)
+    ok = (key != _NAN_KEY) & (v > float("-inf")) & (v < float("inf"))
+    return tl.where(ok, 2147483647 - (key & 2147483647), 0)
+
+
 @triton.jit
 def lane_argmax_update(best_v, id_v, s, offs):
     """Per-lane running argmax: a lane takes a later token only if strictly greater, so it keeps

@@ -7,6 +7,7 @@ import torch
 
 from dspark_compile.kernels.philox import STREAM_DRAFT
 from dspark_compile.kernels.rejection import (rejection_sample_launch,
+                                              rejection_sample_mode_reference,
                                               rejection_sample_reference)
 from dspark_compile.kernels.sampling import gumbel_argmax, probs_from_processed, process_logits
 from stats_utils import chi2_pvalue
@@ -27,14 +28,17 @@ def onehot_logits(ids, V, hi=5.0):
 
 
 def _fn(fused):
-    """The reference, or the fused sampler."""
+    """The reference, the fused sampler, or (fused == "greedy-mode") its all-greedy plan."""
+    if fused == "greedy-mode":
+        return lambda *a, **kw: rejection_sample_launch(*a, "greedy", **kw)
     return rejection_sample_launch if fused else rejection_sample_reference
 
 
 IMPLS = [False, True]
+GREEDY_IMPLS = [False, True, "greedy-mode"]
 
 
-@pytest.mark.parametrize("fused", IMPLS)
+@pytest.mark.parametrize("fused", GREEDY_IMPLS)
 def test_greedy_perfect_match_early_mismatch_multi_sequence(fused):
     V, N = 50, 4
     drafts = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [7, 8, 9, 10], [1, 2, 3, 4]])
@@ -63,6 +67,11 @@ def test_out_of_range_drafts_are_rejected(fused):
     tokens, num = fn(logits, drafts, q, *meta(3), torch.arange(3), zero)
     assert num.tolist() == [2, 1, 3]
     assert tokens[:, :num.max()].tolist() == [[2, 0, -1], [0, -1, -1], [2, 3, 0]]
+    if fused:   # the all-greedy plan, whatever the rows' temperatures say
+        tokens, num = rejection_sample_launch(logits, drafts, q, *meta(3, T=1.0),
+                                              torch.arange(3), zero, "greedy")
+        assert num.tolist() == [2, 1, 3]
+        assert tokens[:, :num.max()].tolist() == [[2, 0, -1], [0, -1, -1], [2, 3, 0]]
     # probabilistic: out-of-range drafts are never accepted either
     tokens, num = fn(logits, drafts, q, *meta(3, T=1.0), torch.arange(3),
                      torch.zeros(3, dtype=torch.int64))
@@ -224,6 +233,49 @@ def test_fused_degenerate_and_padded_rows():
     assert torch.equal(tokens, want[0]) and torch.equal(num, want[1])
 
 
+@pytest.mark.parametrize("B,N,V,tile,chunk", [(1, 5, 300, 32, 64), (5, 3, 257, 16, 48),
+                                              (3, 0, 97, 16, None), (9, 2, 1000, 64, 128)])
+def test_greedy_mode_equals_reference_on_random_degenerate_and_padded_rows(B, N, V, tile, chunk):
+    """Mode "greedy" (rows' argmax as packed atomic maxima over chunk programs, then the
+    acceptance chain) against the reference with every row greedy: drafts that follow the
+    argmax for a while, ties across chunks (lowest id wins), NaN / all -inf / +inf rows
+    (token 0), out-of-range drafts, garbage q and parameters (never read), bf16 logits."""
+    g = torch.Generator().manual_seed(B * 100 + V)
+    logits = torch.randn(B, N + 1, V, generator=g) * 3
+    drafts = logits[:, :N].argmax(-1)
+    cut = torch.randint(0, N + 1, (B,), generator=g)          # the first wrong draft
+    for b in range(B):
+        if cut[b] < N:
+            drafts[b, cut[b]] = (drafts[b, cut[b]] + 1) % V
+    if B >= 5:
+        logits[1, 0, 7] = logits[1, 0, V - 3] = logits[1, 0].max() + 1   # tie: 7 wins
+        drafts[1, 0] = 7 if N else 0
+        logits[2, -1] = float("nan")
+        logits[3, 0] = NINF
+        logits[4, 0, 11] = float("inf")
+        if N:
+            drafts[4, 0] = V + 2                                  # out of range: rejected
+    q = torch.full((B, N, V), float("nan"))                       # never read
+    T = torch.rand(B, generator=g) + 0.5                          # ignored by the mode
+    k, p = torch.full((B,), 3), torch.full((B,), 0.5)
+    seed, pos = torch.arange(B), torch.arange(B) * 7
+    args = (logits, drafts, q, T, k, p, seed, pos)
+    want = rejection_sample_mode_reference(*args, "greedy")
+    got = rejection_sample_launch(*args, "greedy", tile=tile, chunk=chunk)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if B >= 5:
+        assert got[0][3, 0] == 0 and (N == 0 or got[1][4] == 1)
+        if N:
+            assert got[0][1, 0] == 7
+    # the same on bf16 target logits, and the registered op (CPU: the mode's reference)
+    args16 = (logits.bfloat16(), *args[1:])
+    want16 = rejection_sample_mode_reference(*args16, "greedy")
+    got16 = rejection_sample_launch(*args16, "greedy", tile=tile, chunk=chunk)
+    assert torch.equal(got16[0], want16[0]) and torch.equal(got16[1], want16[1])
+    op = torch.ops.dspark.rejection_sample(*args, "greedy")
+    assert torch.equal(op[0], want[0]) and torch.equal(op[1], want[1])
+
+
 def test_op_dispatch_and_errors():
     logits, drafts, q, T, k, p = _mixed_case(2, B=2)
     seed, pos = torch.arange(2), torch.arange(2)
@@ -234,6 +286,10 @@ def test_op_dispatch_and_errors():
         rejection_sample_reference(logits, drafts, q.double(), T, k, p, seed, pos)
     with pytest.raises(ValueError, match="draft_tokens"):
         rejection_sample_reference(logits, drafts[:, :2], q, T, k, p, seed, pos)
+    with pytest.raises(ValueError, match="mode"):
+        rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, "fast")
+    with pytest.raises(ValueError, match="mode"):
+        torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos, "fast")
 
 
 @pytest.mark.gpu
@@ -253,6 +309,40 @@ def test_gpu_flash_vocab_matches_reference():
     got = torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos)
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0], want[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 3, 64])
+def test_gpu_greedy_mode_flash_vocab_and_graph_replay(B):
+    """Mode "greedy" at the Flash vocabulary against the reference, and replayed in a CUDA
+    graph with new drafts."""
+    dev = "cuda"
+    N, V = 5, 129280
+    g = torch.Generator(device=dev).manual_seed(B)
+    logits = torch.randn(B, N + 1, V, device=dev, generator=g) * 3
+    drafts = logits[:, :N].argmax(-1)
+    drafts[B // 2:, 2] = (drafts[B // 2:, 2] + 1) % V       # half the requests reject draft 2
+    if B > 2:
+        logits[1, 1] = float("nan")
+    q = torch.empty(B, N, V, device=dev)
+    T, k, p = (t.to(dev) for t in meta(B, 1.0, 0, 0.95))
+    seed, pos = torch.arange(B, device=dev), torch.arange(B, device=dev)
+    args = [logits, drafts, q, T, k, p, seed, pos]
+    want = rejection_sample_mode_reference(*args, "greedy")
+    got = torch.ops.dspark.rejection_sample(*args, "greedy")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    static = [a.clone() for a in args]
+    torch.ops.dspark.rejection_sample(*static, "greedy")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dspark.rejection_sample(*static, "greedy")
+    new_drafts = drafts.clone()
+    new_drafts[:, 0] = (new_drafts[:, 0] + 3) % V               # every request rejects draft 0
+    static[1].copy_(new_drafts)
+    graph.replay()
+    want = rejection_sample_mode_reference(logits, new_drafts, *args[2:], "greedy")
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert (out[1] == 1).all()
 
 
 def test_fused_threshold_refinement_on_near_flat_rows():

@@ -192,17 +192,22 @@ def test_padding_and_bucket_choice_do_not_change_a_step(default_loaded):
 
 def test_greedy_variant_equals_the_full_program(default_loaded):
     """The greedy variant of a bucket (dspark_compile/variants.py) shares the program's weights,
-    differs only in the draft sampler's mode and the dropped store of its probabilities, and on
+    differs only in the samplers' modes (Markov and rejection) and the dropped store of the draft
+    probabilities, and on
     greedy rows computes the same step as the full program, whole state included (greedy rows'
     draft_probs stay zeros); it is refused for a batch with a sampled row and picked only
     without one."""
     from dspark_compile.models.generate import set_row_sampling
     from dspark_compile.models.step import prefill
     import operator
-    from dspark_compile.variants import _mode_arg, markov_nodes
+    from dspark_compile.variants import _mode_arg, markov_nodes, rejection_nodes
+
+    def modes(nodes):
+        return [n.args[_mode_arg(n.target)] if len(n.args) > _mode_arg(n.target)
+                else n.kwargs.get("mode", "full") for n in nodes]
 
     def sampler_modes(gm):
-        return [n.args[_mode_arg()] for n in markov_nodes(gm)]
+        return modes(markov_nodes(gm)) + modes(rejection_nodes(gm))
 
     def state_writes_of_probs(gm):
         return sum(1 for n in markov_nodes(gm) for g in n.users
@@ -211,7 +216,8 @@ def test_greedy_variant_equals_the_full_program(default_loaded):
     eng = default_loaded
     b = 4
     full, greedy = eng.modules[b], eng.greedy_modules[b]
-    assert sampler_modes(full) == ["full"] and sampler_modes(greedy) == ["greedy"]
+    assert sampler_modes(full) == ["full", "full"]
+    assert sampler_modes(greedy) == ["greedy", "greedy"]
     # the greedy plan leaves the probabilities unwritten: the variant does not store them
     assert state_writes_of_probs(full) == 1 and state_writes_of_probs(greedy) == 0
     fp = dict(full.named_buffers())
