@@ -357,7 +357,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          mode: str = "full", *, tile=None, chunk=None, cap=CAND_CAP,
                          logits_config=None, scan_fallback=True,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
-                         refine_edges=REFINE_EDGES, reverse_odd_steps=True):
+                         refine_edges=REFINE_EDGES, reverse_odd_steps=True,
+                         skip_below_bracket=True):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -372,6 +373,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     REFINE_EDGES: the edges each refinement pass splits an overflowing bracket at.
     `reverse_odd_steps` (tuning; default on): odd steps' logits programs walk the vocab blocks
     from the end, so they start on the W2 rows the step before left in the L2.
+    `skip_below_bracket` (tuning; default on): the select pass neither reads nor bins tiles
+    whose logits blocks all lie below the threshold bracket.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -432,7 +435,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         zeroed = torch.zeros((N * NCNT * B + nrst,), dtype=i32, device=dev)
         counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
         rst = zeroed[N * NCNT * B:].view(B, 4) if MODE == 2 else zeroed[:1]
-    thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, refine_edges, dev)
+    thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, refine_edges, dev, TILE)
     best_v = torch.empty((B, C) if MODE else (1,), dtype=f32, device=dev)
     best_i = torch.empty((B, C) if MODE else (1,), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
@@ -461,7 +464,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 (temperature, top_k, top_p), probs, zo, sz, rowf, rowi, rst, thr, counters,
                 (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
                 V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=NB, edges=refine_edges, cap=cap,
-                scan=scan_fallback)
+                scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket)
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
                 temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
@@ -554,10 +557,12 @@ def _markov_configs():
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", above_m_ptr="*i64",
             above_c_ptr="*i64", rowa_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
             ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32", rst_ptr="*i32",
-            spill_ptr="*fp32", spn_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16, stride_zb=_D16,
-            z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32"),
+            spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32", V=_D16,
+            C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
+            done_off="i32", RPR="i32"),
             dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, SCAN=True),
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128,
+                 NT_P2=16, SKIP=True, SCAN=True),
             SELECT_WARPS))
         out.append(compile_config(row_refine_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",

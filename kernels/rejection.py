@@ -422,7 +422,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     NCNT = 3 * R + B + 2 * REFINE_PASSES * R
     zeroed = torch.zeros((NCNT + 4 * R,), dtype=i32, device=dev)
     counters, rst = zeroed[:NCNT], zeroed[NCNT:].view(R, 4)
-    thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev)
+    thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
@@ -440,7 +440,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
         V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True)
+        scan=True, bmax=bmax, BLOCK_V=TILE)
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)

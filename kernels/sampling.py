@@ -727,13 +727,40 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 
 
 @triton.jit
+def _select_tile(z, v0, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v, n_sp,
+                 ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, NB: tl.constexpr,
+                 CAP: tl.constexpr, SCALE: tl.constexpr):
+    """One tile of row_select_kernel: the exact mass / count above the bracket into the lane
+    partials, the bracket's tokens into the candidates (or, overflowing, the spill region)."""
+    fin = z > float("-inf")
+    j = d_bin(z, m, NB)
+    above = fin & (j < jlo)
+    cand = fin & (j >= jlo) & (j <= jhi)
+    w = fixed_mass(z, m, SCALE)
+    am_v += tl.where(above, w, 0)
+    ac_v += above.to(tl.int32)
+    key = f32_key(z)
+    if nb <= CAP:
+        gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
+    else:
+        # overflow: refine reads the bracket from this program's spill region (a fraction of
+        # the chunk) instead of the row, and needs its key range
+        kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
+        kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
+        n_sp = spill(spill_ptr, b * C + c, CHUNK, n_sp, cand, z)
+    return am_v, ac_v, kmin_v, kmax_v, n_sp
+
+
+@triton.jit
 def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
                       above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
-                      rst_ptr, spill_ptr, spn_ptr, V, C, CHUNK, stride_zb, z_off, ccount_off,
-                      done_off, RPR, TILE: tl.constexpr, NB: tl.constexpr,
-                      CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      SCAN: tl.constexpr = True):
-    # SCAN: the scan_threshold test hook
+                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, V, C, CHUNK, NBLK,
+                      stride_zb, z_off, ccount_off, done_off, RPR, TILE: tl.constexpr,
+                      NB: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
+                      C_P2: tl.constexpr, BLOCK_V: tl.constexpr, NT_P2: tl.constexpr,
+                      SKIP: tl.constexpr, SCAN: tl.constexpr = True):
+    # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
+    # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -762,33 +789,49 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
             kmin_v = tl.full((TILE,), 2147483647, tl.int32)   # key range of the candidates
             kmax_v = tl.full((TILE,), -2147483648, tl.int32)
             n_sp = tl.zeros((), tl.int32)                      # tokens spilled (overflow)
-            # every tile is read, the next one loaded before this one is used: skipping tiles
-            # below the bracket (from the block maxima) saved bytes but put a dependent load in
-            # front of every tile's, and the pass waited on the two round trips (H200)
+            # The next tile is loaded before this one is used. Tiles wholly below the bracket
+            # hold nothing select needs; on peaked rows that is most of the row. Which tiles
+            # those are is decided once per program, from the block maxima, into `live` (a
+            # check in front of every tile's load put a dependent load and a reduction there,
+            # and the pass waited on them, H200); the loop reads one flag per tile, two ahead.
             lo = c * CHUNK
             hi = tl.minimum(lo + CHUNK, V)
             ar = tl.arange(0, TILE)
-            zn = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+            lrow = live_ptr + (b * C + c).to(tl.int64) * NT_P2
+            if SKIP:
+                BPT: tl.constexpr = max(TILE // BLOCK_V, 1)    # blocks a tile touches, at most
+                ti = tl.arange(0, NT_P2)
+                t0 = lo + ti * TILE
+                blk = t0[:, None] // BLOCK_V + tl.arange(0, BPT)[None, :]
+                okb = (t0[:, None] < hi) & (blk <= (t0[:, None] + TILE - 1) // BLOCK_V) & \
+                    (blk < NBLK)
+                tmx = tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=okb,
+                                     other=float("-inf")), axis=1)
+                # d_bin is monotone: a tile whose maximum is below bin jhi has nothing in
+                # [jlo, jhi] and nothing above it
+                alive = (tmx > float("-inf")) & (d_bin(tmx, m, NB) <= jhi)
+                tl.store(lrow + ti, alive.to(tl.int32))
+                tl.debug_barrier()          # the flags are read back by other threads below
+                one = tl.full((), 1, tl.int32)
+                ln = tl.load(lrow)
+                lnn = tl.load(lrow + one, mask=one < NT_P2, other=0)
+            else:
+                ln = tl.full((), 1, tl.int32)
+                lnn = tl.full((), 1, tl.int32)
+            zn = tl.load(zrow + lo + ar, mask=(lo + ar < hi) & (ln != 0), other=float("-inf"))
             for v0 in range(lo, hi, TILE):
                 z = zn
+                live = ln
+                ln = lnn
                 nx = v0 + TILE + ar
-                zn = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
-                fin = z > float("-inf")
-                j = d_bin(z, m, NB)
-                above = fin & (j < jlo)
-                cand = fin & (j >= jlo) & (j <= jhi)
-                w = fixed_mass(z, m, SCALE)
-                am_v += tl.where(above, w, 0)
-                ac_v += above.to(tl.int32)
-                key = f32_key(z)
-                if nb <= CAP:
-                    gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, cand, key, w, CAP)
-                else:
-                    # overflow: refine reads the bracket from this program's spill region
-                    # (a fraction of the chunk) instead of the row, and needs its key range
-                    kmin_v = tl.minimum(kmin_v, tl.where(cand, key, 2147483647))
-                    kmax_v = tl.maximum(kmax_v, tl.where(cand, key, -2147483648))
-                    n_sp = spill(spill_ptr, b * C + c, CHUNK, n_sp, cand, z)
+                zn = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
+                if SKIP:
+                    t2 = (v0 - lo) // TILE + 2
+                    lnn = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
+                if live != 0:
+                    am_v, ac_v, kmin_v, kmax_v, n_sp = _select_tile(
+                        z, v0, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
+                        n_sp, ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, NB, CAP, SCALE)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
             tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
@@ -1014,11 +1057,18 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 # Launching the threshold search's select and refine passes (both fused samplers use this)
 # ----------------------------------------------------------------------------------------------
 
-def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: int, dev):
+def live_slots(CHUNK: int, TILE: int) -> int:
+    """Tile flags per select program (a power of two >= its tiles)."""
+    return next_pow2(CHUNK // select_tile(TILE))
+
+
+def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: int, dev,
+                      TILE: int):
     """Scratch of the select/refine passes for `rows` rows in C chunk programs (uninitialised:
     every slot is written before it is read)."""
     i32, i64 = torch.int32, torch.int64
     return dict(
+        live=torch.empty((rows, C, live_slots(CHUNK, TILE)), dtype=i32, device=dev),
         hist=torch.empty((rows, C, 2 * max(nb, edges)), dtype=i32, device=dev),
         kext=torch.empty((rows, C, 2), dtype=i32, device=dev),
         above_m=torch.empty((rows, C), dtype=i64, device=dev),
@@ -1033,19 +1083,22 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 
 def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
-                         RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool) -> None:
+                         RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
+                         bmax, BLOCK_V: int, skip: bool = True) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
-    offsets into `counters` for each launch (zeroed by the caller)."""
+    offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
+    block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
+    the bracket (`skip`, a tuning knob)."""
     s = scratch
     scale = float(2 ** mass_scale_bits(V))
     C_P2 = next_pow2(C)
     launch(row_select_kernel)[(rowf.shape[0], C)](
         *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
-        counters, counters, s["kext"], rst, s["spill"], s["spn"], V, C, CHUNK, stride_zb, z_off,
-        select_offs[0], select_offs[1], RPR,
-        TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2,
-        SCAN=scan, num_warps=SELECT_WARPS)
+        counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], V, C,
+        CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1], RPR,
+        TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
+        NT_P2=s["live"].shape[2], SKIP=skip, SCAN=scan, num_warps=SELECT_WARPS)
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
