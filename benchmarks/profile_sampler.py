@@ -30,10 +30,15 @@ def _ops():
                                       lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy")),
         "markov_greedy/full": (lambda B: mk(B, 0.0, 1.0), lambda d: torch.ops.dspark.markov_sample(**d)),
         "markov_topp": (lambda B: mk(B, 1.0, sc.TOP_P), lambda d: torch.ops.dspark.markov_sample(**d)),
+        "markov_topp_peaked": (lambda B: mk(B, 1.0, sc.TOP_P, peaked=True),
+                               lambda d: torch.ops.dspark.markov_sample(**d)),
         "rejection_topp": (lambda B: sc._rejection_inputs(B, 1.0, sc.TOP_P, False),
                            lambda d: torch.ops.dspark.rejection_sample(**d)),
         "rejection_greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True),
                              lambda d: torch.ops.dspark.rejection_sample(**d)),
+        "rejection_greedy/mode=greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True),
+                                         lambda d: torch.ops.dspark.rejection_sample(
+                                             **d, mode="greedy")),
     }
 
 

@@ -10,6 +10,11 @@ Cases per B (requests):
   `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS);
   `ours-mode-greedy-forward` / `ours-forward` (markov_topp): every step walks W2 in the same
   order (reverse_odd_steps=False), the L2 reuse across steps off.
+- `markov_topp_peaked` / `rejection_topp_peaked`: the same on the logits of a confident head
+  (`peaked_logits`: 32 tokens per row 11-16 nats above a Gaussian bulk; top-p 0.95 keeps 5-25
+  tokens on most rows, hundreds to ~1400 on the least lifted ones). The plain cases' Gaussian rows (std 3) are the stress case: top-p
+  0.95 keeps ~10^4 tokens there. `ours-noskip` (top-p cases): the select pass reads every tile
+  (skip_below_bracket=False).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
@@ -80,11 +85,24 @@ def _sampling(B, T, top_p, g, device, position="start_pos"):
             position: torch.randint(0, 100000, (B,), generator=g, device=device)}
 
 
-def _markov_inputs(B, T, top_p):
+def peaked_logits(shape, g, device):
+    """Logits of a confident head: a Gaussian bulk (std 2) and 32 tokens per row raised by
+    11-16 nats (drawn per row). Top-p 0.95 keeps 5-25 tokens on most rows, and hundreds to
+    ~1400 where the lift is small enough that the threshold falls into the bulk's upper tail
+    (64 rows drawn on the CPU: 56 rows 5-25 tokens, 8 rows 53-1408)."""
+    x = torch.randn(*shape, generator=g, device=device) * 2.0
+    hot = torch.randint(0, shape[-1], (*shape[:-1], 32), generator=g, device=device)
+    lift = 11.0 + 5.0 * torch.rand(*shape[:-1], 1, generator=g, device=device)
+    return x.scatter_add_(-1, hot, lift.expand(*shape[:-1], 32).contiguous())
+
+
+def _markov_inputs(B, T, top_p, peaked=False):
     def make(device, seed):
         g = _gen(device, seed)
         w1, w2 = _weights(device)
-        return {"base_logits": torch.randn(B, N, V, generator=g, device=device) * 3.0,
+        base = peaked_logits((B, N, V), g, device) if peaked else \
+            torch.randn(B, N, V, generator=g, device=device) * 3.0
+        return {"base_logits": base,
                 "anchor": torch.randint(0, V, (B,), generator=g, device=device),
                 "w1": w1, "w2": w2, **_sampling(B, T, top_p, g, device)}
     return make
@@ -121,12 +139,18 @@ def _tiling_variants(B, mode="full"):
             for c in TILINGS[bb]}
 
 
+def _skip_variants():
+    """`ours-noskip`: select reads every tile (skip_below_bracket=False)."""
+    return {"ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False)}
+
+
 def _threshold_variants():
     """Threshold search knobs (kernels/sampling.py): refinement launches per step (each one more
     launch, near-empty for rows already resolved), mass-histogram bins (cost per token grows
     with them, brackets narrow faster) and the candidate cap (the resolving program bisects over
     that many registers; a smaller cap overflows into one more refinement pass more often)."""
     out = {"ours-forward": lambda d: ms.markov_sample_launch(**d, reverse_odd_steps=False),
+           **_skip_variants(),
            "ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
            "ours-refine2": lambda d: ms.markov_sample_launch(**d, refine_passes=2)}
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
@@ -163,13 +187,20 @@ def markov_cases(batches):
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
                         extra=_threshold_variants()))
+        make = _markov_inputs(B, 1.0, TOP_P, peaked=True)
+        out.append(Case("sampler", "markov_topp_peaked", {"B": B, "N": N}, make,
+                        lambda d: ms.markov_sample_reference(**d),
+                        lambda d: torch.ops.dspark.markov_sample(**d),
+                        _markov_bytes(B, True), check=_markov_check(make, False),
+                        extra=_skip_variants()))
     return out
 
 
-def _rejection_inputs(B, T, top_p, greedy):
+def _rejection_inputs(B, T, top_p, greedy, peaked=False):
     def make(device, seed):
         g = _gen(device, seed)
-        target = torch.randn(B, N + 1, V, generator=g, device=device) * 3.0
+        target = peaked_logits((B, N + 1, V), g, device) if peaked else \
+            torch.randn(B, N + 1, V, generator=g, device=device) * 3.0
         q = torch.softmax(target[:, :N] + torch.randn(B, N, V, generator=g, device=device), -1)
         if greedy:
             drafts = target[:, :N].argmax(-1)
@@ -195,11 +226,15 @@ def rejection_cases(batches):
     out = []
     for B in batches:
         nbytes = B * (2 * V * 4 + V * 4) + B * (N + 1) * 8 * 2
-        for name, T, top_p, greedy in (("rejection_topp", 1.0, TOP_P, False),
-                                       ("rejection_greedy", 0.0, 1.0, True)):
-            make = _rejection_inputs(B, T, top_p, greedy)
+        for name, T, top_p, greedy, peaked in (
+                ("rejection_topp", 1.0, TOP_P, False, False),
+                ("rejection_topp_peaked", 1.0, TOP_P, False, True),
+                ("rejection_greedy", 0.0, 1.0, True, False)):
+            make = _rejection_inputs(B, T, top_p, greedy, peaked)
             extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.rejection_sample(
-                **d, mode="greedy")} if greedy else {}
+                **d, mode="greedy")} if greedy else {
+                "ours-noskip": lambda d: rj.rejection_sample_launch(**d,
+                                                                    skip_below_bracket=False)}
             out.append(Case("sampler", name, {"B": B, "N": N}, make,
                             lambda d: rj.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),

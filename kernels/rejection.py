@@ -341,13 +341,14 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
 
 def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
                             seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
-                            cap=CAND_CAP, stream=STREAM_RESAMPLE):
+                            cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
     (the plan an all-greedy batch can capture: two launches, no scratch rows, draft_probs never
     read). `stream` keys the residual/bonus noise; plain target sampling is this with N = 0 and
-    STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks.
+    STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks;
+    `skip_below_bracket` (tuning) as in markov_sample_launch.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -373,7 +374,7 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
         return tokens, num
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
     args = (target_logits, drafts, draft_probs, *meta, tokens, num)
-    _parallel(*args, tile, chunk, cap, stream)
+    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket)
     return tokens, num
 
 
@@ -401,7 +402,7 @@ def _greedy(logits, drafts, tokens, num, tile, chunk):
 
 
 def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
-              chunk, cap, stream):
+              chunk, cap, stream, skip):
     B, N1, V = logits.shape
     N, R, dev = N1 - 1, B * N1, logits.device
     logits = _rows_view(logits)
@@ -440,7 +441,7 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
         V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True, bmax=bmax, BLOCK_V=TILE)
+        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip)
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)
