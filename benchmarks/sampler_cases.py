@@ -140,8 +140,12 @@ def _tiling_variants(B, mode="full"):
 
 
 def _skip_variants():
-    """`ours-noskip`: select reads every tile (skip_below_bracket=False)."""
-    return {"ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False)}
+    """`ours-noskip`: select reads every tile (skip_below_bracket=False); `ours-few0` /
+    `ours-few64`: thresholds always by bisection / pairwise up to 64 candidates
+    (few_candidates; FEW_CANDIDATES is 32)."""
+    return {"ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
+            "ours-few0": lambda d: ms.markov_sample_launch(**d, few_candidates=0),
+            "ours-few64": lambda d: ms.markov_sample_launch(**d, few_candidates=64)}
 
 
 def _threshold_variants():

@@ -68,7 +68,7 @@ import triton.language as tl
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
+from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, launch_select_refine, threshold_scratch,
                        check_sampling_params, fold_ids, greedy_rows, gumbel_argmax,
                        logprobs_from_processed, mass_scale_bits, probs_from_processed,
@@ -358,7 +358,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          logits_config=None, scan_fallback=True,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
-                         skip_below_bracket=True):
+                         skip_below_bracket=True, few_candidates=FEW_CANDIDATES):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -374,7 +374,9 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     `reverse_odd_steps` (tuning; default on): odd steps' logits programs walk the vocab blocks
     from the end, so they start on the W2 rows the step before left in the L2.
     `skip_below_bracket` (tuning; default on): the select pass neither reads nor bins tiles
-    whose logits blocks all lie below the threshold bracket.
+    whose logits blocks all lie below the threshold bracket. `few_candidates` (tuning, test
+    hook; 0 or a power of two): thresholds over up to this many candidates are found pairwise,
+    over more by bisection.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -464,7 +466,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 (temperature, top_k, top_p), probs, zo, sz, rowf, rowi, rst, thr, counters,
                 (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
                 V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=NB, edges=refine_edges, cap=cap,
-                scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket)
+                scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket,
+                few=few_candidates)
         if MODE >= 1:
             launch(_markov_final_kernel)[(B, C)](
                 temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
@@ -562,7 +565,7 @@ def _markov_configs():
             done_off="i32", RPR="i32"),
             dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
                  SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128,
-                 NT_P2=16, SKIP=True, SCAN=True),
+                 NT_P2=16, SKIP=True, FEW=FEW_CANDIDATES, SCAN=True),
             SELECT_WARPS))
         out.append(compile_config(row_refine_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
@@ -572,7 +575,8 @@ def _markov_configs():
             stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32",
             LAST="i32"),
             dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, SCAN=True),
+                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, FEW=FEW_CANDIDATES,
+                 SCAN=True),
             SELECT_WARPS))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(

@@ -486,11 +486,27 @@ def largest_key(keys, w, base, target, lo, hi, COUNT: tl.constexpr):
 
 
 @triton.jit
+def largest_key_pairwise(keys, w, base, target, lo, hi, COUNT: tl.constexpr):
+    """largest_key() for a few candidates, in two reductions instead of up to 32 dependent ones:
+    the answer is lo or a candidate's key (base + sum(w[keys >= kappa]) only changes at them),
+    so each candidate's sum over the candidates at or above it is computed at once."""
+    ge = keys[None, :] >= keys[:, None]                  # [i, j]: key_j >= key_i
+    if COUNT:
+        f = base + tl.sum(ge.to(tl.int64), axis=1)
+    else:
+        f = base + tl.sum(tl.where(ge, w[None, :], 0), axis=1)
+    kk = keys.to(tl.int64)
+    ok = (kk >= lo) & (kk < hi) & (f.to(tl.float64) >= target)
+    return tl.maximum(tl.max(tl.where(ok, kk, lo), axis=0), lo)
+
+
+@triton.jit
 def resolve(keys, w, valid, above_m, above_c, Zf, k, top_p, K_ON, P_ON,
-            SCALE: tl.constexpr):
+            SCALE: tl.constexpr, PAIRWISE: tl.constexpr = False):
     """Exact (tau, kept mass int64, ok) from the candidates and the exact mass/count above them.
 
     ok is False when the candidates cannot decide (the caller then uses resolve_by_scan).
+    PAIRWISE: the thresholds by largest_key_pairwise (few candidates), else by bisection.
     """
     keys = tl.where(valid, keys, -2147483648)       # below the key of -FLT_MAX
     w = tl.where(valid, w, 0)
@@ -501,14 +517,20 @@ def resolve(keys, w, valid, above_m, above_c, Zf, k, top_p, K_ON, P_ON,
     kk = kmin
     if K_ON:
         ok = ok & (above_c < k) & (above_c + n >= k)
-        kk = largest_key(keys, w, above_c, k.to(tl.float64), kmin, kmax + 1, True)
+        if PAIRWISE:
+            kk = largest_key_pairwise(keys, w, above_c, k.to(tl.float64), kmin, kmax + 1, True)
+        else:
+            kk = largest_key(keys, w, above_c, k.to(tl.float64), kmin, kmax + 1, True)
     zk = above_m + tl.sum(tl.where(keys >= kk.to(tl.int32), w, 0), axis=0)
     kp = kk
     if P_ON:
         T = tl.where(K_ON, zk.to(tl.float64), Zf.to(tl.float64) * SCALE) * top_p.to(tl.float64)
         T = tl.maximum(T, 1.0)                  # top_p <= 0 keeps the top token(s)
         ok = ok & (above_m.to(tl.float64) < T) & (zk.to(tl.float64) >= T)
-        kp = largest_key(keys, w, above_m, T, kk, kmax + 1, False)
+        if PAIRWISE:
+            kp = largest_key_pairwise(keys, w, above_m, T, kk, kmax + 1, False)
+        else:
+            kp = largest_key(keys, w, above_m, T, kk, kmax + 1, False)
     kept = above_m + tl.sum(tl.where(keys >= kp.to(tl.int32), w, 0), axis=0)
     return key_f32(kp), kept, ok
 
@@ -600,15 +622,38 @@ def key_extent(kext_ptr, b, C, C_P2: tl.constexpr):
 
 
 @triton.jit
-def load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP: tl.constexpr):
-    """Row b's gathered candidates: (keys, fixed masses, valid mask, count; the count may
-    exceed CAP, the lists hold the first CAP)."""
-    n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel").to(tl.int64)
-    idx = tl.arange(0, CAP)
+def load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, n, CAP: tl.constexpr,
+                    LOAD: tl.constexpr):
+    """The first LOAD (<= CAP) of row b's n gathered candidates: (keys, fixed masses, valid)."""
+    idx = tl.arange(0, LOAD)
     valid = idx < n
     keys = tl.load(ckey_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
     w = tl.load(cmass_ptr + b * CAP + idx, mask=valid, other=0, cache_modifier=".cg")
-    return keys, w, valid, n
+    return keys, w, valid
+
+
+# Up to this many candidates, resolve() runs pairwise (largest_key_pairwise): on peaked rows the
+# bracket holds tens of tokens, and the bisection's up to 32 dependent reductions were most of
+# the select pass's critical path. A power of two (0: always bisect; launch knob `few`); 32 keeps
+# the select kernel at 64 registers on sm_90 (64 took it to 80: 3 programs per SM instead of 4).
+FEW_CANDIDATES = 32
+
+
+@triton.jit
+def resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac, Zf, k, top_p, K_ON, P_ON,
+                       CAP: tl.constexpr, SCALE: tl.constexpr, FEW: tl.constexpr):
+    """resolve() over row b's gathered candidates: (tau, kept, ok, count; the count may exceed
+    CAP, the list holds the first CAP). Up to FEW (<= CAP) candidates resolve pairwise."""
+    n = tl.atomic_add(ccount_ptr + b, 0, sem="acq_rel").to(tl.int64)
+    # (the branches' tensors differ in size, so they must not share names)
+    FL: tl.constexpr = max(FEW, 1)          # FEW = 0: only an empty list goes this way
+    if n <= FEW:
+        fk, fw, fv = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, n, CAP, FL)
+        tau, kept, ok = resolve(fk, fw, fv, am, ac, Zf, k, top_p, K_ON, P_ON, SCALE, True)
+    else:
+        keys, w, valid = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, n, CAP, CAP)
+        tau, kept, ok = resolve(keys, w, valid, am, ac, Zf, k, top_p, K_ON, P_ON, SCALE, False)
+    return tau, kept, ok, n
 
 
 # ----------------------------------------------------------------------------------------------
@@ -758,7 +803,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                       stride_zb, z_off, ccount_off, done_off, RPR, TILE: tl.constexpr,
                       NB: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
                       C_P2: tl.constexpr, BLOCK_V: tl.constexpr, NT_P2: tl.constexpr,
-                      SKIP: tl.constexpr, SCAN: tl.constexpr = True):
+                      SKIP: tl.constexpr, FEW: tl.constexpr, SCAN: tl.constexpr = True):
     # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
     # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned
     b = tl.program_id(0)
@@ -851,8 +896,9 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                     tl.store(rst_ptr + b * 4, tl.where(kmin == kmax, 2, 1))
                 else:
                     am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
-                    keys, w, valid, n = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP)
-                    tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+                    tau, kept, ok, n = resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am,
+                                                          ac, Z, k, p, k_on, p_on, CAP, SCALE,
+                                                          FEW)
                     ok = ok & (n == nb)      # every candidate gathered (reduce's count holds)
                     if ~ok:
                         tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE,
@@ -956,7 +1002,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                       ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, z_off,
                       ccount_off, done_off, RPR, LAST, TILE: tl.constexpr, NB: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      SCAN: tl.constexpr = True):
+                      FEW: tl.constexpr, SCAN: tl.constexpr = True):
     b = tl.program_id(0)
     c = tl.program_id(1)
     state = tl.load(rst_ptr + b * 4)
@@ -1040,8 +1086,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                 elif LAST != 0:
                     tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE, SCAN)
             else:
-                keys, w, valid, n = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, CAP)
-                tau, kept, ok = resolve(keys, w, valid, am, ac, Z, k, p, k_on, p_on, SCALE)
+                tau, kept, ok, n = resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac,
+                                                      Z, k, p, k_on, p_on, CAP, SCALE, FEW)
                 if n > CAP:
                     tau, kept, ok = resolve_one_key(klo, n, am, ac, m, Z, k, p, k_on, p_on,
                                                     SCALE)
@@ -1084,12 +1130,17 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
-                         bmax, BLOCK_V: int, skip: bool = True) -> None:
+                         bmax, BLOCK_V: int, skip: bool = True,
+                         few: int = FEW_CANDIDATES) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
     block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
-    the bracket (`skip`, a tuning knob)."""
+    the bracket (`skip`, a tuning knob). `few` (0 or a power of two): up to this many gathered
+    candidates are resolved pairwise, more by bisection (tuning knob and test hook)."""
+    if not isinstance(few, int) or few < 0 or few & (few - 1):
+        raise ValueError(f"few must be 0 or a power of two, got {few!r}")
+    few = min(few, cap)
     s = scratch
     scale = float(2 ** mass_scale_bits(V))
     C_P2 = next_pow2(C)
@@ -1098,11 +1149,11 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
         counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], V, C,
         CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1], RPR,
         TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-        NT_P2=s["live"].shape[2], SKIP=skip, SCAN=scan, num_warps=SELECT_WARPS)
+        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, num_warps=SELECT_WARPS)
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
             s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
             CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
-            TILE=refine_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, SCAN=scan,
-            num_warps=SELECT_WARPS)
+            TILE=refine_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, FEW=few,
+            SCAN=scan, num_warps=SELECT_WARPS)

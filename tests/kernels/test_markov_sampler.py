@@ -481,6 +481,36 @@ def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4):
     assert_probs_match(got_p, want_p)
 
 
+@pytest.mark.parametrize("few", [0, 8, 64])
+def test_thresholds_pairwise_and_by_bisection_agree(few):
+    """The candidates' threshold is found pairwise up to `few_candidates` candidates and by
+    bisection beyond (0: always bisection; 64 = cap: always pairwise): both give the
+    reference's exact thresholds for top-k, top-p and both, with tied logits, on peaked rows
+    (tens of candidates) and milder ones (up to cap). Scan fallback off, so neither path can
+    lean on it."""
+    v = 611
+    g = torch.Generator().manual_seed(17)
+    w1, w2 = weights(8, v=v)
+    B = 6
+    base = torch.randn(B, 2, v, generator=g) * 2.0
+    hot = torch.randint(0, v, (B, 2, 40), generator=g)
+    base.scatter_add_(-1, hot, torch.full((B, 2, 40), 9.0) + torch.rand(B, 2, 40, generator=g))
+    base[1, :, 200:230] = base[1, :, 199:200] + 0.0       # a run of equal logits
+    anchor = torch.randint(0, v, (B,), generator=g)
+    T = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.2, 0.8])
+    k = torch.tensor([0, 30, 12, 0, 50, 0])
+    p = torch.tensor([0.95, 1.0, 0.8, 0.7, 1.0, 0.99])
+    seed, sp = torch.arange(B) + 1, torch.arange(B) * 3
+    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
+                                        few_candidates=few, scan_fallback=False)
+    assert torch.equal(got_d, want_d)
+    assert_probs_match(got_p, want_p)
+    with pytest.raises(ValueError, match="few"):
+        markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
+                             few_candidates=12)
+
+
 @pytest.mark.parametrize("hist_bins", [8, 32, 128])
 def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     """Other histogram sizes (the same 32 nats, coarser or finer bins) give the same exact
