@@ -22,7 +22,9 @@ Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
           slower on the H200 than padding it to a 16-row tile), + base, / T; per-block max,
           lowest-id argmax, sum exp(z - max) and NaN flag; z of
           non-greedy rows goes to the step's draft_probs slot. Step 0 folds the anchor itself.
-          The [B, V] bias never exists anywhere else.
+          The [B, V] bias never exists anywhere else. Odd steps walk the blocks from the end,
+          so a step starts on the W2 rows the last one left in the L2 (9-10 % off the greedy
+          plan on the H200: ~11 of W2's 66 MB per step came from the L2).
           Mode "greedy" stops here: each program atomically maxes a packed int64 key
           (order-preserving value bits, then the inverted id, NaN = the largest key) into the
           step's row slot, and the next step's programs decode `prev` from it, so a step is one
@@ -41,15 +43,19 @@ which program finished first. Ticket counters are one zeroed tensor per call.
 Top-k / top-p cost (exact thresholds without sorting, kernels/sampling.py): for rows that use
 them, reduce also builds a 16-bin mass histogram of its chunk (one more read of z, its loads
 two tiles ahead) and the extra `select` launch reads z once more to collect the exact masses
-and the candidates the threshold is resolved from, when they fit CAP. Near-flat rows overflow
+and the candidates the threshold is resolved from, when they fit CAP; it skips the tiles whose
+logits blocks all lie below the bracket (most of a peaked row), and resolves up to
+FEW_CANDIDATES candidates pairwise rather than by bisection. Near-flat rows overflow
 it (top-p 0.95 keeps most of the vocabulary, one 2-nat bin holds ~10^4 tokens): select then
 spills the bracket's tokens and the `refine` launches, reading only those, narrow the bracket
 ~16-fold per pass (typically one histogram pass and one gathering pass; REFINE_PASSES are
 always launched, rows already resolved exit at once). `final` skips the noise for tiles with
 nothing kept. Every row pass keeps per-lane partials over its chunk and reduces them once (a
 reduction per tile, a CTA barrier each, made these passes ~10x slower than their bytes) and
-loads the next tile before it uses the current one (H200, B = 64, per step: reduce 56 us,
-select 57, refine 65 over its 3 launches, final 38, logits 60; the whole call 1.33 ms).
+loads the next tile before it uses the current one. H200, B = 64, per step, Gaussian rows
+(top-p 0.95 keeps ~10^4 tokens): logits 60 us, reduce 56, select 62, refine 55 over its 3
+launches, final 38, the whole call 1.37 ms; peaked rows (tens of tokens kept): select 47,
+refine 25, final 22, the call 1.06 ms (benchmarks/results/h200_sampler_2026-11-29/).
 
 `mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored) and
 "greedy" also final (every row greedy) -- graphs the engine can capture for batches whose sampling
