@@ -449,20 +449,28 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
 @pytest.mark.parametrize("skip", [True, False], ids=["skip", "no-skip"])
 @pytest.mark.parametrize("boost,cap,p4", [(14.0, 64, 0.999), (6.0, 8, 0.95)],
                          ids=["peaked-gather", "milder-spill"])
-def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4):
+@pytest.mark.parametrize("block,tile,chunk", [(16, 64, 256), (32, 16, 64)],
+                         ids=["blocks<tiles", "blocks>tiles"])
+def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4, block, tile, chunk):
     """Peaked rows (a few boosted tokens over a Gaussian bulk, as a confident draft head gives):
     the select pass skips the tiles whose logits blocks all lie below the bracket
     (skip_below_bracket), and the thresholds stay the reference's exactly -- top-p, top-k,
     boosted tokens at tile and chunk edges, a tile holding only -inf, with the candidates in
     CAP (cap 64) and, on milder peaks (100-300 tokens kept), overflowing into the spill and
     refinement (cap 8). (At cap 8 a 0.999 row is left to the scan: its threshold lies where
-    the fp32 bin masses' error bound exceeds the tokens' masses.) Block size (32) differs
-    from the select tile (16 here) and from the chunk (64). The scan fallback is off: it would
+    the fp32 bin masses' error bound exceeds the tokens' masses.) Logits blocks smaller than
+    the select tile (16 vs 64: four per tile, as the Markov sampler's 64/128-token blocks against
+    select's 512-token tiles) and larger (32 vs 16, as rejection's 1024-token blocks against
+    select's 512). The scan fallback is off: it would
     repair a wrongly skipped tile (select checks its candidate count against reduce's), so here
     such a tile fails the test."""
     v = 997                                              # a ragged last block, tile and chunk
     g = torch.Generator().manual_seed(cap)
+    # no Markov bias: z is then base / T exactly on both sides, whatever order a tiling sums
+    # the bias in (at top-p 0.999 hundreds of small tokens straddle the threshold, and a
+    # one-ulp difference in one of them can move it)
     w1, w2 = weights(5, v=v)
+    w2 = torch.zeros_like(w2)
     B = 6
     base = torch.randn(B, 2, v, generator=g) * 2.0
     hot = torch.tensor([0, 15, 16, 63, 64, 500, 511, 512, 996])
@@ -474,9 +482,9 @@ def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4):
     p = torch.tensor([0.95, 1.0, 0.9, 1.0, p4, 0.5])
     seed, sp = torch.arange(B) + 3, torch.arange(B) * 11
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=16,
-                                        chunk=64, cap=cap, skip_below_bracket=skip,
-                                        logits_config=(16, 32, 16, 4, 1), scan_fallback=False)
+    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=tile,
+                                        chunk=chunk, cap=cap, skip_below_bracket=skip,
+                                        logits_config=(16, block, 16, 4, 1), scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
 
