@@ -79,7 +79,7 @@ from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE
                        check_sampling_params, fold_ids, greedy_rows, gumbel_argmax,
                        logprobs_from_processed, mass_scale_bits, probs_from_processed,
                        process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
-                       row_select_kernel, row_tiling, SELECT_WARPS, select_tile, tile_max,
+                       row_tiling, SELECT_WARPS, select_compile_config, tile_max,
                        tl_vocab_gumbel, hist_tile, refine_tile, lane_argmax_finish,
                        lane_argmax_update, pack_argmax, unpack_token)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
@@ -560,19 +560,12 @@ def _markov_configs():
             step="i32", done_off="i32", RPR="i32"),
             dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
                  MODE=mode), 4))
-    c_p2 = sorted({next_pow2(row_tiling(B, _V_FLASH, None, None)[2]) for B in (1, 16, 64)})
-    for cp in c_p2:
-        out.append(compile_config(row_select_kernel, dict(
-            **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", above_m_ptr="*i64",
-            above_c_ptr="*i64", rowa_ptr="*i64", ckey_ptr="*i32", cmass_ptr="*i64",
-            ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32", rst_ptr="*i32",
-            spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32", V=_D16,
-            C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, ccount_off="i32",
-            done_off="i32", RPR="i32"),
-            dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, BLOCK_V=128,
-                 NT_P2=16, SKIP=True, FEW=FEW_CANDIDATES, SCAN=True),
-            SELECT_WARPS))
+    # per batch size, what the launcher picks: chunk programs per row (C_P2), select's tile
+    # flags (NT_P2) and the logits kernel's block (BLOCK_V: 128 up to 32 rows, then 64)
+    for B in (1, 16, 64):
+        _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
+        cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
+        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH))
         out.append(compile_config(row_refine_kernel, dict(
             **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
             above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64", hist_ptr="*i32",
@@ -591,7 +584,7 @@ def _markov_configs():
                 drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", step="i32", V=_D16,
                 C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
                 done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=128), 4))
+                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv), 4))
     return out
 
 

@@ -46,7 +46,8 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
                        pack_argmax, unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
-                       row_reduce_kernel, row_tiling, sample_reference, threshold_scratch,
+                       row_reduce_kernel, row_tiling, sample_reference, select_compile_config,
+                       threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
 from .tl_helpers import compile_config, launch, next_pow2
 
@@ -531,7 +532,10 @@ def _parallel_configs(stream: int):
             num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_qb=d16,
             stride_qi=d16, stride_tb="i32"), {}, 1))
     for rows in (1, 16, 48):
-        _, _, C = row_tiling(rows, 129280)
+        _, CHUNK, C = row_tiling(rows, 129280)
+        if stream == STREAM_RESAMPLE:   # its select pass (the sampler's is the same kernel):
+            # statistics blocks are the 1024-token tiles
+            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280))
         out.append(compile_config(_resample_kernel, dict(
             q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",

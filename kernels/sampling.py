@@ -1127,6 +1127,24 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
         spn=torch.empty((rows, C), dtype=i32, device=dev))
 
 
+def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int):
+    """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
+    TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V."""
+    from .tl_helpers import compile_config
+    d16 = "i32:16"
+    return compile_config(row_select_kernel, dict(
+        temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
+        rowi_ptr="*i32", above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64",
+        ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32",
+        rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32",
+        V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_zb=d16, z_off=d16, ccount_off="i32",
+        done_off="i32", RPR="i32"),
+        dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
+             SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
+             NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True),
+        SELECT_WARPS)
+
+
 def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
@@ -1138,8 +1156,9 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
     the bracket (`skip`, a tuning knob). `few` (0 or a power of two): up to this many gathered
     candidates are resolved pairwise, more by bisection (tuning knob and test hook)."""
-    if not isinstance(few, int) or few < 0 or few & (few - 1):
-        raise ValueError(f"few must be 0 or a power of two, got {few!r}")
+    if not isinstance(few, int) or few < 0 or few > 64 or few & (few - 1):
+        # the pairwise path builds a [few, few] int64 matrix per resolving program
+        raise ValueError(f"few must be 0 or a power of two <= 64, got {few!r}")
     few = min(few, cap)
     s = scratch
     scale = float(2 ** mass_scale_bits(V))

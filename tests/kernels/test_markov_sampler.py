@@ -514,9 +514,10 @@ def test_thresholds_pairwise_and_by_bisection_agree(few):
                                         few_candidates=few, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
-    with pytest.raises(ValueError, match="few"):
-        markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
-                             few_candidates=12)
+    for bad in (12, 128, -1):        # not a power of two; a [128, 128] matrix per program
+        with pytest.raises(ValueError, match="few"):
+            markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
+                                 few_candidates=bad)
 
 
 @pytest.mark.parametrize("hist_bins", [8, 32, 128])
