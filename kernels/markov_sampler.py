@@ -75,13 +75,12 @@ from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, launch_select_refine, threshold_scratch,
-                       check_sampling_params, fold_ids, greedy_rows, gumbel_argmax,
-                       logprobs_from_processed, mass_scale_bits, probs_from_processed,
-                       process_logits, row_flags, row_reduce_kernel, row_refine_kernel,
-                       row_tiling, SELECT_WARPS, select_compile_config, tile_max,
-                       tl_vocab_gumbel, hist_tile, refine_tile, lane_argmax_finish,
-                       lane_argmax_update, pack_argmax, unpack_token)
+                       argmax_tokens, check_pow2, check_sampling_params, fold_ids, greedy_rows,
+                       gumbel_argmax, hist_tile, lane_argmax_finish, lane_argmax_update,
+                       launch_select_refine, logprobs_from_processed, pack_argmax,
+                       probs_from_processed, process_logits, refine_compile_config, row_flags,
+                       row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
+                       tile_max, tl_vocab_gumbel, unpack_token)
 from .tl_helpers import compile_config, interpreting, launch, next_pow2
 
 
@@ -386,12 +385,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
-    if not isinstance(hist_bins, int) or hist_bins < 4 or hist_bins > 128 or \
-            hist_bins & (hist_bins - 1):
-        raise ValueError(f"hist_bins must be a power of two in [4, 128], got {hist_bins!r}")
-    if not isinstance(refine_edges, int) or refine_edges < 4 or refine_edges > 128 or \
-            refine_edges & (refine_edges - 1):
-        raise ValueError(f"refine_edges must be a power of two in [4, 128], got {refine_edges!r}")
+    check_pow2("hist_bins", hist_bins, 4, 128)
+    check_pow2("refine_edges", refine_edges, 4, 128)
     NB = hist_bins
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     if mode not in MODES:
@@ -566,17 +561,7 @@ def _markov_configs():
         _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH))
-        out.append(compile_config(row_refine_kernel, dict(
-            **flags, z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", rst_ptr="*i32",
-            above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64", hist_ptr="*i32",
-            kext_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", ckey_ptr="*i32",
-            cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", V=_D16, C=_D16, CHUNK=_D16,
-            stride_zb=_D16, z_off=_D16, ccount_off="i32", done_off="i32", RPR="i32",
-            LAST="i32"),
-            dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
-                 SCALE=float(2 ** mass_scale_bits(_V_FLASH)), C_P2=cp, FEW=FEW_CANDIDATES,
-                 SCAN=True),
-            SELECT_WARPS))
+        out.append(refine_compile_config(TILE, C, _V_FLASH))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .philox import STREAM_TARGET, vocab_gumbel
 from .region import fusable
-from .tl_helpers import launch, next_pow2
+from .tl_helpers import compile_config, launch, next_pow2
 
 NEG_INF = float("-inf")
 
@@ -622,8 +622,7 @@ def key_extent(kext_ptr, b, C, C_P2: tl.constexpr):
 
 
 @triton.jit
-def load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, n, CAP: tl.constexpr,
-                    LOAD: tl.constexpr):
+def load_candidates(ckey_ptr, cmass_ptr, b, n, CAP: tl.constexpr, LOAD: tl.constexpr):
     """The first LOAD (<= CAP) of row b's n gathered candidates: (keys, fixed masses, valid)."""
     idx = tl.arange(0, LOAD)
     valid = idx < n
@@ -648,10 +647,10 @@ def resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac, Zf, k, top_p,
     # (the branches' tensors differ in size, so they must not share names)
     FL: tl.constexpr = max(FEW, 1)          # FEW = 0: only an empty list goes this way
     if n <= FEW:
-        fk, fw, fv = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, n, CAP, FL)
+        fk, fw, fv = load_candidates(ckey_ptr, cmass_ptr, b, n, CAP, FL)
         tau, kept, ok = resolve(fk, fw, fv, am, ac, Zf, k, top_p, K_ON, P_ON, SCALE, True)
     else:
-        keys, w, valid = load_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, n, CAP, CAP)
+        keys, w, valid = load_candidates(ckey_ptr, cmass_ptr, b, n, CAP, CAP)
         tau, kept, ok = resolve(keys, w, valid, am, ac, Zf, k, top_p, K_ON, P_ON, SCALE, False)
     return tau, kept, ok, n
 
@@ -1103,6 +1102,12 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 # Launching the threshold search's select and refine passes (both fused samplers use this)
 # ----------------------------------------------------------------------------------------------
 
+def check_pow2(name: str, value, lo: int, hi: int) -> None:
+    """A launch knob that must be a power of two in [lo, hi]."""
+    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
+
+
 def live_slots(CHUNK: int, TILE: int) -> int:
     """Tile flags per select program (a power of two >= its tiles)."""
     return next_pow2(CHUNK // select_tile(TILE))
@@ -1130,7 +1135,6 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
     TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V."""
-    from .tl_helpers import compile_config
     d16 = "i32:16"
     return compile_config(row_select_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -1145,6 +1149,23 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int):
         SELECT_WARPS)
 
 
+def refine_compile_config(TILE: int, C: int, V: int):
+    """row_refine_kernel's compile entry for a launch at row tile TILE, C chunk programs,
+    vocabulary V (no logits-block dependence: it reads only the spill regions)."""
+    d16 = "i32:16"
+    return compile_config(row_refine_kernel, dict(
+        temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
+        rowi_ptr="*i32", rst_ptr="*i32", above_m_ptr="*i64", above_c_ptr="*i64",
+        rowa_ptr="*i64", hist_ptr="*i32", kext_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32",
+        ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", V=d16, C=d16,
+        CHUNK=d16, stride_zb=d16, z_off=d16, ccount_off="i32", done_off="i32", RPR="i32",
+        LAST="i32"),
+        dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
+             SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), FEW=FEW_CANDIDATES,
+             SCAN=True),
+        SELECT_WARPS)
+
+
 def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
@@ -1156,9 +1177,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
     the bracket (`skip`, a tuning knob). `few` (0 or a power of two): up to this many gathered
     candidates are resolved pairwise, more by bisection (tuning knob and test hook)."""
-    if not isinstance(few, int) or few < 0 or few > 64 or few & (few - 1):
-        # the pairwise path builds a [few, few] int64 matrix per resolving program
-        raise ValueError(f"few must be 0 or a power of two <= 64, got {few!r}")
+    if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
+        check_pow2("few", few, 1, 64)
     few = min(few, cap)
     s = scratch
     scale = float(2 ** mass_scale_bits(V))
