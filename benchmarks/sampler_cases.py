@@ -132,11 +132,42 @@ def _markov_bytes(B, probabilistic):
     return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + probs
 
 
+# greedy step-kernel tilings (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) per batch tile (see
+# ms.GREEDY_CONFIGS; PROGS_PER_SM 0 = one program per vocab block). Tuning data only.
+GREEDY_TILINGS = {
+    16: [(64, 4, 1, 0), (128, 8, 1, 0), (32, 4, 1, 0), (64, 4, 2, 1), (64, 4, 2, 2),
+         (32, 4, 3, 2), (64, 4, 3, 1)],
+    32: [(64, 4, 1, 0), (32, 4, 1, 0), (64, 4, 2, 2)],
+    64: [(32, 4, 1, 0), (64, 4, 1, 0), (16, 4, 1, 0), (32, 4, 2, 1), (32, 4, 2, 2),
+         (32, 4, 3, 1), (16, 4, 4, 2), (64, 8, 2, 1)],
+}
+
+
+def _batch_tile(B):
+    return min(64, max(16, 1 << (B - 1).bit_length()))
+
+
 def _tiling_variants(B, mode="full"):
-    bb = min(64, max(16, 1 << (B - 1).bit_length()))
     return {f"ours-cfg{'x'.join(map(str, c))}":
             (lambda d, c=c: ms.markov_sample_launch(**d, mode=mode, logits_config=c))
-            for c in TILINGS[bb]}
+            for c in TILINGS[_batch_tile(B)]}
+
+
+def _greedy_variants(B):
+    """Mode "greedy" knobs: `ours-legacy` the session-5 plan (the full plan's logits kernel,
+    one program per block, an atomic per block and row); `ours-nopdl` without programmatic
+    dependent launch; `ours-keep<pct>` that share of W2 (read last in a step) loaded
+    evict_last; `ours-g*` step-kernel tilings."""
+    greedy = dict(mode="greedy")
+    out = {"ours-legacy": lambda d: ms.markov_sample_launch(**d, **greedy, greedy_kernel="legacy"),
+           "ours-nopdl": lambda d: ms.markov_sample_launch(**d, **greedy, pdl=False)}
+    out.update({f"ours-keep{int(k * 100)}":
+                (lambda d, k=k: ms.markov_sample_launch(**d, **greedy, l2_keep=k))
+                for k in (0.25, 0.4)})
+    out.update({f"ours-g{'x'.join(map(str, c))}":
+                (lambda d, c=c: ms.markov_sample_launch(**d, **greedy, greedy_config=c))
+                for c in GREEDY_TILINGS[_batch_tile(B)]})
+    return out
 
 
 def _skip_variants():
@@ -180,7 +211,7 @@ def markov_cases(batches):
                  # every step walks W2 in the same order (no L2 reuse across steps)
                  "ours-mode-greedy-forward": lambda d: ms.markov_sample_launch(
                      **d, mode="greedy", reverse_odd_steps=False)}
-        extra.update(_tiling_variants(B, mode="greedy"))     # the greedy graph's tilings
+        extra.update(_greedy_variants(B))                    # the greedy graph's knobs
         out.append(Case("sampler", "markov_greedy", {"B": B, "N": N}, make,
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),

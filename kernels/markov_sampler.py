@@ -70,6 +70,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
@@ -238,6 +239,107 @@ def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, pa
 
 
 @triton.jit
+def _markov_greedy_step_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, packed_ptr, B, V, NBLK,
+                               stride_bb, base_off, step, NPROG, keep_from,
+                               R: tl.constexpr, R_P2: tl.constexpr, BLOCK_B: tl.constexpr,
+                               BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+                               EVEN_V: tl.constexpr, DOT_F32: tl.constexpr,
+                               PERSIST: tl.constexpr, REVERSE_ODD: tl.constexpr,
+                               PDL: tl.constexpr):
+    """Mode "greedy", one Markov step: grid (NPROG, batch tiles). A program owns a run of vocab
+    blocks for BLOCK_B rows; it gathers the rows' W1[prev] once, streams the blocks' W2 rows
+    (the whole rank per block: one tile, all its bytes in flight), keeps each row's best packed
+    (value, lowest id) key over its blocks and atomically maxes it into the step's row slot --
+    one atomic per row and program, order-independent, so deterministic."""
+    if PDL:
+        # the next step's programs may start once all of these have: they prefetch their first
+        # W2 tile (a weight, never written in the op) while this step finishes, then wait
+        gdc_launch_dependents()
+    base_ptr += base_off
+    pid = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    flip = REVERSE_ODD & (step % 2 == 1)
+    # odd steps walk the vocabulary backwards, so a step starts on the W2 rows the previous one
+    # read last (still in the L2). Persistent programs reverse their own run, one block per
+    # program reverses the program order (programs start roughly in id order).
+    q = pid if PERSIST else tl.where(flip, NPROG - 1 - pid, pid)
+    lo = q * NBLK // NPROG
+    hi = (q + 1) * NBLK // NPROG
+    n = hi - lo
+    offs_r = tl.arange(0, R_P2)
+    # walk position j of a program is read at about "time" j * NPROG + pid; blocks read from
+    # keep_from on are loaded evict_last, for the next step to find in the L2
+    n_early = tl.minimum(tl.maximum((keep_from - pid + NPROG - 1) // NPROG, 1), n)
+    blk = tl.where(flip, hi - 1, lo)
+    if pid >= keep_from:
+        w = _w2_tile(w2_ptr, blk, V, R, R_P2, BLOCK_V, EVEN_V, "evict_last")
+    else:
+        w = _w2_tile(w2_ptr, blk, V, R, R_P2, BLOCK_V, EVEN_V, "")
+    if PDL:
+        gdc_wait()                  # the previous step's row maxima are complete from here on
+    if step == 0:                   # the anchor, an id >= V folded to 0
+        a_id = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        prev = tl.where((a_id >= 0) & (a_id < V), a_id, 0)
+    else:                           # the previous step's packed row maxima
+        prev = unpack_token(tl.load(packed_ptr + (step - 1) * B + rows, mask=rmask, other=0))
+    if R == R_P2:
+        a = tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :])
+    else:
+        a = tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :], mask=offs_r[None, :] < R,
+                    other=0.0)
+    best = _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb, BLOCK_V, DOT_F32)
+    for j in tl.range(1, n_early, num_stages=STAGES):
+        blk = tl.where(flip, hi - 1 - j, lo + j)
+        w = _w2_tile(w2_ptr, blk, V, R, R_P2, BLOCK_V, EVEN_V, "")
+        best = tl.maximum(best, _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb,
+                                                  BLOCK_V, DOT_F32))
+    for j in tl.range(n_early, n, num_stages=STAGES):
+        blk = tl.where(flip, hi - 1 - j, lo + j)
+        w = _w2_tile(w2_ptr, blk, V, R, R_P2, BLOCK_V, EVEN_V, "evict_last")
+        best = tl.maximum(best, _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb,
+                                                  BLOCK_V, DOT_F32))
+    tl.atomic_max(packed_ptr + step * B + rows, best, mask=rmask, sem="relaxed")
+
+
+@triton.jit
+def _w2_tile(w2_ptr, blk, V, R: tl.constexpr, R_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+             EVEN_V: tl.constexpr, POLICY: tl.constexpr):
+    """W2[block] over the whole rank, [BLOCK_V, R_P2] (columns past R are zeros). A masked load
+    costs ~3x the registers, so only a ragged last block or a rank not a power of two pays."""
+    offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, R_P2)
+    ptrs = w2_ptr + offs_v[:, None] * R + offs_r[None, :]
+    if EVEN_V and R == R_P2:
+        return tl.load(ptrs, eviction_policy=POLICY)
+    return tl.load(ptrs, mask=(offs_v[:, None] < V) & (offs_r[None, :] < R), other=0.0,
+                   eviction_policy=POLICY)
+
+
+@triton.jit
+def _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb, BLOCK_V: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """Packed (max, lowest argmax, NaN) key per row of base + W1[prev] . W2[block]^T."""
+    offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = offs_v < V
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(w))        # bf16 products are exact, fp32 accumulation
+    # read once: first out of the L2, which is better spent on W2
+    base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
+                   mask=rmask[:, None] & vmask[None, :], other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
+    z = base + acc
+    isnan = z != z
+    zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
+    bmax = tl.max(zn, axis=1)
+    barg = tl.argmax(zn, axis=1, tie_break_left=True) + blk * BLOCK_V
+    bnan = tl.max((isnan & vmask[None, :]).to(tl.int32), axis=1)
+    return pack_argmax(bmax, barg, bnan > 0)
+
+
+@triton.jit
 def _markov_greedy_tokens_kernel(packed_ptr, drafts_ptr, B, stride_db, BLOCK: tl.constexpr):
     """Mode "greedy": drafts[:, k] from step k's packed row maxima (grid (N,))."""
     k = tl.program_id(0)
@@ -349,6 +451,26 @@ def _logits_config(B: int, R: int, override=None):
     return BB, BV, BR, warps, stages, pps
 
 
+# (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of mode "greedy"'s step kernel per batch tile
+# (BLOCK_B rows). A W2 tile is [BLOCK_V, r] (whole rank); PROGS_PER_SM = 0: one program per
+# vocab block (its one tile loaded before the PDL wait); > 0: persistent programs, each over a
+# run of blocks with STAGES tiles in flight. <= 99 KB shared memory and no spills on sm_120
+# (tests/kernels/test_sm12x_resources.py). From the H200 sweep (benchmarks/sampler_cases.py).
+GREEDY_CONFIGS = {16: (64, 4, 1, 0), 32: (64, 4, 1, 0), 64: (32, 4, 1, 0)}
+# share of W2 (of the blocks read last in a step) loaded evict_last for the next step
+L2_KEEP = 0.0
+
+
+def _greedy_config(B: int, override=None):
+    """(BLOCK_B, BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the greedy step kernel."""
+    BLOCK_B = min(64, max(16, next_pow2(B)))
+    cfg = tuple(override or GREEDY_CONFIGS[BLOCK_B])
+    if len(cfg) != 4 or any(not isinstance(c, int) or c < 0 for c in cfg) or cfg[0] < 16:
+        raise ValueError(f"greedy config must be (BLOCK_V >= 16, num_warps, STAGES, "
+                         f"PROGS_PER_SM) ints, got {cfg!r}")
+    return (BLOCK_B, *cfg)
+
+
 def _num_programs(nblk: int, progs_per_sm: int, device, interpret: bool) -> int:
     """Grid of the logits kernel: one program per vocab block, or a persistent grid."""
     if not progs_per_sm:
@@ -363,7 +485,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          logits_config=None, scan_fallback=True,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
-                         skip_below_bracket=True, few_candidates=FEW_CANDIDATES):
+                         skip_below_bracket=True, few_candidates=FEW_CANDIDATES,
+                         greedy_config=None, pdl=True, l2_keep=L2_KEEP, greedy_kernel="step"):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -443,6 +566,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     best_i = torch.empty((B, C) if MODE else (1,), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
     sb, sz = base_logits.stride(0), probs.stride(0)
+    if MODE == 0 and greedy_kernel == "step":
+        _greedy_steps(base_logits, w1, w2, anchor, packed, greedy_config, pdl, l2_keep,
+                      reverse_odd_steps)
+        launch(_markov_greedy_tokens_kernel)[(N,)](packed, drafts, B, drafts.stride(0),
+                                                   BLOCK=min(1024, next_pow2(B)), num_warps=4)
+        return drafts, probs
     for k in range(N):
         # step k's slices are passed as offsets rather than views (plainer for export)
         zo = k * probs.stride(1)
@@ -479,6 +608,33 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         launch(_markov_greedy_tokens_kernel)[(N,)](packed, drafts, B, drafts.stride(0),
                                                    BLOCK=min(1024, next_pow2(B)), num_warps=4)
     return drafts, probs
+
+
+def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, l2_keep, reverse_odd):
+    """Mode "greedy": one step-kernel launch per Markov step into `packed` [N, B]."""
+    B, N, V = base_logits.shape
+    R = w1.shape[1]
+    if R % 16:
+        raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
+    if not 0.0 <= l2_keep <= 1.0:
+        raise ValueError(f"l2_keep must be a share in [0, 1], got {l2_keep!r}")
+    BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, config)
+    kern = _markov_greedy_step_kernel
+    interp = interpreting(kern)
+    NBLK = triton.cdiv(V, BLOCK_V)
+    NPROG = _num_programs(NBLK, pps, base_logits.device, interp)
+    # programmatic dependent launch (sm_90+): step k + 1 is launched while step k runs. Step 0
+    # is launched plainly, so whatever wrote the op's inputs has finished before any step runs.
+    pdl = pdl and not interp and torch.cuda.get_device_capability(base_logits.device)[0] >= 9
+    keep = NBLK - int(round(l2_keep * NBLK)) if l2_keep > 0 else 1 << 30
+    for k in range(N):
+        extra = dict(launch_pdl=True) if pdl and k > 0 else {}
+        launch(kern)[(NPROG, triton.cdiv(B, BLOCK_B))](
+            base_logits, w1, w2, anchor, packed, B, V, NBLK, base_logits.stride(0),
+            k * base_logits.stride(1), k, NPROG, keep if k < N - 1 else 1 << 30,
+            R=R, R_P2=next_pow2(R), BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, STAGES=stages,
+            EVEN_V=V % BLOCK_V == 0, DOT_F32=interp or w1.dtype == torch.float32,
+            PERSIST=NPROG < NBLK, REVERSE_ODD=reverse_odd, PDL=pdl, num_warps=warps, **extra)
 
 
 # ----------------------------------------------------------------------------------------------

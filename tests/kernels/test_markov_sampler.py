@@ -254,11 +254,17 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
     torch.testing.assert_close(q[ng], want_q[ng], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("B,config", [
-    (1, None), (5, None),                                 # the launcher's pick
-    (20, (16, 32, 16, 4, 1)),                             # two batch tiles, several blocks
-    (20, (16, 32, 16, 4, 1, 1))])                         # persistent: 2 programs, 5 blocks
-def test_greedy_mode_packed_maxima(B, config):
+@pytest.mark.parametrize("B,kw", [
+    (1, {}), (5, {}),                                     # the launcher's pick
+    (20, dict(greedy_config=(16, 4, 1, 0))),              # one program per block (9 blocks)
+    # persistent (2 "SMs" in the interpreter): 2 programs over 9 blocks / 4 over 5, the
+    # blocks read last in a step loaded evict_last (a second loop), odd steps reversed
+    (20, dict(greedy_config=(16, 4, 2, 1), l2_keep=0.6)),
+    (20, dict(greedy_config=(32, 4, 2, 2), l2_keep=0.4, reverse_odd_steps=False)),
+    (70, dict(greedy_config=(16, 4, 1, 1), l2_keep=0.5)),  # two batch tiles of 64 rows
+    (70, dict(greedy_kernel="legacy", logits_config=(16, 32, 16, 4, 1))),
+    (20, dict(greedy_kernel="legacy", logits_config=(16, 32, 16, 4, 1, 1)))])
+def test_greedy_mode_packed_maxima(B, kw):
     """Mode "greedy" reduces rows with atomic maxima of packed (value, id) keys and decodes
     `prev` in the next step's programs: ties across vocab blocks go to the lowest id, NaN /
     all -inf / +inf rows give 0, out-of-range anchors fold to 0, every step chains."""
@@ -277,7 +283,6 @@ def test_greedy_mode_packed_maxima(B, config):
     tb[:, :, 3] = tb[:, :, 100] = tb.amax(-1) + 1.0     # equal maxima in two vocab blocks
     T, k, p = params(B, 0.0)
     seed, sp = torch.arange(B), torch.arange(B)
-    kw = dict(logits_config=config) if config else {}
     for bl, ww2 in ((base, w2), (tb, tie_w2)):
         args = (bl, anchor, w1, ww2, T, k, p, seed, sp)
         want, _ = markov_sample_mode_reference(*args, "greedy")
