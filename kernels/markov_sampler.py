@@ -456,7 +456,7 @@ def _logits_config(B: int, R: int, override=None):
 # vocab block (its one tile loaded before the PDL wait); > 0: persistent programs, each over a
 # run of blocks with STAGES tiles in flight. <= 99 KB shared memory and no spills on sm_120
 # (tests/kernels/test_sm12x_resources.py). From the H200 sweep (benchmarks/sampler_cases.py).
-GREEDY_CONFIGS = {16: (64, 4, 1, 0), 32: (64, 4, 1, 0), 64: (32, 4, 1, 0)}
+GREEDY_CONFIGS = {16: (32, 4, 3, 2), 32: (32, 4, 3, 2), 64: (16, 4, 4, 2)}
 # share of W2 (of the blocks read last in a step) loaded evict_last for the next step
 L2_KEEP = 0.0
 
