@@ -6,8 +6,9 @@
 Cases per B (requests):
 - `markov_greedy`: every row greedy. Variants: the reference (eager / torch.compile), `ours`
   (the op in its default "full" mode, which still launches the probabilistic passes),
-  `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture), and
-  `ours-cfg*` logits-kernel tilings in mode="greedy" (tuning data for LOGITS_CONFIGS);
+  `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture),
+  `ours-g*` its step-kernel tilings (tuning data for GREEDY_CONFIGS), `ours-nopdl` its steps
+  without programmatic dependent launch;
   `ours-mode-greedy-forward` / `ours-forward` (markov_topp): every step walks W2 in the same
   order (reverse_odd_steps=False), the L2 reuse across steps off.
 - `markov_topp_peaked` / `rejection_topp_peaked`: the same on the logits of a confident head
@@ -47,20 +48,6 @@ TOP_P = 0.95
 W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as models/synth.py draws the Markov head
 
 _WEIGHTS: dict = {}
-
-# logits-kernel tilings to compare (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES[, PROGS_PER_SM]);
-# a 6th entry > 0 is a persistent grid of that many programs per SM (see ms.LOGITS_CONFIGS).
-# Tuning data only.
-TILINGS = {
-    16: [(16, 128, 64, 8, 3), (16, 64, 64, 4, 3), (16, 64, 128, 4, 2), (16, 128, 64, 8, 4),
-         (16, 256, 64, 8, 3), (16, 64, 64, 4, 4),
-         (16, 128, 64, 8, 3, 2), (16, 128, 64, 8, 3, 3), (16, 64, 64, 4, 3, 4)],
-    32: [(32, 128, 32, 8, 1), (32, 128, 32, 8, 4), (32, 64, 64, 4, 3)],
-    64: [(64, 64, 64, 4, 3), (64, 64, 32, 4, 4), (64, 32, 64, 4, 3), (64, 64, 64, 4, 4),
-         (64, 64, 128, 8, 2), (64, 128, 32, 8, 4),
-         (64, 64, 64, 4, 3, 2), (64, 64, 64, 4, 3, 3), (64, 64, 256, 4, 1, 2)],
-}
-
 
 def _gen(device, seed):
     return torch.Generator(device=device).manual_seed(seed)
@@ -135,11 +122,9 @@ def _markov_bytes(B, probabilistic):
 # greedy step-kernel tilings (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) per batch tile (see
 # ms.GREEDY_CONFIGS; PROGS_PER_SM 0 = one program per vocab block). Tuning data only.
 GREEDY_TILINGS = {
-    16: [(32, 4, 3, 4), (32, 4, 2, 6), (32, 4, 2, 8), (32, 4, 3, 3), (64, 4, 2, 4),
-         (64, 4, 3, 2)],
-    32: [(32, 4, 3, 3), (32, 4, 4, 2), (16, 4, 6, 3)],
-    64: [(32, 4, 3, 1), (32, 4, 3, 2), (16, 4, 3, 3), (16, 4, 5, 2), (64, 4, 2, 1),
-         (32, 4, 2, 3)],
+    16: [(32, 4, 3, 4), (32, 4, 3, 2), (64, 4, 1, 0), (64, 4, 2, 4)],
+    32: [(32, 4, 3, 3), (32, 4, 3, 2)],
+    64: [(16, 4, 4, 2), (32, 4, 3, 1), (32, 4, 2, 3), (32, 4, 1, 0)],
 }
 
 
@@ -147,25 +132,12 @@ def _batch_tile(B):
     return min(64, max(16, 1 << (B - 1).bit_length()))
 
 
-def _tiling_variants(B, mode="full"):
-    return {f"ours-cfg{'x'.join(map(str, c))}":
-            (lambda d, c=c: ms.markov_sample_launch(**d, mode=mode, logits_config=c))
-            for c in TILINGS[_batch_tile(B)]}
-
-
 def _greedy_variants(B):
-    """Mode "greedy" knobs: `ours-legacy` the session-5 plan (the full plan's logits kernel,
-    one program per block, an atomic per block and row); `ours-nopdl` without programmatic
-    dependent launch; `ours-keep<pct>` that share of W2 (read last in a step) loaded
-    evict_last; `ours-g*` step-kernel tilings."""
-    greedy = dict(mode="greedy")
-    out = {"ours-legacy": lambda d: ms.markov_sample_launch(**d, **greedy, greedy_kernel="legacy"),
-           "ours-nopdl": lambda d: ms.markov_sample_launch(**d, **greedy, pdl=False)}
-    out.update({f"ours-keep{int(k * 100)}":
-                (lambda d, k=k: ms.markov_sample_launch(**d, **greedy, l2_keep=k))
-                for k in (0.25, 0.4)})
+    """Mode "greedy" knobs: `ours-nopdl` without programmatic dependent launch between the
+    steps; `ours-g*` step-kernel tilings (BLOCK_V, warps, STAGES, PROGS_PER_SM)."""
+    out = {"ours-nopdl": lambda d: ms.markov_sample_launch(**d, mode="greedy", pdl=False)}
     out.update({f"ours-g{'x'.join(map(str, c))}":
-                (lambda d, c=c: ms.markov_sample_launch(**d, **greedy, greedy_config=c))
+                (lambda d, c=c: ms.markov_sample_launch(**d, mode="greedy", greedy_config=c))
                 for c in GREEDY_TILINGS[_batch_tile(B)]})
     return out
 

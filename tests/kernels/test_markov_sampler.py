@@ -257,13 +257,11 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
 @pytest.mark.parametrize("B,kw", [
     (1, {}), (5, {}),                                     # the launcher's pick
     (20, dict(greedy_config=(16, 4, 1, 0))),              # one program per block (9 blocks)
-    # persistent (2 "SMs" in the interpreter): 2 programs over 9 blocks / 4 over 5, the
-    # blocks read last in a step loaded evict_last (a second loop), odd steps reversed
-    (20, dict(greedy_config=(16, 4, 2, 1), l2_keep=0.6)),
-    (20, dict(greedy_config=(32, 4, 2, 2), l2_keep=0.4, reverse_odd_steps=False)),
-    (70, dict(greedy_config=(16, 4, 1, 1), l2_keep=0.5)),  # two batch tiles of 64 rows
-    (70, dict(greedy_kernel="legacy", logits_config=(16, 32, 16, 4, 1))),
-    (20, dict(greedy_kernel="legacy", logits_config=(16, 32, 16, 4, 1, 1)))])
+    # persistent (2 "SMs" in the interpreter): 2 programs over 9 blocks / 4 over 5, odd steps
+    # reversed (each program walks its own run backwards) or not
+    (20, dict(greedy_config=(16, 4, 2, 1))),
+    (20, dict(greedy_config=(32, 4, 2, 2), reverse_odd_steps=False)),
+    (70, dict(greedy_config=(16, 4, 1, 1)))])             # two batch tiles of 64 rows
 def test_greedy_mode_packed_maxima(B, kw):
     """Mode "greedy" reduces rows with atomic maxima of packed (value, id) keys and decodes
     `prev` in the next step's programs: ties across vocab blocks go to the lowest id, NaN /
@@ -312,6 +310,9 @@ def test_modes_and_op_dispatch():
         markov_sample_launch(*args, "fast")
     with pytest.raises(ValueError, match="w2"):
         markov_sample_reference(base, anchor, w1, w2[:, :8], T, k, p, seed, sp)
+    for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2)):
+        with pytest.raises(ValueError, match="greedy config"):
+            markov_sample_launch(*args, "greedy", greedy_config=bad)
 
 
 # ------------------------------------------------------------------------------------------
