@@ -7,7 +7,7 @@ Cases per B (requests):
 - `markov_greedy`: every row greedy. Variants: the reference (eager / torch.compile), `ours`
   (the op in its default "full" mode, which still launches the probabilistic passes),
   `ours-mode-greedy` (the op with mode="greedy": the graph an all-greedy batch can capture),
-  `ours-g*` its step-kernel tilings (tuning data for STEP_CONFIGS), `ours-nopdl` its steps
+  `ours-g*` its step-kernel tilings (tuning data for GREEDY_CONFIGS), `ours-nopdl` its steps
   without programmatic dependent launch;
   `ours-mode-greedy-forward` / `ours-forward` (markov_topp): every step walks W2 in the same
   order (reverse_odd_steps=False), the L2 reuse across steps off.
@@ -120,7 +120,7 @@ def _markov_bytes(B, probabilistic):
 
 
 # greedy step-kernel tilings (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) per batch tile (see
-# ms.STEP_CONFIGS; PROGS_PER_SM 0 = one program per vocab block). Tuning data only.
+# ms.GREEDY_CONFIGS; PROGS_PER_SM 0 = one program per vocab block). Tuning data only.
 GREEDY_TILINGS = {
     16: [(32, 4, 3, 4), (32, 4, 3, 2), (64, 4, 1, 0), (64, 4, 2, 4)],
     32: [(32, 4, 3, 3), (32, 4, 3, 2)],
@@ -137,19 +137,8 @@ def _greedy_variants(B):
     steps; `ours-g*` step-kernel tilings (BLOCK_V, warps, STAGES, PROGS_PER_SM)."""
     out = {"ours-nopdl": lambda d: ms.markov_sample_launch(**d, mode="greedy", pdl=False)}
     out.update({f"ours-g{'x'.join(map(str, c))}":
-                (lambda d, c=c: ms.markov_sample_launch(**d, mode="greedy", step_config=c))
+                (lambda d, c=c: ms.markov_sample_launch(**d, mode="greedy", greedy_config=c))
                 for c in GREEDY_TILINGS[_batch_tile(B)]})
-    return out
-
-
-def _logits_variants():
-    """`ours-legacy-logits`: the probabilistic modes' logits on the session-5 kernel (one
-    program per vocab block, the rank in chunks) instead of the step kernel; `ours-s*`: step
-    kernel tilings (BLOCK_V, warps, STAGES, PROGS_PER_SM)."""
-    out = {"ours-legacy-logits": lambda d: ms.markov_sample_launch(**d, logits_kernel="legacy")}
-    out.update({f"ours-s{'x'.join(map(str, c))}":
-                (lambda d, c=c: ms.markov_sample_launch(**d, step_config=c))
-                for c in ((32, 4, 3, 4), (32, 4, 3, 1))})
     return out
 
 
@@ -168,7 +157,7 @@ def _threshold_variants():
     with them, brackets narrow faster) and the candidate cap (the resolving program bisects over
     that many registers; a smaller cap overflows into one more refinement pass more often)."""
     out = {"ours-forward": lambda d: ms.markov_sample_launch(**d, reverse_odd_steps=False),
-           **_skip_variants(), **_logits_variants(),
+           **_skip_variants(),
            "ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
            "ours-refine2": lambda d: ms.markov_sample_launch(**d, refine_passes=2)}
     out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
@@ -210,7 +199,7 @@ def markov_cases(batches):
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
-                        extra={**_skip_variants(), **_logits_variants()}))
+                        extra=_skip_variants()))
     return out
 
 

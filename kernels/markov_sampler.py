@@ -231,28 +231,23 @@ def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, te
 
 
 @triton.jit
-def _markov_step_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_ptr, temp_ptr,
-                        z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK, stride_bb,
-                        stride_zb, base_off, z_off, step, NPROG,
-                        R: tl.constexpr, R_P2: tl.constexpr, BLOCK_B: tl.constexpr,
-                        BLOCK_V: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
-                        DOT_F32: tl.constexpr, PERSIST: tl.constexpr,
-                        REVERSE_ODD: tl.constexpr, PDL: tl.constexpr,
-                        ALL_GREEDY: tl.constexpr):
-    """One Markov step's logits: grid (NPROG, batch tiles). A program owns a run of vocab
-    blocks for BLOCK_B rows; it gathers the rows' W1[prev] once and streams the blocks' W2 rows
-    (the whole rank per block: one tile, STAGES - 1 of them in flight). ALL_GREEDY (mode
-    "greedy"): it keeps each row's best packed (value, lowest id) key over its blocks and
-    atomically maxes it into the step's row slot -- one atomic per row and program,
-    order-independent, so deterministic. Otherwise: z = (base + bias) / T per block goes to the
-    step's draft_probs slot (zeros for greedy rows) and the block statistics (max, lowest-id
-    argmax, sum exp(z - max), NaN flag) to [B, NBLK] for the row passes."""
+def _markov_greedy_step_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, packed_ptr, B, V, NBLK,
+                               stride_bb, base_off, step, NPROG,
+                               R: tl.constexpr, R_P2: tl.constexpr, BLOCK_B: tl.constexpr,
+                               BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+                               EVEN_V: tl.constexpr, DOT_F32: tl.constexpr,
+                               PERSIST: tl.constexpr, REVERSE_ODD: tl.constexpr,
+                               PDL: tl.constexpr):
+    """Mode "greedy", one Markov step: grid (NPROG, batch tiles). A program owns a run of vocab
+    blocks for BLOCK_B rows; it gathers the rows' W1[prev] once, streams the blocks' W2 rows
+    (the whole rank per block: one tile, all its bytes in flight), keeps each row's best packed
+    (value, lowest id) key over its blocks and atomically maxes it into the step's row slot --
+    one atomic per row and program, order-independent, so deterministic."""
     if PDL:
         # the next step's programs may start once all of these have: they prefetch their first
         # W2 tile (a weight, never written in the op) while this step finishes, then wait
         gdc_launch_dependents()
-    base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
-    z_ptr += z_off
+    base_ptr += base_off
     pid = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
@@ -272,26 +267,20 @@ def _markov_step_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, packed_p
     if step == 0:                   # the anchor, an id >= V folded to 0
         a_id = tl.load(anchor_ptr + rows, mask=rmask, other=0).to(tl.int64)
         prev = tl.where((a_id >= 0) & (a_id < V), a_id, 0)
-    elif ALL_GREEDY:                # the previous step's packed row maxima
+    else:                           # the previous step's packed row maxima
         prev = unpack_token(tl.load(packed_ptr + (step - 1) * B + rows, mask=rmask, other=0))
-    else:                           # written by the previous step's reduce / final programs
-        prev = tl.load(prev_ptr + rows, mask=rmask, other=0)
-    t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
     if R == R_P2:
         a = tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :])
     else:
         a = tl.load(w1_ptr + prev[:, None] * R + offs_r[None, :], mask=offs_r[None, :] < R,
                     other=0.0)
-    best = _step_block(a, w, t, base_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, blk,
-                       rows, rmask, V, NBLK, stride_bb, stride_zb, BLOCK_V, DOT_F32, ALL_GREEDY)
+    best = _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb, BLOCK_V, DOT_F32)
     for j in tl.range(1, n, num_stages=STAGES):
         blk = tl.where(flip, hi - 1 - j, lo + j)
         w = _w2_tile(w2_ptr, blk, V, R, R_P2, BLOCK_V, EVEN_V)
-        best = tl.maximum(best, _step_block(a, w, t, base_ptr, z_ptr, bmax_ptr, barg_ptr,
-                                            bsum_ptr, bnan_ptr, blk, rows, rmask, V, NBLK,
-                                            stride_bb, stride_zb, BLOCK_V, DOT_F32, ALL_GREEDY))
-    if ALL_GREEDY:
-        tl.atomic_max(packed_ptr + step * B + rows, best, mask=rmask, sem="relaxed")
+        best = tl.maximum(best, _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb,
+                                                  BLOCK_V, DOT_F32))
+    tl.atomic_max(packed_ptr + step * B + rows, best, mask=rmask, sem="relaxed")
 
 
 @triton.jit
@@ -308,42 +297,25 @@ def _w2_tile(w2_ptr, blk, V, R: tl.constexpr, R_P2: tl.constexpr, BLOCK_V: tl.co
 
 
 @triton.jit
-def _step_block(a, w, t, base_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, blk, rows,
-                rmask, V, NBLK, stride_bb, stride_zb, BLOCK_V: tl.constexpr,
-                DOT_F32: tl.constexpr, ALL_GREEDY: tl.constexpr):
-    """Block `blk` of base + W1[prev] . W2[block]^T for the program's rows: ALL_GREEDY -> the
-    packed (max, lowest argmax, NaN) key per row; otherwise z and the block statistics are
-    stored (and the key returned too, unused)."""
+def _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb, BLOCK_V: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """Packed (max, lowest argmax, NaN) key per row of base + W1[prev] . W2[block]^T."""
     offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
-    m2 = rmask[:, None] & vmask[None, :]
     if DOT_F32:
         acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     else:
         acc = tl.dot(a, tl.trans(w))        # bf16 products are exact, fp32 accumulation
     # read once: first out of the L2, which is better spent on W2
-    base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :], mask=m2, other=0.0,
+    base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
+                   mask=rmask[:, None] & vmask[None, :], other=0.0,
                    eviction_policy="evict_first").to(tl.float32)
     z = base + acc
-    if not ALL_GREEDY:
-        greedy = t <= 0.0
-        z = tl.math.div_rn(z, tl.where(greedy, 1.0, t)[:, None])
-        # greedy rows' draft_probs are zeros, as in the reference (nothing later touches them):
-        # the op's outputs are fully specified in this mode
-        tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :],
-                 tl.where(greedy[:, None], 0.0, z), mask=m2)
     isnan = z != z
     zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
     bmax = tl.max(zn, axis=1)
     barg = tl.argmax(zn, axis=1, tie_break_left=True) + blk * BLOCK_V
     bnan = tl.max((isnan & vmask[None, :]).to(tl.int32), axis=1)
-    if not ALL_GREEDY:
-        e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
-        so = rows * NBLK + blk
-        tl.store(bmax_ptr + so, bmax, mask=rmask)
-        tl.store(barg_ptr + so, barg, mask=rmask)
-        tl.store(bsum_ptr + so, tl.sum(e, axis=1), mask=rmask)
-        tl.store(bnan_ptr + so, bnan, mask=rmask)
     return pack_argmax(bmax, barg, bnan > 0)
 
 
@@ -459,25 +431,24 @@ def _logits_config(B: int, R: int, override=None):
     return BB, BV, BR, warps, stages, pps
 
 
-# (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the step kernel per batch tile (BLOCK_B rows),
-# every mode. A W2 tile is [BLOCK_V, r] (the whole rank); PROGS_PER_SM > 0: persistent programs,
-# each over a run of about NBLK / (PROGS_PER_SM * SMs) blocks with STAGES - 1 tiles in flight;
-# 0: one program per vocab block. <= 99 KB shared memory and no spills on sm_120
-# (tests/kernels/test_sm12x_resources.py). From the H200 sweeps of session 6, mode "greedy"
+# (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of mode "greedy"'s step kernel per batch tile
+# (BLOCK_B rows). A W2 tile is [BLOCK_V, r] (the whole rank); PROGS_PER_SM > 0: persistent
+# programs, each over a run of about NBLK / (PROGS_PER_SM * SMs) blocks with STAGES - 1 tiles in
+# flight; 0: one program per vocab block. <= 99 KB shared memory and no spills on sm_120
+# (tests/kernels/test_sm12x_resources.py). From the H200 sweeps of session 6
 # (benchmarks/results/h200_sampler_2026-11-29/, s6_*): what matters is W2 bytes in flight per
-# SM (programs x (STAGES - 1) x tile), 128 KB here; one program per block (its tile all in
+# SM (programs x (STAGES - 1) x tile) -- 128 KB here; one program per block (its tile all in
 # flight, then an epilogue with nothing in flight) was 25-50 % slower, 8 warps 1.6x slower.
-# The 32-row tile (B = 17..32) was not measured: the 16-row tile's shape would need 101 KB of
-# shared memory on sm_120 in the probabilistic modes, so it takes the next best 16-row shape.
-STEP_CONFIGS = {16: (64, 4, 3, 2), 32: (32, 4, 3, 3), 64: (32, 4, 3, 2)}
+# The 32-row tile (B = 17..32) was not measured: it takes the 16-row tile's shape (91 KB).
+GREEDY_CONFIGS = {16: (64, 4, 3, 2), 32: (64, 4, 3, 2), 64: (32, 4, 3, 2)}
 
 
-def _step_config(B: int, override=None):
-    """(BLOCK_B, BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the step kernel for B rows."""
+def _greedy_config(B: int, override=None):
+    """(BLOCK_B, BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the greedy step kernel."""
     BLOCK_B = min(64, max(16, next_pow2(B)))
-    cfg = tuple(override or STEP_CONFIGS[BLOCK_B])
+    cfg = tuple(override or GREEDY_CONFIGS[BLOCK_B])
     if len(cfg) != 4 or any(not isinstance(c, int) or c < 0 for c in cfg) or cfg[0] < 16:
-        raise ValueError(f"step config must be (BLOCK_V >= 16, num_warps, STAGES, "
+        raise ValueError(f"greedy config must be (BLOCK_V >= 16, num_warps, STAGES, "
                          f"PROGS_PER_SM) ints, got {cfg!r}")
     return (BLOCK_B, *cfg)
 
@@ -497,7 +468,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
                          skip_below_bracket=True, few_candidates=FEW_CANDIDATES,
-                         step_config=None, pdl=True, logits_kernel="step"):
+                         greedy_config=None, pdl=True):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -515,8 +486,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     `skip_below_bracket` (tuning; default on): the select pass neither reads nor bins tiles
     whose logits blocks all lie below the threshold bracket. `few_candidates` (tuning, test
     hook; 0 or a power of two): thresholds over up to this many candidates are found pairwise,
-    over more by bisection. `step_config` overrides STEP_CONFIGS. Mode "greedy" only: `pdl`
-    (tuning; default on, CUDA sm_90+ only) launches steps 1.. with programmatic dependent
+    over more by bisection. Mode "greedy" only: `greedy_config` overrides GREEDY_CONFIGS;
+    `pdl` (tuning; default on, CUDA sm_90+ only) launches steps 1.. with programmatic dependent
     launch.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
@@ -544,33 +515,29 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     if w1.dtype != w2.dtype:
         raise ValueError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
     anchor = anchor.contiguous()
-    temperature = temperature.contiguous()
     if MODE == 0:
         # one launch per step, its row reduction an atomic max of packed keys (zero-filled: zero
         # is below every key), then one launch writing the tokens
         packed = torch.zeros((N, B), dtype=torch.int64, device=dev)
-        step = _StepLaunch(base_logits, w1, w2, anchor, temperature, probs, step_config,
-                           reverse_odd_steps, pdl, packed=packed)
-        for k in range(N):
-            step(k)
+        _greedy_steps(base_logits, w1, w2, anchor, packed, greedy_config, pdl, reverse_odd_steps)
         launch(_markov_greedy_tokens_kernel)[(N,)](packed, drafts, B, drafts.stride(0),
                                                    BLOCK=min(1024, next_pow2(B)), num_warps=4)
         return drafts, probs
-    prev = torch.empty((B,), dtype=torch.int64, device=dev)     # step 0 folds the anchor itself
-    if logits_kernel == "step":
-        step = _StepLaunch(base_logits, w1, w2, anchor, temperature, probs, step_config,
-                           reverse_odd_steps, False, prev=prev)
-    elif logits_kernel == "legacy":
-        step = _LegacyLogitsLaunch(base_logits, w1, w2, anchor, temperature, probs,
-                                   logits_config, reverse_odd_steps, prev)
-    else:
-        raise ValueError(f"logits_kernel must be 'step' or 'legacy', got {logits_kernel!r}")
-    NBLK, BLOCK_V = step.NBLK, step.BLOCK_V
-    bmax, barg, bsum, bnan = step.bmax, step.barg, step.bsum, step.bnan
+    kern = _markov_logits_kernel
+    dot_f32 = interpreting(kern) or w1.dtype == torch.float32
+    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1, pps = _logits_config(B, R, logits_config)
+    NBLK = triton.cdiv(V, BLOCK_V)
+    NPROG = _num_programs(NBLK, pps, dev, interpreting(kern))
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     HTILE = hist_tile(TILE, NB)
     f32, i32 = torch.float32, torch.int32
+    prev = torch.empty((B,), dtype=torch.int64, device=dev)     # step 0 folds the anchor itself
+    temperature = temperature.contiguous()
     top_k, top_p, seed, start_pos = (t.contiguous() for t in (top_k, top_p, seed, start_pos))
+    bmax = torch.empty((B, NBLK), dtype=f32, device=dev)
+    bsum = torch.empty((B, NBLK), dtype=f32, device=dev)
+    barg = torch.empty((B, NBLK), dtype=i32, device=dev)
+    bnan = torch.empty((B, NBLK), dtype=i32, device=dev)
     rowf = torch.empty((B, 4), dtype=f32, device=dev)
     rowi = torch.empty((B, 4), dtype=i32, device=dev)
     # one memset for every ticket/slot counter of the call, [step, counter, row], then (mode
@@ -584,11 +551,17 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     best_v = torch.empty((B, C), dtype=f32, device=dev)
     best_i = torch.empty((B, C), dtype=i32, device=dev)
     C_P2 = next_pow2(C)
-    sz = probs.stride(0)
+    sb, sz = base_logits.stride(0), probs.stride(0)
     for k in range(N):
-        step(k)
+        # step k's slices are passed as offsets rather than views (plainer for export)
         zo = k * probs.stride(1)
         cnt = [(k * NCNT + j) * B for j in range(NCNT)]
+        launch(_markov_logits_kernel)[(NPROG,)](
+            base_logits, w1, w2, anchor, prev, temperature, probs, bmax, barg, bsum, bnan, B, V,
+            NBLK, sb, sz, k * base_logits.stride(1), zo, k, NPROG,
+            R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
+            EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32,
+            PERSIST=NPROG < NBLK, REVERSE_ODD=reverse_odd_steps, num_warps=warps1)
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
@@ -610,83 +583,29 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     return drafts, probs
 
 
-class _StepLaunch:
-    """Launches `_markov_step_kernel` for step k. Mode "greedy" (`packed` given): row maxima
-    into packed [N, B], steps 1.. with programmatic dependent launch when `pdl` (sm_90+): step
-    k + 1 starts while step k finishes (4-7 us per call on the H200); step 0 is launched plainly,
-    so whatever wrote the op's inputs has finished before any step reads them, and a later step
-    reads only W2 before its wait. Otherwise (`prev` given): z into draft_probs and the block
-    statistics, allocated here, [B, NBLK] each."""
-
-    def __init__(self, base_logits, w1, w2, anchor, temperature, probs, config, reverse_odd,
-                 pdl, packed=None, prev=None):
-        B, N, V = base_logits.shape
-        R = w1.shape[1]
-        if R % 16:
-            raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
-        self.BLOCK_B, self.BLOCK_V, warps, stages, pps = _step_config(B, config)
-        interp = interpreting(_markov_step_kernel)
-        dev = base_logits.device
-        self.NBLK = NBLK = triton.cdiv(V, self.BLOCK_V)
-        self.NPROG = _num_programs(NBLK, pps, dev, interp)
-        self.pdl = pdl and not interp and torch.cuda.get_device_capability(dev)[0] >= 9
-        greedy = packed is not None
-        shape = (B, NBLK) if not greedy else (1,)
-        self.bmax = torch.empty(shape, dtype=torch.float32, device=dev)
-        self.bsum = torch.empty(shape, dtype=torch.float32, device=dev)
-        self.barg = torch.empty(shape, dtype=torch.int32, device=dev)
-        self.bnan = torch.empty(shape, dtype=torch.int32, device=dev)
-        if greedy:
-            prev = packed          # unread: the kernel takes `prev` from the packed maxima
-        else:
-            packed = prev          # unread
-        self.args = (base_logits, w1, w2, anchor, prev, packed, temperature, probs, self.bmax,
-                     self.barg, self.bsum, self.bnan, B, V, NBLK, base_logits.stride(0),
-                     probs.stride(0))
-        self.strides = (base_logits.stride(1), probs.stride(1))
-        self.grid = (self.NPROG, triton.cdiv(B, self.BLOCK_B))
-        self.meta = dict(R=R, R_P2=next_pow2(R), BLOCK_B=self.BLOCK_B, BLOCK_V=self.BLOCK_V,
-                         STAGES=stages, EVEN_V=V % self.BLOCK_V == 0,
-                         DOT_F32=interp or w1.dtype == torch.float32,
-                         PERSIST=self.NPROG < NBLK, REVERSE_ODD=reverse_odd, PDL=self.pdl,
-                         ALL_GREEDY=greedy, num_warps=warps)
-
-    def __call__(self, k: int):
-        extra = dict(launch_pdl=True) if self.pdl and k > 0 else {}
-        launch(_markov_step_kernel)[self.grid](
-            *self.args, k * self.strides[0], k * self.strides[1], k, self.NPROG, **self.meta,
-            **extra)
-
-
-class _LegacyLogitsLaunch:
-    """The session-5 logits kernel (one program per vocab block, the rank in BLOCK_R chunks):
-    kept for the A/B against the step kernel in the probabilistic modes."""
-
-    def __init__(self, base_logits, w1, w2, anchor, temperature, probs, config, reverse_odd,
-                 prev):
-        B, N, V = base_logits.shape
-        R = w1.shape[1]
-        dev = base_logits.device
-        BLOCK_B, self.BLOCK_V, BLOCK_R, warps, stages, pps = _logits_config(B, R, config)
-        interp = interpreting(_markov_logits_kernel)
-        self.NBLK = NBLK = triton.cdiv(V, self.BLOCK_V)
-        self.NPROG = _num_programs(NBLK, pps, dev, interp)
-        self.bmax = torch.empty((B, NBLK), dtype=torch.float32, device=dev)
-        self.bsum = torch.empty((B, NBLK), dtype=torch.float32, device=dev)
-        self.barg = torch.empty((B, NBLK), dtype=torch.int32, device=dev)
-        self.bnan = torch.empty((B, NBLK), dtype=torch.int32, device=dev)
-        self.args = (base_logits, w1, w2, anchor, prev, temperature, probs, self.bmax,
-                     self.barg, self.bsum, self.bnan, B, V, NBLK, base_logits.stride(0),
-                     probs.stride(0))
-        self.strides = (base_logits.stride(1), probs.stride(1))
-        self.meta = dict(R=R, BLOCK_B=BLOCK_B, BLOCK_V=self.BLOCK_V, BLOCK_R=BLOCK_R,
-                         STAGES=stages, EVEN_V=V % self.BLOCK_V == 0,
-                         DOT_F32=interp or w1.dtype == torch.float32,
-                         PERSIST=self.NPROG < NBLK, REVERSE_ODD=reverse_odd, num_warps=warps)
-
-    def __call__(self, k: int):
-        launch(_markov_logits_kernel)[(self.NPROG,)](
-            *self.args, k * self.strides[0], k * self.strides[1], k, self.NPROG, **self.meta)
+def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd):
+    """Mode "greedy": one step-kernel launch per Markov step into `packed` [N, B]."""
+    B, N, V = base_logits.shape
+    R = w1.shape[1]
+    if R % 16:
+        raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
+    BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, config)
+    kern = _markov_greedy_step_kernel
+    interp = interpreting(kern)
+    NBLK = triton.cdiv(V, BLOCK_V)
+    NPROG = _num_programs(NBLK, pps, base_logits.device, interp)
+    # programmatic dependent launch (sm_90+): step k + 1 starts while step k finishes (4-7 us
+    # per call on the H200). Step 0 is launched plainly, so whatever wrote the op's inputs has
+    # finished before any step reads them; a later step reads only W2 before its wait.
+    pdl = pdl and not interp and torch.cuda.get_device_capability(base_logits.device)[0] >= 9
+    for k in range(N):
+        extra = dict(launch_pdl=True) if pdl and k > 0 else {}
+        launch(kern)[(NPROG, triton.cdiv(B, BLOCK_B))](
+            base_logits, w1, w2, anchor, packed, B, V, NBLK, base_logits.stride(0),
+            k * base_logits.stride(1), k, NPROG,
+            R=R, R_P2=next_pow2(R), BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, STAGES=stages,
+            EVEN_V=V % BLOCK_V == 0, DOT_F32=interp or w1.dtype == torch.float32,
+            PERSIST=NPROG < NBLK, REVERSE_ODD=reverse_odd, PDL=pdl, num_warps=warps, **extra)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -750,18 +669,15 @@ def _markov_configs():
                  EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, PERSIST=bool(pps),
                  REVERSE_ODD=True),
             warps))
-        BLOCK_B, BLOCK_V, warps, stages, pps = _step_config(B)
-        for greedy in (False, True):
-            out.append(compile_config(_markov_step_kernel, dict(
-                base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
-                prev_ptr="*i64", packed_ptr="*i64", temp_ptr="*fp32", z_ptr="*fp32",
-                bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", B="i32",
-                V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
-                step="i32", NPROG="i32"),
-                dict(R=_R_FLASH, R_P2=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, STAGES=stages,
-                     EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, PERSIST=bool(pps),
-                     REVERSE_ODD=True, PDL=greedy, ALL_GREEDY=greedy),
-                warps))
+        BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B)
+        out.append(compile_config(_markov_greedy_step_kernel, dict(
+            base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
+            packed_ptr="*i64", B="i32", V=_D16, NBLK="i32", stride_bb=_D16, base_off=_D16,
+            step="i32", NPROG="i32"),
+            dict(R=_R_FLASH, R_P2=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, STAGES=stages,
+                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, PERSIST=bool(pps),
+                 REVERSE_ODD=True, PDL=True),
+            warps))
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
     TILE, _, _ = row_tiling(1, _V_FLASH, None, None)
@@ -778,7 +694,7 @@ def _markov_configs():
     # flags (NT_P2) and the logits kernel's block (BLOCK_V: 128 up to 32 rows, then 64)
     for B in (1, 16, 64):
         _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
-        cp, bv = next_pow2(C), _step_config(B)[1]
+        cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH))
         out.append(refine_compile_config(TILE, C, _V_FLASH))
         for mode in (1, 2):

@@ -175,10 +175,10 @@ def test_fused_top_k_top_p():
 
 
 def test_fused_more_rows_than_a_batch_tile():
-    """70 rows over two batch tiles of 64 (the second tile's programs re-read W2)."""
+    """20 rows over batch tiles of 16 (the W2 block is reused from the first tile's load)."""
     w1, w2 = weights(10)
     g = torch.Generator().manual_seed(10)
-    B = 70
+    B = 20
     base = torch.randn(B, 2, V, generator=g) * 2
     anchor = torch.randint(0, V, (B,), generator=g)
     T = torch.where(torch.arange(B) % 3 == 0, 0.0, 1.0)
@@ -186,21 +186,15 @@ def test_fused_more_rows_than_a_batch_tile():
     seed, sp = torch.arange(B) + 77, torch.arange(B)
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain",
-                                        step_config=(128, 4, 1, 0), **ONE)
+                                        logits_config=(16, 128, 16, 4, 1), **ONE)
     assert torch.equal(got_d, want_d)
     ng = T > 0
     assert_probs_match(got_p[ng], want_p[ng])
 
 
-@pytest.mark.parametrize("kw", [
-    dict(step_config=(32, 4, 2, 1)),                                  # 2 programs, 5 blocks
-    dict(step_config=(16, 4, 3, 2), reverse_odd_steps=False),         # 4 programs, 9 blocks
-    dict(step_config=(64, 4, 1, 0)),                                  # a program per block
-    dict(logits_kernel="legacy", logits_config=(16, 32, 16, 4, 1, 1))])
-def test_persistent_logits_grid_equals_reference(kw):
-    """PROGS_PER_SM > 0: a few programs loop over runs of vocab blocks (2 "SMs" under the
-    interpreter), odd steps walking them backwards, mode "full" with greedy, top-k and top-p
-    rows."""
+def test_persistent_logits_grid_equals_reference():
+    """PROGS_PER_SM > 0: a few programs loop over the vocab blocks (2 programs for 5 blocks
+    under the interpreter), mode "full" with greedy, top-k and top-p rows."""
     w1, w2 = weights(14)
     base, anchor = _case(4, 14)
     T = torch.tensor([0.0, 1.0, 0.8, 1.2])
@@ -208,11 +202,11 @@ def test_persistent_logits_grid_equals_reference(kw):
     seed, sp = torch.arange(4) + 3, torch.arange(4) * 7
     args = (base[:, :3], anchor, w1, w2, T, k, p, seed, sp)
     want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, **kw, **ONE)
+    got_d, got_p = markov_sample_launch(*args, logits_config=(16, 32, 16, 4, 1, 1), **ONE)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
-    with pytest.raises(ValueError, match="step config"):
-        markov_sample_launch(*args, step_config=(32, 4, 1))
+    with pytest.raises(ValueError, match="logits config"):
+        markov_sample_launch(*args, logits_config=(16, 32, 16, 4))
 
 
 def test_fused_threshold_fallback_when_candidates_overflow():
@@ -262,12 +256,12 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
 
 @pytest.mark.parametrize("B,kw", [
     (1, {}), (5, {}),                                     # the launcher's pick
-    (20, dict(step_config=(16, 4, 1, 0))),              # one program per block (9 blocks)
+    (20, dict(greedy_config=(16, 4, 1, 0))),              # one program per block (9 blocks)
     # persistent (2 "SMs" in the interpreter): 2 programs over 9 blocks / 4 over 5, odd steps
     # reversed (each program walks its own run backwards) or not
-    (20, dict(step_config=(16, 4, 2, 1))),
-    (20, dict(step_config=(32, 4, 2, 2), reverse_odd_steps=False)),
-    (70, dict(step_config=(16, 4, 1, 1)))])             # two batch tiles of 64 rows
+    (20, dict(greedy_config=(16, 4, 2, 1))),
+    (20, dict(greedy_config=(32, 4, 2, 2), reverse_odd_steps=False)),
+    (70, dict(greedy_config=(16, 4, 1, 1)))])             # two batch tiles of 64 rows
 def test_greedy_mode_packed_maxima(B, kw):
     """Mode "greedy" reduces rows with atomic maxima of packed (value, id) keys and decodes
     `prev` in the next step's programs: ties across vocab blocks go to the lowest id, NaN /
@@ -317,8 +311,8 @@ def test_modes_and_op_dispatch():
     with pytest.raises(ValueError, match="w2"):
         markov_sample_reference(base, anchor, w1, w2[:, :8], T, k, p, seed, sp)
     for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2)):
-        with pytest.raises(ValueError, match="step config"):
-            markov_sample_launch(*args, "greedy", step_config=bad)
+        with pytest.raises(ValueError, match="greedy config"):
+            markov_sample_launch(*args, "greedy", greedy_config=bad)
 
 
 # ------------------------------------------------------------------------------------------
@@ -496,7 +490,7 @@ def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4, bloc
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=tile,
                                         chunk=chunk, cap=cap, skip_below_bracket=skip,
-                                        step_config=(block, 4, 1, 0), scan_fallback=False)
+                                        logits_config=(16, block, 16, 4, 1), scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
 
