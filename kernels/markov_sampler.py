@@ -590,6 +590,10 @@ def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd)
     if R % 16:
         raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
     BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, config)
+    if config is None and w1.element_size() > 2:
+        # the configurations are sized for 2-byte weights: the same tile bytes (shared memory)
+        # for wider ones
+        BLOCK_V = max(16, BLOCK_V * 2 // w1.element_size())
     kern = _markov_greedy_step_kernel
     interp = interpreting(kern)
     NBLK = triton.cdiv(V, BLOCK_V)

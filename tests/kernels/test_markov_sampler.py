@@ -289,6 +289,17 @@ def test_greedy_mode_packed_maxima(B, kw):
     assert got.eq(3).all()
 
 
+def test_greedy_mode_fp32_weights():
+    """fp32 W1/W2 in mode "greedy" (the launcher halves the default W2 tile's tokens)."""
+    w1, w2 = weights(12, dtype=torch.float32)
+    base, anchor = _case(3, 12)
+    T, k, p = params(3, 0.0)
+    args = (base, anchor, w1, w2, T, k, p, torch.arange(3), torch.arange(3))
+    want, _ = markov_sample_mode_reference(*args, "greedy")
+    got, _ = markov_sample_launch(*args, "greedy")
+    assert torch.equal(got, want)
+
+
 def test_modes_and_op_dispatch():
     w1, w2 = weights(9)
     base, anchor = _case(2, 9)
@@ -417,6 +428,23 @@ def test_gpu_greedy_mode_flash_dims(B):
     eager, _ = torch.ops.dspark.markov_sample(*[base, (anchor + 17) % VF, *args[2:]],
                                              mode="greedy")
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_mode_fp32_weights():
+    """fp32 W1/W2 (the launcher halves the W2 tile's tokens to keep its bytes) at Flash dims."""
+    dev = "cuda"
+    B = 3
+    g, w1, w2 = flash_weights(B)
+    w1, w2 = w1.float(), w2.float()
+    base = torch.randn(B, N, VF, device=dev, generator=g) * 3
+    anchor = torch.randint(0, VF, (B,), device=dev, generator=g)
+    T, k, p = (t.to(dev) for t in params(B, 0.0))
+    args = [base, anchor, w1, w2, T, k, p, torch.arange(B, device=dev),
+            torch.arange(B, device=dev)]
+    want, _ = markov_sample_reference(*args)
+    got, _ = torch.ops.dspark.markov_sample(*args, mode="greedy")
+    assert_only_near_ties_differ(got, want, base, anchor, w1, w2)
 
 
 def _flat_case(v, rows, seed, spread):
