@@ -24,10 +24,8 @@ Cases per B (requests):
   passes splitting at 32 / 64 edges instead of REFINE_EDGES (16), `ours-hist8-edges64` both
   knobs; `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
-  T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows
-  (then random: each request needs target rows 0-2 of 6); `rejection_greedy_accept_all`: every
-  draft is the argmax (all 6 rows needed, nothing to skip); `ours-mode-greedy` is the op's
-  all-greedy plan (mode="greedy", the engine's greedy variant).
+  T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows;
+  `ours-mode-greedy` is the op's all-greedy plan (mode="greedy", the engine's greedy variant).
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
@@ -205,16 +203,15 @@ def markov_cases(batches):
     return out
 
 
-def _rejection_inputs(B, T, top_p, greedy, peaked=False, accept=2):
+def _rejection_inputs(B, T, top_p, greedy, peaked=False):
     def make(device, seed):
         g = _gen(device, seed)
         target = peaked_logits((B, N + 1, V), g, device) if peaked else \
             torch.randn(B, N + 1, V, generator=g, device=device) * 3.0
         q = torch.softmax(target[:, :N] + torch.randn(B, N, V, generator=g, device=device), -1)
         if greedy:
-            drafts = target[:, :N].argmax(-1)     # the first `accept` drafts are accepted
-            drafts[:, accept:] = torch.randint(0, V, (B, N - accept), generator=g,
-                                               device=device)
+            drafts = target[:, :N].argmax(-1)
+            drafts[:, 2:] = torch.randint(0, V, (B, N - 2), generator=g, device=device)
         else:
             drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
         return {"target_logits": target, "draft_tokens": drafts, "draft_probs": q,
@@ -236,12 +233,11 @@ def rejection_cases(batches):
     out = []
     for B in batches:
         nbytes = B * (2 * V * 4 + V * 4) + B * (N + 1) * 8 * 2
-        for name, T, top_p, greedy, peaked, accept in (
-                ("rejection_topp", 1.0, TOP_P, False, False, 2),
-                ("rejection_topp_peaked", 1.0, TOP_P, False, True, 2),
-                ("rejection_greedy", 0.0, 1.0, True, False, 2),
-                ("rejection_greedy_accept_all", 0.0, 1.0, True, False, N)):
-            make = _rejection_inputs(B, T, top_p, greedy, peaked, accept)
+        for name, T, top_p, greedy, peaked in (
+                ("rejection_topp", 1.0, TOP_P, False, False),
+                ("rejection_topp_peaked", 1.0, TOP_P, False, True),
+                ("rejection_greedy", 0.0, 1.0, True, False)):
+            make = _rejection_inputs(B, T, top_p, greedy, peaked)
             extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.rejection_sample(
                 **d, mode="greedy")} if greedy else {
                 "ours-noskip": lambda d: rj.rejection_sample_launch(**d,
