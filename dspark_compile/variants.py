@@ -7,8 +7,8 @@ the sampler can run its greedy plan instead (kernels/markov_sampler.py: one laun
 step instead of ~7; 90 vs 170 us at B = 1 and 139 vs 391 us at B = 64 on the H200 at Flash
 dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each
 bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py).
-Rejection switches too: its greedy plan (kernels/rejection.py) reads each target row at most
-once for its argmax (rows after a request's known mismatch not at all), where the general plan runs the top-k/top-p passes over a copy of every row, and it
+Rejection switches too: its greedy plan (kernels/rejection.py) reads each target row once for
+its argmax, where the general plan runs the top-k/top-p passes over a copy of every row, and it
 never reads the draft probabilities, which the Markov greedy plan neither computes nor stores.
 """
 from __future__ import annotations

@@ -26,13 +26,11 @@ fewer bytes but was latency-bound, and measured slower at every B on the H200 (B
 5.2 ms at top-p 0.95, 404 vs 175 us greedy; B = 1: 6.4 ms vs 166 us), so it was removed.
 
 Mode "greedy" (every row greedy, whatever its temperature: the plan of the engine's all-greedy
-step variant, dspark_compile/variants.py): one launch reads each target row at most once,
-(chunks, rows) programs maxing packed (value, lowest id) keys into one int64 per row
+step variant, dspark_compile/variants.py): one launch reads each target row once, (rows,
+chunks) programs maxing packed (value, lowest id) keys into one int64 per row
 (kernels/sampling.py pack_argmax), and one small launch walks the acceptance chain. No z copy,
-no scratch rows, draft_probs never read; at most B * (N + 1) * V * 4 bytes read (Flash, B = 64:
-199 MB, ~47 us at 4.2 TB/s) against the full plan's several passes and ~400 MB of scratch. The
-rows go in position order and a request's rows after a known mismatch are skipped: what a
-request needs is its rows up to its first mismatch.
+no scratch rows, draft_probs never read; B * (N + 1) * V * 4 bytes read (Flash, B = 64: 199 MB,
+~47 us at 4.2 TB/s) against the full plan's several passes and ~400 MB of scratch.
 """
 from __future__ import annotations
 
@@ -169,26 +167,11 @@ def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr
 
 
 @triton.jit
-def _rows_argmax_kernel(logits_ptr, drafts_ptr, packed_ptr, done_ptr, rej_ptr, B, N, V, CHUNK, C,
-                        stride_lr, stride_db, TILE: tl.constexpr):
-    """Mode "greedy", grid (chunks, rows in position-major order): the chunk's max / lowest-id
-    argmax / NaN flag as one packed key, maxed into the row's slot. Reads a target row at most
-    once; writes nothing else but flags.
-
-    A request needs its rows only up to its first mismatch. Rows are launched position by
-    position (all requests' row 0, then row 1, ...), and the chunk that completes a draft row
-    (atomic ticket) checks its draft: on a mismatch at position i it raises the request's flag
-    to N + 1 - i, and programs of rows past a flagged position skip their read. A flag that
-    comes too late only means a read that was not needed; rows up to the first mismatch are
-    never skipped, so the tokens do not depend on the timing."""
-    c = tl.program_id(0)
-    q = tl.program_id(1)
-    i = q // B                       # position of the row (N = the bonus row)
-    b = q - i * B
-    r = b * (N + 1) + i
-    # flag f > 0: a mismatch at position N + 1 - f; rows after it are not needed
-    if tl.load(rej_ptr + b, cache_modifier=".cg") > N + 1 - i:
-        return
+def _rows_argmax_kernel(logits_ptr, packed_ptr, V, CHUNK, stride_lr, TILE: tl.constexpr):
+    """Mode "greedy", grid (rows, chunks): the chunk's max / lowest-id argmax / NaN flag as one
+    packed key, maxed into the row's slot. Reads each target row once; writes nothing else."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
     row = logits_ptr + r.to(tl.int64) * stride_lr
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
@@ -207,14 +190,6 @@ def _rows_argmax_kernel(logits_ptr, drafts_ptr, packed_ptr, done_ptr, rej_ptr, B
     best, bid = lane_argmax_finish(best_v, id_v)
     tl.atomic_max(packed_ptr + r, pack_argmax(best, bid, tl.max(nan_v, axis=0) > 0),
                   sem="relaxed")
-    if i < N:
-        tl.debug_barrier()
-        if tl.atomic_add(done_ptr + r, 1, sem="acq_rel") == C - 1:
-            # the row is complete: its draft's verdict, as _greedy_accept_kernel decides it
-            t = unpack_token(tl.atomic_max(packed_ptr + r, 0, sem="acquire"))
-            d = tl.load(drafts_ptr + b * stride_db + i).to(tl.int64)
-            if (d < 0) | (d >= V) | (d != t):
-                tl.atomic_max(rej_ptr + b, N + 1 - i, sem="relaxed")
 
 
 @triton.jit
@@ -415,28 +390,16 @@ def _rows_view(logits):
 def _greedy(logits, drafts, tokens, num, tile, chunk):
     """Mode "greedy": each row's argmax as packed atomic maxima, then the acceptance chain."""
     B, N1, V = logits.shape
-    packed, _ = greedy_row_maxima(logits, drafts, tile, chunk)
-    BLOCK = min(128, next_pow2(B))
-    launch(_greedy_accept_kernel)[(triton.cdiv(B, BLOCK),)](
-        drafts, packed, tokens, num, B, N1 - 1, V, drafts.stride(0), tokens.stride(0),
-        BLOCK=BLOCK, num_warps=4)
-
-
-def greedy_row_maxima(logits, drafts, tile=None, chunk=None):
-    """Mode "greedy"'s first launch: (packed row maxima [B * (N+1)] int64, the requests'
-    mismatch flags [B] int32: N + 1 - i for a mismatch found at position i, else 0). Rows after
-    a flagged position may be skipped or partly read (test hook: exposes which)."""
-    B, N1, V = logits.shape
     logits = _rows_view(logits)
     R = B * N1
     TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
     packed = torch.zeros((R,), dtype=torch.int64, device=logits.device)
-    # one memset: the rows' chunk tickets, then the requests' mismatch flags
-    flags = torch.zeros((R + B,), dtype=torch.int32, device=logits.device)
-    launch(_rows_argmax_kernel)[(C, R)](
-        logits, drafts, packed, flags[:R], flags[R:], B, N1 - 1, V, CHUNK, C, logits.stride(1),
-        drafts.stride(0), TILE=TILE, num_warps=4)
-    return packed, flags[R:]
+    launch(_rows_argmax_kernel)[(R, C)](logits, packed, V, CHUNK, logits.stride(1), TILE=TILE,
+                                         num_warps=4)
+    BLOCK = min(128, next_pow2(B))
+    launch(_greedy_accept_kernel)[(triton.cdiv(B, BLOCK),)](
+        drafts, packed, tokens, num, B, N1 - 1, V, drafts.stride(0), tokens.stride(0),
+        BLOCK=BLOCK, num_warps=4)
 
 
 def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
@@ -558,9 +521,7 @@ def _parallel_configs(stream: int):
         dict(BLOCK=1024), 4)]
     if stream == STREAM_RESAMPLE:
         out.append(compile_config(_rows_argmax_kernel, dict(
-            logits_ptr="*fp32", drafts_ptr="*i64", packed_ptr="*i64", done_ptr="*i32",
-            rej_ptr="*i32", B="i32", N="i32", V=d16, CHUNK=d16, C="i32", stride_lr=d16,
-            stride_db="i32"),
+            logits_ptr="*fp32", packed_ptr="*i64", V=d16, CHUNK=d16, stride_lr=d16),
             dict(TILE=1024), 4))
         out.append(compile_config(_greedy_accept_kernel, dict(
             drafts_ptr="*i64", packed_ptr="*i64", tokens_ptr="*i64", num_ptr="*i64", B="i32",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark_compile.kernels.philox import STREAM_DRAFT
-from dspark_compile.kernels.rejection import (greedy_row_maxima, rejection_sample_launch,
+from dspark_compile.kernels.rejection import (rejection_sample_launch,
                                               rejection_sample_mode_reference,
                                               rejection_sample_reference)
 from dspark_compile.kernels.sampling import gumbel_argmax, probs_from_processed, process_logits
@@ -274,44 +274,6 @@ def test_greedy_mode_equals_reference_on_random_degenerate_and_padded_rows(B, N,
     assert torch.equal(got16[0], want16[0]) and torch.equal(got16[1], want16[1])
     op = torch.ops.dspark.rejection_sample(*args, "greedy")
     assert torch.equal(op[0], want[0]) and torch.equal(op[1], want[1])
-
-
-@pytest.mark.parametrize("chunk", [None, 32])
-def test_greedy_mode_skips_rows_after_a_mismatch(chunk):
-    """Mode "greedy" reads rows position by position and skips a request's rows after a
-    mismatch it has already seen. Under the interpreter (programs run chunk by chunk, rows in
-    position order) a one-chunk row is complete before the next position's programs run, so
-    the skip is certain there; with chunks, only the last chunk pass can skip. Either way the
-    rows up to each request's first mismatch are complete (their full argmax), the flags name
-    the first mismatch, and the tokens equal the reference's."""
-    B, N, V = 6, 4, 160
-    g = torch.Generator().manual_seed(5)
-    logits = torch.randn(B, N + 1, V, generator=g) * 3
-    drafts = logits[:, :N].argmax(-1)
-    first = torch.tensor([0, 1, 3, 4, 2, 0])                 # 4 = all N drafts accepted
-    for b in range(B):
-        if first[b] < N:
-            drafts[b, first[b]] = (drafts[b, first[b]] + 1) % V
-    drafts[5, 0] = -3                                         # out of range: a mismatch
-    drafts[2, 3] = V                                          # after the first: irrelevant
-    packed, flags = greedy_row_maxima(logits, drafts, tile=16, chunk=chunk)
-    want_tok = logits.argmax(-1)
-    # the packed key's low 31 bits hold the inverted lowest argmax (finite rows here)
-    got_tok = (2 ** 31 - 1 - (packed & (2 ** 31 - 1))).view(B, N + 1)
-    for b in range(B):
-        need = int(first[b]) + 1                              # rows 0..first (the bonus: N)
-        assert torch.equal(got_tok[b, :need], want_tok[b, :need]), b
-        assert int(flags[b]) == (N + 1 - int(first[b]) if first[b] < N else 0), b
-    if chunk is None:                                         # one chunk: skipped outright
-        skipped = torch.tensor([[i > first[b] for i in range(N + 1)] for b in range(B)])
-        assert (packed.view(B, N + 1)[skipped] == 0).all()
-        assert skipped.sum() == 14
-    q = torch.zeros(B, N, V)
-    args = (logits, drafts, q, torch.zeros(B), torch.zeros(B, dtype=torch.int64),
-            torch.ones(B), torch.arange(B), torch.arange(B))
-    want = rejection_sample_mode_reference(*args, "greedy")
-    got = rejection_sample_launch(*args, "greedy", tile=16, chunk=chunk)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_op_dispatch_and_errors():
