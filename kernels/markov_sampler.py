@@ -80,7 +80,8 @@ from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, check_pow2, check_sampling_params, fold_ids, greedy_rows,
+                       argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
+                       fold_ids, greedy_rows,
                        gumbel_argmax, hist_tile, lane_argmax_finish, lane_argmax_update,
                        launch_select_refine, logprobs_from_processed, pack_argmax,
                        probs_from_processed, process_logits, refine_compile_config, row_flags,
@@ -496,6 +497,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     check_pow2("refine_edges", refine_edges, 4, 128)
     NB = hist_bins
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
+    check_int32_index(base_logits=base_logits, w2=w2)   # draft_probs has base_logits' shape
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     MODE = MODES[mode]

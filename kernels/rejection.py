@@ -42,7 +42,8 @@ from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, check_sampling_params, fold_ids, gumbel_argmax, greedy_rows,
+                       argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
+                       gumbel_argmax, greedy_rows,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
                        pack_argmax, unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
@@ -355,6 +356,7 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
                            seed, start_pos)
+    check_int32_index(target_logits=target_logits, draft_probs=draft_probs)
     B, N1, V = target_logits.shape
     N = N1 - 1
     dev = target_logits.device

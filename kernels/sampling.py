@@ -1102,6 +1102,15 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 # Launching the threshold search's select and refine passes (both fused samplers use this)
 # ----------------------------------------------------------------------------------------------
 
+def check_int32_index(**tensors) -> None:
+    """The fused kernels index rows and vocabulary with int32 arithmetic: a tensor of 2^31 or
+    more elements would wrap silently, so the launchers refuse it, naming the tensor."""
+    for name, t in tensors.items():
+        if t.numel() >= 2 ** 31:
+            raise ValueError(f"{name} has {t.numel()} elements ({tuple(t.shape)}); the fused "
+                             f"kernels take at most 2^31 - 1 (split the batch)")
+
+
 def check_pow2(name: str, value, lo: int, hi: int) -> None:
     """A launch knob that must be a power of two in [lo, hi]."""
     if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):

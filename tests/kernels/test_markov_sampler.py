@@ -321,6 +321,14 @@ def test_modes_and_op_dispatch():
         markov_sample_launch(*args, "fast")
     with pytest.raises(ValueError, match="w2"):
         markov_sample_reference(base, anchor, w1, w2[:, :8], T, k, p, seed, sp)
+    # 2^31 elements (expanded: no memory) would wrap the kernels' int32 indexing
+    B2 = 2 ** 16
+    big = torch.zeros(1, 1, 1).expand(B2, 2 ** 8, 2 ** 7)
+    wb = torch.zeros(2 ** 7, 16, dtype=torch.bfloat16)
+    Tb, kb, pb = params(B2, 0.0)
+    ib = torch.zeros(B2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="base_logits has 2147483648 elements"):
+        markov_sample_launch(big, ib, wb, wb, Tb, kb, pb, ib, ib, "greedy")
     for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2)):
         with pytest.raises(ValueError, match="greedy config"):
             markov_sample_launch(*args, "greedy", greedy_config=bad)

@@ -288,6 +288,13 @@ def test_op_dispatch_and_errors():
         rejection_sample_reference(logits, drafts[:, :2], q, T, k, p, seed, pos)
     with pytest.raises(ValueError, match="mode"):
         rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, "fast")
+    # 2^31 elements (expanded: no memory) would wrap the kernels' int32 indexing
+    B2, V2 = 2 ** 16, 2 ** 14
+    big = torch.zeros(1, 1, 1).expand(B2, 2, V2)
+    z2 = torch.zeros(B2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="target_logits has 2147483648 elements"):
+        rejection_sample_launch(big, z2[:, None], big[:, :1], torch.zeros(B2), z2,
+                                torch.ones(B2), z2, z2, "greedy")
     with pytest.raises(ValueError, match="mode"):
         torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos, "fast")
 
