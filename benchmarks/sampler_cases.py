@@ -13,9 +13,9 @@ Cases per B (requests):
   order (reverse_odd_steps=False), the L2 reuse across steps off.
 - `markov_topp_peaked` / `rejection_topp_peaked`: the same on the logits of a confident head
   (`peaked_logits`: 32 tokens per row 11-16 nats above a Gaussian bulk; top-p 0.95 keeps 5-25
-  tokens on most rows, hundreds to ~1400 on the least lifted ones). The plain cases' Gaussian rows (std 3) are the stress case: top-p
-  0.95 keeps ~10^4 tokens there. `ours-noskip` (top-p cases): the select pass reads every tile
-  (skip_below_bracket=False).
+  tokens on most rows, hundreds to ~1400 on the least lifted ones). The plain cases' Gaussian
+  rows (std 3) are the stress case: top-p 0.95 keeps ~10^4 tokens there. `ours-noskip` (top-p
+  cases): the select pass reads every tile (skip_below_bracket=False).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass

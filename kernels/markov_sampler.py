@@ -61,11 +61,12 @@ loads the next tile before it uses the current one. H200, B = 64, per step, Gaus
 launches, final 38, the whole call 1.37 ms; peaked rows (tens of tokens kept): select 47,
 refine 25, final 22, the call 1.06 ms (benchmarks/results/h200_sampler_2026-11-29/).
 
-`mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored) and
-"greedy" also final (every row greedy) -- graphs the engine can capture for batches whose sampling
-parameters the host knows. Modes "full" and "plain" write greedy rows' draft_probs as zeros,
-like the reference (an all-greedy batch at B = 64 pays ~40 us for it on the H200, which is why
-the runtime runs such batches with the "greedy" variant, dspark_compile/variants.py). Mode
+`mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored);
+"greedy" (every row greedy) runs the greedy step kernel alone -- graphs the engine can capture
+for batches whose sampling parameters the host knows. Modes "full" and "plain" write greedy
+rows' draft_probs as zeros, like the reference (an all-greedy batch at B = 64 pays ~40 us for
+it on the H200, which is why the runtime runs such batches with the "greedy" variant,
+dspark_compile/variants.py). Mode
 "greedy" leaves draft_probs unwritten (unspecified; its reference gives zeros): rejection never
 reads a greedy row's q, and writing B*N*V zeros would cost more than the whole greedy sampler.
 """
@@ -95,6 +96,9 @@ def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, 
         raise ValueError(f"base_logits must be a float [B, N, V] tensor, got {base_logits.dtype} "
                          f"{tuple(base_logits.shape)}")
     B, N, V = base_logits.shape
+    if V == 0:
+        raise ValueError(f"base_logits must have a vocabulary (V >= 1), got "
+                         f"{tuple(base_logits.shape)}")
     if w1.dim() != 2 or w1.shape[0] != V or not w1.dtype.is_floating_point:
         raise ValueError(f"w1 must be a float [{V}, r] tensor, got {w1.dtype} {tuple(w1.shape)}")
     if w2.shape != w1.shape or not w2.dtype.is_floating_point:
@@ -162,12 +166,14 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
         for i in range(tl.program_id(0), NBLK, NPROG):
             blk = tl.where(flip, NBLK - 1 - i, i)
             _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
-                                 z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK, stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
+                                 z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK,
+                                 stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
                                  STAGES, EVEN_V, DOT_F32)
     else:
         blk = tl.where(flip, NBLK - 1 - tl.program_id(0), tl.program_id(0))
         _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
-                             z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK, stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
+                             z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK,
+                             stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
                              STAGES, EVEN_V, DOT_F32)
 
 
@@ -257,8 +263,9 @@ def _markov_greedy_step_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, packed_ptr,
     # read last (still in the L2). Persistent programs reverse their own run, one block per
     # program reverses the program order (programs start roughly in id order).
     q = pid if PERSIST else tl.where(flip, NPROG - 1 - pid, pid)
-    lo = q * NBLK // NPROG
-    hi = (q + 1) * NBLK // NPROG
+    # in int64: q * NBLK passes 2^31 with one program per block from ~46k blocks on
+    lo = (q.to(tl.int64) * NBLK // NPROG).to(tl.int32)
+    hi = ((q + 1).to(tl.int64) * NBLK // NPROG).to(tl.int32)
     n = hi - lo
     offs_r = tl.arange(0, R_P2)
     blk = tl.where(flip, hi - 1, lo)
@@ -410,9 +417,9 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 # flight), which is what a memory-bound stream needs. PROGS_PER_SM > 0 makes the grid persistent
 # (that many programs per SM, each looping over vocab blocks); absent or 0: one program per
 # vocab block. No spills and <= 99 KB shared memory on sm_120
-# (tests/kernels/test_sm12x_resources.py). Picked from the H200 sweep of
-# benchmarks/sampler_cases.py (results in benchmarks/results/h200_sampler_2026-11-29/): put a
-# better one here.
+# (tests/kernels/test_sm12x_resources.py). Picked from the H200 sweeps of sessions 2-3
+# (benchmarks/results/h200_sampler_2026-11-29/; the sweep's tilings were the greedy plan's
+# until session 6, which gave that plan its own kernel): used by modes "full" and "plain".
 LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 64, 64, 4, 3)}
 
 
@@ -433,29 +440,43 @@ def _logits_config(B: int, R: int, override=None):
 
 
 # (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of mode "greedy"'s step kernel per batch tile
-# (BLOCK_B rows). A W2 tile is [BLOCK_V, r] (the whole rank); PROGS_PER_SM > 0: persistent
-# programs, each over a run of about NBLK / (PROGS_PER_SM * SMs) blocks with STAGES - 1 tiles in
-# flight; 0: one program per vocab block. <= 99 KB shared memory and no spills on sm_120
-# (tests/kernels/test_sm12x_resources.py). From the H200 sweeps of session 6
+# (BLOCK_B rows), for 2-byte W1/W2. A W2 tile is [BLOCK_V, r] (the whole rank); PROGS_PER_SM >
+# 0: persistent programs, each over a run of about NBLK / (PROGS_PER_SM * SMs) blocks with
+# STAGES - 1 tiles in flight; 0: one program per vocab block. <= 99 KB shared memory and no
+# spills on sm_120 (tests/kernels/test_sm12x_resources.py). From the H200 sweeps of session 6
 # (benchmarks/results/h200_sampler_2026-11-29/, s6_*): what matters is W2 bytes in flight per
-# SM (programs x (STAGES - 1) x tile) -- 128 KB here; one program per block (its tile all in
-# flight, then an epilogue with nothing in flight) was 25-50 % slower, 8 warps 1.6x slower.
-# The 32-row tile (B = 17..32) was not measured: it takes the 16-row tile's shape (91 KB).
+# SM (programs x (STAGES - 1) x tile): 128 KB for the 16-row tile (2 programs x 2 tiles x 32 KB;
+# the 64-row tile, 64 KB, holds its W1 rows in shared memory too); one program per block (its
+# tile all in flight, then an epilogue with nothing in flight) was 25-50 % slower, 8 warps 1.6x
+# slower. The 32-row tile (B = 17..32) was not measured: it takes the 16-row tile's shape
+# (100,352 B on sm_120, just under the limit).
 GREEDY_CONFIGS = {16: (64, 4, 3, 2), 32: (64, 4, 3, 2), 64: (32, 4, 3, 2)}
+# fp32 W1/W2 (fp64 ones are computed in fp32, as the reference does): the same tile bytes,
+# and one tile in flight for 32 and 64 rows, whose W1 rows take twice the shared memory
+GREEDY_CONFIGS_FP32 = {16: (32, 4, 3, 2), 32: (32, 4, 2, 2), 64: (16, 4, 2, 2)}
 
 
-def _greedy_config(B: int, override=None):
-    """(BLOCK_B, BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the greedy step kernel."""
+def _greedy_config(B: int, override=None, wide=False):
+    """(BLOCK_B, BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the greedy step kernel; `wide`:
+    4-byte weights."""
     BLOCK_B = min(64, max(16, next_pow2(B)))
-    cfg = tuple(override or GREEDY_CONFIGS[BLOCK_B])
-    if len(cfg) != 4 or any(not isinstance(c, int) or c < 0 for c in cfg) or cfg[0] < 16:
-        raise ValueError(f"greedy config must be (BLOCK_V >= 16, num_warps, STAGES, "
-                         f"PROGS_PER_SM) ints, got {cfg!r}")
+    cfg = tuple(override) if override is not None else \
+        (GREEDY_CONFIGS_FP32 if wide else GREEDY_CONFIGS)[BLOCK_B]
+    ok = len(cfg) == 4 and all(isinstance(c, int) for c in cfg)
+    if ok:
+        bv, warps, stages, pps = cfg
+        ok = bv >= 16 and bv & (bv - 1) == 0 and warps in (1, 2, 4, 8, 16) and stages >= 1 \
+            and pps >= 0
+    if not ok:
+        raise ValueError(f"greedy config must be ints (BLOCK_V: a power of two >= 16, "
+                         f"num_warps: a power of two <= 16, STAGES >= 1, PROGS_PER_SM >= 0), "
+                         f"got {cfg!r}")
     return (BLOCK_B, *cfg)
 
 
 def _num_programs(nblk: int, progs_per_sm: int, device, interpret: bool) -> int:
-    """Grid of the logits kernel: one program per vocab block, or a persistent grid."""
+    """Grid of the logits / greedy step kernel: one program per vocab block, or a persistent
+    grid of progs_per_sm programs per SM."""
     if not progs_per_sm:
         return nblk
     # the interpreter has no SMs: 2 "SMs" still make every program loop over several blocks
@@ -487,9 +508,10 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     `skip_below_bracket` (tuning; default on): the select pass neither reads nor bins tiles
     whose logits blocks all lie below the threshold bracket. `few_candidates` (tuning, test
     hook; 0 or a power of two): thresholds over up to this many candidates are found pairwise,
-    over more by bisection. Mode "greedy" only: `greedy_config` overrides GREEDY_CONFIGS;
-    `pdl` (tuning; default on, CUDA sm_90+ only) launches steps 1.. with programmatic dependent
-    launch.
+    over more by bisection. `logits_config` applies to modes "full" and "plain" only;
+    `greedy_config` (overrides GREEDY_CONFIGS / GREEDY_CONFIGS_FP32) and `pdl` (tuning;
+    default on, NVIDIA sm_90+ only: steps 1.. with programmatic dependent launch) to mode
+    "greedy" only.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -516,6 +538,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     w2 = w2.contiguous()
     if w1.dtype != w2.dtype:
         raise ValueError(f"w1 and w2 must share a dtype, got {w1.dtype} and {w2.dtype}")
+    if w1.dtype == torch.float64:       # the bias is fp32 math, as in the reference
+        w1, w2 = w1.float(), w2.float()
     anchor = anchor.contiguous()
     if MODE == 0:
         # one launch per step, its row reduction an atomic max of packed keys (zero-filled: zero
@@ -591,11 +615,7 @@ def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd)
     R = w1.shape[1]
     if R % 16:
         raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
-    BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, config)
-    if config is None and w1.element_size() > 2:
-        # the configurations are sized for 2-byte weights: the same tile bytes (shared memory)
-        # for wider ones
-        BLOCK_V = max(16, BLOCK_V * 2 // w1.element_size())
+    BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, config, w1.element_size() > 2)
     kern = _markov_greedy_step_kernel
     interp = interpreting(kern)
     NBLK = triton.cdiv(V, BLOCK_V)
@@ -603,7 +623,8 @@ def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd)
     # programmatic dependent launch (sm_90+): step k + 1 starts while step k finishes (4-7 us
     # per call on the H200). Step 0 is launched plainly, so whatever wrote the op's inputs has
     # finished before any step reads them; a later step reads only W2 before its wait.
-    pdl = pdl and not interp and torch.cuda.get_device_capability(base_logits.device)[0] >= 9
+    pdl = pdl and not interp and torch.version.hip is None and \
+        torch.cuda.get_device_capability(base_logits.device)[0] >= 9
     for k in range(N):
         extra = dict(launch_pdl=True) if pdl and k > 0 else {}
         launch(kern)[(NPROG, triton.cdiv(B, BLOCK_B))](
@@ -675,19 +696,21 @@ def _markov_configs():
                  EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, PERSIST=bool(pps),
                  REVERSE_ODD=True),
             warps))
-        BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B)
-        out.append(compile_config(_markov_greedy_step_kernel, dict(
-            base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
-            packed_ptr="*i64", B="i32", V=_D16, NBLK="i32", stride_bb=_D16, base_off=_D16,
-            step="i32", NPROG="i32"),
-            dict(R=_R_FLASH, R_P2=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, STAGES=stages,
-                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, PERSIST=bool(pps),
-                 REVERSE_ODD=True, PDL=True),
-            warps))
+        for wide in (False, True):          # bf16 weights (Flash), fp32 ones
+            BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, wide=wide)
+            wt = "*fp32" if wide else "*bf16"
+            out.append(compile_config(_markov_greedy_step_kernel, dict(
+                base_ptr="*fp32", w1_ptr=wt, w2_ptr=wt, anchor_ptr="*i64",
+                packed_ptr="*i64", B="i32", V=_D16, NBLK="i32", stride_bb=_D16, base_off=_D16,
+                step="i32", NPROG="i32"),
+                dict(R=_R_FLASH, R_P2=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, STAGES=stages,
+                     EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=wide, PERSIST=bool(pps),
+                     REVERSE_ODD=True, PDL=True),
+                warps))
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
     TILE, _, _ = row_tiling(1, _V_FLASH, None, None)
-    for mode in (0, 1, 2):
+    for mode in (1, 2):                 # mode "greedy" launches no reduce
         out.append(compile_config(row_reduce_kernel, dict(
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
             z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",

@@ -289,15 +289,19 @@ def test_greedy_mode_packed_maxima(B, kw):
     assert got.eq(3).all()
 
 
-def test_greedy_mode_fp32_weights():
-    """fp32 W1/W2 in mode "greedy" (the launcher halves the default W2 tile's tokens)."""
-    w1, w2 = weights(12, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_wide_weights(dtype):
+    """fp32 W1/W2 (mode "greedy" takes GREEDY_CONFIGS_FP32) and fp64 ones (computed in fp32, as
+    the reference does), greedy and probabilistic."""
+    w1, w2 = weights(12, dtype=dtype)
     base, anchor = _case(3, 12)
-    T, k, p = params(3, 0.0)
-    args = (base, anchor, w1, w2, T, k, p, torch.arange(3), torch.arange(3))
-    want, _ = markov_sample_mode_reference(*args, "greedy")
-    got, _ = markov_sample_launch(*args, "greedy")
-    assert torch.equal(got, want)
+    for mode, (T, k, p) in (("greedy", params(3, 0.0)), ("full", params(3, 1.0, p=0.9))):
+        args = (base, anchor, w1, w2, T, k, p, torch.arange(3), torch.arange(3))
+        want_d, want_p = markov_sample_mode_reference(*args, mode)
+        got_d, got_p = markov_sample_launch(*args, mode, **ONE)
+        assert torch.equal(got_d, want_d)
+        if mode == "full":
+            assert_probs_match(got_p, want_p)
 
 
 def test_modes_and_op_dispatch():
@@ -329,9 +333,12 @@ def test_modes_and_op_dispatch():
     ib = torch.zeros(B2, dtype=torch.int64)
     with pytest.raises(ValueError, match="base_logits has 2147483648 elements"):
         markov_sample_launch(big, ib, wb, wb, Tb, kb, pb, ib, ib, "greedy")
-    for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2)):
+    for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2), (48, 4, 3, 2),
+                (32, 3, 3, 2), (32, 4, 0, 2), ()):
         with pytest.raises(ValueError, match="greedy config"):
             markov_sample_launch(*args, "greedy", greedy_config=bad)
+    with pytest.raises(ValueError, match="V >= 1"):
+        markov_sample_launch(base[:, :, :0], anchor, w1[:0], w2[:0], T, k, p, seed, sp)
 
 
 # ------------------------------------------------------------------------------------------
