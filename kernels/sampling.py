@@ -1103,12 +1103,15 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 # ----------------------------------------------------------------------------------------------
 
 def check_int32_index(**tensors) -> None:
-    """The fused kernels index rows and vocabulary with int32 arithmetic: a tensor of 2^31 or
-    more elements would wrap silently, so the launchers refuse it, naming the tensor."""
+    """The fused kernels index rows and vocabulary with int32 arithmetic: a tensor spanning 2^31
+    or more elements (its element count, or its largest offset for a strided view) would wrap
+    silently, so the launchers refuse it, naming the tensor."""
     for name, t in tensors.items():
-        if t.numel() >= 2 ** 31:
-            raise ValueError(f"{name} has {t.numel()} elements ({tuple(t.shape)}); the fused "
-                             f"kernels take at most 2^31 - 1 (split the batch)")
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        if max(t.numel(), span) >= 2 ** 31:
+            raise ValueError(f"{name} spans {max(t.numel(), span)} elements ({tuple(t.shape)}, "
+                             f"strides {t.stride()}); the fused kernels index at most 2^31 - 1 "
+                             f"(split the batch)")
 
 
 def check_pow2(name: str, value, lo: int, hi: int) -> None:

@@ -7,8 +7,8 @@ from dspark_compile.kernels.markov_sampler import (markov_bias, markov_sample_la
                                                    markov_sample_mode_reference,
                                                    markov_sample_reference)
 from dspark_compile.kernels.philox import STREAM_DRAFT
-from dspark_compile.kernels.sampling import (HIST_BINS, gumbel_noise, probs_from_processed,
-                                             process_logits)
+from dspark_compile.kernels.sampling import (HIST_BINS, check_int32_index, gumbel_noise,
+                                             probs_from_processed, process_logits)
 from stats_utils import chi2_pvalue
 
 V, R, N = 137, 16, 5
@@ -331,8 +331,13 @@ def test_modes_and_op_dispatch():
     wb = torch.zeros(2 ** 7, 16, dtype=torch.bfloat16)
     Tb, kb, pb = params(B2, 0.0)
     ib = torch.zeros(B2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="base_logits has 2147483648 elements"):
+    with pytest.raises(ValueError, match="base_logits spans 2147483648 elements"):
         markov_sample_launch(big, ib, wb, wb, Tb, kb, pb, ib, ib, "greedy")
+    # a strided view whose largest offset passes 2^31: 8 elements, far apart (no storage)
+    far = torch.empty(2 ** 31 + 8, device="meta").as_strided((2, 2, 2), (2 ** 31, 1, 1))
+    with pytest.raises(ValueError, match="base_logits spans 2147483651 elements"):
+        check_int32_index(base_logits=far)
+    check_int32_index(base_logits=far[:1])                 # 4 elements: fine
     for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2), (48, 4, 3, 2),
                 (32, 3, 3, 2), (32, 4, 0, 2), ()):
         with pytest.raises(ValueError, match="greedy config"):

@@ -292,7 +292,7 @@ def test_op_dispatch_and_errors():
     B2, V2 = 2 ** 16, 2 ** 14
     big = torch.zeros(1, 1, 1).expand(B2, 2, V2)
     z2 = torch.zeros(B2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="target_logits has 2147483648 elements"):
+    with pytest.raises(ValueError, match="target_logits spans 2147483648 elements"):
         rejection_sample_launch(big, z2[:, None], big[:, :1], torch.zeros(B2), z2,
                                 torch.ones(B2), z2, z2, "greedy")
     with pytest.raises(ValueError, match="mode"):
