@@ -428,6 +428,23 @@ def test_near_tie_check_accepts_only_ties():
 def test_gpu_greedy_mode_flash_dims(B):
     """Mode "greedy" (one launch per step: packed atomic row maxima) against
     the reference at Flash dims, and replayed in a CUDA graph with new anchors."""
+    _gpu_greedy_case(B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,kw", [
+    (20, {}),                                            # the 32-row tile
+    (70, {}),                                            # two batch tiles of 64 rows
+    (3, dict(pdl=False)),                                # steps without PDL
+    (5, dict(greedy_config=(64, 4, 1, 0))),              # one program per vocab block
+    (5, dict(greedy_config=(32, 4, 3, 1), reverse_odd_steps=False))])
+def test_gpu_greedy_mode_tilings_and_launch_knobs(B, kw):
+    """The greedy step kernel's other tilings and launch knobs at Flash dims, graph replay
+    included (the interpreter runs them too, but never PDL nor the GPU's scheduling)."""
+    _gpu_greedy_case(B, **kw)
+
+
+def _gpu_greedy_case(B, **kw):
     dev = "cuda"
     g, w1, w2 = flash_weights(B)
     base = torch.randn(B, N, VF, device=dev, generator=g) * 3
@@ -436,23 +453,24 @@ def test_gpu_greedy_mode_flash_dims(B):
     seed, sp = torch.arange(B, device=dev), torch.arange(B, device=dev)
     args = [base, anchor, w1, w2, T, k, p, seed, sp]
     want, _ = markov_sample_reference(*args)
-    got, _ = torch.ops.dspark.markov_sample(*args, mode="greedy")
+    run = (lambda *a: markov_sample_launch(*a, "greedy", **kw)) if kw else \
+        (lambda *a: torch.ops.dspark.markov_sample(*a, mode="greedy"))
+    got, _ = run(*args)
     assert_only_near_ties_differ(got, want, base, anchor, w1, w2)
     static = [a.clone() for a in args]
-    torch.ops.dspark.markov_sample(*static, mode="greedy")
+    run(*static)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, _ = torch.ops.dspark.markov_sample(*static, mode="greedy")
+        out, _ = run(*static)
     static[1].copy_((anchor + 17) % VF)
     graph.replay()
-    eager, _ = torch.ops.dspark.markov_sample(*[base, (anchor + 17) % VF, *args[2:]],
-                                             mode="greedy")
+    eager, _ = run(*[base, (anchor + 17) % VF, *args[2:]])
     assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu
 def test_gpu_greedy_mode_fp32_weights():
-    """fp32 W1/W2 (the launcher halves the W2 tile's tokens to keep its bytes) at Flash dims."""
+    """fp32 W1/W2 (GREEDY_CONFIGS_FP32) at Flash dims."""
     dev = "cuda"
     B = 3
     g, w1, w2 = flash_weights(B)
