@@ -23,23 +23,46 @@ import harness  # noqa: E402
 import sampler_cases as sc  # noqa: E402
 
 
-def _ops():
+def _ops(kw=None):
+    """op name -> (inputs maker per B, call). `kw`: launcher keyword arguments (tuning knobs,
+    an A/B's variant): the calls then go to the launchers instead of the registered ops."""
+    from dspark_compile.kernels import markov_sampler as ms
+    from dspark_compile.kernels import rejection as rj
+    kw = kw or {}
+
+    def markov(mode="full"):
+        if kw:
+            return lambda d: ms.markov_sample_launch(**d, mode=mode, **kw)
+        return lambda d: torch.ops.dspark.markov_sample(**d, mode=mode)
+
+    def rejection(mode="full"):
+        if kw:
+            return lambda d: rj.rejection_sample_launch(**d, mode=mode, **kw)
+        return lambda d: torch.ops.dspark.rejection_sample(**d, mode=mode)
+
     mk = sc._markov_inputs
     return {
-        "markov_greedy/mode=greedy": (lambda B: mk(B, 0.0, 1.0),
-                                      lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy")),
-        "markov_greedy/full": (lambda B: mk(B, 0.0, 1.0), lambda d: torch.ops.dspark.markov_sample(**d)),
-        "markov_topp": (lambda B: mk(B, 1.0, sc.TOP_P), lambda d: torch.ops.dspark.markov_sample(**d)),
-        "markov_topp_peaked": (lambda B: mk(B, 1.0, sc.TOP_P, peaked=True),
-                               lambda d: torch.ops.dspark.markov_sample(**d)),
-        "rejection_topp": (lambda B: sc._rejection_inputs(B, 1.0, sc.TOP_P, False),
-                           lambda d: torch.ops.dspark.rejection_sample(**d)),
-        "rejection_greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True),
-                             lambda d: torch.ops.dspark.rejection_sample(**d)),
+        "markov_greedy/mode=greedy": (lambda B: mk(B, 0.0, 1.0), markov("greedy")),
+        "markov_greedy/full": (lambda B: mk(B, 0.0, 1.0), markov()),
+        "markov_topp": (lambda B: mk(B, 1.0, sc.TOP_P), markov()),
+        "markov_topp_peaked": (lambda B: mk(B, 1.0, sc.TOP_P, peaked=True), markov()),
+        "rejection_topp": (lambda B: sc._rejection_inputs(B, 1.0, sc.TOP_P, False), rejection()),
+        "rejection_greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True), rejection()),
         "rejection_greedy/mode=greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True),
-                                         lambda d: torch.ops.dspark.rejection_sample(
-                                             **d, mode="greedy")),
+                                         rejection("greedy")),
     }
+
+
+def _launch_kw(text: str) -> dict:
+    """--launch-kw JSON object -> launcher keyword arguments (JSON lists become tuples, as the
+    launchers' config knobs take them)."""
+    try:
+        kw = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--launch-kw must be a JSON object: {e}")
+    if not isinstance(kw, dict):
+        raise SystemExit(f"--launch-kw must be a JSON object, got {text!r}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
 
 
 def profile(fn, d, calls):
@@ -79,13 +102,22 @@ def main(argv=None):
     p.add_argument("--git-commit", default=None)
     p.add_argument("--sequence", action="store_true", help="also print the last call's launches "
                    "in order (always in the json)")
+    p.add_argument("--launch-kw", default="", help='launcher keyword arguments as JSON, e.g. '
+                   '\'{"greedy_config": [64, 4, 3, 2], "pdl": false}\' (an A/B variant)')
     a = p.parse_args(argv)
+    kw = _launch_kw(a.launch_kw)
+    ops = _ops(kw)
+    unknown = sorted(set(a.ops.split(",")) - set(ops))
+    if unknown:
+        raise SystemExit(f"--ops: unknown {unknown}; known: {sorted(ops)}")
     import dspark_compile.kernels.markov_sampler  # noqa: F401  (registers the ops)
     import dspark_compile.kernels.rejection  # noqa: F401
-    res = {"environment": harness.environment(a.git_commit), "calls": a.calls, "cases": []}
+    res = {"environment": harness.environment(a.git_commit), "calls": a.calls,
+           "launch_kw": {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()},
+           "cases": []}
     dev = torch.device("cuda")
     for name in a.ops.split(","):
-        make, fn = _ops()[name]
+        make, fn = ops[name]
         for B in (int(b) for b in a.batches.split(",")):
             rows, last = profile(fn, make(B)(dev, 0), a.calls)
             total = sum(r["us_per_call"] for r in rows)

@@ -84,3 +84,25 @@ def test_gpu_timing_path(bench, tmp_path):
     for r in rows:
         assert r["method"] == "graph" and r["us_median"] > 0, r
     assert {r["variant"] for r in rows} >= {"eager", "compile", "ours", "mul"}
+
+
+def test_profile_sampler_arguments():
+    """profile_sampler's --launch-kw (JSON lists become the launchers' config tuples) and
+    --ops are checked before any GPU work, with a one-line error."""
+    import sys
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "profile_sampler", os.path.join(REPO, "benchmarks", "profile_sampler.py"))
+        ps = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ps)
+    finally:
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+    assert ps._launch_kw('{"greedy_config": [64, 4, 3, 2], "pdl": false}') == \
+        {"greedy_config": (64, 4, 3, 2), "pdl": False}
+    assert ps._launch_kw("") == {}
+    for bad in ("[1, 2]", "{pdl: 0}"):
+        with pytest.raises(SystemExit, match="--launch-kw"):
+            ps._launch_kw(bad)
+    with pytest.raises(SystemExit, match="--ops: unknown"):
+        ps.main(["--out", "unused.json", "--ops", "markov_nope"])
