@@ -82,8 +82,8 @@ from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
-                       fold_ids, greedy_rows,
-                       gumbel_argmax, hist_tile, lane_argmax_finish, lane_argmax_update,
+                       fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
+                       lane_argmax_update,
                        launch_select_refine, logprobs_from_processed, pack_argmax,
                        probs_from_processed, process_logits, refine_compile_config, row_flags,
                        row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
@@ -247,9 +247,9 @@ def _markov_greedy_step_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, packed_ptr,
                                PDL: tl.constexpr):
     """Mode "greedy", one Markov step: grid (NPROG, batch tiles). A program owns a run of vocab
     blocks for BLOCK_B rows; it gathers the rows' W1[prev] once, streams the blocks' W2 rows
-    (the whole rank per block: one tile, all its bytes in flight), keeps each row's best packed
-    (value, lowest id) key over its blocks and atomically maxes it into the step's row slot --
-    one atomic per row and program, order-independent, so deterministic."""
+    (the whole rank per block as one tile, STAGES - 1 tiles in flight), keeps each row's best
+    packed (value, lowest id) key over its blocks and atomically maxes it into the step's row
+    slot -- one atomic per row and program, order-independent, so deterministic."""
     if PDL:
         # the next step's programs may start once all of these have: they prefetch their first
         # W2 tile (a weight, never written in the op) while this step finishes, then wait
