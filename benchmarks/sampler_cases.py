@@ -128,17 +128,13 @@ GREEDY_TILINGS = {
 }
 
 
-def _batch_tile(B):
-    return min(64, max(16, 1 << (B - 1).bit_length()))
-
-
 def _greedy_variants(B):
     """Mode "greedy" knobs: `ours-nopdl` without programmatic dependent launch between the
     steps; `ours-g*` step-kernel tilings (BLOCK_V, warps, STAGES, PROGS_PER_SM)."""
     out = {"ours-nopdl": lambda d: ms.markov_sample_launch(**d, mode="greedy", pdl=False)}
     out.update({f"ours-g{'x'.join(map(str, c))}":
                 (lambda d, c=c: ms.markov_sample_launch(**d, mode="greedy", greedy_config=c))
-                for c in GREEDY_TILINGS[_batch_tile(B)]})
+                for c in GREEDY_TILINGS[ms._batch_tile(B)]})
     return out
 
 

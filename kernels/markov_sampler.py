@@ -146,13 +146,14 @@ _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
 @triton.jit
 def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
                           z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
-                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step, NPROG,
+                          B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
-                          DOT_F32: tl.constexpr,
-                          PERSIST: tl.constexpr, REVERSE_ODD: tl.constexpr):
-    # W1/W2 are contiguous [V, R] with R a compile-time constant: the compiler sees aligned,
-    # contiguous rows and issues wide loads (a runtime stride costs ~3x the registers).
+                          DOT_F32: tl.constexpr, REVERSE_ODD: tl.constexpr):
+    """Modes "full" / "plain", one Markov step, grid (NBLK,): vocab block `blk` for every row
+    (see the module docstring). W1/W2 are contiguous [V, R] with R a compile-time constant: the
+    compiler sees aligned, contiguous rows and issues wide loads (a runtime stride costs ~3x
+    the registers)."""
     base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
     z_ptr += z_off
     # Odd steps walk the vocab blocks from the end (programs start roughly in id order): W2 is
@@ -160,30 +161,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
     # (least-recently-used eviction), while the reversed walk starts on the blocks the last
     # step read most recently, still in the L2.
     flip = REVERSE_ODD & (step % 2 == 1)
-    if PERSIST:
-        # NPROG programs (a few per SM) loop over the vocab blocks: no partial last wave, and a
-        # program's W1[prev] rows stay in its L1 from one block to the next
-        for i in range(tl.program_id(0), NBLK, NPROG):
-            blk = tl.where(flip, NBLK - 1 - i, i)
-            _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
-                                 z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK,
-                                 stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
-                                 STAGES, EVEN_V, DOT_F32)
-    else:
-        blk = tl.where(flip, NBLK - 1 - tl.program_id(0), tl.program_id(0))
-        _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
-                             z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK,
-                             stride_bb, stride_zb, step, R, BLOCK_B, BLOCK_V, BLOCK_R,
-                             STAGES, EVEN_V, DOT_F32)
-
-
-@triton.jit
-def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr, z_ptr,
-                         bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, B, V, NBLK,
-                         stride_bb, stride_zb, step, R: tl.constexpr, BLOCK_B: tl.constexpr,
-                         BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
-                         EVEN_V: tl.constexpr, DOT_F32: tl.constexpr):
-    """Vocab block `blk` of one Markov step, for every row (see the module docstring)."""
+    blk = tl.where(flip, NBLK - 1 - tl.program_id(0), tl.program_id(0))
     offs_v = blk * BLOCK_V + tl.arange(0, BLOCK_V)
     vmask = offs_v < V
     offs_r = tl.arange(0, BLOCK_R)
@@ -223,11 +201,7 @@ def _markov_logits_block(blk, base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, te
         # them): the op's outputs are fully specified in this mode
         tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :],
                  tl.where(greedy[:, None], 0.0, z), mask=rmask[:, None] & vmask[None, :])
-        isnan = z != z
-        zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
-        bmax = tl.max(zn, axis=1)
-        barg = tl.argmax(zn, axis=1, tie_break_left=True) + blk * BLOCK_V
-        bnan = tl.max((isnan & vmask[None, :]).to(tl.int32), axis=1)
+        zn, bmax, barg, bnan = _block_maxima(z, vmask, blk, BLOCK_V)
         e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
         bsum = tl.sum(e, axis=1)
         so = rows * NBLK + blk
@@ -318,13 +292,20 @@ def _greedy_block_key(a, w, base_ptr, blk, rows, rmask, V, stride_bb, BLOCK_V: t
     base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
                    mask=rmask[:, None] & vmask[None, :], other=0.0,
                    eviction_policy="evict_first").to(tl.float32)
-    z = base + acc
+    _, bmax, barg, bnan = _block_maxima(base + acc, vmask, blk, BLOCK_V)
+    return pack_argmax(bmax, barg, bnan > 0)
+
+
+@triton.jit
+def _block_maxima(z, vmask, blk, BLOCK_V: tl.constexpr):
+    """Per row of a [rows, BLOCK_V] block of z: (z with NaN and out-of-vocabulary entries as
+    -inf, max, lowest-id argmax (a vocabulary id), NaN flag)."""
     isnan = z != z
     zn = tl.where(isnan | ~vmask[None, :], float("-inf"), z)
     bmax = tl.max(zn, axis=1)
     barg = tl.argmax(zn, axis=1, tie_break_left=True) + blk * BLOCK_V
     bnan = tl.max((isnan & vmask[None, :]).to(tl.int32), axis=1)
-    return pack_argmax(bmax, barg, bnan > 0)
+    return zn, bmax, barg, bnan
 
 
 @triton.jit
@@ -412,31 +393,34 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES[, PROGS_PER_SM]) of the logits kernel per batch
-# tile. STAGES pipelines the r-loop's W2 loads (cp.async into shared memory: STAGES - 1 tiles in
-# flight), which is what a memory-bound stream needs. PROGS_PER_SM > 0 makes the grid persistent
-# (that many programs per SM, each looping over vocab blocks); absent or 0: one program per
-# vocab block. No spills and <= 99 KB shared memory on sm_120
+# (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) of the logits kernel per batch tile, one
+# program per vocab block. STAGES pipelines the r-loop's W2 loads (cp.async into shared memory:
+# STAGES - 1 tiles in flight), which is what a memory-bound stream needs (a persistent grid of
+# this kernel measured no better in session 3 and was removed in session 6; the greedy step
+# kernel's persistent runs are a different loop). No spills and <= 99 KB shared memory on sm_120
 # (tests/kernels/test_sm12x_resources.py). Picked from the H200 sweeps of sessions 2-3
 # (benchmarks/results/h200_sampler_2026-11-29/; the sweep's tilings were the greedy plan's
 # until session 6, which gave that plan its own kernel): used by modes "full" and "plain".
 LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 64, 64, 4, 3)}
 
 
+def _batch_tile(B: int) -> int:
+    """Rows per program of the logits kernels (16, 32 or 64; more rows take more tiles)."""
+    return min(64, max(16, next_pow2(B)))
+
+
 def _logits_config(B: int, R: int, override=None):
-    """(BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES, PROGS_PER_SM) for B rows."""
+    """(BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES) for B rows."""
     if R % 16:
         raise ValueError(f"w1/w2 rank r = {R} must be a multiple of 16 (tensor-core K step)")
-    BLOCK_B = min(64, max(16, next_pow2(B)))
-    cfg = tuple(override or LOGITS_CONFIGS[BLOCK_B])
-    if len(cfg) not in (5, 6):
-        raise ValueError(f"logits config must be (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, STAGES"
-                         f"[, PROGS_PER_SM]), got {cfg!r}")
-    BB, BV, BR, warps, stages = cfg[:5]
-    pps = cfg[5] if len(cfg) == 6 else 0
+    cfg = tuple(override or LOGITS_CONFIGS[_batch_tile(B)])
+    if len(cfg) != 5:
+        raise ValueError(f"logits config must be (BLOCK_B, BLOCK_V, BLOCK_R, num_warps, "
+                         f"STAGES), got {cfg!r}")
+    BB, BV, BR, warps, stages = cfg
     while R % BR:
         BR //= 2
-    return BB, BV, BR, warps, stages, pps
+    return BB, BV, BR, warps, stages
 
 
 # (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of mode "greedy"'s step kernel per batch tile
@@ -459,7 +443,7 @@ GREEDY_CONFIGS_FP32 = {16: (32, 4, 3, 2), 32: (32, 4, 2, 2), 64: (16, 4, 2, 2)}
 def _greedy_config(B: int, override=None, wide=False):
     """(BLOCK_B, BLOCK_V, num_warps, STAGES, PROGS_PER_SM) of the greedy step kernel; `wide`:
     4-byte weights."""
-    BLOCK_B = min(64, max(16, next_pow2(B)))
+    BLOCK_B = _batch_tile(B)
     cfg = tuple(override) if override is not None else \
         (GREEDY_CONFIGS_FP32 if wide else GREEDY_CONFIGS)[BLOCK_B]
     ok = len(cfg) == 4 and all(isinstance(c, int) for c in cfg)
@@ -475,8 +459,8 @@ def _greedy_config(B: int, override=None, wide=False):
 
 
 def _num_programs(nblk: int, progs_per_sm: int, device, interpret: bool) -> int:
-    """Grid of the logits / greedy step kernel: one program per vocab block, or a persistent
-    grid of progs_per_sm programs per SM."""
+    """Grid of the greedy step kernel: one program per vocab block, or a persistent grid of
+    progs_per_sm programs per SM."""
     if not progs_per_sm:
         return nblk
     # the interpreter has no SMs: 2 "SMs" still make every program loop over several blocks
@@ -551,9 +535,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         return drafts, probs
     kern = _markov_logits_kernel
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
-    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1, pps = _logits_config(B, R, logits_config)
+    BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
-    NPROG = _num_programs(NBLK, pps, dev, interpreting(kern))
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     HTILE = hist_tile(TILE, NB)
     f32, i32 = torch.float32, torch.int32
@@ -582,12 +565,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # step k's slices are passed as offsets rather than views (plainer for export)
         zo = k * probs.stride(1)
         cnt = [(k * NCNT + j) * B for j in range(NCNT)]
-        launch(_markov_logits_kernel)[(NPROG,)](
+        launch(_markov_logits_kernel)[(NBLK,)](
             base_logits, w1, w2, anchor, prev, temperature, probs, bmax, barg, bsum, bnan, B, V,
-            NBLK, sb, sz, k * base_logits.stride(1), zo, k, NPROG,
+            NBLK, sb, sz, k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
-            EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32,
-            PERSIST=NPROG < NBLK, REVERSE_ODD=reverse_odd_steps, num_warps=warps1)
+            EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
+            num_warps=warps1)
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
@@ -685,16 +668,15 @@ def _markov_configs():
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
-        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages, pps = _logits_config(B, _R_FLASH)
+        BLOCK_B, BLOCK_V, BLOCK_R, warps, stages = _logits_config(B, _R_FLASH)
         out.append(compile_config(_markov_logits_kernel, dict(
             base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
             prev_ptr="*i64", temp_ptr="*fp32", z_ptr="*fp32",
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", B="i32",
             V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
-            step="i32", NPROG="i32"),
+            step="i32"),
             dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, PERSIST=bool(pps),
-                 REVERSE_ODD=True),
+                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True),
             warps))
         for wide in (False, True):          # bf16 weights (Flash), fp32 ones
             BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, wide=wide)

@@ -771,7 +771,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 
 
 @triton.jit
-def _select_tile(z, v0, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v, n_sp,
+def _select_tile(z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v, n_sp,
                  ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, NB: tl.constexpr,
                  CAP: tl.constexpr, SCALE: tl.constexpr):
     """One tile of row_select_kernel: the exact mass / count above the bracket into the lane
@@ -874,7 +874,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                     lnn = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
                 if live != 0:
                     am_v, ac_v, kmin_v, kmax_v, n_sp = _select_tile(
-                        z, v0, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
+                        z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
                         n_sp, ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, NB, CAP, SCALE)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))

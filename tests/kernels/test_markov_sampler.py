@@ -192,9 +192,9 @@ def test_fused_more_rows_than_a_batch_tile():
     assert_probs_match(got_p[ng], want_p[ng])
 
 
-def test_persistent_logits_grid_equals_reference():
-    """PROGS_PER_SM > 0: a few programs loop over the vocab blocks (2 programs for 5 blocks
-    under the interpreter), mode "full" with greedy, top-k and top-p rows."""
+def test_logits_blocks_smaller_than_a_tile_in_mode_full():
+    """The logits kernel at 32-token blocks (5 over V = 137, a ragged last one) and a 16-wide
+    rank chunk, mode "full" with greedy, top-k and top-p rows; bad tilings raise."""
     w1, w2 = weights(14)
     base, anchor = _case(4, 14)
     T = torch.tensor([0.0, 1.0, 0.8, 1.2])
@@ -202,11 +202,12 @@ def test_persistent_logits_grid_equals_reference():
     seed, sp = torch.arange(4) + 3, torch.arange(4) * 7
     args = (base[:, :3], anchor, w1, w2, T, k, p, seed, sp)
     want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, logits_config=(16, 32, 16, 4, 1, 1), **ONE)
+    got_d, got_p = markov_sample_launch(*args, logits_config=(16, 32, 16, 4, 1), **ONE)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
-    with pytest.raises(ValueError, match="logits config"):
-        markov_sample_launch(*args, logits_config=(16, 32, 16, 4))
+    for bad in ((16, 32, 16, 4), (16, 32, 16, 4, 1, 1)):   # the persistent 6th entry is gone
+        with pytest.raises(ValueError, match="logits config"):
+            markov_sample_launch(*args, logits_config=bad)
 
 
 def test_fused_threshold_fallback_when_candidates_overflow():
