@@ -164,11 +164,16 @@ def _threshold_variants():
                 for n in (32, 64)})
     out["ours-hist8-edges64"] = lambda d: ms.markov_sample_launch(**d, hist_bins=8,
                                                                   refine_edges=64)
-    # tokens per row-pass program (row_tiling's default: 2048 / 4096 / 8192 for <= 4 / <= 16 /
-    # more rows): more, shorter programs per row against more partials to combine
-    out.update({f"ours-chunk{n}": (lambda d, n=n: ms.markov_sample_launch(**d, chunk=n))
-                for n in (1024, 4096, 16384)})
+    out.update(_chunk_variants())
     return out
+
+
+def _chunk_variants():
+    """`ours-chunk<n>`: n tokens per row-pass program (row_tiling's default: 2048 / 4096 / 8192
+    for <= 4 / <= 16 / more rows): more, shorter programs per row against more partials to
+    combine."""
+    return {f"ours-chunk{n}": (lambda d, n=n: ms.markov_sample_launch(**d, chunk=n))
+            for n in (512, 1024, 4096, 16384)}
 
 
 def markov_cases(batches):
@@ -195,7 +200,7 @@ def markov_cases(batches):
                         lambda d: ms.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
-                        extra=_skip_variants()))
+                        extra={**_skip_variants(), **_chunk_variants()}))
     return out
 
 
