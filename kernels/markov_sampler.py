@@ -83,12 +83,14 @@ from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
                        fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
-                       lane_argmax_update,
-                       launch_select_refine, logprobs_from_processed, pack_argmax,
-                       probs_from_processed, process_logits, refine_compile_config, row_flags,
-                       row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
-                       tile_max, tl_vocab_gumbel, unpack_token)
-from .tl_helpers import compile_config, interpreting, launch, next_pow2
+                       lane_argmax_update, launch_select_refine, live_slots,
+                       logprobs_from_processed,
+                       pack_argmax, pdl_launch, probs_from_processed, process_logits,
+                       refine_compile_config, row_flags, row_reduce_kernel, row_tiling,
+                       select_compile_config, threshold_scratch, tile_max, tl_vocab_gumbel,
+                       unpack_token)
+from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
+                         pdl_enter)
 
 
 def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos):
@@ -149,11 +151,13 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
                           B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
-                          DOT_F32: tl.constexpr, REVERSE_ODD: tl.constexpr):
+                          DOT_F32: tl.constexpr, REVERSE_ODD: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Modes "full" / "plain", one Markov step, grid (NBLK,): vocab block `blk` for every row
     (see the module docstring). W1/W2 are contiguous [V, R] with R a compile-time constant: the
     compiler sees aligned, contiguous rows and issues wide loads (a runtime stride costs ~3x
     the registers)."""
+    pdl_enter(PDL)
     base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
     z_ptr += z_off
     # Odd steps walk the vocab blocks from the end (programs start roughly in id order): W2 is
@@ -324,7 +328,8 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
                          rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
                          done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
                          done_off, TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
-                         BLOCK_V: tl.constexpr):
+                         BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -474,7 +479,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
                          skip_below_bracket=True, few_candidates=FEW_CANDIDATES,
-                         greedy_config=None, pdl=True):
+                         greedy_config=None, pdl=True, block_floor=True):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -492,10 +497,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     `skip_below_bracket` (tuning; default on): the select pass neither reads nor bins tiles
     whose logits blocks all lie below the threshold bracket. `few_candidates` (tuning, test
     hook; 0 or a power of two): thresholds over up to this many candidates are found pairwise,
-    over more by bisection. `logits_config` applies to modes "full" and "plain" only;
-    `greedy_config` (overrides GREEDY_CONFIGS / GREEDY_CONFIGS_FP32) and `pdl` (tuning;
-    default on, NVIDIA sm_90+ only: steps 1.. with programmatic dependent launch) to mode
-    "greedy" only.
+    over more by bisection. `logits_config` applies to modes "full" and "plain" only,
+    `greedy_config` (overrides GREEDY_CONFIGS / GREEDY_CONFIGS_FP32) to mode "greedy" only.
+    `pdl` (tuning; default on, NVIDIA sm_90+ only): every launch of the call but the first
+    uses programmatic dependent launch. `block_floor` (tuning; default on): top-p rows without
+    top-k search their threshold only over the tokens above a floor the block maxima give
+    (sampling.block_max_floor): reduce and select skip the rest of the row.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -535,6 +542,10 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         return drafts, probs
     kern = _markov_logits_kernel
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
+    # programmatic dependent launch for every launch after the first (the first waits for the
+    # op's inputs the plain way): each kernel enters with pdl_enter, so only the launch latency
+    # between the ~7 launches per step overlaps
+    pdl = pdl and pdl_available(kern, dev)
     BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
@@ -570,13 +581,14 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             NBLK, sb, sz, k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
             EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
-            num_warps=warps1)
+            PDL=pdl, num_warps=warps1, **pdl_launch(pdl and k > 0))
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
-            rowi, thr["hist"], rst, counters, V, NBLK, C, CHUNK, sz, drafts.stride(0),
-            zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB, MODE=MODE,
-            num_warps=4)
+            rowi, thr["hist"], rst, counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, sz,
+            drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
+            MODE=MODE, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2], FLOOR=block_floor,
+            PDL=pdl, num_warps=4, **pdl_launch(pdl))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
             launch_select_refine(
@@ -584,11 +596,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
                 V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=NB, edges=refine_edges, cap=cap,
                 scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket,
-                few=few_candidates)
+                few=few_candidates, pdl=pdl)
         launch(_markov_final_kernel)[(B, C)](
             temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
             best_i, drafts, prev, counters, k, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
-            cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, num_warps=4)
+            cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, PDL=pdl, num_warps=4,
+            **pdl_launch(pdl))
     return drafts, probs
 
 
@@ -606,10 +619,9 @@ def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd)
     # programmatic dependent launch (sm_90+): step k + 1 starts while step k finishes (4-7 us
     # per call on the H200). Step 0 is launched plainly, so whatever wrote the op's inputs has
     # finished before any step reads them; a later step reads only W2 before its wait.
-    pdl = pdl and not interp and torch.version.hip is None and \
-        torch.cuda.get_device_capability(base_logits.device)[0] >= 9
+    pdl = pdl and pdl_available(kern, base_logits.device)
     for k in range(N):
-        extra = dict(launch_pdl=True) if pdl and k > 0 else {}
+        extra = pdl_launch(pdl and k > 0)
         launch(kern)[(NPROG, triton.cdiv(B, BLOCK_B))](
             base_logits, w1, w2, anchor, packed, B, V, NBLK, base_logits.stride(0),
             k * base_logits.stride(1), k, NPROG,
@@ -676,7 +688,7 @@ def _markov_configs():
             V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
             step="i32"),
             dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True),
+                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True, PDL=True),
             warps))
         for wide in (False, True):          # bf16 weights (Flash), fp32 ones
             BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, wide=wide)
@@ -692,22 +704,25 @@ def _markov_configs():
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
     TILE, _, _ = row_tiling(1, _V_FLASH, None, None)
-    for mode in (1, 2):                 # mode "greedy" launches no reduce
-        out.append(compile_config(row_reduce_kernel, dict(
-            bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
-            z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
-            rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
-            V=_D16, NBLK="i32", C=_D16, CHUNK=_D16, stride_zb=_D16, stride_db="i32", z_off=_D16,
-            step="i32", done_off="i32", RPR="i32"),
-            dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-                 MODE=mode), 4))
-    # per batch size, what the launcher picks: chunk programs per row (C_P2), select's tile
-    # flags (NT_P2) and the logits kernel's block (BLOCK_V: 128 up to 32 rows, then 64)
+    # per batch size, what the launcher picks: chunk programs per row (C_P2), the row passes'
+    # span flags (NT_P2) and the logits kernel's block (BLOCK_V: 128 up to 32 rows, then 64)
     for B in (1, 16, 64):
         _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
-        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH))
-        out.append(refine_compile_config(TILE, C, _V_FLASH))
+        nblk = triton.cdiv(_V_FLASH, bv)
+        for mode in (1, 2):                 # mode "greedy" launches no reduce
+            out.append(compile_config(row_reduce_kernel, dict(
+                bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
+                z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
+                rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
+                floor_ptr="*fp32", live_ptr="*i32", V=_D16, NBLK="i32", C=_D16, CHUNK=_D16,
+                stride_zb=_D16, stride_db="i32", z_off=_D16, step="i32", done_off="i32",
+                RPR="i32"),
+                dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
+                     MODE=mode, BLOCK_V=bv, NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2,
+                     PDL=True), 4))
+        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=True))
+        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=True))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -715,7 +730,7 @@ def _markov_configs():
                 drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", step="i32", V=_D16,
                 C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
                 done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv), 4))
+                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, PDL=True), 4))
     return out
 
 

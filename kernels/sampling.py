@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .philox import STREAM_TARGET, vocab_gumbel
 from .region import fusable
-from .tl_helpers import compile_config, launch, next_pow2
+from .tl_helpers import compile_config, launch, next_pow2, pdl_enter
 
 NEG_INF = float("-inf")
 
@@ -441,13 +441,15 @@ def sum_hists(hist_ptr, o, C, NB: tl.constexpr):
 
 
 @triton.jit
-def bracket(cnt, mass, k, top_p, K_ON, P_ON, NB: tl.constexpr):
+def bracket(cnt, mass, k, top_p, K_ON, P_ON, NB: tl.constexpr, Z=-1.0):
     """Bin range [jlo, jhi] that holds tau, from the summed histogram: exact counts cnt [NB] and
     fp32 masses [NB] (any common unit), bins in descending z.
 
     K_ON / P_ON: top-k / top-p active (K_ON must already mean 0 < k <= number of finite
     tokens). A bin's true mass lies within mass * (1 -+ MASS_EPS); the range covers every bin the
-    bounds allow, and resolve() checks it exactly anyway.
+    bounds allow, and resolve() checks it exactly anyway. Z >= 0: the row's total mass in the
+    same unit (top-p without top-k), for a histogram that left out the tokens below a floor
+    (block_max_floor); otherwise the histogram's total is the row's.
     """
     j = tl.arange(0, NB)
     hi = mass * (1.0 + MASS_EPS)
@@ -459,6 +461,8 @@ def bracket(cnt, mass, k, top_p, K_ON, P_ON, NB: tl.constexpr):
     # the top-k set's mass (the whole row without top-k): bounds
     zk_lo = tl.sum(tl.where(K_ON & (j >= jk), 0.0, lo), axis=0)
     zk_hi = tl.sum(tl.where(K_ON & (j > jk), 0.0, hi), axis=0)
+    zk_lo = tl.where(Z >= 0.0, Z * (1.0 - MASS_EPS), zk_lo)
+    zk_hi = tl.where(Z >= 0.0, Z * (1.0 + MASS_EPS), zk_hi)
     jp_min = tl.minimum(tl.sum((CH < top_p * zk_lo).to(tl.int32), axis=0), NB - 1)
     jp_max = tl.minimum(tl.sum((CL < top_p * zk_hi).to(tl.int32), axis=0), NB - 1)
     jp_min = tl.where(K_ON, tl.minimum(jp_min, jk), jp_min)
@@ -675,6 +679,53 @@ def tile_max(bmax_ptr, b, NBLK, v0, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
     return tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=ok, other=float("-inf")), axis=0)
 
 
+# Bisection steps of block_max_floor over HIST_SPAN nats: its bound is within 2^-10 of that
+# (0.03 nats) of the tightest the block maxima give
+FLOOR_STEPS = tl.constexpr(10)
+
+
+@triton.jit
+def block_max_floor(bm, m, Z, top_p):
+    """A lower bound on row's top-p threshold tau from its block maxima bm (-inf: none), row
+    max m and Z = sum exp(z - m) (fp32, the one tau's target uses): v = m - d for the smallest
+    d on a grid of HIST_SPAN / 2^FLOOR_STEPS nats at which the blocks whose maximum is >= v hold,
+    in those maxima alone, a mass >= top_p * Z (1 + MASS_EPS). Each maximum is a token >= v, so
+    mass(z >= v) reaches the target and tau >= v: the threshold search can leave out every token
+    below v (on peaked rows, all but a few tiles of the row). -inf when m - HIST_SPAN is no such
+    v. The margin covers fp32 sums; resolve() checks the result exactly anyway (a search over
+    the tokens >= v that cannot reach the target falls back to the exact scan)."""
+    e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
+    T = top_p * Z * (1.0 + MASS_EPS)
+    lo = tl.zeros((), tl.float32)
+    hi = tl.zeros((), tl.float32) + HIST_SPAN
+    fl = tl.full((), float("-inf"), tl.float32)
+    if tl.sum(tl.where(bm >= m - hi, e, 0.0), axis=0) >= T:    # else no floor (flat rows)
+        for _ in tl.static_range(FLOOR_STEPS):
+            mid = (lo + hi) * 0.5
+            reach = tl.sum(tl.where(bm >= m - mid, e, 0.0), axis=0) >= T
+            hi = tl.where(reach, mid, hi)
+            lo = tl.where(reach, lo, mid)
+        fl = m - hi
+    return fl
+
+
+@triton.jit
+def live_tiles(live_ptr, bmax_ptr, b, NBLK, lo, hi, floor, STEP: tl.constexpr,
+               BLOCK_V: tl.constexpr, NT_P2: tl.constexpr):
+    """Flags (int32, one per STEP tokens of [lo, hi), at live_ptr) of the spans holding a token
+    >= floor, from the block maxima (blocks of BLOCK_V tokens). Decided once per program and read
+    back a span or two ahead of the loads they gate: a check in front of every load put a
+    dependent load and a reduction there, and the passes waited on them (H200)."""
+    BPT: tl.constexpr = 2 * max(STEP // BLOCK_V, 1)     # a power of two >= blocks touched
+    ti = tl.arange(0, NT_P2)
+    t0 = lo + ti * STEP
+    blk = t0[:, None] // BLOCK_V + tl.arange(0, BPT)[None, :]
+    okb = (t0[:, None] < hi) & (blk <= (t0[:, None] + STEP - 1) // BLOCK_V) & (blk < NBLK)
+    tmx = tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=okb, other=float("-inf")), axis=1)
+    tl.store(live_ptr + ti, ((tmx > float("-inf")) & (tmx >= floor)).to(tl.int32))
+    tl.debug_barrier()          # the flags are read back by other threads
+
+
 @triton.jit
 def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
     """(greedy, k, top_p, k_on, p_on) of row b under the launch mode."""
@@ -696,9 +747,15 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 @triton.jit
 def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
                       z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
-                      V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step, done_off, RPR,
-                      NBLK_P2: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
-                      MODE: tl.constexpr):
+                      floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step,
+                      done_off, RPR, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
+                      NB: tl.constexpr, MODE: tl.constexpr, BLOCK_V: tl.constexpr = 1,
+                      NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
+    # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
+    # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
+    # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -742,16 +799,44 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 tl.store(prev_ptr + b, tok)
         if MODE == 2:
             if search & (~deg):
+                fl = tl.full((), float("-inf"), tl.float32)
+                Zs = tl.full((), -1.0, tl.float32)      # the row's Z, where bracket() needs it
+                if FLOOR:
+                    if p_on & (~k_on):
+                        bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
+                        Zs = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
+                        fl = block_max_floor(bm, m, Zs, p)
+                if c == 0:                  # select reads it for every row it searches
+                    tl.store(floor_ptr + b, fl)
+                bounded = fl > float("-inf")
+                lrow = live_ptr + (b * C + c).to(tl.int64) * NT_P2
+                one = tl.full((), 1, tl.int32)
+                live = one                  # span 0: loaded above, before the floor was known
+                ln = one                    # the next span's flag (gates its loads)
+                if bounded:
+                    live_tiles(lrow, bmax_ptr, b, NBLK, lo, hi, fl, 2 * TILE, BLOCK_V, NT_P2)
+                    live = tl.load(lrow)
+                    ln = tl.load(lrow + one, mask=one < NT_P2, other=0)
                 cnt2 = tl.zeros((TILE, NB), tl.int32)
                 ms2 = tl.zeros((TILE, NB), tl.float32)
                 for v0 in range(lo, hi, 2 * TILE):
                     za = na
                     zb = nb2
+                    cur = live
+                    live = ln
                     nx = v0 + 2 * TILE + ar
-                    na = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
-                    nb2 = tl.load(zrow + nx + TILE, mask=nx + TILE < hi, other=float("-inf"))
-                    cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
-                    cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
+                    na = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
+                    nb2 = tl.load(zrow + nx + TILE, mask=(nx + TILE < hi) & (ln != 0),
+                                  other=float("-inf"))
+                    t2 = (v0 - lo) // (2 * TILE) + 2
+                    ln = tl.where(bounded, tl.load(lrow + t2, mask=bounded & (t2 < NT_P2),
+                                                   other=0), 1)
+                    if cur != 0:
+                        # tokens below the floor are left out (select leaves them out too)
+                        za = tl.where(za >= fl, za, float("-inf"))
+                        zb = tl.where(zb >= fl, zb, float("-inf"))
+                        cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
+                        cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
                 cnt = tl.sum(cnt2, axis=0)
                 ms = tl.sum(ms2, axis=0)
                 store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
@@ -760,7 +845,9 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                     tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB)
                     # k beyond the finite tokens: keep all
                     k_on = k_on & (k <= tl.sum(tot, axis=0))
-                    jlo, jhi = bracket(tot, tm, k, p, k_on, p_on, NB)
+                    # the histogram lacks the tokens below the floor: the row's Z sets the target
+                    jlo, jhi = bracket(tot, tm, k, p, k_on, p_on, NB,
+                                       tl.where(fl > float("-inf"), Zs, -1.0))
                     jj = tl.arange(0, NB)
                     # the bracket's exact token count: select gathers only what fits CAP
                     n_in = tl.sum(tl.where((jj >= jlo) & (jj <= jhi), tot, 0), axis=0)
@@ -772,11 +859,13 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 
 @triton.jit
 def _select_tile(z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v, n_sp,
-                 ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, NB: tl.constexpr,
+                 ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, fl, NB: tl.constexpr,
                  CAP: tl.constexpr, SCALE: tl.constexpr):
     """One tile of row_select_kernel: the exact mass / count above the bracket into the lane
-    partials, the bracket's tokens into the candidates (or, overflowing, the spill region)."""
-    fin = z > float("-inf")
+    partials, the bracket's tokens into the candidates (or, overflowing, the spill region).
+    Tokens below the floor fl (reduce's block_max_floor, or -inf) are left out, as reduce's
+    histogram left them out."""
+    fin = (z > float("-inf")) & (z >= fl)
     j = d_bin(z, m, NB)
     above = fin & (j < jlo)
     cand = fin & (j >= jlo) & (j <= jhi)
@@ -798,13 +887,15 @@ def _select_tile(z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
 @triton.jit
 def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
                       above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
-                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, V, C, CHUNK, NBLK,
-                      stride_zb, z_off, ccount_off, done_off, RPR, TILE: tl.constexpr,
+                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, V, C, CHUNK,
+                      NBLK, stride_zb, z_off, ccount_off, done_off, RPR, TILE: tl.constexpr,
                       NB: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
                       C_P2: tl.constexpr, BLOCK_V: tl.constexpr, NT_P2: tl.constexpr,
-                      SKIP: tl.constexpr, FEW: tl.constexpr, SCAN: tl.constexpr = True):
+                      SKIP: tl.constexpr, FEW: tl.constexpr, SCAN: tl.constexpr = True,
+                      PDL: tl.constexpr = False):
     # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
     # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
@@ -826,6 +917,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
             m = tl.load(rowf_ptr + b * 4)
             Z = tl.load(rowf_ptr + b * 4 + 1)
             nb = tl.load(rst_ptr + b * 4 + 3)     # tokens in the bracket (exact, from reduce)
+            fl = tl.load(floor_ptr + b)           # reduce's block_max_floor (or -inf)
             zrow = z_ptr + b.to(tl.int64) * stride_zb
             # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
             am_v = tl.zeros((TILE,), tl.int64)               # exact fixed mass above the bracket
@@ -853,7 +945,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                                      other=float("-inf")), axis=1)
                 # d_bin is monotone: a tile whose maximum is below bin jhi has nothing in
                 # [jlo, jhi] and nothing above it
-                alive = (tmx > float("-inf")) & (d_bin(tmx, m, NB) <= jhi)
+                alive = (tmx > float("-inf")) & (d_bin(tmx, m, NB) <= jhi) & (tmx >= fl)
                 tl.store(lrow + ti, alive.to(tl.int32))
                 tl.debug_barrier()          # the flags are read back by other threads below
                 one = tl.full((), 1, tl.int32)
@@ -875,7 +967,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                 if live != 0:
                     am_v, ac_v, kmin_v, kmax_v, n_sp = _select_tile(
                         z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
-                        n_sp, ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, NB, CAP, SCALE)
+                        n_sp, ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, fl, NB, CAP, SCALE)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
             tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
@@ -1001,7 +1093,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                       ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, z_off,
                       ccount_off, done_off, RPR, LAST, TILE: tl.constexpr, NB: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      FEW: tl.constexpr, SCAN: tl.constexpr = True):
+                      FEW: tl.constexpr, SCAN: tl.constexpr = True, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     state = tl.load(rst_ptr + b * 4)
@@ -1120,9 +1213,10 @@ def check_pow2(name: str, value, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
 
 
-def live_slots(CHUNK: int, TILE: int) -> int:
-    """Tile flags per select program (a power of two >= its tiles)."""
-    return next_pow2(CHUNK // select_tile(TILE))
+def live_slots(CHUNK: int, TILE: int, nb: int = HIST_BINS) -> int:
+    """Span flags per row-pass program (a power of two >= select's tiles and reduce's spans of
+    2 hist_tile tokens)."""
+    return next_pow2(max(CHUNK // select_tile(TILE), triton.cdiv(CHUNK, 2 * hist_tile(TILE, nb))))
 
 
 def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: int, dev,
@@ -1131,7 +1225,8 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
     every slot is written before it is read)."""
     i32, i64 = torch.int32, torch.int64
     return dict(
-        live=torch.empty((rows, C, live_slots(CHUNK, TILE)), dtype=i32, device=dev),
+        live=torch.empty((rows, C, live_slots(CHUNK, TILE, nb)), dtype=i32, device=dev),
+        floor=torch.empty((rows,), dtype=torch.float32, device=dev),
         hist=torch.empty((rows, C, 2 * max(nb, edges)), dtype=i32, device=dev),
         kext=torch.empty((rows, C, 2), dtype=i32, device=dev),
         above_m=torch.empty((rows, C), dtype=i64, device=dev),
@@ -1144,7 +1239,13 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
         spn=torch.empty((rows, C), dtype=i32, device=dev))
 
 
-def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int):
+def pdl_launch(pdl: bool) -> dict:
+    """Launch options of a kernel launched with programmatic dependent launch (or none)."""
+    return dict(launch_pdl=True) if pdl else {}
+
+
+def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int,
+                          pdl: bool = False):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
     TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V."""
     d16 = "i32:16"
@@ -1153,15 +1254,16 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int):
         rowi_ptr="*i32", above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64",
         ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32",
         rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32",
-        V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_zb=d16, z_off=d16, ccount_off="i32",
+        floor_ptr="*fp32", V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_zb=d16, z_off=d16, ccount_off="i32",
         done_off="i32", RPR="i32"),
         dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
-             NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True),
+             NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True,
+             PDL=pdl),
         SELECT_WARPS)
 
 
-def refine_compile_config(TILE: int, C: int, V: int):
+def refine_compile_config(TILE: int, C: int, V: int, pdl: bool = False):
     """row_refine_kernel's compile entry for a launch at row tile TILE, C chunk programs,
     vocabulary V (no logits-block dependence: it reads only the spill regions)."""
     d16 = "i32:16"
@@ -1174,7 +1276,7 @@ def refine_compile_config(TILE: int, C: int, V: int):
         LAST="i32"),
         dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), FEW=FEW_CANDIDATES,
-             SCAN=True),
+             SCAN=True, PDL=pdl),
         SELECT_WARPS)
 
 
@@ -1182,13 +1284,14 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
                          bmax, BLOCK_V: int, skip: bool = True,
-                         few: int = FEW_CANDIDATES) -> None:
+                         few: int = FEW_CANDIDATES, pdl: bool = False) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
     block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
     the bracket (`skip`, a tuning knob). `few` (0 or a power of two): up to this many gathered
-    candidates are resolved pairwise, more by bisection (tuning knob and test hook)."""
+    candidates are resolved pairwise, more by bisection (tuning knob and test hook). `pdl`: the
+    launches use programmatic dependent launch (the caller checked pdl_available)."""
     if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
         check_pow2("few", few, 1, 64)
     few = min(few, cap)
@@ -1197,14 +1300,16 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     C_P2 = next_pow2(C)
     launch(row_select_kernel)[(rowf.shape[0], C)](
         *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
-        counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], V, C,
+        counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], s["floor"],
+        V, C,
         CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1], RPR,
         TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, num_warps=SELECT_WARPS)
+        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, PDL=pdl,
+        num_warps=SELECT_WARPS, **pdl_launch(pdl))
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
             s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
             CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
             TILE=refine_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, FEW=few,
-            SCAN=scan, num_warps=SELECT_WARPS)
+            SCAN=scan, PDL=pdl, num_warps=SELECT_WARPS, **pdl_launch(pdl))

@@ -24,8 +24,10 @@ round to nearest even as well, so both paths compute the same bytes.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.jit import JITFunction
 
 
@@ -43,6 +45,25 @@ def launch(kernel):
         from torch.library import wrap_triton
         return wrap_triton(kernel)
     return kernel
+
+
+def pdl_available(kernel, device) -> bool:
+    """Programmatic dependent launch (`launch_pdl=True` with `pdl_enter` in the kernel): NVIDIA
+    sm_90+ only, never in the interpreter."""
+    return not interpreting(kernel) and torch.version.hip is None and \
+        torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Start of a kernel launched with programmatic dependent launch: let the next launch's
+    programs start (they wait in their own pdl_enter), then wait until the launches before this
+    one have finished and their writes are visible. Called before the kernel touches memory any
+    earlier launch of the op writes or reads, it keeps the launches' order as plain launches
+    have it; what PDL saves is the launch latency between them. No-op when PDL is False."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def next_pow2(n: int) -> int:

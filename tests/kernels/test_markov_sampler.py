@@ -519,15 +519,19 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
         assert_probs_match(got_p, want_p[rows])
 
 
-@pytest.mark.parametrize("skip", [True, False], ids=["skip", "no-skip"])
+@pytest.mark.parametrize("skip,floor", [(True, True), (True, False), (False, True)],
+                         ids=["skip-floor", "skip", "floor"])
 @pytest.mark.parametrize("boost,cap,p4", [(14.0, 64, 0.999), (6.0, 8, 0.95)],
                          ids=["peaked-gather", "milder-spill"])
 @pytest.mark.parametrize("block,tile,chunk", [(16, 64, 256), (32, 16, 64)],
                          ids=["blocks<tiles", "blocks>tiles"])
-def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4, block, tile, chunk):
+def test_select_skips_tiles_below_the_bracket_exactly(skip, floor, boost, cap, p4, block, tile,
+                                                      chunk):
     """Peaked rows (a few boosted tokens over a Gaussian bulk, as a confident draft head gives):
     the select pass skips the tiles whose logits blocks all lie below the bracket
-    (skip_below_bracket), and the thresholds stay the reference's exactly -- top-p, top-k,
+    (skip_below_bracket), top-p rows' threshold search (reduce and select) leaves out the tokens
+    below the block maxima's floor and the spans holding none (block_floor), and the thresholds
+    stay the reference's exactly -- top-p, top-k,
     boosted tokens at tile and chunk edges, a tile holding only -inf, with the candidates in
     CAP (cap 64) and, on milder peaks (100-300 tokens kept), overflowing into the spill and
     refinement (cap 8). (At cap 8 a 0.999 row is left to the scan: its threshold lies where
@@ -557,7 +561,8 @@ def test_select_skips_tiles_below_the_bracket_exactly(skip, boost, cap, p4, bloc
     want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=tile,
                                         chunk=chunk, cap=cap, skip_below_bracket=skip,
-                                        logits_config=(16, block, 16, 4, 1), scan_fallback=False)
+                                        block_floor=floor, logits_config=(16, block, 16, 4, 1),
+                                        scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
 
@@ -755,5 +760,29 @@ def test_production_tiling_refinement_matches_reference():
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
     want_d, want_p = markov_sample_reference(*args)
     got_d, got_p = markov_sample_launch(*args, cap=64, scan_fallback=False)
+    assert torch.equal(got_d, want_d)
+    assert_probs_match(got_p, want_p)
+
+
+def test_production_tiling_floor_on_peaked_rows_matches_reference():
+    """The launcher's own tiling (logits blocks of 128, the histogram's spans of 256 tokens, 2
+    chunks per row) on peaked rows, where the block maxima's floor lies above the bulk and
+    reduce and select read a few spans of each row: the scan disabled, the exact reference
+    thresholds (top-p 0.95 and 0.999, a lifted token on a span and a chunk edge)."""
+    v = 4096
+    g = torch.Generator().manual_seed(23)
+    w1, w2 = weights(7, v=v)
+    w2 = torch.zeros_like(w2)       # z = base / T exactly on both sides (see the skip test)
+    B = 3
+    base = torch.randn(B, N, v, generator=g) * 2.0
+    hot = torch.tensor([3, 255, 256, 2047, 2048, 4000])
+    base[:, :, hot] += 11.0 + 4 * torch.rand(B, N, len(hot), generator=g)
+    T = torch.tensor([1.0, 1.0, 0.7])
+    k = torch.zeros(B, dtype=torch.int64)
+    p = torch.tensor([0.95, 0.999, 0.95])
+    anchor, seed, sp = torch.arange(B), torch.arange(B) + 5, torch.arange(B) * 3
+    args = (base, anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = markov_sample_reference(*args)
+    got_d, got_p = markov_sample_launch(*args, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)

@@ -11,7 +11,7 @@ import triton.language as tl
 from dspark_compile.kernels.philox import (STREAM_TARGET, bits_to_uniform, philox,
                                            vocab_uniform)
 from dspark_compile.kernels.rejection import sample_launch
-from dspark_compile.kernels.sampling import (argmax_tokens, f32_key, fold_ids,
+from dspark_compile.kernels.sampling import (argmax_tokens, block_max_floor, f32_key, fold_ids,
                                              gather_candidates, gumbel_argmax, gumbel_noise,
                                              probs_from_processed, process_logits,
                                              sample_reference, spill, tl_vocab_gumbel,
@@ -309,3 +309,73 @@ def test_spill_and_gather_collect_exactly_the_selected_tokens(cap):
     assert (cmass[0, kept:] == -1).all()
     if total <= cap:
         assert torch.equal(ids.sort().values, sel.nonzero()[:, 0])
+
+
+# ------------------------------------------------------------------------------------------
+# the top-p floor from block maxima (sampling.block_max_floor): the threshold search of reduce
+# and select leaves out the tokens below it
+
+@triton.jit
+def _floor_kernel(z_ptr, out_ptr, V, BLOCK: tl.constexpr, NBLK_P2: tl.constexpr, top_p):
+    """Row b's block maxima over blocks of BLOCK tokens, then its floor (one program per row)."""
+    b = tl.program_id(0)
+    o = tl.arange(0, NBLK_P2)
+    t = tl.arange(0, BLOCK)
+    offs = o[:, None] * BLOCK + t[None, :]
+    z = tl.load(z_ptr + b * V + offs, mask=offs < V, other=float("-inf"))
+    bm = tl.max(z, axis=1)
+    m = tl.max(bm, axis=0)
+    bs = tl.sum(tl.where(z > float("-inf"),
+                         tl.exp(z - tl.where(bm > float("-inf"), bm, 0.0)[:, None]), 0.0), axis=1)
+    Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
+    tl.store(out_ptr + b, block_max_floor(bm, m, Z, top_p))
+
+
+def _grid_floor(z: torch.Tensor, block: int, top_p: float) -> float:
+    """block_max_floor recomputed in float64: the smallest d on the 32 / 2^10 grid, by scan."""
+    v = z.numel()
+    zz = torch.cat((z.double(), torch.full((-v % block,), NINF, dtype=torch.float64)))
+    bm = zz.view(-1, block).amax(1)
+    m = bm.max()
+    e = torch.exp(bm - m)
+    T = top_p * torch.exp(zz - m).sum() * (1 + 1e-4)
+    for i in range(1025):
+        d = 32.0 * i / 1024
+        if e[bm >= m - d].sum() >= T:
+            return float(m - d)
+    return NINF
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 0.999])
+def test_block_max_floor_is_a_lower_bound_on_the_top_p_threshold(top_p):
+    """On peaked rows (a few lifted tokens over a Gaussian bulk) the floor is high -- that is what
+    lets reduce and select skip most of the row -- and on flat ones low or -inf; on every row it
+    is at most the reference's threshold (the smallest kept value) and within a few grid steps
+    of the float64 recomputation (fp32 sums differ near a grid point)."""
+    v, block = 1000, 16
+    g = torch.Generator().manual_seed(int(top_p * 1000))
+    rows = torch.randn(8, v, generator=g) * 2.0
+    for r in range(4):                                 # peaked rows: 3-12 lifted tokens
+        hot = torch.randperm(v, generator=g)[:3 * (r + 1)]
+        rows[r, hot] += 12.0 + torch.rand(hot.numel(), generator=g)
+    rows[6] = torch.randn(v, generator=g) * 0.01       # near flat
+    rows[7, :] = NINF
+    rows[7, 5] = 1.0                                   # one finite token
+    out = torch.empty(8)
+    _floor_kernel[(8,)](rows, out, v, BLOCK=block, NBLK_P2=triton.next_power_of_2(
+        triton.cdiv(v, block)), top_p=top_p)
+    z = process_logits(rows, torch.ones(8), torch.zeros(8, dtype=torch.int64),
+                       torch.full((8,), top_p))
+    tau = torch.where(torch.isfinite(z), z, torch.inf).amin(1)
+    step = 32.0 / 1024
+    for r in range(8):
+        assert float(out[r]) <= float(tau[r]), (r, float(out[r]), float(tau[r]))
+        want = _grid_floor(rows[r], block, top_p)
+        if want == NINF:
+            assert float(out[r]) == NINF, r
+        else:
+            assert abs(float(out[r]) - want) <= 2 * step + 1e-5, (r, float(out[r]), want)
+    # peaked rows: the floor lies well above the bulk (its maximum is ~7 over 1000 tokens)
+    assert (out[:4] > rows[4:6].amax(1).max()).all() or top_p == 0.999
+    # a single token: the floor is one grid step below it (the grid never tries d = 0)
+    assert float(out[7]) == 1.0 - step
