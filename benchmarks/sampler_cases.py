@@ -141,12 +141,16 @@ def _greedy_variants(B):
 def _skip_variants():
     """`ours-noskip`: select reads every tile (skip_below_bracket=False); `ours-nofloor`: the
     threshold search reads the whole row, not only the tokens above the block maxima's floor
-    (block_floor=False); `ours-nopdl`: plain launches (pdl=False); `ours-few0` / `ours-few64`:
+    (block_floor=False); `ours-nopdl`: plain launches (pdl=False), `ours-pdl-early` /
+    `ours-pdl-late`: the next launch may start when every program has started / has finished its
+    main loop (pdl="early" / "late"); `ours-few0` / `ours-few64`:
     thresholds always by bisection / pairwise up to 64 candidates (few_candidates;
     FEW_CANDIDATES is 32)."""
     return {"ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
             "ours-nofloor": lambda d: ms.markov_sample_launch(**d, block_floor=False),
             "ours-nopdl": lambda d: ms.markov_sample_launch(**d, pdl=False),
+            "ours-pdl-early": lambda d: ms.markov_sample_launch(**d, pdl="early"),
+            "ours-pdl-late": lambda d: ms.markov_sample_launch(**d, pdl="late"),
             "ours-few0": lambda d: ms.markov_sample_launch(**d, few_candidates=0),
             "ours-few64": lambda d: ms.markov_sample_launch(**d, few_candidates=64)}
 

@@ -89,8 +89,8 @@ from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE
                        refine_compile_config, row_flags, row_reduce_kernel, row_tiling,
                        select_compile_config, threshold_scratch, tile_max, tl_vocab_gumbel,
                        unpack_token)
-from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
-                         pdl_enter)
+from .tl_helpers import (PDL_MODES, compile_config, interpreting, launch, next_pow2,
+                         pdl_available, pdl_enter, pdl_release)
 
 
 def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos):
@@ -152,7 +152,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
                           DOT_F32: tl.constexpr, REVERSE_ODD: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = 0):
     """Modes "full" / "plain", one Markov step, grid (NBLK,): vocab block `blk` for every row
     (see the module docstring). W1/W2 are contiguous [V, R] with R a compile-time constant: the
     compiler sees aligned, contiguous rows and issues wide loads (a runtime stride costs ~3x
@@ -193,6 +193,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
+        pdl_release(PDL)
         # read once: first out of the L2, which is better spent on W2 (see flip)
         base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
                        mask=rmask[:, None] & vmask[None, :], other=0.0,
@@ -328,7 +329,7 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
                          rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
                          done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
                          done_off, TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
-                         BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -378,6 +379,7 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
                 best_v, bid_v = lane_argmax_update(best_v, bid_v, s, offs)
             else:
                 tl.store(zrow + offs, tl.zeros((TILE,), tl.float32), mask=vm)
+        pdl_release(PDL)
         best, bid = lane_argmax_finish(best_v, bid_v)
         tl.store(best_v_ptr + b * C + c, best)
         tl.store(best_i_ptr + b * C + c, bid)
@@ -499,8 +501,10 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     hook; 0 or a power of two): thresholds over up to this many candidates are found pairwise,
     over more by bisection. `logits_config` applies to modes "full" and "plain" only,
     `greedy_config` (overrides GREEDY_CONFIGS / GREEDY_CONFIGS_FP32) to mode "greedy" only.
-    `pdl` (tuning; default on, NVIDIA sm_90+ only): every launch of the call but the first
-    uses programmatic dependent launch. `block_floor` (tuning; default on): top-p rows without
+    `pdl` (tuning; NVIDIA sm_90+ only): every launch of the call but the first uses
+    programmatic dependent launch. Mode "greedy": on unless False. Modes "full" / "plain": when
+    the next launch may start, "early" (True: PDL_DEFAULT) or "late" (tl_helpers.PDL_MODES), or
+    off (False / "off"). `block_floor` (tuning; default on): top-p rows without
     top-k search their threshold only over the tokens above a floor the block maxima give
     (sampling.block_max_floor): reduce and select skip the rest of the row.
     """
@@ -536,7 +540,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # one launch per step, its row reduction an atomic max of packed keys (zero-filled: zero
         # is below every key), then one launch writing the tokens
         packed = torch.zeros((N, B), dtype=torch.int64, device=dev)
-        _greedy_steps(base_logits, w1, w2, anchor, packed, greedy_config, pdl, reverse_odd_steps)
+        _greedy_steps(base_logits, w1, w2, anchor, packed, greedy_config, _pdl_mode(pdl) > 0,
+                      reverse_odd_steps)
         launch(_markov_greedy_tokens_kernel)[(N,)](packed, drafts, B, drafts.stride(0),
                                                    BLOCK=min(1024, next_pow2(B)), num_warps=4)
         return drafts, probs
@@ -545,7 +550,9 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     # programmatic dependent launch for every launch after the first (the first waits for the
     # op's inputs the plain way): each kernel enters with pdl_enter, so only the launch latency
     # between the ~7 launches per step overlaps
-    pdl = pdl and pdl_available(kern, dev)
+    pdl = _pdl_mode(pdl)                # checked everywhere, used where available
+    if not pdl_available(kern, dev):
+        pdl = 0
     BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
@@ -581,14 +588,14 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             NBLK, sb, sz, k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
             EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
-            PDL=pdl, num_warps=warps1, **pdl_launch(pdl and k > 0))
+            PDL=pdl, num_warps=warps1, **pdl_launch(pdl > 0 and k > 0))
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, sz,
             drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
             MODE=MODE, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2], FLOOR=block_floor,
-            PDL=pdl, num_warps=4, **pdl_launch(pdl))
+            PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
             launch_select_refine(
@@ -601,8 +608,21 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
             best_i, drafts, prev, counters, k, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
             cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, PDL=pdl, num_warps=4,
-            **pdl_launch(pdl))
+            **pdl_launch(pdl > 0))
     return drafts, probs
+
+
+# When the full plan's next launch may start (tl_helpers.pdl_release), from the H200 A/B in
+# benchmarks/results/h200_sampler_2026-11-29/ (session 7)
+PDL_DEFAULT = "early"
+
+
+def _pdl_mode(pdl) -> int:
+    """The kernels' PDL constexpr for the launcher's `pdl` knob (full / plain plans)."""
+    key = PDL_DEFAULT if pdl is True else "off" if pdl is False else pdl
+    if key not in PDL_MODES:
+        raise ValueError(f"pdl must be True, False or one of {sorted(PDL_MODES)}, got {pdl!r}")
+    return PDL_MODES[key]
 
 
 def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd):
@@ -677,6 +697,7 @@ _D16 = "i32:16"
 
 def _markov_configs():
     out = []
+    pdl = _pdl_mode(True)               # what a launch on sm_90+ (SM12x included) compiles
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
@@ -688,7 +709,7 @@ def _markov_configs():
             V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
             step="i32"),
             dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True, PDL=True),
+                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True, PDL=pdl),
             warps))
         for wide in (False, True):          # bf16 weights (Flash), fp32 ones
             BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, wide=wide)
@@ -720,9 +741,9 @@ def _markov_configs():
                 RPR="i32"),
                 dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
                      MODE=mode, BLOCK_V=bv, NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2,
-                     PDL=True), 4))
-        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=True))
-        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=True))
+                     PDL=pdl), 4))
+        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl))
+        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl))
         for mode in (1, 2):
             out.append(compile_config(_markov_final_kernel, dict(
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -730,7 +751,7 @@ def _markov_configs():
                 drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", step="i32", V=_D16,
                 C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
                 done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, PDL=True), 4))
+                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, PDL=pdl), 4))
     return out
 
 

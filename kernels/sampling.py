@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .philox import STREAM_TARGET, vocab_gumbel
 from .region import fusable
-from .tl_helpers import compile_config, launch, next_pow2, pdl_enter
+from .tl_helpers import compile_config, launch, next_pow2, pdl_enter, pdl_release
 
 NEG_INF = float("-inf")
 
@@ -751,7 +751,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                       done_off, RPR, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
                       NB: tl.constexpr, MODE: tl.constexpr, BLOCK_V: tl.constexpr = 1,
                       NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = 0):
     # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
     # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
     # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
@@ -808,35 +808,41 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                         fl = block_max_floor(bm, m, Zs, p)
                 if c == 0:                  # select reads it for every row it searches
                     tl.store(floor_ptr + b, fl)
-                bounded = fl > float("-inf")
-                lrow = live_ptr + (b * C + c).to(tl.int64) * NT_P2
-                one = tl.full((), 1, tl.int32)
-                live = one                  # span 0: loaded above, before the floor was known
-                ln = one                    # the next span's flag (gates its loads)
-                if bounded:
-                    live_tiles(lrow, bmax_ptr, b, NBLK, lo, hi, fl, 2 * TILE, BLOCK_V, NT_P2)
-                    live = tl.load(lrow)
-                    ln = tl.load(lrow + one, mask=one < NT_P2, other=0)
                 cnt2 = tl.zeros((TILE, NB), tl.int32)
                 ms2 = tl.zeros((TILE, NB), tl.float32)
-                for v0 in range(lo, hi, 2 * TILE):
-                    za = na
-                    zb = nb2
-                    cur = live
-                    live = ln
-                    nx = v0 + 2 * TILE + ar
-                    na = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
-                    nb2 = tl.load(zrow + nx + TILE, mask=(nx + TILE < hi) & (ln != 0),
-                                  other=float("-inf"))
-                    t2 = (v0 - lo) // (2 * TILE) + 2
-                    ln = tl.where(bounded, tl.load(lrow + t2, mask=bounded & (t2 < NT_P2),
-                                                   other=0), 1)
-                    if cur != 0:
-                        # tokens below the floor are left out (select leaves them out too)
-                        za = tl.where(za >= fl, za, float("-inf"))
-                        zb = tl.where(zb >= fl, zb, float("-inf"))
+                if fl > float("-inf"):
+                    lrow = live_ptr + (b * C + c).to(tl.int64) * NT_P2
+                    live_tiles(lrow, bmax_ptr, b, NBLK, lo, hi, fl, 2 * TILE, BLOCK_V, NT_P2)
+                    one = tl.full((), 1, tl.int32)
+                    live = tl.load(lrow)        # span 0: loaded above, before fl was known
+                    ln = tl.load(lrow + one, mask=one < NT_P2, other=0)
+                    for v0 in range(lo, hi, 2 * TILE):
+                        za = na
+                        zb = nb2
+                        cur = live
+                        live = ln
+                        nx = v0 + 2 * TILE + ar
+                        na = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
+                        nb2 = tl.load(zrow + nx + TILE, mask=(nx + TILE < hi) & (ln != 0),
+                                      other=float("-inf"))
+                        t2 = (v0 - lo) // (2 * TILE) + 2
+                        ln = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
+                        if cur != 0:
+                            # tokens below the floor are left out (select leaves them out too)
+                            za = tl.where(za >= fl, za, float("-inf"))
+                            zb = tl.where(zb >= fl, zb, float("-inf"))
+                            cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
+                            cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
+                else:
+                    for v0 in range(lo, hi, 2 * TILE):
+                        za = na
+                        zb = nb2
+                        nx = v0 + 2 * TILE + ar
+                        na = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
+                        nb2 = tl.load(zrow + nx + TILE, mask=nx + TILE < hi, other=float("-inf"))
                         cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
                         cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
+                pdl_release(PDL)
                 cnt = tl.sum(cnt2, axis=0)
                 ms = tl.sum(ms2, axis=0)
                 store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
@@ -892,7 +898,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                       NB: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
                       C_P2: tl.constexpr, BLOCK_V: tl.constexpr, NT_P2: tl.constexpr,
                       SKIP: tl.constexpr, FEW: tl.constexpr, SCAN: tl.constexpr = True,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = 0):
     # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
     # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned
     pdl_enter(PDL)
@@ -968,6 +974,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                     am_v, ac_v, kmin_v, kmax_v, n_sp = _select_tile(
                         z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
                         n_sp, ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, fl, NB, CAP, SCALE)
+            pdl_release(PDL)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
             tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
             tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
@@ -1093,7 +1100,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                       ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, z_off,
                       ccount_off, done_off, RPR, LAST, TILE: tl.constexpr, NB: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      FEW: tl.constexpr, SCAN: tl.constexpr = True, PDL: tl.constexpr = False):
+                      FEW: tl.constexpr, SCAN: tl.constexpr = True, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -1141,6 +1148,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                 kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
             else:
                 gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, inb, key, w, CAP)
+        pdl_release(PDL)
         tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
         tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
         if state == 1:
@@ -1239,13 +1247,13 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
         spn=torch.empty((rows, C), dtype=i32, device=dev))
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """Launch options of a kernel launched with programmatic dependent launch (or none)."""
+def pdl_launch(pdl) -> dict:
+    """Launch options of a kernel launched with programmatic dependent launch (pdl true or a
+    PDL mode > 0), or none."""
     return dict(launch_pdl=True) if pdl else {}
 
 
-def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int,
-                          pdl: bool = False):
+def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
     TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V."""
     d16 = "i32:16"
@@ -1263,7 +1271,7 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int,
         SELECT_WARPS)
 
 
-def refine_compile_config(TILE: int, C: int, V: int, pdl: bool = False):
+def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0):
     """row_refine_kernel's compile entry for a launch at row tile TILE, C chunk programs,
     vocabulary V (no logits-block dependence: it reads only the spill regions)."""
     d16 = "i32:16"
@@ -1284,14 +1292,15 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
                          bmax, BLOCK_V: int, skip: bool = True,
-                         few: int = FEW_CANDIDATES, pdl: bool = False) -> None:
+                         few: int = FEW_CANDIDATES, pdl: int = 0) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
     block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
     the bracket (`skip`, a tuning knob). `few` (0 or a power of two): up to this many gathered
     candidates are resolved pairwise, more by bisection (tuning knob and test hook). `pdl`: the
-    launches use programmatic dependent launch (the caller checked pdl_available)."""
+    kernels' PDL mode (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller
+    checked pdl_available)."""
     if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
         check_pow2("few", few, 1, 64)
     few = min(few, cap)

@@ -54,16 +54,32 @@ def pdl_available(kernel, device) -> bool:
         torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# PDL (a kernel's constexpr): 0 off; 1 the next launch may start as soon as every program of
+# this one has started; 2 only once every program has reached pdl_release (after its main loop).
+PDL_MODES = {"off": 0, "early": 1, "late": 2}
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """Start of a kernel launched with programmatic dependent launch: let the next launch's
-    programs start (they wait in their own pdl_enter), then wait until the launches before this
-    one have finished and their writes are visible. Called before the kernel touches memory any
-    earlier launch of the op writes or reads, it keeps the launches' order as plain launches
-    have it; what PDL saves is the launch latency between them. No-op when PDL is False."""
-    if PDL:
+    """Start of a kernel launched with programmatic dependent launch: wait until the launches
+    before this one have finished and their writes are visible (PDL 1 first lets the next
+    launch's programs start; they wait in their own pdl_enter). Called before the kernel touches
+    memory any earlier launch of the op writes or reads, it keeps the launches' order as plain
+    launches have it; what PDL saves is the launch latency between them. No-op when PDL is 0."""
+    if PDL == 1:
         gdc_launch_dependents()
+    if PDL != 0:
         gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """PDL 2: the next launch may start once every program of this one got here (a program that
+    exits first counts as having got here). Programs the next launch starts early hold SM slots
+    while they wait, and are placed wherever slots were free, so a kernel that triggers at its
+    start can crowd its successor onto a few SMs."""
+    if PDL == 2:
+        gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:

@@ -345,6 +345,9 @@ def test_modes_and_op_dispatch():
             markov_sample_launch(*args, "greedy", greedy_config=bad)
     with pytest.raises(ValueError, match="V >= 1"):
         markov_sample_launch(base[:, :, :0], anchor, w1[:0], w2[:0], T, k, p, seed, sp)
+    for mode in ("greedy", "full"):
+        with pytest.raises(ValueError, match="pdl must be"):
+            markov_sample_launch(*args, mode, pdl="sometimes")
 
 
 # ------------------------------------------------------------------------------------------
