@@ -503,8 +503,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     `greedy_config` (overrides GREEDY_CONFIGS / GREEDY_CONFIGS_FP32) to mode "greedy" only.
     `pdl` (tuning; NVIDIA sm_90+ only): every launch of the call but the first uses
     programmatic dependent launch. Mode "greedy": on unless False. Modes "full" / "plain": when
-    the next launch may start, "early" (True: PDL_DEFAULT) or "late" (tl_helpers.PDL_MODES), or
-    off (False / "off"). `block_floor` (tuning; default on): top-p rows without
+    the next launch may start, "early" or "late" (tl_helpers.PDL_MODES; True: PDL_BY_TILE's
+    choice for B rows), or off (False / "off"). `block_floor` (tuning; default on): top-p rows without
     top-k search their threshold only over the tokens above a floor the block maxima give
     (sampling.block_max_floor): reduce and select skip the rest of the row.
     """
@@ -550,7 +550,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     # programmatic dependent launch for every launch after the first (the first waits for the
     # op's inputs the plain way): each kernel enters with pdl_enter, so only the launch latency
     # between the ~7 launches per step overlaps
-    pdl = _pdl_mode(pdl)                # checked everywhere, used where available
+    pdl = _pdl_mode(pdl, B)             # checked everywhere, used where available
     if not pdl_available(kern, dev):
         pdl = 0
     BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
@@ -612,14 +612,16 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     return drafts, probs
 
 
-# When the full plan's next launch may start (tl_helpers.pdl_release), from the H200 A/B in
-# benchmarks/results/h200_sampler_2026-11-29/ (session 7)
-PDL_DEFAULT = "early"
+# When the full plan's next launch may start (tl_helpers.pdl_release), per batch tile, from the
+# H200 A/B of session 7 (benchmarks/results/h200_sampler_2026-11-29/, s7_3): "late" was 9-37 us
+# faster per call at B = 4 and 27 us at B = 1 on Gaussian rows (5 us slower on peaked ones),
+# equal at B = 16; "early" 10-19 us faster at B = 64. B = 17..32 was not measured.
+PDL_BY_TILE = {16: "late", 32: "late", 64: "early"}
 
 
-def _pdl_mode(pdl) -> int:
+def _pdl_mode(pdl, B: int = 1) -> int:
     """The kernels' PDL constexpr for the launcher's `pdl` knob (full / plain plans)."""
-    key = PDL_DEFAULT if pdl is True else "off" if pdl is False else pdl
+    key = PDL_BY_TILE[_batch_tile(B)] if pdl is True else "off" if pdl is False else pdl
     if key not in PDL_MODES:
         raise ValueError(f"pdl must be True, False or one of {sorted(PDL_MODES)}, got {pdl!r}")
     return PDL_MODES[key]
@@ -697,7 +699,6 @@ _D16 = "i32:16"
 
 def _markov_configs():
     out = []
-    pdl = _pdl_mode(True)               # what a launch on sm_90+ (SM12x included) compiles
     nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
@@ -709,7 +710,8 @@ def _markov_configs():
             V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
             step="i32"),
             dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True, PDL=pdl),
+                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True,
+                 PDL=_pdl_mode(True, B)),
             warps))
         for wide in (False, True):          # bf16 weights (Flash), fp32 ones
             BLOCK_B, BLOCK_V, warps, stages, pps = _greedy_config(B, wide=wide)
@@ -731,6 +733,7 @@ def _markov_configs():
         _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
         nblk = triton.cdiv(_V_FLASH, bv)
+        pdl = _pdl_mode(True, B)        # what a launch on sm_90+ (SM12x included) compiles
         for mode in (1, 2):                 # mode "greedy" launches no reduce
             out.append(compile_config(row_reduce_kernel, dict(
                 bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,

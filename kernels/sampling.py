@@ -685,16 +685,16 @@ FLOOR_STEPS = tl.constexpr(10)
 
 
 @triton.jit
-def block_max_floor(bm, m, Z, top_p):
-    """A lower bound on row's top-p threshold tau from its block maxima bm (-inf: none), row
-    max m and Z = sum exp(z - m) (fp32, the one tau's target uses): v = m - d for the smallest
+def block_max_floor(bm, e, m, Z, top_p):
+    """A lower bound on row's top-p threshold tau from its block maxima bm (-inf: none), their
+    masses e = exp(bm - m) (0 for -inf), row max m and Z = sum exp(z - m) (fp32, the one tau's
+    target uses): v = m - d for the smallest
     d on a grid of HIST_SPAN / 2^FLOOR_STEPS nats at which the blocks whose maximum is >= v hold,
     in those maxima alone, a mass >= top_p * Z (1 + MASS_EPS). Each maximum is a token >= v, so
     mass(z >= v) reaches the target and tau >= v: the threshold search can leave out every token
     below v (on peaked rows, all but a few tiles of the row). -inf when m - HIST_SPAN is no such
     v. The margin covers fp32 sums; resolve() checks the result exactly anyway (a search over
     the tokens >= v that cannot reach the target falls back to the exact scan)."""
-    e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
     T = top_p * Z * (1.0 + MASS_EPS)
     lo = tl.zeros((), tl.float32)
     hi = tl.zeros((), tl.float32) + HIST_SPAN
@@ -781,13 +781,22 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
             nb2 = tl.load(zrow + lo + TILE + ar, mask=lo + TILE + ar < hs, other=float("-inf"))
         o = tl.arange(0, NBLK_P2)
         om = o < NBLK
+        # Z: chunk 0 stores it; the floor (top-p rows without top-k) needs it in every program.
+        # Its block sums are requested with the maxima, not after them (a round trip less).
+        need_z = c == 0
+        if FLOOR:
+            need_z = need_z | (search & p_on & (~k_on))
         bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
+        bs = tl.load(bsum_ptr + b * NBLK + o, mask=om & need_z, other=0.0)
         m = tl.max(bm, axis=0)
         nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
         deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+        e = tl.zeros((NBLK_P2,), tl.float32)        # exp(block max - m)
+        Z = tl.zeros((), tl.float32)
+        if need_z:
+            e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
+            Z = tl.sum(bs * e, axis=0)
         if c == 0:      # Z and the argmax: only the program that stores them reads their stats
-            bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
-            Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
             ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
             arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
             tl.store(rowf_ptr + b * 4, m)
@@ -803,9 +812,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 Zs = tl.full((), -1.0, tl.float32)      # the row's Z, where bracket() needs it
                 if FLOOR:
                     if p_on & (~k_on):
-                        bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
-                        Zs = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
-                        fl = block_max_floor(bm, m, Zs, p)
+                        Zs = Z
+                        fl = block_max_floor(bm, e, m, Z, p)
                 if c == 0:                  # select reads it for every row it searches
                     tl.store(floor_ptr + b, fl)
                 cnt2 = tl.zeros((TILE, NB), tl.int32)

@@ -328,7 +328,8 @@ def _floor_kernel(z_ptr, out_ptr, V, BLOCK: tl.constexpr, NBLK_P2: tl.constexpr,
     bs = tl.sum(tl.where(z > float("-inf"),
                          tl.exp(z - tl.where(bm > float("-inf"), bm, 0.0)[:, None]), 0.0), axis=1)
     Z = tl.sum(tl.where(bm > float("-inf"), bs * tl.exp(bm - m), 0.0), axis=0)
-    tl.store(out_ptr + b, block_max_floor(bm, m, Z, top_p))
+    e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
+    tl.store(out_ptr + b, block_max_floor(bm, e, m, Z, top_p))
 
 
 def _grid_floor(z: torch.Tensor, block: int, top_p: float) -> float:
