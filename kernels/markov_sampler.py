@@ -594,7 +594,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, sz,
             drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
-            MODE=MODE, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2], FLOOR=block_floor,
+            MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2], FLOOR=block_floor,
             PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
@@ -743,7 +743,8 @@ def _markov_configs():
                 stride_zb=_D16, stride_db="i32", z_off=_D16, step="i32", done_off="i32",
                 RPR="i32"),
                 dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-                     MODE=mode, BLOCK_V=bv, NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2,
+                     MODE=mode, C_P2=cp, BLOCK_V=bv, NT_P2=live_slots(CHUNK, TILE),
+                     FLOOR=mode == 2,
                      PDL=pdl), 4))
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl))
         out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl))

@@ -438,7 +438,8 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
         bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
         counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
         NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-        MODE=2, BLOCK_V=TILE, NT_P2=thr["live"].shape[2], FLOOR=True, num_warps=4)
+        MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE, NT_P2=thr["live"].shape[2], FLOOR=True,
+        num_warps=4)
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
         flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),

@@ -427,16 +427,16 @@ def store_hist(hist_ptr, o, cnt, mass, NB: tl.constexpr):
 
 
 @triton.jit
-def sum_hists(hist_ptr, o, C, NB: tl.constexpr):
-    """(counts, masses) summed over the C program histograms from hist[o] on, in fixed order
-    (read past L1: other programs wrote them)."""
-    idx = tl.arange(0, NB)
-    tot = tl.zeros((NB,), tl.int32)
-    tm = tl.zeros((NB,), tl.float32)
-    for cc in range(C):
-        tot += tl.load(hist_ptr + o + cc * 2 * NB + idx, cache_modifier=".cg")
-        tm += tl.load(hist_ptr + o + cc * 2 * NB + NB + idx,
-                      cache_modifier=".cg").to(tl.float32, bitcast=True)
+def sum_hists(hist_ptr, o, C, NB: tl.constexpr, C_P2: tl.constexpr):
+    """(counts, masses) summed over the C program histograms from hist[o] on, in a fixed order
+    (read past L1: other programs wrote them). All C are requested at once: a loop over them
+    waited on one round trip per program (64 at B = 1)."""
+    cc = tl.arange(0, C_P2)
+    ptrs = hist_ptr + o + cc[:, None] * (2 * NB) + tl.arange(0, NB)[None, :]
+    ok = (cc < C)[:, None]
+    tot = tl.sum(tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg"), axis=0)
+    tm = tl.sum(tl.load(ptrs + NB, mask=ok, other=0, cache_modifier=".cg").to(
+        tl.float32, bitcast=True), axis=0)
     return tot, tm
 
 
@@ -749,7 +749,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                       z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
                       floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step,
                       done_off, RPR, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
-                      NB: tl.constexpr, MODE: tl.constexpr, BLOCK_V: tl.constexpr = 1,
+                      NB: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr = 1,
+                      BLOCK_V: tl.constexpr = 1,
                       NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
                       PDL: tl.constexpr = 0):
     # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
@@ -856,7 +857,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 store_hist(hist_ptr, (b * C + c) * 2 * NB, cnt, ms, NB)
                 tl.debug_barrier()   # every thread's stores happen before the releasing ticket
                 if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-                    tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB)
+                    tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB, C_P2)
                     # k beyond the finite tokens: keep all
                     k_on = k_on & (k <= tl.sum(tot, axis=0))
                     # the histogram lacks the tokens below the floor: the row's Z sets the target
@@ -1173,7 +1174,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             tau = tl.zeros((), tl.float32)
             kept = tl.zeros((), tl.int64)
             if state == 1:
-                tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB)
+                tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB, C_P2)
                 kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
                 nklo, nkhi, n = edge_bracket(tot, tm, t, klo, khi, am, ac, Z, k, p, k_on, p_on,
                                              NB, SCALE)
