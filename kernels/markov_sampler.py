@@ -53,13 +53,17 @@ FEW_CANDIDATES candidates pairwise rather than by bisection. Near-flat rows over
 it (top-p 0.95 keeps most of the vocabulary, one 2-nat bin holds ~10^4 tokens): select then
 spills the bracket's tokens and the `refine` launches, reading only those, narrow the bracket
 ~16-fold per pass (typically one histogram pass and one gathering pass; REFINE_PASSES are
-always launched, rows already resolved exit at once). `final` skips the noise for tiles with
-nothing kept. Every row pass keeps per-lane partials over its chunk and reduces them once (a
-reduction per tile, a CTA barrier each, made these passes ~10x slower than their bytes) and
-loads the next tile before it uses the current one. H200, B = 64, per step, Gaussian rows
-(top-p 0.95 keeps ~10^4 tokens): logits 60 us, reduce 56, select 62, refine 55 over its 3
-launches, final 38, the whole call 1.37 ms; peaked rows (tens of tokens kept): select 47,
-refine 25, final 22, the call 1.06 ms (benchmarks/results/h200_sampler_2026-11-29/).
+always launched, rows already resolved exit at once). On top-p rows without top-k the search
+covers only the tokens above a floor the block maxima give (sampling.block_max_floor: their
+masses alone reach top_p * Z there): reduce and select skip the spans below it, which on
+peaked rows is most of the row. `final` skips the noise for tiles with nothing kept. Every
+row pass keeps per-lane partials over its chunk and reduces them once (a reduction per tile, a
+CTA barrier each, made these passes ~10x slower than their bytes) and loads the next tile
+before it uses the current one. Every launch after the first uses programmatic dependent
+launch (PDL_BY_TILE). H200, whole call, B = 1 / 64: peaked rows (tens of tokens kept) 244 /
+930 us, Gaussian rows (top-p 0.95 keeps ~10^4 tokens) 315 / 1327 us; at B = 64 per step
+logits ~59 us, reduce ~44, select ~48, refine ~34 over its 3 launches, final ~24
+(benchmarks/results/h200_sampler_2026-11-29/, session 7).
 
 `mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored);
 "greedy" (every row greedy) runs the greedy step kernel alone -- graphs the engine can capture

@@ -205,6 +205,11 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 #   bracket is spilled so refinement reads a tenth of the row: 1.33 ms. The histogram itself
 #   is now the bound: binning costs ~5 instructions per token and bin (8 bins: the reduce pass
 #   ~2x faster, but twice the tokens spilled and refined, 1.55 ms overall; 32 bins 2.27 ms).
+# - Session 7: the whole Markov call (reduce's input, the logits kernel, included), B = 64:
+#   programmatic dependent launch between the launches, 1.36 -> 1.34 ms (1.06 -> 0.94 ms on
+#   peaked rows with the floor below); top-p rows search only above the block maxima's floor
+#   (block_max_floor), which on peaked rows skips most of a row; the last program reads every
+#   chunk histogram at once (sum_hists; -23 us per call at B = 1).
 
 HIST_BINS = 16            # NB: bins of 2 nats cover d in [0, HIST_SPAN), the last bin is open
 HIST_SPAN = tl.constexpr(32.0)   # nats below the row max the histogram bins split evenly
