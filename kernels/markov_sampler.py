@@ -87,12 +87,11 @@ from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
                        fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
-                       lane_argmax_update, launch_select_refine, live_slots,
-                       logprobs_from_processed,
+                       lane_argmax_update, launch_select_refine, logprobs_from_processed,
                        pack_argmax, pdl_launch, probs_from_processed, process_logits,
-                       refine_compile_config, row_flags, row_reduce_kernel, row_tiling,
-                       select_compile_config, threshold_scratch, tile_max, tl_vocab_gumbel,
-                       unpack_token)
+                       reduce_compile_config, refine_compile_config, row_flags,
+                       row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
+                       tile_max, tl_vocab_gumbel, unpack_token)
 from .tl_helpers import (PDL_MODES, compile_config, interpreting, launch, next_pow2,
                          pdl_available, pdl_enter, pdl_release)
 
@@ -197,6 +196,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(a, tl.trans(w))
+        # PDL "late": after the first batch tile's rank loop (B <= 64 rows: the only one)
         pdl_release(PDL)
         # read once: first out of the L2, which is better spent on W2 (see flip)
         base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
@@ -506,9 +506,10 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     over more by bisection. `logits_config` applies to modes "full" and "plain" only,
     `greedy_config` (overrides GREEDY_CONFIGS / GREEDY_CONFIGS_FP32) to mode "greedy" only.
     `pdl` (tuning; NVIDIA sm_90+ only): every launch of the call but the first uses
-    programmatic dependent launch. Mode "greedy": on unless False. Modes "full" / "plain": when
-    the next launch may start, "early" or "late" (tl_helpers.PDL_MODES; True: PDL_BY_TILE's
-    choice for B rows), or off (False / "off"). `block_floor` (tuning; default on): top-p rows without
+    programmatic dependent launch: True, False or a tl_helpers.PDL_MODES key. Mode "greedy":
+    on unless False / "off". Modes "full" / "plain": the next launch may start once every
+    program of this one has started ("early") or has finished its main loop ("late"); True
+    takes PDL_BY_TILE's choice for B rows. `block_floor` (tuning; default on): top-p rows without
     top-k search their threshold only over the tokens above a floor the block maxima give
     (sampling.block_max_floor): reduce and select skip the rest of the row.
     """
@@ -598,7 +599,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, sz,
             drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
-            MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2], FLOOR=block_floor,
+            MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2],
+            FLOOR=bool(block_floor) and MODE == 2,
             PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
@@ -703,7 +705,6 @@ _D16 = "i32:16"
 
 def _markov_configs():
     out = []
-    nblk = triton.cdiv(_V_FLASH, 128)
     flags = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     for B in (1, 32, 64):
         BLOCK_B, BLOCK_V, BLOCK_R, warps, stages = _logits_config(B, _R_FLASH)
@@ -736,20 +737,9 @@ def _markov_configs():
     for B in (1, 16, 64):
         _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
-        nblk = triton.cdiv(_V_FLASH, bv)
         pdl = _pdl_mode(True, B)        # what a launch on sm_90+ (SM12x included) compiles
         for mode in (1, 2):                 # mode "greedy" launches no reduce
-            out.append(compile_config(row_reduce_kernel, dict(
-                bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", **flags,
-                z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64", rowf_ptr="*fp32",
-                rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
-                floor_ptr="*fp32", live_ptr="*i32", V=_D16, NBLK="i32", C=_D16, CHUNK=_D16,
-                stride_zb=_D16, stride_db="i32", z_off=_D16, step="i32", done_off="i32",
-                RPR="i32"),
-                dict(NBLK_P2=next_pow2(nblk), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-                     MODE=mode, C_P2=cp, BLOCK_V=bv, NT_P2=live_slots(CHUNK, TILE),
-                     FLOOR=mode == 2,
-                     PDL=pdl), 4))
+            out.append(reduce_compile_config(TILE, CHUNK, C, bv, _V_FLASH, mode, pdl))
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl))
         out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl))
         for mode in (1, 2):

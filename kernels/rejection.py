@@ -47,7 +47,8 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
                        pack_argmax, unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
-                       row_reduce_kernel, row_tiling, sample_reference, select_compile_config,
+                       reduce_compile_config, row_reduce_kernel, row_tiling, sample_reference,
+                       select_compile_config,
                        threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
 from .tl_helpers import compile_config, launch, next_pow2
@@ -516,7 +517,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 # SM12x readiness: the configurations the launcher picks at the Flash vocabulary (1024-wide
 # tiles), fp32 logits, int64 metadata.
 def _parallel_configs(stream: int):
-    """The op's own kernels (its row passes are registered by markov_sample)."""
+    """The op's own kernels and its reduce pass (its other row passes are registered by
+    markov_sample, select also here)."""
     d16, flags = "i32:16", dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     out = [compile_config(_rows_stats_kernel, dict(
         logits_ptr="*fp32", temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
@@ -536,8 +538,9 @@ def _parallel_configs(stream: int):
             stride_qi=d16, stride_tb="i32"), {}, 1))
     for rows in (1, 16, 48):
         _, CHUNK, C = row_tiling(rows, 129280)
-        if stream == STREAM_RESAMPLE:   # its select pass (the sampler's is the same kernel):
-            # statistics blocks are the 1024-token tiles
+        if stream == STREAM_RESAMPLE:   # its reduce and select passes (the sampler's are the
+            # same kernels): statistics blocks are the 1024-token tiles
+            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2))
             out.append(select_compile_config(1024, CHUNK, C, 1024, 129280))
         out.append(compile_config(_resample_kernel, dict(
             q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",

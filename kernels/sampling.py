@@ -1267,6 +1267,23 @@ def pdl_launch(pdl) -> dict:
     return dict(launch_pdl=True) if pdl else {}
 
 
+def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, mode: int,
+                          pdl: int = 0):
+    """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
+    tokens, statistics blocks of BLOCK_V, vocabulary V, MODE mode (2: with the threshold
+    histogram and the floor)."""
+    d16 = "i32:16"
+    return compile_config(row_reduce_kernel, dict(
+        bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
+        topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
+        rowf_ptr="*fp32", rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
+        floor_ptr="*fp32", live_ptr="*i32", V=d16, NBLK="i32", C=d16, CHUNK=d16,
+        stride_zb=d16, stride_db="i32", z_off=d16, step="i32", done_off="i32", RPR="i32"),
+        dict(NBLK_P2=next_pow2(triton.cdiv(V, BLOCK_V)), TILE=hist_tile(TILE, HIST_BINS),
+             NB=HIST_BINS, MODE=mode, C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
+             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, PDL=pdl), 4)
+
+
 def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
     TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V."""
@@ -1276,8 +1293,8 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, p
         rowi_ptr="*i32", above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64",
         ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32",
         rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32",
-        floor_ptr="*fp32", V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_zb=d16, z_off=d16, ccount_off="i32",
-        done_off="i32", RPR="i32"),
+        floor_ptr="*fp32", V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_zb=d16, z_off=d16,
+        ccount_off="i32", done_off="i32", RPR="i32"),
         dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True,

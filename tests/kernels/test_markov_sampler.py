@@ -384,6 +384,42 @@ def test_gpu_flash_dims_match_reference_and_replay_in_a_graph():
     torch.testing.assert_close(out_p[ng], eager_p[ng])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [4, 40], ids=["tile16", "tile64"])
+def test_gpu_full_plan_pdl_modes_equal_plain_launches(B):
+    """The full plan's launches with programmatic dependent launch, the next launch started
+    early (at every program's start) or late (after every program's main loop), give the bits
+    of plain launches -- eagerly and replayed from a CUDA graph -- on mixed rows: greedy,
+    temperature, top-k, top-p over peaked and Gaussian logits (the fused sampler is
+    deterministic, so a launch reading before its predecessor finished shows up here). B = 40
+    takes the 64-row tile, whose default is "early"; B = 4 the 16-row tile ("late")."""
+    dev = "cuda"
+    g, w1, w2 = flash_weights(2)
+    base = torch.randn(B, N, VF, device=dev, generator=g) * 3
+    base[::2, :, :64] += 14.0                               # peaked rows
+    anchor = torch.randint(0, VF, (B,), device=dev, generator=g)
+    T = torch.tensor([0.0, 1.0, 0.7, 1.0], device=dev).repeat(B // 4)
+    k = torch.tensor([0, 0, 50, 0], device=dev).repeat(B // 4)
+    p = torch.tensor([1.0, 0.95, 0.9, 0.95], device=dev).repeat(B // 4)
+    seed = torch.arange(B, device=dev) + 3
+    sp = torch.arange(B, device=dev) * 7
+    args = [base, anchor, w1, w2, T, k, p, seed, sp]
+    want_d, want_p = markov_sample_launch(*args, pdl=False)
+    for mode in ("early", "late"):
+        got_d, got_p = markov_sample_launch(*args, pdl=mode)
+        assert torch.equal(got_d, want_d), mode
+        assert torch.equal(got_p, want_p), mode
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_d, out_p = markov_sample_launch(*args, pdl=mode)
+        out_d.fill_(-1)
+        out_p.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out_d, want_d), mode
+        assert torch.equal(out_p, want_p), mode
+
+
 def flash_weights(seed):
     """(generator on cuda, W1, W2) at Flash dims (V = 129280, r = 256, bf16) for the GPU tests."""
     g = torch.Generator(device="cuda").manual_seed(seed)
