@@ -14,7 +14,7 @@ from dspark_compile.kernels.rejection import sample_launch
 from dspark_compile.kernels.sampling import (argmax_tokens, block_max_floor, f32_key, fold_ids,
                                              gather_candidates, gumbel_argmax, gumbel_noise,
                                              probs_from_processed, process_logits,
-                                             sample_reference, spill, tl_vocab_gumbel,
+                                             sample_reference, spill, sum_hists, tl_vocab_gumbel,
                                              tl_vocab_uniform)
 from stats_utils import chi2_pvalue
 
@@ -380,3 +380,26 @@ def test_block_max_floor_is_a_lower_bound_on_the_top_p_threshold(top_p):
     assert (out[:4] > rows[4:6].amax(1).max()).all() or top_p == 0.999
     # a single token: the floor is one grid step below it (the grid never tries d = 0)
     assert float(out[7]) == 1.0 - step
+
+
+@triton.jit
+def _sum_hists_kernel(hist_ptr, tot_ptr, tm_ptr, C, NB: tl.constexpr, C_P2: tl.constexpr):
+    tot, tm = sum_hists(hist_ptr, 0, C, NB, C_P2)
+    tl.store(tot_ptr + tl.arange(0, NB), tot)
+    tl.store(tm_ptr + tl.arange(0, NB), tm)
+
+
+@pytest.mark.parametrize("C,NB", [(1, 16), (63, 16), (70, 16), (70, 128), (5, 4)])
+def test_sum_hists_sums_every_program_histogram(C, NB):
+    """The last program's sum over C chunk histograms (counts, then fp32 mass bits, 2 NB int32
+    per program): one slab of 1024 / NB programs or several (C = 70 at 16 bins: 64 + 6; at 128
+    bins: 9 slabs of 8)."""
+    g = torch.Generator().manual_seed(C * NB)
+    cnt = torch.randint(0, 1000, (C, NB), generator=g, dtype=torch.int32)
+    mass = torch.rand(C, NB, generator=g) * 10
+    hist = torch.cat((cnt, mass.view(torch.int32)), 1).contiguous()
+    tot = torch.empty(NB, dtype=torch.int32)
+    tm = torch.empty(NB)
+    _sum_hists_kernel[(1,)](hist, tot, tm, C, NB=NB, C_P2=triton.next_power_of_2(C))
+    assert torch.equal(tot, cnt.sum(0))
+    torch.testing.assert_close(tm, mass.sum(0), rtol=1e-6, atol=1e-5)
