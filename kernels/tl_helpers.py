@@ -76,8 +76,9 @@ def pdl_enter(PDL: tl.constexpr):
 def pdl_release(PDL: tl.constexpr):
     """PDL 2: the next launch may start once every program of this one got here (a program that
     exits first counts as having got here). Programs the next launch starts early hold SM slots
-    while they wait, and are placed wherever slots were free, so a kernel that triggers at its
-    start can crowd its successor onto a few SMs."""
+    while they wait and are placed wherever slots were free: a kernel that triggers at its start
+    may crowd its successor onto a few SMs (the likely reason PDL 1 measured slower than PDL 2
+    at 4 rows on the H200, markov_sampler.PDL_BY_TILE; not measured directly)."""
     if PDL == 2:
         gdc_launch_dependents()
 
