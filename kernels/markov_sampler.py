@@ -88,12 +88,12 @@ from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE
                        argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
                        fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
                        lane_argmax_update, launch_select_refine, logprobs_from_processed,
-                       pack_argmax, pdl_launch, probs_from_processed, process_logits,
+                       pack_argmax, probs_from_processed, process_logits,
                        reduce_compile_config, refine_compile_config, row_flags,
                        row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
                        tile_max, tl_vocab_gumbel, unpack_token)
 from .tl_helpers import (PDL_MODES, compile_config, interpreting, launch, next_pow2,
-                         pdl_available, pdl_enter, pdl_release)
+                         pdl_available, pdl_enter, pdl_launch, pdl_release)
 
 
 def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos):

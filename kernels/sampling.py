@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .philox import STREAM_TARGET, vocab_gumbel
 from .region import fusable
-from .tl_helpers import compile_config, launch, next_pow2, pdl_enter, pdl_release
+from .tl_helpers import compile_config, launch, next_pow2, pdl_enter, pdl_launch, pdl_release
 
 NEG_INF = float("-inf")
 
@@ -435,9 +435,9 @@ def store_hist(hist_ptr, o, cnt, mass, NB: tl.constexpr):
 def sum_hists(hist_ptr, o, C, NB: tl.constexpr, C_P2: tl.constexpr):
     """(counts, masses) summed over the C program histograms from hist[o] on, in a fixed order
     (read past L1: other programs wrote them). Up to 1024 / NB programs' histograms (64 at the
-    default 16 bins) are requested at once (a loop over the C = 16-64 programs waited on one round trip each: 23 us per call at
-    B = 1 on the H200), in slabs beyond that (chunk and bin knobs), so the registers stay
-    bounded."""
+    default 16 bins) are requested at once, in slabs beyond that (chunk and bin knobs), so the
+    registers stay bounded. A loop over the C = 16-64 programs waited on one round trip each:
+    23 us per call at B = 1 on the H200."""
     SLAB: tl.constexpr = min(C_P2, max(1024 // NB, 1))
     cc = tl.arange(0, SLAB)
     idx = tl.arange(0, NB)
@@ -700,9 +700,9 @@ FLOOR_STEPS = tl.constexpr(10)
 def block_max_floor(bm, e, m, Z, top_p):
     """A lower bound on row's top-p threshold tau from its block maxima bm (-inf: none), their
     masses e = exp(bm - m) (0 for -inf), row max m and Z = sum exp(z - m) (fp32, the one tau's
-    target uses): v = m - d for the smallest
-    d on a grid of HIST_SPAN / 2^FLOOR_STEPS nats at which the blocks whose maximum is >= v hold,
-    in those maxima alone, a mass >= top_p * Z (1 + MASS_EPS). Each maximum is a token >= v, so
+    target uses): v = m - d for the smallest d on a grid of HIST_SPAN / 2^FLOOR_STEPS nats at
+    which the blocks whose maximum is >= v hold, in those maxima alone, a mass
+    >= top_p * Z (1 + MASS_EPS). Each maximum is a token >= v, so
     mass(z >= v) reaches the target and tau >= v: the threshold search can leave out every token
     below v (on peaked rows, all but a few tiles of the row). -inf when m - HIST_SPAN is no such
     v. The margin covers fp32 sums; resolve() checks the result exactly anyway (a search over
@@ -722,10 +722,12 @@ def block_max_floor(bm, e, m, Z, top_p):
 
 
 @triton.jit
-def live_tiles(live_ptr, bmax_ptr, b, NBLK, lo, hi, floor, STEP: tl.constexpr,
-               BLOCK_V: tl.constexpr, NT_P2: tl.constexpr):
-    """Flags (int32, one per STEP tokens of [lo, hi), at live_ptr) of the spans holding a token
-    >= floor, from the block maxima (blocks of BLOCK_V tokens). Decided once per program and read
+def live_tiles(live_ptr, bmax_ptr, b, NBLK, lo, hi, floor, m, jhi, STEP: tl.constexpr,
+               BLOCK_V: tl.constexpr, NT_P2: tl.constexpr, NB: tl.constexpr):
+    """Flags (int32, one per STEP tokens of [lo, hi), at live_ptr) of the spans a row pass must
+    read: those whose block maxima (blocks of BLOCK_V tokens) reach both the floor and histogram
+    bin jhi below the row max m (d_bin is monotone, so a span whose maximum lies in a later bin
+    holds nothing in bins <= jhi; jhi = NB - 1: no ceiling). Decided once per program and read
     back a span or two ahead of the loads they gate: a check in front of every load put a
     dependent load and a reduction there, and the passes waited on them (H200)."""
     BPT: tl.constexpr = 2 * max(STEP // BLOCK_V, 1)     # a power of two >= blocks touched
@@ -734,7 +736,8 @@ def live_tiles(live_ptr, bmax_ptr, b, NBLK, lo, hi, floor, STEP: tl.constexpr,
     blk = t0[:, None] // BLOCK_V + tl.arange(0, BPT)[None, :]
     okb = (t0[:, None] < hi) & (blk <= (t0[:, None] + STEP - 1) // BLOCK_V) & (blk < NBLK)
     tmx = tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=okb, other=float("-inf")), axis=1)
-    tl.store(live_ptr + ti, ((tmx > float("-inf")) & (tmx >= floor)).to(tl.int32))
+    alive = (tmx > float("-inf")) & (tmx >= floor) & (d_bin(tmx, m, NB) <= jhi)
+    tl.store(live_ptr + ti, alive.to(tl.int32))
     tl.debug_barrier()          # the flags are read back by other threads
 
 
@@ -822,10 +825,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
         if MODE == 2:
             if search & (~deg):
                 fl = tl.full((), float("-inf"), tl.float32)
-                Zs = tl.full((), -1.0, tl.float32)      # the row's Z, where bracket() needs it
                 if FLOOR:
                     if p_on & (~k_on):
-                        Zs = Z
                         fl = block_max_floor(bm, e, m, Z, p)
                 if c == 0:                  # select reads it for every row it searches
                     tl.store(floor_ptr + b, fl)
@@ -833,7 +834,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                 ms2 = tl.zeros((TILE, NB), tl.float32)
                 if fl > float("-inf"):
                     lrow = live_ptr + (b * C + c).to(tl.int64) * NT_P2
-                    live_tiles(lrow, bmax_ptr, b, NBLK, lo, hi, fl, 2 * TILE, BLOCK_V, NT_P2)
+                    live_tiles(lrow, bmax_ptr, b, NBLK, lo, hi, fl, m, NB - 1, 2 * TILE, BLOCK_V,
+                               NT_P2, NB)
                     one = tl.full((), 1, tl.int32)
                     live = tl.load(lrow)        # span 0: loaded above, before fl was known
                     ln = tl.load(lrow + one, mask=one < NT_P2, other=0)
@@ -874,7 +876,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                     k_on = k_on & (k <= tl.sum(tot, axis=0))
                     # the histogram lacks the tokens below the floor: the row's Z sets the target
                     jlo, jhi = bracket(tot, tm, k, p, k_on, p_on, NB,
-                                       tl.where(fl > float("-inf"), Zs, -1.0))
+                                       tl.where(fl > float("-inf"), Z, -1.0))
                     jj = tl.arange(0, NB)
                     # the bracket's exact token count: select gathers only what fits CAP
                     n_in = tl.sum(tl.where((jj >= jlo) & (jj <= jhi), tot, 0), axis=0)
@@ -953,28 +955,14 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
             kmax_v = tl.full((TILE,), -2147483648, tl.int32)
             n_sp = tl.zeros((), tl.int32)                      # tokens spilled (overflow)
             # The next tile is loaded before this one is used. Tiles wholly below the bracket
-            # hold nothing select needs; on peaked rows that is most of the row. Which tiles
-            # those are is decided once per program, from the block maxima, into `live` (a
-            # check in front of every tile's load put a dependent load and a reduction there,
-            # and the pass waited on them, H200); the loop reads one flag per tile, two ahead.
+            # hold nothing select needs; on peaked rows that is most of the row. Their flags
+            # (live_tiles) are read one per tile, two ahead.
             lo = c * CHUNK
             hi = tl.minimum(lo + CHUNK, V)
             ar = tl.arange(0, TILE)
             lrow = live_ptr + (b * C + c).to(tl.int64) * NT_P2
             if SKIP:
-                BPT: tl.constexpr = max(TILE // BLOCK_V, 1)    # blocks a tile touches, at most
-                ti = tl.arange(0, NT_P2)
-                t0 = lo + ti * TILE
-                blk = t0[:, None] // BLOCK_V + tl.arange(0, BPT)[None, :]
-                okb = (t0[:, None] < hi) & (blk <= (t0[:, None] + TILE - 1) // BLOCK_V) & \
-                    (blk < NBLK)
-                tmx = tl.max(tl.load(bmax_ptr + b * NBLK + blk, mask=okb,
-                                     other=float("-inf")), axis=1)
-                # d_bin is monotone: a tile whose maximum is below bin jhi has nothing in
-                # [jlo, jhi] and nothing above it
-                alive = (tmx > float("-inf")) & (d_bin(tmx, m, NB) <= jhi) & (tmx >= fl)
-                tl.store(lrow + ti, alive.to(tl.int32))
-                tl.debug_barrier()          # the flags are read back by other threads below
+                live_tiles(lrow, bmax_ptr, b, NBLK, lo, hi, fl, m, jhi, TILE, BLOCK_V, NT_P2, NB)
                 one = tl.full((), 1, tl.int32)
                 ln = tl.load(lrow)
                 lnn = tl.load(lrow + one, mask=one < NT_P2, other=0)
@@ -1266,12 +1254,6 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
         # the overflowing brackets' tokens, per chunk program (rows x V fp32 at most)
         spill=torch.empty((rows, C, CHUNK), dtype=torch.float32, device=dev),
         spn=torch.empty((rows, C), dtype=i32, device=dev))
-
-
-def pdl_launch(pdl) -> dict:
-    """Launch options of a kernel launched with programmatic dependent launch (pdl true or a
-    PDL mode > 0), or none."""
-    return dict(launch_pdl=True) if pdl else {}
 
 
 def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, mode: int,

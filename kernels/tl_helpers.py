@@ -54,6 +54,12 @@ def pdl_available(kernel, device) -> bool:
         torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_launch(pdl) -> dict:
+    """Launch options of a kernel launched with programmatic dependent launch (pdl true or a
+    PDL mode > 0), or none."""
+    return dict(launch_pdl=True) if pdl else {}
+
+
 # PDL (a kernel's constexpr): 0 off; 1 the next launch may start as soon as every program of
 # this one has started; 2 only once every program has reached pdl_release (after its main loop).
 PDL_MODES = {"off": 0, "early": 1, "late": 2}

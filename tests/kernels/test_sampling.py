@@ -376,8 +376,11 @@ def test_block_max_floor_is_a_lower_bound_on_the_top_p_threshold(top_p):
             assert float(out[r]) == NINF, r
         else:
             assert abs(float(out[r]) - want) <= 2 * step + 1e-5, (r, float(out[r]), want)
-    # peaked rows: the floor lies well above the bulk (its maximum is ~7 over 1000 tokens)
-    assert (out[:4] > rows[4:6].amax(1).max()).all() or top_p == 0.999
+    # peaked rows: the floor lies well above the bulk (its maximum is ~7 over 1000 tokens); at
+    # 0.999 the bulk's mass (~1e-3) is more than 3-12 lifted tokens leave, so no floor there
+    # on most of them -- what the float64 recomputation above also says
+    if top_p < 0.999:
+        assert (out[:4] > rows[4:6].amax(1).max()).all()
     # a single token: the floor is one grid step below it (the grid never tries d = 0)
     assert float(out[7]) == 1.0 - step
 
