@@ -143,9 +143,8 @@ def _skip_variants():
     threshold search reads the whole row, not only the tokens above the block maxima's floor
     (block_floor=False); `ours-nopdl`: plain launches (pdl=False), `ours-pdl-early` /
     `ours-pdl-late`: the next launch may start when every program has started / has finished its
-    main loop (pdl="early" / "late"); `ours-few0` / `ours-few64`:
-    thresholds always by bisection / pairwise up to 64 candidates (few_candidates;
-    FEW_CANDIDATES is 32)."""
+    main loop (pdl="early" / "late"); `ours-few0` / `ours-few64`: thresholds always by bisection
+    / pairwise up to 64 candidates (few_candidates; FEW_CANDIDATES is 32)."""
     return {"ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
             "ours-nofloor": lambda d: ms.markov_sample_launch(**d, block_floor=False),
             "ours-nopdl": lambda d: ms.markov_sample_launch(**d, pdl=False),
