@@ -47,6 +47,8 @@ def _ops(kw=None):
         "markov_topp": (lambda B: mk(B, 1.0, sc.TOP_P), markov()),
         "markov_topp_peaked": (lambda B: mk(B, 1.0, sc.TOP_P, peaked=True), markov()),
         "rejection_topp": (lambda B: sc._rejection_inputs(B, 1.0, sc.TOP_P, False), rejection()),
+        "rejection_topp_peaked": (lambda B: sc._rejection_inputs(B, 1.0, sc.TOP_P, False,
+                                                                 peaked=True), rejection()),
         "rejection_greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True), rejection()),
         "rejection_greedy/mode=greedy": (lambda B: sc._rejection_inputs(B, 0.0, 1.0, True),
                                          rejection("greedy")),

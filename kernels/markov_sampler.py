@@ -597,7 +597,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
-            rowi, thr["hist"], rst, counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, sz,
+            rowi, thr["hist"], rst, counters, thr["floor"], thr["live"],
+            rowi, V, NBLK, C, CHUNK, sz,        # (rowi: the unread need_ptr, GATE off)
             drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
             MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2],
             FLOOR=bool(block_floor) and MODE == 2,

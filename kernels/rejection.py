@@ -45,6 +45,7 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
                        gumbel_argmax, greedy_rows,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
+                       mass_scale_bits,
                        pack_argmax, unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
                        reduce_compile_config, row_reduce_kernel, row_tiling, sample_reference,
@@ -138,12 +139,15 @@ MODES = ("full", "greedy")
 #
 # The row passes of kernels/sampling.py (C programs per row), then the acceptance chain:
 #   stats    grid (rows, blocks): z = l / T into a scratch buffer + block statistics
+#   walk     grid (B,): the acceptance tests the statistics decide; flags the rows whose exact
+#            threshold is still read (knob `bounds`; see _bound_walk_kernel)
 #   reduce   row max, Z, argmax (greedy rows), top-k/top-p histogram + bracket    (sampling.py)
 #   select   exact top-k/top-p thresholds                                          (sampling.py)
+#            (reduce and select skip the rows the walk did not flag)
 #   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
 #   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
 #            writes the token.
-# Every row is read ~3 times (from L2 at small B: rows * 0.5 MB), q once: 5 launches +
+# Every searched row is read ~3 times (from L2 at small B: rows * 0.5 MB), q once: 6 launches +
 # REFINE_PASSES refinement launches (always launched; rows that need none exit at once).
 
 @triton.jit
@@ -230,9 +234,96 @@ def _row_p_params(rowf_ptr, rowi_ptr, r, trunc):
     return m, Zk, tau, deg
 
 
+# The bound walk (launch knob `bounds`, on by default): most acceptance tests need no exact
+# threshold, and a row whose threshold nothing reads is not searched. For a sampling row without
+# top-k, from the statistics pass alone (row max m, Z = sum exp(z - m), per-block maxima and sums):
+# - the kept mass Zk lies in [max(top_p Z, 1), Z]: the kept set reaches top_p Z (resolve()'s
+#   target) and always holds the row's top token (mass 1);
+# - x is kept iff the mass strictly above z_x is below max(top_p Z, 1 / SCALE) (resolve()'s
+#   fixed-point target), and that mass is at least the sum of exp(bmax - m) over the blocks whose
+#   maximum lies above z_x (each holds its maximum there; less up to 1 / SCALE per token for the
+#   fixed point's floors) and at most the sum of those blocks' whole masses;
+# so p(x) = exp(z_x - m) / Zk (0 if x is not kept) is bracketed, and "p(x) >= u q(x)" is often
+# decided either way. Every bound carries a relative margin BOUND_EPS, far above the fp32 sums'
+# and the fixed-point masses' error (<= 1e-5), so a decision never differs from the exact one.
+# Per request, in row order: sure accepts continue, the first sure rejection stops the walk
+# (that row is resampled), undecided rows are tested exactly later (assuming acceptance, the
+# walk goes on). The rows whose exact threshold is read (undecided rows, the stop row or the
+# bonus row) are flagged in `need`; reduce and select skip the others. The acceptance kernel
+# takes the walk's stored decisions (recomputing them there could round differently), and
+# greedy and top-k requests keep every row (dec 0: exact).
+BOUND_EPS = tl.constexpr(1e-3)
+
+
+@triton.jit
+def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, temp_ptr,
+                       topk_ptr, topp_ptr, seed_ptr, pos_ptr, need_ptr, dec_ptr, N, V, NBLK,
+                       stride_db, stride_qb, stride_qi, N_P2: tl.constexpr,
+                       NBLK_P2: tl.constexpr, SCALE: tl.constexpr):
+    b = tl.program_id(0)
+    N1 = N + 1
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
+    i = tl.arange(0, N_P2)
+    iv = i < N
+    r = b * N1 + i
+    dec = tl.zeros((N_P2,), tl.int32)          # 0 undecided (exact), 1 accept, 2 reject
+    if (~greedy) & (~k_on):
+        # every row's test at once: [rows, blocks] statistics, one round trip
+        d = tl.load(drafts_ptr + b * stride_db + i, mask=iv, other=-1).to(tl.int64)
+        dvalid = (d >= 0) & (d < V)
+        xf = tl.where(dvalid, d, 0)
+        qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf, mask=iv,
+                     other=0.0)
+        qx = tl.where((qx > 0.0) & (qx < float("inf")), qx, 0.0)
+        u = tl_uniform(tl.load(seed_ptr + b), tl.zeros((N_P2,), tl.int32),
+                       tl.load(pos_ptr + b) + i, _STREAM_ACCEPT)
+        uq = u * qx                             # as _accept_kernel rounds it
+        o = tl.arange(0, NBLK_P2)
+        so = r[:, None] * NBLK + o[None, :]
+        sm = iv[:, None] & (o < NBLK)[None, :]
+        bm = tl.load(bmax_ptr + so, mask=sm, other=float("-inf"))
+        bs = tl.load(bsum_ptr + so, mask=sm, other=0.0)
+        nan = tl.max(tl.load(bnan_ptr + so, mask=sm, other=0), axis=1)
+        m = tl.max(bm, axis=1)
+        deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))   # as reduce decides
+        zx = tl.load(z_ptr + r.to(tl.int64) * V + xf, mask=iv & ~deg, other=float("-inf"))
+        mm = tl.where(deg, 0.0, m)
+        e = tl.where(bm > float("-inf"), tl.exp(bm - mm[:, None]), 0.0)
+        Z = tl.where(iv & ~deg, tl.sum(bs * e, axis=1), 1.0)   # (1: no 0 / 0 in unused lanes)
+        above = bm > zx[:, None]
+        s_lo = tl.sum(tl.where(above, e, 0.0), axis=1)
+        s_hi = tl.sum(tl.where(above, bs * e, 0.0), axis=1)
+        T = p * Z
+        # membership: sure in / sure out (a row without top-p keeps every finite token)
+        fin = zx > float("-inf")
+        # (tl.where, not | / &, mixes the row's scalar flag with the vectors)
+        inside = fin & tl.where(p_on, (s_hi == 0.0)
+                                | (s_hi * (1.0 + BOUND_EPS) < T * (1.0 - BOUND_EPS)), True)
+        # (the exact masses are floors of e * SCALE: the mass above loses < 1 / SCALE a token)
+        outside = (~fin) | tl.where(p_on, s_lo * (1.0 - BOUND_EPS) >= tl.maximum(
+            T * (1.0 + BOUND_EPS), 1.0 / SCALE) + (V + 1.0) / SCALE, False)
+        zk_lo = tl.where(p_on, tl.maximum(T, 1.0), Z) * (1.0 - BOUND_EPS)
+        zk_hi = Z * (1.0 + BOUND_EPS)
+        ex = tl.exp(zx - mm)
+        acc_sure = inside & (ex / zk_hi >= uq * (1.0 + BOUND_EPS))
+        rej_sure = (inside & (ex / zk_lo < uq * (1.0 - BOUND_EPS))) | (outside & ~inside)
+        # exact 0 >= u q: an exact zero product accepts whatever p(x) is
+        dec = tl.where((uq == 0.0) & dvalid & (qx > 0.0), 1,
+                       tl.where(~dvalid | (qx <= 0.0) | deg | rej_sure, 2,
+                                tl.where(acc_sure, 1, 0)))
+        # the walk: rows after the first sure rejection are never read
+        stop = tl.min(tl.where(iv & (dec == 2), i, N), axis=0)
+        need = (i <= stop) & ((dec == 0) | (i == stop))
+        tl.store(need_ptr + r, need.to(tl.int32), mask=i <= N)
+        tl.store(dec_ptr + r, tl.where(i <= stop, dec, 0), mask=iv)
+    else:
+        tl.store(need_ptr + r, tl.full((N_P2,), 1, tl.int32), mask=i <= N)
+        tl.store(dec_ptr + r, dec, mask=iv)
+
+
 @triton.jit
 def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_ptr, topk_ptr,
-                   topp_ptr, seed_ptr, pos_ptr, tokens_ptr, num_ptr, a_ptr,
+                   topp_ptr, seed_ptr, pos_ptr, dec_ptr, tokens_ptr, num_ptr, a_ptr,
                    N, V, stride_db, stride_qb, stride_qi, stride_tb):
     b = tl.program_id(0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
@@ -246,8 +337,11 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
             d = tl.load(drafts_ptr + b * stride_db + i).to(tl.int64)
             dvalid = (d >= 0) & (d < V)
             xf = tl.where(dvalid, d, 0)
+            dc = tl.load(dec_ptr + r)           # the bound walk's decision (0: none)
             if greedy:
                 ok = dvalid & (d == tl.load(targ_ptr + r))
+            elif dc != 0:
+                ok = dc == 1
             else:
                 m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
                 zx = tl.load(z_ptr + r.to(tl.int64) * V + xf)
@@ -344,14 +438,17 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
 
 def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
                             seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
-                            cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True):
+                            cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True,
+                            bounds=True):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
     (the plan an all-greedy batch can capture: two launches, no scratch rows, draft_probs never
     read). `stream` keys the residual/bonus noise; plain target sampling is this with N = 0 and
     STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks;
-    `skip_below_bracket` (tuning) as in markov_sample_launch.
+    `skip_below_bracket` (tuning) as in markov_sample_launch. `bounds` (tuning; default on):
+    the bound walk decides what acceptance tests it can from the row statistics, and only the
+    rows whose exact threshold is still read are searched (see _bound_walk_kernel).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -378,7 +475,7 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
         return tokens, num
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
     args = (target_logits, drafts, draft_probs, *meta, tokens, num)
-    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket)
+    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds)
     return tokens, num
 
 
@@ -405,50 +502,79 @@ def _greedy(logits, drafts, tokens, num, tile, chunk):
         BLOCK=BLOCK, num_warps=4)
 
 
+def _stats(logits, temperature, TILE: int):
+    """The statistics pass over logits [B, N+1, V] (a _rows_view): z = l / T [rows, V] (greedy
+    rows unwritten) and per-block (max, argmax, sum exp(z - max), NaN flag) over blocks of
+    TILE tokens, as a dict."""
+    B, N1, V = logits.shape
+    R, NBLK, dev = B * N1, triton.cdiv(V, TILE), logits.device
+    st = dict(z=torch.empty((R, V), dtype=torch.float32, device=dev),
+              bmax=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
+              barg=torch.empty((R, NBLK), dtype=torch.int32, device=dev),
+              bsum=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
+              bnan=torch.empty((R, NBLK), dtype=torch.int32, device=dev))
+    launch(_rows_stats_kernel)[(R, NBLK)](
+        logits, temperature, st["z"], st["bmax"], st["barg"], st["bsum"], st["bnan"], V, NBLK,
+        N1, logits.stride(1), BLOCK=TILE, num_warps=4)
+    return st
+
+
+def _walk(st, drafts, q, flags, seed, start_pos, need, dec):
+    """The bound walk (one program per request) into need [rows] and dec [rows] (int32)."""
+    R, V = st["z"].shape
+    NBLK = st["bmax"].shape[1]
+    B = seed.shape[0]
+    N1 = R // B
+    launch(_bound_walk_kernel)[(B,)](
+        drafts, q, st["z"], st["bmax"], st["bsum"], st["bnan"], *flags, seed, start_pos, need,
+        dec, N1 - 1, V, NBLK, drafts.stride(0), q.stride(0), q.stride(1),
+        N_P2=next_pow2(N1), NBLK_P2=next_pow2(NBLK), SCALE=float(2 ** mass_scale_bits(V)),
+        num_warps=4)
+
+
 def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
-              chunk, cap, stream, skip):
+              chunk, cap, stream, skip, bounds):
     B, N1, V = logits.shape
     N, R, dev = N1 - 1, B * N1, logits.device
     logits = _rows_view(logits)
     TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
-    NBLK = triton.cdiv(V, TILE)                  # statistics blocks = tiles (tile_max skips)
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
-    z = torch.empty((R, V), dtype=f32, device=dev)
-    bmax = torch.empty((R, NBLK), dtype=f32, device=dev)
-    bsum = torch.empty((R, NBLK), dtype=f32, device=dev)
-    barg = torch.empty((R, NBLK), dtype=i32, device=dev)
-    bnan = torch.empty((R, NBLK), dtype=i32, device=dev)
+    # statistics blocks = tiles (tile_max skips)
+    st = _stats(logits, temperature, TILE)
+    z, bmax, bsum, barg, bnan = (st[n] for n in ("z", "bmax", "bsum", "barg", "bnan"))
+    NBLK = bmax.shape[1]
     rowf = torch.empty((R, 4), dtype=f32, device=dev)
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
     targ = torch.empty((R,), dtype=i64, device=dev)
     scratch = torch.empty((R,), dtype=i64, device=dev)
-    # one memset: ticket counters (reduce, select x2, resample, refine x2 per pass), then the
-    # refine state per row
+    # one memset: ticket counters (reduce, select x2, resample, refine x2 per pass), the
+    # refine state per row, then the bound walk's decisions (0: test exactly; the walk writes
+    # each request's, so without it every test is exact)
     NCNT = 3 * R + B + 2 * REFINE_PASSES * R
-    zeroed = torch.zeros((NCNT + 4 * R,), dtype=i32, device=dev)
-    counters, rst = zeroed[:NCNT], zeroed[NCNT:].view(R, 4)
+    zeroed = torch.zeros((NCNT + 5 * R,), dtype=i32, device=dev)
+    counters, rst, dec = zeroed[:NCNT], zeroed[NCNT:NCNT + 4 * R].view(R, 4), zeroed[NCNT + 4 * R:]
+    need = torch.empty((R,), dtype=i32, device=dev) if bounds else None
     thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
     flags = (temperature, top_k, top_p)
-    launch(_rows_stats_kernel)[(R, NBLK)](
-        logits, temperature, z, bmax, barg, bsum, bnan, V, NBLK, N1, logits.stride(1),
-        BLOCK=TILE, num_warps=4)
+    if bounds:
+        _walk(st, drafts, q, flags, seed, start_pos, need, dec)
     launch(row_reduce_kernel)[(R, C)](
         bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
-        counters, thr["floor"], thr["live"], V, NBLK, C, CHUNK, V, 1, 0, 0, 0, N1,
-        NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS,
-        MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE, NT_P2=thr["live"].shape[2], FLOOR=True,
-        num_warps=4)
+        counters, thr["floor"], thr["live"], rowi if need is None else need, V, NBLK, C, CHUNK,
+        V, 1, 0, 0, 0, N1, NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS),
+        NB=HIST_BINS, MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE, NT_P2=thr["live"].shape[2],
+        FLOOR=True, GATE=bounds, num_warps=4)
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
         flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
         V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip)
+        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip, need=need)
     launch(_accept_kernel)[(B,)](
-        drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, tokens, num, accepted,
+        drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, dec, tokens, num, accepted,
         N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)
     launch(_resample_kernel)[(B, C)](
         q, z, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
@@ -524,6 +650,14 @@ def _parallel_configs(stream: int):
         logits_ptr="*fp32", temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
         bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
         dict(BLOCK=1024), 4)]
+    # the bound walk: Flash's N = 5 drafts (6 rows) for rejection, one row for plain sampling
+    out.append(compile_config(_bound_walk_kernel, dict(
+        drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", bsum_ptr="*fp32",
+        bnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64", need_ptr="*i32",
+        dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32", stride_qb=d16,
+        stride_qi=d16),
+        dict(N_P2=8 if stream == STREAM_RESAMPLE else 1,
+             NBLK_P2=next_pow2(triton.cdiv(129280, 1024)), SCALE=float(2 ** mass_scale_bits(129280))), 4))
     if stream == STREAM_RESAMPLE:
         out.append(compile_config(_rows_argmax_kernel, dict(
             logits_ptr="*fp32", packed_ptr="*i64", V=d16, CHUNK=d16, stride_lr=d16),
@@ -533,15 +667,16 @@ def _parallel_configs(stream: int):
             N="i32", V=d16, stride_db="i32", stride_tb="i32"), dict(BLOCK=64), 4))
         out.append(compile_config(_accept_kernel, dict(
             drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
-            targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", tokens_ptr="*i64",
+            targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32",
+            tokens_ptr="*i64",
             num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_qb=d16,
             stride_qi=d16, stride_tb="i32"), {}, 1))
     for rows in (1, 16, 48):
         _, CHUNK, C = row_tiling(rows, 129280)
         if stream == STREAM_RESAMPLE:   # its reduce and select passes (the sampler's are the
             # same kernels): statistics blocks are the 1024-token tiles
-            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2))
-            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280))
+            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, gate=True))
+            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, gate=True))
         out.append(compile_config(_resample_kernel, dict(
             q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",

@@ -742,6 +742,15 @@ def live_tiles(live_ptr, bmax_ptr, b, NBLK, lo, hi, floor, m, jhi, STEP: tl.cons
 
 
 @triton.jit
+def row_needed(need_ptr, b, GATE: tl.constexpr):
+    """Whether row b is searched: always without GATE; with it, where need_ptr[b] != 0 (the
+    rejection plan's bound walk marks the rows whose exact threshold its consumers read)."""
+    if GATE:
+        return tl.load(need_ptr + b) != 0
+    return tl.full((), 1, tl.int1)
+
+
+@triton.jit
 def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
     """(greedy, k, top_p, k_on, p_on) of row b under the launch mode."""
     if MODE == 0:
@@ -762,15 +771,16 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 @triton.jit
 def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
                       z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
-                      floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, z_off, step,
-                      done_off, RPR, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
+                      floor_ptr, live_ptr, need_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, z_off,
+                      step, done_off, RPR, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
                       NB: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr = 1,
                       BLOCK_V: tl.constexpr = 1,
                       NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
-                      PDL: tl.constexpr = 0):
+                      GATE: tl.constexpr = False, PDL: tl.constexpr = 0):
     # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
     # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
     # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
+    # GATE: rows with need_ptr[b] == 0 are skipped whole (row_needed).
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -781,7 +791,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     # only chunk 0 has work for greedy / plain rows: the others skip reading the B x NBLK block
     # statistics (16 B per block: (C - 1) x 16 KB per row and step at the Flash vocabulary)
     search = (~greedy) & (k_on | p_on)
-    if (c == 0) | search:
+    if ((c == 0) | search) & row_needed(need_ptr, b, GATE):
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
@@ -916,14 +926,16 @@ def _select_tile(z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
 @triton.jit
 def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
                       above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
-                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, V, C, CHUNK,
-                      NBLK, stride_zb, z_off, ccount_off, done_off, RPR, TILE: tl.constexpr,
-                      NB: tl.constexpr, CAP: tl.constexpr, SCALE: tl.constexpr,
-                      C_P2: tl.constexpr, BLOCK_V: tl.constexpr, NT_P2: tl.constexpr,
-                      SKIP: tl.constexpr, FEW: tl.constexpr, SCAN: tl.constexpr = True,
+                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, need_ptr, V, C,
+                      CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
+                      TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                      SCALE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+                      NT_P2: tl.constexpr, SKIP: tl.constexpr, FEW: tl.constexpr,
+                      SCAN: tl.constexpr = True, GATE: tl.constexpr = False,
                       PDL: tl.constexpr = 0):
     # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
-    # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned
+    # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned.
+    # GATE: as in row_reduce_kernel (refine needs none: a skipped row's state stays 0)
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -931,8 +943,9 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
     ccount_ptr += ccount_off
     done_ptr += done_off
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, 2)
-    deg = tl.load(rowi_ptr + b * 4 + 3) != 0
-    if (~greedy) & (~deg) & (k_on | p_on):
+    search = (~greedy) & (k_on | p_on) & row_needed(need_ptr, b, GATE)
+    deg = tl.load(rowi_ptr + b * 4 + 3, mask=search, other=1) != 0
+    if search & (~deg):
         k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
         if (~k_on) & (~p_on):
             # top-k beyond the finite tokens (reduce turned it off) and no top-p: every finite
@@ -1257,37 +1270,40 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 
 
 def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, mode: int,
-                          pdl: int = 0):
+                          pdl: int = 0, gate: bool = False):
     """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
     tokens, statistics blocks of BLOCK_V, vocabulary V, MODE mode (2: with the threshold
-    histogram and the floor)."""
+    histogram and the floor); `gate`: rows skipped by need flags (the rejection plan)."""
     d16 = "i32:16"
     return compile_config(row_reduce_kernel, dict(
         bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
         topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
         rowf_ptr="*fp32", rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
-        floor_ptr="*fp32", live_ptr="*i32", V=d16, NBLK="i32", C=d16, CHUNK=d16,
-        stride_zb=d16, stride_db="i32", z_off=d16, step="i32", done_off="i32", RPR="i32"),
+        floor_ptr="*fp32", live_ptr="*i32", need_ptr="*i32", V=d16, NBLK="i32", C=d16,
+        CHUNK=d16, stride_zb=d16, stride_db="i32", z_off=d16, step="i32", done_off="i32",
+        RPR="i32"),
         dict(NBLK_P2=next_pow2(triton.cdiv(V, BLOCK_V)), TILE=hist_tile(TILE, HIST_BINS),
              NB=HIST_BINS, MODE=mode, C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
-             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, PDL=pdl), 4)
+             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, PDL=pdl), 4)
 
 
-def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0):
+def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0,
+                          gate: bool = False):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
-    TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V."""
+    TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V; `gate` as
+    in reduce_compile_config."""
     d16 = "i32:16"
     return compile_config(row_select_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
         rowi_ptr="*i32", above_m_ptr="*i64", above_c_ptr="*i64", rowa_ptr="*i64",
         ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32",
         rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32",
-        floor_ptr="*fp32", V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_zb=d16, z_off=d16,
-        ccount_off="i32", done_off="i32", RPR="i32"),
+        floor_ptr="*fp32", need_ptr="*i32", V=d16, C=d16, CHUNK=d16, NBLK="i32",
+        stride_zb=d16, z_off=d16, ccount_off="i32", done_off="i32", RPR="i32"),
         dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True,
-             PDL=pdl),
+             GATE=gate, PDL=pdl),
         SELECT_WARPS)
 
 
@@ -1312,7 +1328,7 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
                          bmax, BLOCK_V: int, skip: bool = True,
-                         few: int = FEW_CANDIDATES, pdl: int = 0) -> None:
+                         few: int = FEW_CANDIDATES, pdl: int = 0, need=None) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
@@ -1320,7 +1336,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     the bracket (`skip`, a tuning knob). `few` (0 or a power of two): up to this many gathered
     candidates are resolved pairwise, more by bisection (tuning knob and test hook). `pdl`: the
     kernels' PDL mode (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller
-    checked pdl_available)."""
+    checked pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
+    nonzero (row_needed); the refine passes follow, since a row select skips keeps state 0."""
     if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
         check_pow2("few", few, 1, 64)
     few = min(few, cap)
@@ -1330,10 +1347,10 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     launch(row_select_kernel)[(rowf.shape[0], C)](
         *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
         counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], s["floor"],
-        V, C,
+        rowi if need is None else need, V, C,
         CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1], RPR,
         TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, PDL=pdl,
+        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, GATE=need is not None, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl))
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](

@@ -369,3 +369,117 @@ def test_fused_threshold_refinement_on_near_flat_rows():
     got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, tile=256,
                                   chunk=512, cap=64)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- the bound walk: acceptance tests decided from the row statistics alone ----
+
+def _confident_case(seed, B, N, V):
+    """Target rows of a confident head (8 tokens 6-11 nats above a std-2 bulk) and drafts from
+    a nearby q: most acceptance tests are decided by the bound walk."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N + 1, V, generator=g) * 2
+    hot = torch.randint(0, V, (B, N + 1, 8), generator=g)
+    lift = 6 + 5 * torch.rand(B, N + 1, 1, generator=g)
+    logits = x.scatter_add_(-1, hot, lift.expand(B, N + 1, 8).contiguous())
+    q = torch.softmax(logits[:, :N] + 0.5 * torch.randn(B, N, V, generator=g), -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    return logits, drafts, q
+
+
+def _walk(logits, drafts, q, T, k, p, seed, pos, tile):
+    """The statistics pass and the bound walk alone: (need [B, N+1], dec [B, N])."""
+    from dspark_compile.kernels import rejection as rj
+    B, N1, V = logits.shape
+    st = rj._stats(logits.contiguous(), T, tile)
+    need = torch.full((B * N1,), -1, dtype=torch.int32)
+    dec = torch.full((B * N1,), -1, dtype=torch.int32)
+    rj._walk(st, drafts, q, (T, k, p), seed, pos, need, dec)
+    return need.view(B, N1), dec.view(B, N1)[:, :N1 - 1]
+
+
+def _exact_accepts(logits, drafts, q, T, k, p, seed, pos):
+    """Each draft's acceptance test as the reference decides it (as if the earlier ones passed)."""
+    from dspark_compile.kernels.philox import STREAM_ACCEPT, uniform
+    B, N1, V = logits.shape
+    N = N1 - 1
+    rep = lambda t: t.repeat_interleave(N1)  # noqa: E731
+    z = process_logits(logits.reshape(-1, V), rep(T), rep(k), rep(p))
+    pr = probs_from_processed(z).view(B, N1, V)[:, :N]
+    d = drafts.to(torch.int64)
+    valid = (d >= 0) & (d < V)
+    x = torch.where(valid, d, 0)[..., None]
+    px = pr.gather(2, x)[..., 0]
+    qc = torch.where(torch.isfinite(q) & (q > 0), q, torch.zeros_like(q))
+    qx = qc.gather(2, x)[..., 0]
+    posn = pos[:, None] + torch.arange(N)[None]
+    u = uniform(seed[:, None], torch.zeros_like(posn), posn, torch.full_like(posn, STREAM_ACCEPT))
+    return valid & (qx > 0) & (px >= u * qx)
+
+
+def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
+    """Every decision the walk takes is the exact test's; the rows it flags are exactly the ones
+    whose exact threshold is read (undecided tests, the resampled or bonus row); greedy and
+    top-k requests keep every row; and on confident rows it decides most tests (so most rows
+    are never searched)."""
+    B, N, V = 36, 4, 600
+    decided = flagged = tested = rows = 0
+    for s in range(3):
+        logits, drafts, q = _confident_case(s, B, N, V)
+        # requests 12..23: flatter rows (a std-2 bulk, nothing raised), where the blocks above
+        # a draft hold much more mass than their maxima; 24..35: confident rows under a sharper
+        # draft (q(x) > p(x) on the kept tokens), where the kept mass's bounds decide
+        g = torch.Generator().manual_seed(100 + s)
+        logits[12:24] = torch.randn(12, N + 1, V, generator=g) * 2
+        q[12:24] = torch.softmax(logits[12:24, :N] + 0.3 * torch.randn(12, N, V, generator=g), -1)
+        q[24:] = torch.softmax(2.5 * logits[24:, :N], -1)
+        drafts[12:] = torch.multinomial(q[12:].reshape(-1, V), 1, generator=g).view(-1, N)
+        T = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] + [1.0] * 24)
+        k = torch.tensor([0, 0, 0, 0, 0, 0, 0, 20, 0, 0, 0, 0] + [0] * 24)
+        p = torch.tensor([0.95, 0.9, 0.95, 1.0, 0.0, 0.5, 1.0, 0.95, 0.95, 0.95, 0.8, 0.99]
+                         + [0.3, 0.5, 0.7, 0.9, 0.95, 1.0] * 2 + [0.4, 0.5, 0.6, 0.8] * 3)
+        logits[8, 1, 5] = float("nan")                  # a degenerate row mid-chain
+        drafts[9, 1] = V + 3                            # an out-of-range draft
+        q[10, 0, drafts[10, 0]] = 0.0                   # a draft its q gives no mass
+        logits[11, :, : V // 2] = NINF                  # whole -inf blocks
+        seed = torch.randint(0, 2 ** 62, (B,), generator=torch.Generator().manual_seed(s))
+        pos = torch.arange(B) * 11 + s
+        need, dec = _walk(logits, drafts, q, T, k, p, seed, pos, tile=64)
+        exact = _exact_accepts(logits, drafts, q, T, k, p, seed, pos)
+        for b in range(B):
+            if T[b] <= 0 or k[b] > 0:
+                assert (need[b] == 1).all() and (dec[b] == 0).all(), b
+                continue
+            rej = (dec[b] == 2).nonzero()
+            stop = int(rej[0]) if len(rej) else N
+            for i in range(stop + 1):
+                if i < N and dec[b, i] == 1:
+                    assert exact[b, i], (s, b, i)
+                if i < N and dec[b, i] == 2:
+                    assert not exact[b, i] and i == stop, (s, b, i)
+                assert need[b, i] == int(i == stop or dec[b, i] == 0), (s, b, i)
+            assert (need[b, stop + 1:] == 0).all(), (s, b)
+            if b < 6:                                   # the confident, well-formed requests
+                decided += int((dec[b, :min(stop + 1, N)] != 0).sum())
+                tested += min(stop + 1, N)
+                flagged += int(need[b].sum())
+                rows += N + 1
+    assert decided >= 0.6 * tested, (decided, tested)
+    assert flagged <= 0.5 * rows, (flagged, rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
+    """The whole op with the walk (rows skipped by reduce / select, decided tests taken as
+    stored) and without it: both the reference's tokens, at tilings with several chunks."""
+    B, N, V = 6, 4, 500
+    logits, drafts, q = _confident_case(10 + seed, B, N, V)
+    T = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 1.0])
+    k = torch.tensor([0, 0, 0, 0, 7, 0])
+    p = torch.tensor([0.95, 0.9, 1.0, 0.95, 0.9, 0.3])
+    sd = torch.arange(B) * 31 + seed
+    pos = torch.arange(B) * 7
+    want = rejection_sample_reference(logits, drafts, q, T, k, p, sd, pos)
+    for bounds in (True, False):
+        got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
+                                      bounds=bounds)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bounds
