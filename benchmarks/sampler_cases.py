@@ -26,7 +26,9 @@ Cases per B (requests):
 - `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
   T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows;
   `ours-mode-greedy` is the op's all-greedy plan (mode="greedy", the engine's greedy variant).
-  `ours-nobounds` (top-p cases): without the bound walk, every target row is searched.
+  `ours-nobounds` (top-p cases): without the bound walk, every target row is searched;
+  `ours-nopdl` / `ours-pdl-early` / `ours-pdl-late`: the launches after the statistics pass
+  without programmatic dependent launch / with each trigger point.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
@@ -251,7 +253,10 @@ def rejection_cases(batches):
                 **d, mode="greedy")} if greedy else {
                 "ours-noskip": lambda d: rj.rejection_sample_launch(**d,
                                                                     skip_below_bracket=False),
-                "ours-nobounds": lambda d: rj.rejection_sample_launch(**d, bounds=False)}
+                "ours-nobounds": lambda d: rj.rejection_sample_launch(**d, bounds=False),
+                **{f"ours-{n}": (lambda m: lambda d: rj.rejection_sample_launch(**d, pdl=m))(m)
+                   for n, m in (("nopdl", False), ("pdl-early", "early"),
+                                ("pdl-late", "late"))}}
             out.append(Case("sampler", name, {"B": B, "N": N}, make,
                             lambda d: rj.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),

@@ -52,7 +52,8 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        select_compile_config,
                        threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
-from .tl_helpers import compile_config, launch, next_pow2
+from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter,
+                         pdl_launch, pdl_release)
 
 
 def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
@@ -259,7 +260,8 @@ BOUND_EPS = tl.constexpr(1e-3)
 def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, temp_ptr,
                        topk_ptr, topp_ptr, seed_ptr, pos_ptr, need_ptr, dec_ptr, N, V, NBLK,
                        stride_db, stride_qb, stride_qi, N_P2: tl.constexpr,
-                       NBLK_P2: tl.constexpr, SCALE: tl.constexpr):
+                       NBLK_P2: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     N1 = N + 1
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
@@ -324,7 +326,8 @@ def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, t
 @triton.jit
 def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_ptr, topk_ptr,
                    topp_ptr, seed_ptr, pos_ptr, dec_ptr, tokens_ptr, num_ptr, a_ptr,
-                   N, V, stride_db, stride_qb, stride_qi, stride_tb):
+                   N, V, stride_db, stride_qb, stride_qi, stride_tb, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
     seed = tl.load(seed_ptr + b)
@@ -370,7 +373,8 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                      seed_ptr, pos_ptr, a_ptr, tokens_ptr, part_f_ptr, part_i_ptr, done_ptr,
                      N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb, done_off,
                      TILE: tl.constexpr, BLOCK: tl.constexpr, C_P2: tl.constexpr,
-                     STREAM: tl.constexpr):
+                     STREAM: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     done_ptr += done_off
@@ -408,6 +412,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                 s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
                 br_v, bri_v = lane_argmax_update(br_v, bri_v, sr, offs)
                 bp_v, bpi_v = lane_argmax_update(bp_v, bpi_v, s, offs)
+        pdl_release(PDL)
         rsum = tl.sum(rsum_v, axis=0)
         br, bri = lane_argmax_finish(br_v, bri_v)
         bp, bpi = lane_argmax_finish(bp_v, bpi_v)
@@ -439,7 +444,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
 def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
                             seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
                             cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True,
-                            bounds=True):
+                            bounds=True, pdl=True):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
@@ -448,7 +453,10 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks;
     `skip_below_bracket` (tuning) as in markov_sample_launch. `bounds` (tuning; default on):
     the bound walk decides what acceptance tests it can from the row statistics, and only the
-    rows whose exact threshold is still read are searched (see _bound_walk_kernel).
+    rows whose exact threshold is still read are searched (see _bound_walk_kernel). `pdl`
+    (tuning; NVIDIA sm_90+ only): every launch of mode "full" after the statistics pass uses
+    programmatic dependent launch: True (PDL_BY_REQUESTS' choice), False or a
+    tl_helpers.PDL_MODES key, as markov_sample_launch's.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -458,6 +466,7 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     B, N1, V = target_logits.shape
     N = N1 - 1
     dev = target_logits.device
+    mode_pdl = _pdl_mode(pdl, B)            # checked everywhere, used where available
     tokens = torch.empty((B, N1), dtype=torch.int64, device=dev)
     num = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
@@ -475,8 +484,26 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
         return tokens, num
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
     args = (target_logits, drafts, draft_probs, *meta, tokens, num)
-    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds)
+    if not pdl_available(_accept_kernel, dev):
+        mode_pdl = 0
+    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds, mode_pdl)
     return tokens, num
+
+
+# The full plan's PDL mode per request count (tl_helpers.pdl_release): as the Markov sampler's
+# table (markov_sampler.PDL_BY_TILE, "late" up to 32 requests, "early" beyond), pending a
+# rejection A/B of its own.
+PDL_BY_REQUESTS = ((32, "late"), (None, "early"))
+
+
+def _pdl_mode(pdl, B: int) -> int:
+    """The kernels' PDL constexpr for the launcher's `pdl` knob."""
+    if pdl is True:
+        pdl = next(m for most, m in PDL_BY_REQUESTS if most is None or B <= most)
+    key = "off" if pdl is False else pdl
+    if key not in PDL_MODES:
+        raise ValueError(f"pdl must be True, False or one of {sorted(PDL_MODES)}, got {pdl!r}")
+    return PDL_MODES[key]
 
 
 def _rows_view(logits):
@@ -519,7 +546,7 @@ def _stats(logits, temperature, TILE: int):
     return st
 
 
-def _walk(st, drafts, q, flags, seed, start_pos, need, dec):
+def _walk(st, drafts, q, flags, seed, start_pos, need, dec, pdl=0):
     """The bound walk (one program per request) into need [rows] and dec [rows] (int32)."""
     R, V = st["z"].shape
     NBLK = st["bmax"].shape[1]
@@ -529,11 +556,11 @@ def _walk(st, drafts, q, flags, seed, start_pos, need, dec):
         drafts, q, st["z"], st["bmax"], st["bsum"], st["bnan"], *flags, seed, start_pos, need,
         dec, N1 - 1, V, NBLK, drafts.stride(0), q.stride(0), q.stride(1),
         N_P2=next_pow2(N1), NBLK_P2=next_pow2(NBLK), SCALE=float(2 ** mass_scale_bits(V)),
-        num_warps=4)
+        PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
-              chunk, cap, stream, skip, bounds):
+              chunk, cap, stream, skip, bounds, pdl):
     B, N1, V = logits.shape
     N, R, dev = N1 - 1, B * N1, logits.device
     logits = _rows_view(logits)
@@ -560,26 +587,28 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
     flags = (temperature, top_k, top_p)
     if bounds:
-        _walk(st, drafts, q, flags, seed, start_pos, need, dec)
+        _walk(st, drafts, q, flags, seed, start_pos, need, dec, pdl)
     launch(row_reduce_kernel)[(R, C)](
         bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
         counters, thr["floor"], thr["live"], rowi if need is None else need, V, NBLK, C, CHUNK,
         V, 1, 0, 0, 0, N1, NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS),
         NB=HIST_BINS, MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE, NT_P2=thr["live"].shape[2],
-        FLOOR=True, GATE=bounds, num_warps=4)
+        FLOOR=True, GATE=bounds, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
         flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
         V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip, need=need)
+        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip, need=need, pdl=pdl)
     launch(_accept_kernel)[(B,)](
         drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, dec, tokens, num, accepted,
-        N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), num_warps=1)
+        N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), PDL=pdl,
+        num_warps=1, **pdl_launch(pdl))
     launch(_resample_kernel)[(B, C)](
         q, z, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
         counters, N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0), 3 * R,
-        TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, num_warps=4)
+        TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, PDL=pdl, num_warps=4,
+        **pdl_launch(pdl))
 
 
 def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=None,
@@ -646,6 +675,7 @@ def _parallel_configs(stream: int):
     """The op's own kernels and its reduce pass (its other row passes are registered by
     markov_sample, select also here)."""
     d16, flags = "i32:16", dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
+    pdl = _pdl_mode(True, 8)        # what a launch on sm_90+ picks for these few requests
     out = [compile_config(_rows_stats_kernel, dict(
         logits_ptr="*fp32", temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
         bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
@@ -657,7 +687,8 @@ def _parallel_configs(stream: int):
         dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32", stride_qb=d16,
         stride_qi=d16),
         dict(N_P2=8 if stream == STREAM_RESAMPLE else 1,
-             NBLK_P2=next_pow2(triton.cdiv(129280, 1024)), SCALE=float(2 ** mass_scale_bits(129280))), 4))
+             NBLK_P2=next_pow2(triton.cdiv(129280, 1024)),
+             SCALE=float(2 ** mass_scale_bits(129280)), PDL=pdl), 4))
     if stream == STREAM_RESAMPLE:
         out.append(compile_config(_rows_argmax_kernel, dict(
             logits_ptr="*fp32", packed_ptr="*i64", V=d16, CHUNK=d16, stride_lr=d16),
@@ -670,20 +701,20 @@ def _parallel_configs(stream: int):
             targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32",
             tokens_ptr="*i64",
             num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_qb=d16,
-            stride_qi=d16, stride_tb="i32"), {}, 1))
+            stride_qi=d16, stride_tb="i32"), dict(PDL=pdl), 1))
     for rows in (1, 16, 48):
         _, CHUNK, C = row_tiling(rows, 129280)
         if stream == STREAM_RESAMPLE:   # its reduce and select passes (the sampler's are the
             # same kernels): statistics blocks are the 1024-token tiles
-            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, gate=True))
-            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, gate=True))
+            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=True))
+            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=True))
         out.append(compile_config(_resample_kernel, dict(
             q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
             part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
             CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16, stride_tb="i32",
             done_off="i32"),
-            dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream), 4))
+            dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream, PDL=pdl), 4))
     return out
 
 

@@ -483,3 +483,62 @@ def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
         got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
                                       bounds=bounds)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bounds
+
+
+def test_pdl_knob_is_checked():
+    logits, drafts, q = _confident_case(0, 2, 2, 64)
+    args = (logits, drafts, q, *meta(2, 1.0, 0, 0.9), torch.arange(2), torch.arange(2))
+    for mode in ("full", "greedy"):
+        with pytest.raises(ValueError, match="pdl must be"):
+            rejection_sample_launch(*args, mode, pdl="sometimes")
+
+
+def _gpu_confident_case(B, dev):
+    """Flash-vocabulary target rows for the GPU tests: confident and flat requests, greedy,
+    top-k and low top-p ones, a degenerate row and an out-of-range draft."""
+    N, V = 5, 129280
+    g = torch.Generator(device=dev).manual_seed(B)
+    x = torch.randn(B, N + 1, V, device=dev, generator=g) * 2
+    hot = torch.randint(0, V, (B, N + 1, 32), device=dev, generator=g)
+    lift = 9 + 6 * torch.rand(B, N + 1, 1, device=dev, generator=g)
+    logits = x.scatter_add_(-1, hot, lift.expand(B, N + 1, 32).contiguous())
+    logits[B // 2:] = torch.randn(B - B // 2, N + 1, V, device=dev, generator=g) * 3
+    q = torch.softmax(logits[:, :N] + torch.randn(B, N, V, device=dev, generator=g) * 0.5, -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    T = torch.ones(B, device=dev)
+    T[0] = 0.0
+    k = torch.zeros(B, dtype=torch.int64, device=dev)
+    k[1] = 50
+    p = torch.full((B,), 0.95, device=dev)
+    p[2 % B] = 0.5
+    if B > 3:
+        logits[3, 2, 7] = float("nan")
+        drafts[-1, 1] = V + 5
+    seed = torch.randint(0, 2 ** 62, (B,), device=dev, generator=g)
+    pos = torch.arange(B, device=dev) * 13
+    return [logits, drafts, q, T, k, p, seed, pos]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [4, 40])
+def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
+    """At the Flash vocabulary: the bound walk on and off, with PDL off / early / late, give the
+    reference's tokens; the default plan replayed in a CUDA graph on new inputs too."""
+    args = _gpu_confident_case(B, "cuda")
+    want = rejection_sample_reference(*args)
+    for bounds in (True, False):
+        for pdl in (False, "early", "late"):
+            got = rejection_sample_launch(*args, bounds=bounds, pdl=pdl)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (bounds, pdl)
+    static = [a.clone() for a in args]
+    torch.ops.dspark.rejection_sample(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dspark.rejection_sample(*static)
+    new = _gpu_confident_case(B + 1, "cuda")
+    new = [n[:B] for n in new]
+    for s, n in zip(static, new):
+        s.copy_(n)
+    graph.replay()
+    want = rejection_sample_reference(*new)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
