@@ -490,10 +490,11 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
     return tokens, num
 
 
-# The full plan's PDL mode per request count (tl_helpers.pdl_release): as the Markov sampler's
-# table (markov_sampler.PDL_BY_TILE, "late" up to 32 requests, "early" beyond), pending a
-# rejection A/B of its own.
-PDL_BY_REQUESTS = ((32, "late"), (None, "early"))
+# The full plan's PDL mode per request count (tl_helpers.pdl_release), from the H200 A/B of
+# session 8 (benchmarks/results/h200_sampler_2026-11-29/, s8_2): "late" 6 us faster than
+# "early" at B = 1 on Gaussian rows (0.6 us on peaked ones), "early" 1-3 us faster at B = 4, 16
+# and 64 (within 1 us at 64). PDL against none: -2 to -6 us per call. B = 2, 3 not measured.
+PDL_BY_REQUESTS = ((2, "late"), (None, "early"))
 
 
 def _pdl_mode(pdl, B: int) -> int:
