@@ -28,9 +28,10 @@ fewer bytes but was latency-bound, and measured slower at every B on the H200 (B
 Mode "greedy" (every row greedy, whatever its temperature: the plan of the engine's all-greedy
 step variant, dspark_compile/variants.py): one launch reads each target row once, (rows,
 chunks) programs maxing packed (value, lowest id) keys into one int64 per row
-(kernels/sampling.py pack_argmax), and one small launch walks the acceptance chain. No z copy,
-no scratch rows, draft_probs never read; B * (N + 1) * V * 4 bytes read (Flash, B = 64: 199 MB,
-~47 us at 4.2 TB/s) against the full plan's several passes and ~400 MB of scratch.
+(kernels/sampling.py pack_argmax), and one small launch walks the acceptance chain. No scratch
+rows, draft_probs never read; B * (N + 1) * V * 4 bytes read (Flash, B = 64: 199 MB,
+~47 us at 4.2 TB/s) against the full plan's several passes and ~200 MB of scratch (its spill
+regions).
 """
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
                        gumbel_argmax, greedy_rows,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
-                       mass_scale_bits,
-                       pack_argmax, unpack_token,
+                       load_z, mass_scale_bits, pack_argmax, row_t, unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
-                       reduce_compile_config, row_reduce_kernel, row_tiling, sample_reference,
+                       reduce_compile_config, refine_compile_config, row_reduce_kernel,
+                       row_tiling, sample_reference,
                        select_compile_config,
                        threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
@@ -139,7 +140,8 @@ _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
 MODES = ("full", "greedy")
 #
 # The row passes of kernels/sampling.py (C programs per row), then the acceptance chain:
-#   stats    grid (rows, blocks): z = l / T into a scratch buffer + block statistics
+#   stats    grid (rows, blocks): block statistics of z = l / T (z is not stored: every later
+#            pass scales the logits it reads, load_z, bit for bit as this pass does)
 #   walk     grid (B,): the acceptance tests the statistics decide; flags the rows whose exact
 #            threshold is still read (knob `bounds`; see _bound_walk_kernel)
 #   reduce   row max, Z, argmax (greedy rows), top-k/top-p histogram + bracket    (sampling.py)
@@ -152,7 +154,7 @@ MODES = ("full", "greedy")
 # REFINE_PASSES refinement launches (always launched; rows that need none exit at once).
 
 @triton.jit
-def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
+def _rows_stats_kernel(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
                        V, NBLK, RPR, stride_lr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     blk = tl.program_id(1)
@@ -162,7 +164,6 @@ def _rows_stats_kernel(logits_ptr, temp_ptr, z_ptr, bmax_ptr, barg_ptr, bsum_ptr
     vm = offs < V
     x = tl.load(logits_ptr + r.to(tl.int64) * stride_lr + offs, mask=vm, other=0.0)
     z = tl.math.div_rn(x.to(tl.float32), tl.where(greedy, 1.0, temp))
-    tl.store(z_ptr + r.to(tl.int64) * V + offs, z, mask=vm & (greedy == 0))
     isnan = (z != z) & vm
     zn = tl.where(isnan | ~vm, float("-inf"), z)
     bmax = tl.max(zn, axis=0)
@@ -259,7 +260,7 @@ BOUND_EPS = tl.constexpr(1e-3)
 @triton.jit
 def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, temp_ptr,
                        topk_ptr, topp_ptr, seed_ptr, pos_ptr, need_ptr, dec_ptr, N, V, NBLK,
-                       stride_db, stride_qb, stride_qi, N_P2: tl.constexpr,
+                       stride_db, stride_qb, stride_qi, stride_zr, N_P2: tl.constexpr,
                        NBLK_P2: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -288,7 +289,8 @@ def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, t
         nan = tl.max(tl.load(bnan_ptr + so, mask=sm, other=0), axis=1)
         m = tl.max(bm, axis=1)
         deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))   # as reduce decides
-        zx = tl.load(z_ptr + r.to(tl.int64) * V + xf, mask=iv & ~deg, other=float("-inf"))
+        zx = load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, iv & ~deg,
+                    row_t(temp_ptr, b, True), True)
         mm = tl.where(deg, 0.0, m)
         e = tl.where(bm > float("-inf"), tl.exp(bm - mm[:, None]), 0.0)
         Z = tl.where(iv & ~deg, tl.sum(bs * e, axis=1), 1.0)   # (1: no 0 / 0 in unused lanes)
@@ -326,7 +328,8 @@ def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, t
 @triton.jit
 def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_ptr, topk_ptr,
                    topp_ptr, seed_ptr, pos_ptr, dec_ptr, tokens_ptr, num_ptr, a_ptr,
-                   N, V, stride_db, stride_qb, stride_qi, stride_tb, PDL: tl.constexpr = 0):
+                   N, V, stride_db, stride_qb, stride_qi, stride_tb, stride_zr,
+                   PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
@@ -347,7 +350,8 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
                 ok = dc == 1
             else:
                 m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
-                zx = tl.load(z_ptr + r.to(tl.int64) * V + xf)
+                zx = load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, xf < V,
+                            row_t(temp_ptr, b, True), True)
                 px = tl.where((zx >= tau) & (zx > float("-inf")) & ~deg,
                               tl.math.div_rn(tl.exp(zx - m), Zk), 0.0)
                 qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf)
@@ -371,7 +375,7 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
 @triton.jit
 def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_ptr, topp_ptr,
                      seed_ptr, pos_ptr, a_ptr, tokens_ptr, part_f_ptr, part_i_ptr, done_ptr,
-                     N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb, done_off,
+                     N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb, stride_zr, done_off,
                      TILE: tl.constexpr, BLOCK: tl.constexpr, C_P2: tl.constexpr,
                      STREAM: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
@@ -388,7 +392,8 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
         pos = tl.load(pos_ptr + b) + a
         use_q = a < N
         qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(a, N - 1) * stride_qi
-        zrow = z_ptr + r.to(tl.int64) * V
+        zrow = z_ptr + r.to(tl.int64) * stride_zr
+        t = row_t(temp_ptr, b, True)
         # per-lane partials, reduced once at the end
         rsum_v = tl.zeros((TILE,), tl.float32)
         br_v = tl.full((TILE,), float("-inf"), tl.float32)
@@ -400,7 +405,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
             if (tile_max(bmax_ptr, r, NBLK, v0, TILE, BLOCK) >= tau) & ~deg:
                 offs = v0 + tl.arange(0, TILE)
                 vm = offs < V
-                z = tl.load(zrow + offs, mask=vm, other=float("-inf"))
+                z = load_z(zrow + offs, vm, t, True)
                 keep = (z >= tau) & (z > float("-inf"))
                 pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
                 qv = tl.load(qrow + offs, mask=vm & use_q, other=0.0)
@@ -531,31 +536,29 @@ def _greedy(logits, drafts, tokens, num, tile, chunk):
 
 
 def _stats(logits, temperature, TILE: int):
-    """The statistics pass over logits [B, N+1, V] (a _rows_view): z = l / T [rows, V] (greedy
-    rows unwritten) and per-block (max, argmax, sum exp(z - max), NaN flag) over blocks of
-    TILE tokens, as a dict."""
+    """The statistics pass over logits [B, N+1, V] (a _rows_view): per-block (max, argmax,
+    sum exp(z - max), NaN flag) of z = l / T over blocks of TILE tokens, as a dict. z itself is
+    not stored: the later passes scale the logits as they read them (load_z)."""
     B, N1, V = logits.shape
     R, NBLK, dev = B * N1, triton.cdiv(V, TILE), logits.device
-    st = dict(z=torch.empty((R, V), dtype=torch.float32, device=dev),
-              bmax=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
+    st = dict(bmax=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
               barg=torch.empty((R, NBLK), dtype=torch.int32, device=dev),
               bsum=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
               bnan=torch.empty((R, NBLK), dtype=torch.int32, device=dev))
     launch(_rows_stats_kernel)[(R, NBLK)](
-        logits, temperature, st["z"], st["bmax"], st["barg"], st["bsum"], st["bnan"], V, NBLK,
+        logits, temperature, st["bmax"], st["barg"], st["bsum"], st["bnan"], V, NBLK,
         N1, logits.stride(1), BLOCK=TILE, num_warps=4)
     return st
 
 
-def _walk(st, drafts, q, flags, seed, start_pos, need, dec, pdl=0):
-    """The bound walk (one program per request) into need [rows] and dec [rows] (int32)."""
-    R, V = st["z"].shape
+def _walk(logits, st, drafts, q, flags, seed, start_pos, need, dec, pdl=0):
+    """The bound walk (one program per request) over logits (a _rows_view) and their
+    statistics, into need [rows] and dec [rows] (int32)."""
+    B, N1, V = logits.shape
     NBLK = st["bmax"].shape[1]
-    B = seed.shape[0]
-    N1 = R // B
     launch(_bound_walk_kernel)[(B,)](
-        drafts, q, st["z"], st["bmax"], st["bsum"], st["bnan"], *flags, seed, start_pos, need,
-        dec, N1 - 1, V, NBLK, drafts.stride(0), q.stride(0), q.stride(1),
+        drafts, q, logits, st["bmax"], st["bsum"], st["bnan"], *flags, seed, start_pos, need,
+        dec, N1 - 1, V, NBLK, drafts.stride(0), q.stride(0), q.stride(1), logits.stride(1),
         N_P2=next_pow2(N1), NBLK_P2=next_pow2(NBLK), SCALE=float(2 ** mass_scale_bits(V)),
         PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
@@ -569,7 +572,8 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     # statistics blocks = tiles (tile_max skips)
     st = _stats(logits, temperature, TILE)
-    z, bmax, bsum, barg, bnan = (st[n] for n in ("z", "bmax", "bsum", "barg", "bnan"))
+    bmax, bsum, barg, bnan = (st[n] for n in ("bmax", "bsum", "barg", "bnan"))
+    sz = logits.stride(1)                        # row r of z = logits row r / T (load_z)
     NBLK = bmax.shape[1]
     rowf = torch.empty((R, 4), dtype=f32, device=dev)
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
@@ -588,26 +592,26 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
     flags = (temperature, top_k, top_p)
     if bounds:
-        _walk(st, drafts, q, flags, seed, start_pos, need, dec, pdl)
+        _walk(logits, st, drafts, q, flags, seed, start_pos, need, dec, pdl)
     launch(row_reduce_kernel)[(R, C)](
-        bmax, barg, bsum, bnan, *flags, z, targ, scratch, rowf, rowi, thr["hist"], rst,
+        bmax, barg, bsum, bnan, *flags, logits, targ, scratch, rowf, rowi, thr["hist"], rst,
         counters, thr["floor"], thr["live"], rowi if need is None else need, V, NBLK, C, CHUNK,
-        V, 1, 0, 0, 0, N1, NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS),
+        sz, 1, 0, 0, 0, N1, NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS),
         NB=HIST_BINS, MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE, NT_P2=thr["live"].shape[2],
-        FLOOR=True, GATE=bounds, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+        FLOOR=True, GATE=bounds, SCALED=True, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
-        flags, z, 0, V, rowf, rowi, rst, thr, counters, (R, 2 * R),
+        flags, logits, 0, sz, rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
         V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip, need=need, pdl=pdl)
+        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip, need=need, pdl=pdl, scaled=True)
     launch(_accept_kernel)[(B,)](
-        drafts, q, z, rowf, rowi, targ, *flags, seed, start_pos, dec, tokens, num, accepted,
-        N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), PDL=pdl,
+        drafts, q, logits, rowf, rowi, targ, *flags, seed, start_pos, dec, tokens, num, accepted,
+        N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), sz, PDL=pdl,
         num_warps=1, **pdl_launch(pdl))
     launch(_resample_kernel)[(B, C)](
-        q, z, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
-        counters, N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0), 3 * R,
+        q, logits, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
+        counters, N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0), sz, 3 * R,
         TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, PDL=pdl, num_warps=4,
         **pdl_launch(pdl))
 
@@ -678,7 +682,7 @@ def _parallel_configs(stream: int):
     d16, flags = "i32:16", dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
     pdl = _pdl_mode(True, 8)        # what a launch on sm_90+ picks for these few requests
     out = [compile_config(_rows_stats_kernel, dict(
-        logits_ptr="*fp32", temp_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
+        logits_ptr="*fp32", temp_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
         bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
         dict(BLOCK=1024), 4)]
     # the bound walk: Flash's N = 5 drafts (6 rows) for rejection, one row for plain sampling
@@ -686,7 +690,7 @@ def _parallel_configs(stream: int):
         drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", bsum_ptr="*fp32",
         bnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64", need_ptr="*i32",
         dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32", stride_qb=d16,
-        stride_qi=d16),
+        stride_qi=d16, stride_zr=d16),
         dict(N_P2=8 if stream == STREAM_RESAMPLE else 1,
              NBLK_P2=next_pow2(triton.cdiv(129280, 1024)),
              SCALE=float(2 ** mass_scale_bits(129280)), PDL=pdl), 4))
@@ -702,19 +706,22 @@ def _parallel_configs(stream: int):
             targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32",
             tokens_ptr="*i64",
             num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_qb=d16,
-            stride_qi=d16, stride_tb="i32"), dict(PDL=pdl), 1))
+            stride_qi=d16, stride_tb="i32", stride_zr=d16), dict(PDL=pdl), 1))
     for rows in (1, 16, 48):
         _, CHUNK, C = row_tiling(rows, 129280)
         if stream == STREAM_RESAMPLE:   # its reduce and select passes (the sampler's are the
             # same kernels): statistics blocks are the 1024-token tiles
-            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=True))
-            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=True))
+            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=True,
+                                             scaled=True))
+            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=True,
+                                             scaled=True))
+            out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True))
         out.append(compile_config(_resample_kernel, dict(
             q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
             **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
             part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
             CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16, stride_tb="i32",
-            done_off="i32"),
+            stride_zr=d16, done_off="i32"),
             dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream, PDL=pdl), 4))
     return out
 

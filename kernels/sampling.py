@@ -316,6 +316,30 @@ def load_scaled(ptr, offs, V, t):
 
 
 @triton.jit
+def row_t(temp_ptr, r, SCALED: tl.constexpr):
+    """The divisor of request r's logits when a row pass reads them unscaled (SCALED): its
+    temperature, 1 for greedy rows (T <= 0), as process_logits scales them; 1.0 otherwise."""
+    t = tl.full((), 1.0, tl.float32)
+    if SCALED:
+        t = tl.load(temp_ptr + r).to(tl.float32)
+        t = tl.where(t <= 0.0, 1.0, t)
+    return t
+
+
+@triton.jit
+def load_z(ptr, mask, t, SCALED: tl.constexpr):
+    """A row pass's z tile (-inf where masked): stored z, or with SCALED the logits it comes
+    from, scaled as load_scaled scales them (no division at t = 1: the deployed temperature
+    costs nothing)."""
+    x = tl.load(ptr, mask=mask, other=float("-inf"))
+    if SCALED:
+        x = x.to(tl.float32)
+        if t != 1.0:
+            x = tl.math.div_rn(x, t)
+    return x
+
+
+@triton.jit
 def d_bin(z, m, NB: tl.constexpr):
     """Histogram bin of z below the row max m (monotone in z; only used for finite z)."""
     return tl.minimum((m - z) * (NB / HIST_SPAN), NB - 1.0).to(tl.int32)
@@ -597,11 +621,12 @@ def resolve_by_scan(z_ptr, V, m, t, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr
 
 
 @triton.jit
-def scan_threshold(zrow, V, m, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr,
+def scan_threshold(zrow, V, m, t, Zf, k, top_p, K_ON, P_ON, TILE: tl.constexpr,
                    SCALE: tl.constexpr, SCAN: tl.constexpr):
-    """resolve_by_scan for a row the brackets could not decide; with SCAN False (test hook) tau
-    is NaN instead, so a test can prove the bracket/refinement path alone resolved its rows."""
-    tau, kept = resolve_by_scan(zrow, V, m, 1.0, Zf, k, top_p, K_ON, P_ON, TILE, SCALE)
+    """resolve_by_scan for a row the brackets could not decide (row zrow / t); with SCAN False
+    (test hook) tau is NaN instead, so a test can prove the bracket/refinement path alone
+    resolved its rows."""
+    tau, kept = resolve_by_scan(zrow, V, m, t, Zf, k, top_p, K_ON, P_ON, TILE, SCALE)
     if not SCAN:
         tau = tl.full((), float("nan"), tl.float32)
     return tau, kept
@@ -776,11 +801,13 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                       NB: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr = 1,
                       BLOCK_V: tl.constexpr = 1,
                       NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
-                      GATE: tl.constexpr = False, PDL: tl.constexpr = 0):
+                      GATE: tl.constexpr = False, SCALED: tl.constexpr = False,
+                      PDL: tl.constexpr = 0):
     # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
     # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
     # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
-    # GATE: rows with need_ptr[b] == 0 are skipped whole (row_needed).
+    # GATE: rows with need_ptr[b] == 0 are skipped whole (row_needed). SCALED: z_ptr holds the
+    # logits, scaled on load (load_z; the statistics came from the same z).
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -792,6 +819,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     # statistics (16 B per block: (C - 1) x 16 KB per row and step at the Flash vocabulary)
     search = (~greedy) & (k_on | p_on)
     if ((c == 0) | search) & row_needed(need_ptr, b, GATE):
+        t = row_t(temp_ptr, b // RPR, SCALED)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
@@ -803,8 +831,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
             # behind it the pass waited on memory as long as it computed,
             # benchmarks/row_pass_probe.py)
             hs = tl.where(search, hi, lo)               # nothing to read without a search
-            na = tl.load(zrow + lo + ar, mask=lo + ar < hs, other=float("-inf"))
-            nb2 = tl.load(zrow + lo + TILE + ar, mask=lo + TILE + ar < hs, other=float("-inf"))
+            na = load_z(zrow + lo + ar, lo + ar < hs, t, SCALED)
+            nb2 = load_z(zrow + lo + TILE + ar, lo + TILE + ar < hs, t, SCALED)
         o = tl.arange(0, NBLK_P2)
         om = o < NBLK
         # Z: chunk 0 stores it; the floor (top-p rows without top-k) needs it in every program.
@@ -855,9 +883,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                         cur = live
                         live = ln
                         nx = v0 + 2 * TILE + ar
-                        na = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
-                        nb2 = tl.load(zrow + nx + TILE, mask=(nx + TILE < hi) & (ln != 0),
-                                      other=float("-inf"))
+                        na = load_z(zrow + nx, (nx < hi) & (ln != 0), t, SCALED)
+                        nb2 = load_z(zrow + nx + TILE, (nx + TILE < hi) & (ln != 0), t, SCALED)
                         t2 = (v0 - lo) // (2 * TILE) + 2
                         ln = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
                         if cur != 0:
@@ -871,8 +898,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                         za = na
                         zb = nb2
                         nx = v0 + 2 * TILE + ar
-                        na = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
-                        nb2 = tl.load(zrow + nx + TILE, mask=nx + TILE < hi, other=float("-inf"))
+                        na = load_z(zrow + nx, nx < hi, t, SCALED)
+                        nb2 = load_z(zrow + nx + TILE, nx + TILE < hi, t, SCALED)
                         cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
                         cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
                 pdl_release(PDL)
@@ -932,10 +959,10 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                       SCALE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
                       NT_P2: tl.constexpr, SKIP: tl.constexpr, FEW: tl.constexpr,
                       SCAN: tl.constexpr = True, GATE: tl.constexpr = False,
-                      PDL: tl.constexpr = 0):
+                      SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
     # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
     # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned.
-    # GATE: as in row_reduce_kernel (refine needs none: a skipped row's state stays 0)
+    # GATE, SCALED: as in row_reduce_kernel (refine needs no GATE: a skipped row's state stays 0)
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -960,6 +987,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
             Z = tl.load(rowf_ptr + b * 4 + 1)
             nb = tl.load(rst_ptr + b * 4 + 3)     # tokens in the bracket (exact, from reduce)
             fl = tl.load(floor_ptr + b)           # reduce's block_max_floor (or -inf)
+            t = row_t(temp_ptr, b // RPR, SCALED)
             zrow = z_ptr + b.to(tl.int64) * stride_zb
             # per-lane partials over the chunk, reduced once at the end (no per-tile barriers)
             am_v = tl.zeros((TILE,), tl.int64)               # exact fixed mass above the bracket
@@ -982,13 +1010,13 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
             else:
                 ln = tl.full((), 1, tl.int32)
                 lnn = tl.full((), 1, tl.int32)
-            zn = tl.load(zrow + lo + ar, mask=(lo + ar < hi) & (ln != 0), other=float("-inf"))
+            zn = load_z(zrow + lo + ar, (lo + ar < hi) & (ln != 0), t, SCALED)
             for v0 in range(lo, hi, TILE):
                 z = zn
                 live = ln
                 ln = lnn
                 nx = v0 + TILE + ar
-                zn = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
+                zn = load_z(zrow + nx, (nx < hi) & (ln != 0), t, SCALED)
                 if SKIP:
                     t2 = (v0 - lo) // TILE + 2
                     lnn = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
@@ -1021,7 +1049,7 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                                                           FEW)
                     ok = ok & (n == nb)      # every candidate gathered (reduce's count holds)
                     if ~ok:
-                        tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE,
+                        tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE,
                                                    SCAN)
                     store_threshold(rowf_ptr, b, tau, kept, SCALE)
 
@@ -1122,7 +1150,10 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                       ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, z_off,
                       ccount_off, done_off, RPR, LAST, TILE: tl.constexpr, NB: tl.constexpr,
                       CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      FEW: tl.constexpr, SCAN: tl.constexpr = True, PDL: tl.constexpr = 0):
+                      FEW: tl.constexpr, SCAN: tl.constexpr = True,
+                      SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
+    # SCALED: as in row_reduce_kernel (only the scan fallback reads the row; the spill regions
+    # hold scaled z)
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -1138,7 +1169,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
         m = tl.load(rowf_ptr + b * 4)
         Z = tl.load(rowf_ptr + b * 4 + 1)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
-        t = refine_edges(klo, khi, NB)
+        t = row_t(temp_ptr, b // RPR, SCALED)
+        te = refine_edges(klo, khi, NB)
         # this program's spill region: the select bracket's tokens of its chunk (every token
         # of the current bracket, and those the earlier passes narrowed away)
         pc = (b * C + c).to(tl.int64)
@@ -1165,7 +1197,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             am_v += tl.where(above, w, 0)
             ac_v += above.to(tl.int32)
             if state == 1:
-                cg2, mg2 = lane_hist_add(cg2, mg2, (z[:, None] > t[None, :]) & inb[:, None], e)
+                hit = (z[:, None] > te[None, :]) & inb[:, None]
+                cg2, mg2 = lane_hist_add(cg2, mg2, hit, e)
                 kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
                 kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
             else:
@@ -1189,7 +1222,7 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
             if state == 1:
                 tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB, C_P2)
                 kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
-                nklo, nkhi, n = edge_bracket(tot, tm, t, klo, khi, am, ac, Z, k, p, k_on, p_on,
+                nklo, nkhi, n = edge_bracket(tot, tm, te, klo, khi, am, ac, Z, k, p, k_on, p_on,
                                              NB, SCALE)
                 # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
                 nklo = tl.maximum(nklo, kmin)
@@ -1203,10 +1236,11 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                     tau, kept, ok = resolve_one_key(kmin, tl.max(tot, axis=0).to(tl.int64), am,
                                                     ac, m, Z, k, p, k_on, p_on, SCALE)
                     if ~ok:
-                        tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE,
+                        tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE,
                                                    SCAN)
                 elif LAST != 0:
-                    tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE, SCAN)
+                    tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE,
+                                               SCALE, SCAN)
             else:
                 tau, kept, ok, n = resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac,
                                                       Z, k, p, k_on, p_on, CAP, SCALE, FEW)
@@ -1215,7 +1249,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                                                     SCALE)
                     ok = ok & (klo == khi)
                 if ~ok:
-                    tau, kept = scan_threshold(zrow, V, m, Z, k, p, k_on, p_on, TILE, SCALE, SCAN)
+                    tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE,
+                                               SCALE, SCAN)
             if finish:
                 tl.store(rst_ptr + b * 4, 0)
                 store_threshold(rowf_ptr, b, tau, kept, SCALE)
@@ -1270,10 +1305,11 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 
 
 def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, mode: int,
-                          pdl: int = 0, gate: bool = False):
+                          pdl: int = 0, gate: bool = False, scaled: bool = False):
     """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
     tokens, statistics blocks of BLOCK_V, vocabulary V, MODE mode (2: with the threshold
-    histogram and the floor); `gate`: rows skipped by need flags (the rejection plan)."""
+    histogram and the floor); `gate`, `scaled`: rows skipped by need flags, unscaled logits read
+    (the rejection plan)."""
     d16 = "i32:16"
     return compile_config(row_reduce_kernel, dict(
         bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
@@ -1284,14 +1320,15 @@ def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, m
         RPR="i32"),
         dict(NBLK_P2=next_pow2(triton.cdiv(V, BLOCK_V)), TILE=hist_tile(TILE, HIST_BINS),
              NB=HIST_BINS, MODE=mode, C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
-             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, PDL=pdl), 4)
+             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, SCALED=scaled,
+             PDL=pdl), 4)
 
 
 def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0,
-                          gate: bool = False):
+                          gate: bool = False, scaled: bool = False):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
-    TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V; `gate` as
-    in reduce_compile_config."""
+    TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V; `gate`,
+    `scaled` as in reduce_compile_config."""
     d16 = "i32:16"
     return compile_config(row_select_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -1303,11 +1340,11 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, p
         dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True,
-             GATE=gate, PDL=pdl),
+             GATE=gate, SCALED=scaled, PDL=pdl),
         SELECT_WARPS)
 
 
-def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0):
+def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0, scaled: bool = False):
     """row_refine_kernel's compile entry for a launch at row tile TILE, C chunk programs,
     vocabulary V (no logits-block dependence: it reads only the spill regions)."""
     d16 = "i32:16"
@@ -1320,7 +1357,7 @@ def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0):
         LAST="i32"),
         dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), FEW=FEW_CANDIDATES,
-             SCAN=True, PDL=pdl),
+             SCAN=True, SCALED=scaled, PDL=pdl),
         SELECT_WARPS)
 
 
@@ -1328,7 +1365,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
                          counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
                          bmax, BLOCK_V: int, skip: bool = True,
-                         few: int = FEW_CANDIDATES, pdl: int = 0, need=None) -> None:
+                         few: int = FEW_CANDIDATES, pdl: int = 0, need=None,
+                         scaled: bool = False) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
@@ -1337,7 +1375,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     candidates are resolved pairwise, more by bisection (tuning knob and test hook). `pdl`: the
     kernels' PDL mode (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller
     checked pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
-    nonzero (row_needed); the refine passes follow, since a row select skips keeps state 0."""
+    nonzero (row_needed); the refine passes follow, since a row select skips keeps state 0.
+    `scaled`: z holds unscaled logits, each row's divided by its temperature on load (load_z)."""
     if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
         check_pow2("few", few, 1, 64)
     few = min(few, cap)
@@ -1350,7 +1389,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
         rowi if need is None else need, V, C,
         CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1], RPR,
         TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, GATE=need is not None, PDL=pdl,
+        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, GATE=need is not None,
+        SCALED=scaled, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl))
     for r, (co, do) in enumerate(refine_offs):
         launch(row_refine_kernel)[(rowf.shape[0], C)](
@@ -1358,4 +1398,4 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
             s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
             CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
             TILE=refine_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, FEW=few,
-            SCAN=scan, PDL=pdl, num_warps=SELECT_WARPS, **pdl_launch(pdl))
+            SCAN=scan, SCALED=scaled, PDL=pdl, num_warps=SELECT_WARPS, **pdl_launch(pdl))

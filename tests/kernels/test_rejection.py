@@ -390,10 +390,11 @@ def _walk(logits, drafts, q, T, k, p, seed, pos, tile):
     """The statistics pass and the bound walk alone: (need [B, N+1], dec [B, N])."""
     from dspark_compile.kernels import rejection as rj
     B, N1, V = logits.shape
-    st = rj._stats(logits.contiguous(), T, tile)
+    logits = logits.contiguous()
+    st = rj._stats(logits, T, tile)
     need = torch.full((B * N1,), -1, dtype=torch.int32)
     dec = torch.full((B * N1,), -1, dtype=torch.int32)
-    rj._walk(st, drafts, q, (T, k, p), seed, pos, need, dec)
+    rj._walk(logits, st, drafts, q, (T, k, p), seed, pos, need, dec)
     return need.view(B, N1), dec.view(B, N1)[:, :N1 - 1]
 
 
@@ -483,6 +484,11 @@ def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
         got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
                                       bounds=bounds)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bounds
+    # bf16 target logits: every pass reads and scales them itself (no fp32 copy is made)
+    l16 = logits.bfloat16()
+    want = rejection_sample_reference(l16, drafts, q, T, k, p, sd, pos)
+    got = rejection_sample_launch(l16, drafts, q, T, k, p, sd, pos, tile=32, chunk=128)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_pdl_knob_is_checked():
