@@ -327,16 +327,23 @@ def row_t(temp_ptr, r, SCALED: tl.constexpr):
 
 
 @triton.jit
-def load_z(ptr, mask, t, SCALED: tl.constexpr):
-    """A row pass's z tile (-inf where masked): stored z, or with SCALED the logits it comes
-    from, scaled as load_scaled scales them (no division at t = 1: the deployed temperature
-    costs nothing)."""
-    x = tl.load(ptr, mask=mask, other=float("-inf"))
+def scale_z(x, t, SCALED: tl.constexpr):
+    """A row pass's z from the tile it loaded: x itself (stored z), or with SCALED the logits x
+    scaled as load_scaled scales them (no division at t = 1: the deployed temperature costs
+    nothing). Applied where the tile is used, not where it is requested: scaled at the load, the
+    passes that request a tile or two ahead waited for it there (select 176 -> 216 us at B = 64
+    in the rejection plan, H200)."""
     if SCALED:
         x = x.to(tl.float32)
         if t != 1.0:
             x = tl.math.div_rn(x, t)
     return x
+
+
+@triton.jit
+def load_z(ptr, mask, t, SCALED: tl.constexpr):
+    """scale_z of a tile loaded and used at once (-inf where masked)."""
+    return scale_z(tl.load(ptr, mask=mask, other=float("-inf")), t, SCALED)
 
 
 @triton.jit
@@ -807,7 +814,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
     # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
     # GATE: rows with need_ptr[b] == 0 are skipped whole (row_needed). SCALED: z_ptr holds the
-    # logits, scaled on load (load_z; the statistics came from the same z).
+    # logits, scaled where each tile is used (scale_z; the statistics came from the same z).
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -831,8 +838,8 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
             # behind it the pass waited on memory as long as it computed,
             # benchmarks/row_pass_probe.py)
             hs = tl.where(search, hi, lo)               # nothing to read without a search
-            na = load_z(zrow + lo + ar, lo + ar < hs, t, SCALED)
-            nb2 = load_z(zrow + lo + TILE + ar, lo + TILE + ar < hs, t, SCALED)
+            na = tl.load(zrow + lo + ar, mask=lo + ar < hs, other=float("-inf"))
+            nb2 = tl.load(zrow + lo + TILE + ar, mask=lo + TILE + ar < hs, other=float("-inf"))
         o = tl.arange(0, NBLK_P2)
         om = o < NBLK
         # Z: chunk 0 stores it; the floor (top-p rows without top-k) needs it in every program.
@@ -878,13 +885,14 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                     live = tl.load(lrow)        # span 0: loaded above, before fl was known
                     ln = tl.load(lrow + one, mask=one < NT_P2, other=0)
                     for v0 in range(lo, hi, 2 * TILE):
-                        za = na
-                        zb = nb2
+                        za = scale_z(na, t, SCALED)
+                        zb = scale_z(nb2, t, SCALED)
                         cur = live
                         live = ln
                         nx = v0 + 2 * TILE + ar
-                        na = load_z(zrow + nx, (nx < hi) & (ln != 0), t, SCALED)
-                        nb2 = load_z(zrow + nx + TILE, (nx + TILE < hi) & (ln != 0), t, SCALED)
+                        na = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
+                        nb2 = tl.load(zrow + nx + TILE, mask=(nx + TILE < hi) & (ln != 0),
+                                      other=float("-inf"))
                         t2 = (v0 - lo) // (2 * TILE) + 2
                         ln = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
                         if cur != 0:
@@ -895,11 +903,11 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                             cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
                 else:
                     for v0 in range(lo, hi, 2 * TILE):
-                        za = na
-                        zb = nb2
+                        za = scale_z(na, t, SCALED)
+                        zb = scale_z(nb2, t, SCALED)
                         nx = v0 + 2 * TILE + ar
-                        na = load_z(zrow + nx, nx < hi, t, SCALED)
-                        nb2 = load_z(zrow + nx + TILE, nx + TILE < hi, t, SCALED)
+                        na = tl.load(zrow + nx, mask=nx < hi, other=float("-inf"))
+                        nb2 = tl.load(zrow + nx + TILE, mask=nx + TILE < hi, other=float("-inf"))
                         cnt2, ms2 = hist_add_z(cnt2, ms2, za, m, NB)
                         cnt2, ms2 = hist_add_z(cnt2, ms2, zb, m, NB)
                 pdl_release(PDL)
@@ -1010,19 +1018,20 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
             else:
                 ln = tl.full((), 1, tl.int32)
                 lnn = tl.full((), 1, tl.int32)
-            zn = load_z(zrow + lo + ar, (lo + ar < hi) & (ln != 0), t, SCALED)
+            zn = tl.load(zrow + lo + ar, mask=(lo + ar < hi) & (ln != 0), other=float("-inf"))
             for v0 in range(lo, hi, TILE):
                 z = zn
                 live = ln
                 ln = lnn
                 nx = v0 + TILE + ar
-                zn = load_z(zrow + nx, (nx < hi) & (ln != 0), t, SCALED)
+                zn = tl.load(zrow + nx, mask=(nx < hi) & (ln != 0), other=float("-inf"))
                 if SKIP:
                     t2 = (v0 - lo) // TILE + 2
                     lnn = tl.load(lrow + t2, mask=t2 < NT_P2, other=0)
                 if live != 0:
                     am_v, ac_v, kmin_v, kmax_v, n_sp = _select_tile(
-                        z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
+                        scale_z(z, t, SCALED), m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v,
+                        kmin_v, kmax_v,
                         n_sp, ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, fl, NB, CAP, SCALE)
             pdl_release(PDL)
             tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
@@ -1376,7 +1385,7 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     kernels' PDL mode (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller
     checked pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
     nonzero (row_needed); the refine passes follow, since a row select skips keeps state 0.
-    `scaled`: z holds unscaled logits, each row's divided by its temperature on load (load_z)."""
+    `scaled`: z holds unscaled logits, each row's divided by its temperature (scale_z)."""
     if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
         check_pow2("few", few, 1, 64)
     few = min(few, cap)

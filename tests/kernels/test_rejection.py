@@ -548,3 +548,33 @@ def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
     graph.replay()
     want = rejection_sample_reference(*new)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+def test_statistics_pass_per_block_whatever_the_blocks_per_program():
+    """The statistics pass (one block per program, or several with the next one in flight, the
+    last group ragged) gives every block's max, lowest-id argmax, sum exp(z - max) and NaN flag
+    of z = logits / T, greedy rows at T = 1."""
+    from dspark_compile.kernels import rejection as rj
+    g = torch.Generator().manual_seed(5)
+    B, N1, V, tile = 3, 2, 1000, 64
+    logits = torch.randn(B, N1, V, generator=g) * 3
+    logits[0, 1, 70] = float("nan")
+    logits[1, 0, 128:256] = NINF                        # whole -inf blocks
+    logits[2, 1, 5] = logits[2, 1, 9] = 50.0            # a tie: the lower id
+    T = torch.tensor([0.7, 0.0, 1.3])
+    z = logits / torch.where(T > 0, T, torch.ones_like(T)).repeat_interleave(N1)[:, None] \
+        .view(B, N1, 1)
+    z = z.reshape(B * N1, V)
+    nblk = -(-V // tile)
+    zp = torch.nn.functional.pad(z, (0, nblk * tile - V), value=NINF).view(B * N1, nblk, tile)
+    nan = torch.isnan(zp)
+    zn = torch.where(nan, torch.full_like(zp, NINF), zp)
+    bmax = zn.amax(-1)
+    for bpp in (1, 4, 3):
+        st = rj._stats(logits, T, tile, bpp=bpp)
+        assert torch.equal(st["bmax"], bmax), bpp
+        assert torch.equal(st["bnan"].bool(), nan.any(-1)), bpp
+        fin = bmax > NINF
+        assert torch.equal(st["barg"][fin], (zn.argmax(-1) + torch.arange(nblk) * tile)[fin]), bpp
+        want = torch.where(zn > NINF, torch.exp(zn - bmax[..., None]), 0.0).sum(-1)
+        torch.testing.assert_close(st["bsum"][fin], want[fin], rtol=2e-6, atol=0), bpp
