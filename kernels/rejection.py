@@ -140,8 +140,9 @@ _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
 MODES = ("full", "greedy")
 #
 # The row passes of kernels/sampling.py (C programs per row), then the acceptance chain:
-#   stats    grid (rows, blocks): block statistics of z = l / T (z is not stored: every later
-#            pass scales the logits it reads, load_z, bit for bit as this pass does)
+#   stats    grid (rows, block groups): block statistics of z = l / T, 1 or 4 blocks per
+#            program (z is not stored: every later pass scales the logits it reads, scale_z,
+#            bit for bit as this pass does)
 #   walk     grid (B,): the acceptance tests the statistics decide; flags the rows whose exact
 #            threshold is still read (knob `bounds`; see _bound_walk_kernel)
 #   reduce   row max, Z, argmax (greedy rows), top-k/top-p histogram + bracket    (sampling.py)
@@ -235,6 +236,13 @@ def _greedy_accept_kernel(drafts_ptr, packed_ptr, tokens_ptr, num_ptr, B, N, V, 
 
 
 @triton.jit
+def clean_q(q):
+    """Draft probabilities as the reference reads them (safe_probs): NaN, inf and negative
+    entries are 0."""
+    return tl.where((q > 0.0) & (q < float("inf")), q, 0.0)
+
+
+@triton.jit
 def _row_p_params(rowf_ptr, rowi_ptr, r, trunc):
     """(m, kept mass, tau, degenerate) of row r after reduce/select."""
     m = tl.load(rowf_ptr + r * 4)
@@ -288,7 +296,7 @@ def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, t
         xf = tl.where(dvalid, d, 0)
         qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf, mask=iv,
                      other=0.0)
-        qx = tl.where((qx > 0.0) & (qx < float("inf")), qx, 0.0)
+        qx = clean_q(qx)
         u = tl_uniform(tl.load(seed_ptr + b), tl.zeros((N_P2,), tl.int32),
                        tl.load(pos_ptr + b) + i, _STREAM_ACCEPT)
         uq = u * qx                             # as _accept_kernel rounds it
@@ -320,8 +328,11 @@ def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, t
         zk_lo = tl.where(p_on, tl.maximum(T, 1.0), Z) * (1.0 - BOUND_EPS)
         zk_hi = Z * (1.0 + BOUND_EPS)
         ex = tl.exp(zx - mm)
-        acc_sure = inside & (ex / zk_hi >= uq * (1.0 + BOUND_EPS))
-        rej_sure = (inside & (ex / zk_lo < uq * (1.0 - BOUND_EPS))) | (outside & ~inside)
+        # correctly rounded divisions (as accept's): monotone in the divisor, so with
+        # zk_lo <= Zk <= zk_hi the bounds hold even where the margins vanish (subnormal u q)
+        acc_sure = inside & (tl.math.div_rn(ex, zk_hi) >= uq * (1.0 + BOUND_EPS))
+        rej_sure = (inside & (tl.math.div_rn(ex, zk_lo) < uq * (1.0 - BOUND_EPS))) \
+            | (outside & ~inside)
         # exact 0 >= u q: an exact zero product accepts whatever p(x) is
         dec = tl.where((uq == 0.0) & dvalid & (qx > 0.0), 1,
                        tl.where(~dvalid | (qx <= 0.0) | deg | rej_sure, 2,
@@ -366,7 +377,7 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
                 px = tl.where((zx >= tau) & (zx > float("-inf")) & ~deg,
                               tl.math.div_rn(tl.exp(zx - m), Zk), 0.0)
                 qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf)
-                qx = tl.where((qx > 0.0) & (qx < float("inf")), qx, 0.0)
+                qx = clean_q(qx)
                 u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
                 ok = dvalid & (qx > 0.0) & (px >= u * qx)
             if ok:
@@ -420,7 +431,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                 keep = (z >= tau) & (z > float("-inf"))
                 pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
                 qv = tl.load(qrow + offs, mask=vm & use_q, other=0.0)
-                qv = tl.where((qv > 0.0) & (qv < float("inf")), qv, 0.0)
+                qv = clean_q(qv)
                 res = tl.maximum(pv - qv, 0.0)
                 rsum_v += res
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, STREAM)
@@ -590,21 +601,24 @@ def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tok
     logits = _rows_view(logits)
     TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    # one memset, first (so the launches after it follow each other, for PDL): ticket counters
+    # (reduce, select x2, resample, refine x2 per pass), the refine state per row, then the
+    # bound walk's decisions (0: test exactly; the walk writes each request's, so without it
+    # every test is exact)
+    NCNT = 3 * R + B + 2 * REFINE_PASSES * R
+    zeroed = torch.zeros((NCNT + 5 * R,), dtype=i32, device=dev)
+    counters, rst, dec = zeroed[:NCNT], zeroed[NCNT:NCNT + 4 * R].view(R, 4), zeroed[NCNT + 4 * R:]
     # statistics blocks = tiles (tile_max skips)
     st = _stats(logits, temperature, TILE)
     bmax, bsum, barg, bnan = (st[n] for n in ("bmax", "bsum", "barg", "bnan"))
-    sz = logits.stride(1)                        # row r of z = logits row r / T (load_z)
+    sz = logits.stride(1)                        # row r of z = logits row r / T (scale_z)
     NBLK = bmax.shape[1]
     rowf = torch.empty((R, 4), dtype=f32, device=dev)
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
     targ = torch.empty((R,), dtype=i64, device=dev)
     scratch = torch.empty((R,), dtype=i64, device=dev)
-    # one memset: ticket counters (reduce, select x2, resample, refine x2 per pass), the
-    # refine state per row, then the bound walk's decisions (0: test exactly; the walk writes
-    # each request's, so without it every test is exact)
-    NCNT = 3 * R + B + 2 * REFINE_PASSES * R
-    zeroed = torch.zeros((NCNT + 5 * R,), dtype=i32, device=dev)
-    counters, rst, dec = zeroed[:NCNT], zeroed[NCNT:NCNT + 4 * R].view(R, 4), zeroed[NCNT + 4 * R:]
+    # (no drafts, nothing to decide: plain sampling searches its one row per request)
+    bounds = bounds and N > 0
     need = torch.empty((R,), dtype=i32, device=dev) if bounds else None
     thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
     accepted = torch.empty((B,), dtype=i32, device=dev)
@@ -697,52 +711,52 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 # SM12x readiness: the configurations the launcher picks at the Flash vocabulary (1024-wide
 # tiles), fp32 logits, int64 metadata.
 def _parallel_configs(stream: int):
-    """The op's own kernels and its reduce pass (its other row passes are registered by
-    markov_sample, select also here)."""
+    """The op's own kernels and its row passes as it launches them (gated by the bound walk
+    when it has drafts, reading unscaled logits), in both PDL modes PDL_BY_REQUESTS picks
+    (late for 1-2 requests, early beyond)."""
     d16, flags = "i32:16", dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32")
-    pdl = _pdl_mode(True, 8)        # what a launch on sm_90+ picks for these few requests
+    drafts = stream == STREAM_RESAMPLE      # rejection (N = 5) or plain sampling (N = 0)
     out = [compile_config(_rows_stats_kernel, dict(
         logits_ptr="*fp32", temp_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
         bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
         dict(BLOCK=1024, BPP=bpp), 4) for bpp in (1, 4)]
-    # the bound walk: Flash's N = 5 drafts (6 rows) for rejection, one row for plain sampling
-    out.append(compile_config(_bound_walk_kernel, dict(
-        drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32", bsum_ptr="*fp32",
-        bnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64", need_ptr="*i32",
-        dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32", stride_qb=d16,
-        stride_qi=d16, stride_zr=d16),
-        dict(N_P2=8 if stream == STREAM_RESAMPLE else 1,
-             NBLK_P2=next_pow2(triton.cdiv(129280, 1024)),
-             SCALE=float(2 ** mass_scale_bits(129280)), PDL=pdl), 4))
-    if stream == STREAM_RESAMPLE:
+    if drafts:
         out.append(compile_config(_rows_argmax_kernel, dict(
             logits_ptr="*fp32", packed_ptr="*i64", V=d16, CHUNK=d16, stride_lr=d16),
             dict(TILE=1024), 4))
         out.append(compile_config(_greedy_accept_kernel, dict(
             drafts_ptr="*i64", packed_ptr="*i64", tokens_ptr="*i64", num_ptr="*i64", B="i32",
             N="i32", V=d16, stride_db="i32", stride_tb="i32"), dict(BLOCK=64), 4))
+    for pdl in (PDL_MODES["late"], PDL_MODES["early"]):
+        if drafts:
+            # the bound walk: Flash's N = 5 drafts, 6 rows per request
+            out.append(compile_config(_bound_walk_kernel, dict(
+                drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32",
+                bsum_ptr="*fp32", bnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64",
+                need_ptr="*i32", dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32",
+                stride_qb=d16, stride_qi=d16, stride_zr=d16),
+                dict(N_P2=8, NBLK_P2=next_pow2(triton.cdiv(129280, 1024)),
+                     SCALE=float(2 ** mass_scale_bits(129280)), PDL=pdl), 4))
         out.append(compile_config(_accept_kernel, dict(
             drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
             targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32",
-            tokens_ptr="*i64",
-            num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_qb=d16,
-            stride_qi=d16, stride_tb="i32", stride_zr=d16), dict(PDL=pdl), 1))
-    for rows in (1, 16, 48):
-        _, CHUNK, C = row_tiling(rows, 129280)
-        if stream == STREAM_RESAMPLE:   # its reduce and select passes (the sampler's are the
-            # same kernels): statistics blocks are the 1024-token tiles
-            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=True,
+            tokens_ptr="*i64", num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32",
+            stride_qb=d16, stride_qi=d16, stride_tb="i32", stride_zr=d16), dict(PDL=pdl), 1))
+        for rows in (1, 16, 48):
+            _, CHUNK, C = row_tiling(rows, 129280)
+            # statistics blocks are the 1024-token tiles
+            out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=drafts,
                                              scaled=True))
-            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=True,
+            out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=drafts,
                                              scaled=True))
             out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True))
-        out.append(compile_config(_resample_kernel, dict(
-            q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
-            **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
-            part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
-            CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16, stride_tb="i32",
-            stride_zr=d16, done_off="i32"),
-            dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream, PDL=pdl), 4))
+            out.append(compile_config(_resample_kernel, dict(
+                q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
+                bmax_ptr="*fp32", **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32",
+                tokens_ptr="*i64", part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32",
+                N="i32", V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16,
+                stride_tb="i32", stride_zr=d16, done_off="i32"),
+                dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream, PDL=pdl), 4))
     return out
 
 

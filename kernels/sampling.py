@@ -707,8 +707,9 @@ def resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac, Zf, k, top_p,
 # Row passes shared by the fused samplers (one row = one distribution over the vocabulary)
 # ----------------------------------------------------------------------------------------------
 #
-# Rows live in a z buffer (scaled logits, fp32) with per-block statistics from the kernel that
-# wrote it (max, lowest-id argmax, sum exp(z - max), NaN flag over BLOCK_V tokens). Programs
+# Rows live in a z buffer (scaled logits, fp32; or, SCALED, the logits themselves, scaled where
+# read: scale_z) with per-block statistics of z from the kernel that wrote it or read it (max,
+# lowest-id argmax, sum exp(z - max), NaN flag over BLOCK_V tokens). Programs
 # (row, chunk) run over C chunks of a row; the row's last program (atomic ticket, acq_rel, after a
 # CTA barrier; partials read past L1) finishes its work, in a fixed order: results never depend on
 # which program finished first. Sampling parameters are per request: row // RPR.

@@ -472,13 +472,23 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
 def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
     """The whole op with the walk (rows skipped by reduce / select, decided tests taken as
     stored) and without it: both the reference's tokens, at tilings with several chunks."""
-    B, N, V = 6, 4, 500
+    B, N, V = 9, 4, 500
     logits, drafts, q = _confident_case(10 + seed, B, N, V)
-    T = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 1.0])
-    k = torch.tensor([0, 0, 0, 0, 7, 0])
-    p = torch.tensor([0.95, 0.9, 1.0, 0.95, 0.9, 0.3])
+    # requests 6..8: flat rows, where the walk leaves tests to the exact path while it skips
+    # other rows of the same request
+    g = torch.Generator().manual_seed(20 + seed)
+    logits[6:] = torch.randn(3, N + 1, V, generator=g) * 2
+    q[6:] = torch.softmax(logits[6:, :N] + 0.3 * torch.randn(3, N, V, generator=g), -1)
+    drafts[6:] = torch.multinomial(q[6:].reshape(-1, V), 1, generator=g).view(-1, N)
+    T = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 1.0, 1.0, 0.9, 1.0])
+    k = torch.tensor([0, 0, 0, 0, 7, 0, 0, 0, 0])
+    p = torch.tensor([0.95, 0.9, 1.0, 0.95, 0.9, 0.3, 0.9, 0.95, 0.7])
     sd = torch.arange(B) * 31 + seed
     pos = torch.arange(B) * 7
+    need, dec = _walk(logits, drafts, q, T, k, p, sd, pos, tile=32)
+    mixed = [b for b in range(B) if k[b] == 0 and (need[b] == 0).any() and any(
+        dec[b, i] == 0 and need[b, i] == 1 and not (dec[b, :i] == 2).any() for i in range(N))]
+    assert mixed, "no request with an exact test and skipped rows: the case lost its point"
     want = rejection_sample_reference(logits, drafts, q, T, k, p, sd, pos)
     for bounds in (True, False):
         got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
@@ -577,4 +587,48 @@ def test_statistics_pass_per_block_whatever_the_blocks_per_program():
         fin = bmax > NINF
         assert torch.equal(st["barg"][fin], (zn.argmax(-1) + torch.arange(nblk) * tile)[fin]), bpp
         want = torch.where(zn > NINF, torch.exp(zn - bmax[..., None]), 0.0).sum(-1)
-        torch.testing.assert_close(st["bsum"][fin], want[fin], rtol=2e-6, atol=0), bpp
+        torch.testing.assert_close(st["bsum"][fin], want[fin], rtol=2e-6, atol=0,
+                                   msg=f"bpp {bpp}")
+    # a ragged last group writes nothing past its row's blocks (checked on padded buffers: the
+    # interpreter runs rows in order, so a stray write into the next row would be overwritten)
+    R, bpp = B * N1, 3
+    pad = [torch.full((R * nblk + 8,), -7, dtype=dt) for dt in (torch.float32, torch.int32,
+                                                                   torch.float32, torch.int32)]
+    rj._rows_stats_kernel[(R, -(-nblk // bpp))](logits, T, *pad, V, nblk, N1, V, BLOCK=tile,
+                                                 BPP=bpp)
+    for t in pad:
+        assert (t[R * nblk:] == -7).all()
+        assert (t[:R * nblk] != -7).any()
+
+
+def test_bound_walk_edge_decisions():
+    """u q(x) == 0 accepts even a token outside the top-p set (p(x) = 0 >= 0), as the exact
+    test does; a test 1e-4 from its boundary, either side, is left to the exact path."""
+    from dspark_compile.kernels.philox import STREAM_ACCEPT, uniform
+    V = 256
+    u_of = lambda s, pos: float(uniform(torch.tensor([s]), torch.tensor([0]),  # noqa: E731
+                                        torch.tensor([pos]), torch.tensor([STREAM_ACCEPT]))[0])
+    # request 0: one dominant token, the draft 70 nats below it (outside top-p 0.9) with the
+    # smallest subnormal q(x): u q(x) rounds to 0 for u < 0.5
+    s0 = next(s for s in range(100) if u_of(s, 0) < 0.5)
+    logits = torch.randn(3, 2, V, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, 3], logits[0, 0, 9] = 40.0, -30.0
+    drafts = torch.tensor([[9], [0], [0]])
+    q = torch.softmax(torch.randn(3, 1, V, generator=torch.Generator().manual_seed(1)), -1)
+    q[0, 0, 9] = torch.tensor(1.4e-45)
+    # requests 1 and 2: a confident row, the draft its top token, q(x) = p(x) / u (1 -+ 1e-4)
+    logits[1:, 0] = 0.0
+    logits[1:, 0, :4] = torch.tensor([8.0, 7.5, 7.0, 6.0])
+    T, k, p = meta(3, 1.0, 0, 0.9)
+    seed, pos = torch.tensor([s0, 5, 6]), torch.tensor([0, 3, 4])
+    pr = probs_from_processed(process_logits(logits[:, 0], T, k, p))
+    for b, f in ((1, 1 - 1e-4), (2, 1 + 1e-4)):
+        q[b, 0, 0] = pr[b, 0] / u_of(int(seed[b]), int(pos[b])) * f
+    need, dec = _walk(logits, drafts, q, T, k, p, seed, pos, tile=32)
+    exact = _exact_accepts(logits, drafts, q, T, k, p, seed, pos)
+    assert exact[0, 0] and dec[0, 0] == 1
+    assert exact[1, 0] and not exact[2, 0]
+    assert dec[1, 0] == 0 and dec[2, 0] == 0 and (need[1:, 0] == 1).all()
+    want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
+    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
