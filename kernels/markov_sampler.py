@@ -92,8 +92,8 @@ from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE
                        reduce_compile_config, refine_compile_config, row_flags,
                        row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
                        tile_max, tl_vocab_gumbel, unpack_token)
-from .tl_helpers import (PDL_MODES, compile_config, interpreting, launch, next_pow2,
-                         pdl_available, pdl_enter, pdl_launch, pdl_release)
+from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
+                         pdl_enter, pdl_launch, pdl_mode, pdl_release)
 
 
 def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos):
@@ -628,10 +628,7 @@ PDL_BY_TILE = {16: "late", 32: "late", 64: "early"}
 
 def _pdl_mode(pdl, B: int = 1) -> int:
     """The kernels' PDL constexpr for the launcher's `pdl` knob (full / plain plans)."""
-    key = PDL_BY_TILE[_batch_tile(B)] if pdl is True else "off" if pdl is False else pdl
-    if key not in PDL_MODES:
-        raise ValueError(f"pdl must be True, False or one of {sorted(PDL_MODES)}, got {pdl!r}")
-    return PDL_MODES[key]
+    return pdl_mode(pdl, PDL_BY_TILE[_batch_tile(B)])
 
 
 def _greedy_steps(base_logits, w1, w2, anchor, packed, config, pdl, reverse_odd):

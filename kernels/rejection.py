@@ -46,7 +46,8 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
                        gumbel_argmax, greedy_rows,
                        hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
-                       load_z, mass_scale_bits, pack_argmax, row_t, unpack_token,
+                       load_z, mass_scale_bits, pack_argmax, row_degenerate, row_t,
+                       unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
                        reduce_compile_config, refine_compile_config, row_reduce_kernel,
                        row_tiling, sample_reference,
@@ -54,7 +55,7 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
 from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter,
-                         pdl_launch, pdl_release)
+                         pdl_launch, pdl_mode, pdl_release)
 
 
 def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
@@ -81,6 +82,23 @@ def safe_probs(q: torch.Tensor) -> torch.Tensor:
     return torch.where((q > 0) & (q < float("inf")), q, torch.zeros_like(q))
 
 
+def sampled_accepts(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor,
+                    seed: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
+    """Each draft's acceptance test for a sampling request, as if every earlier draft had been
+    accepted: bool [B, N], x valid, q(x) > 0 and p(x) >= u q(x). p: target probabilities
+    [B, >= N, V]; q: draft probabilities [B, N, V] (safe_probs)."""
+    B, N = draft_tokens.shape
+    V = p.shape[-1]
+    d = draft_tokens.to(torch.int64)
+    x = fold_ids(d, V)[..., None]
+    px = p[:, :N].gather(2, x).squeeze(2)
+    qx = q.gather(2, x).squeeze(2)
+    pos = start_pos.to(torch.int64)[:, None] + torch.arange(N, device=p.device)[None, :]
+    zeros = torch.zeros_like(pos)
+    u = uniform(seed.to(torch.int64)[:, None], zeros, pos, zeros + STREAM_ACCEPT)
+    return (d >= 0) & (d < V) & (qx > 0) & (px >= u * qx)
+
+
 @fusable("rejection_sample")
 def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                                draft_probs: torch.Tensor, temperature: torch.Tensor,
@@ -99,18 +117,12 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     p = probs_from_processed(z).reshape(B, N1, V)
     logp = logprobs_from_processed(z).reshape(B, N1, V)
     target_arg = argmax_tokens(flat).reshape(B, N1)
-    pos = start_pos.to(torch.int64)[:, None] + torch.arange(N1, device=dev)[None, :]   # [B, N+1]
 
     # acceptance of each draft, as if every earlier one had been accepted
     d = draft_tokens.to(torch.int64)
-    valid = (d >= 0) & (d < V)
-    x = fold_ids(d, V)[..., None]
-    px = p[:, :N].gather(2, x).squeeze(2)
     q = safe_probs(draft_probs)
-    qx = q.gather(2, x).squeeze(2)
-    zeros = torch.zeros_like(pos[:, :N])
-    u = uniform(seed.to(torch.int64)[:, None], zeros, pos[:, :N], zeros + STREAM_ACCEPT)
-    ok = torch.where(greedy[:, None], d == target_arg[:, :N], (qx > 0) & (px >= u * qx)) & valid
+    ok = torch.where(greedy[:, None], (d == target_arg[:, :N]) & (d >= 0) & (d < V),
+                     sampled_accepts(p, d, q, seed, start_pos))
     accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)              # a in [0, N]
 
     # the token after the accepted prefix: resampled at row a (a < N) or the bonus (a = N)
@@ -307,7 +319,7 @@ def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, t
         bs = tl.load(bsum_ptr + so, mask=sm, other=0.0)
         nan = tl.max(tl.load(bnan_ptr + so, mask=sm, other=0), axis=1)
         m = tl.max(bm, axis=1)
-        deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))   # as reduce decides
+        deg = row_degenerate(nan, m)
         zx = load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, iv & ~deg,
                     row_t(temp_ptr, b, True), True)
         mm = tl.where(deg, 0.0, m)
@@ -526,12 +538,7 @@ PDL_BY_REQUESTS = ((2, "late"), (None, "early"))
 
 def _pdl_mode(pdl, B: int) -> int:
     """The kernels' PDL constexpr for the launcher's `pdl` knob."""
-    if pdl is True:
-        pdl = next(m for most, m in PDL_BY_REQUESTS if most is None or B <= most)
-    key = "off" if pdl is False else pdl
-    if key not in PDL_MODES:
-        raise ValueError(f"pdl must be True, False or one of {sorted(PDL_MODES)}, got {pdl!r}")
-    return PDL_MODES[key]
+    return pdl_mode(pdl, next(m for most, m in PDL_BY_REQUESTS if most is None or B <= most))
 
 
 def _rows_view(logits):

@@ -309,13 +309,6 @@ def key_f32(k):
 
 
 @triton.jit
-def load_scaled(ptr, offs, V, t):
-    """z = row[offs] / t in fp32 (IEEE division, as the reference); -inf past V."""
-    x = tl.load(ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    return tl.math.div_rn(x, t)
-
-
-@triton.jit
 def row_t(temp_ptr, r, SCALED: tl.constexpr):
     """The divisor of request r's logits when a row pass reads them unscaled (SCALED): its
     temperature, 1 for greedy rows (T <= 0), as process_logits scales them; 1.0 otherwise."""
@@ -329,8 +322,8 @@ def row_t(temp_ptr, r, SCALED: tl.constexpr):
 @triton.jit
 def scale_z(x, t, SCALED: tl.constexpr):
     """A row pass's z from the tile it loaded: x itself (stored z), or with SCALED the logits x
-    scaled as load_scaled scales them (no division at t = 1: the deployed temperature costs
-    nothing). Applied where the tile is used, not where it is requested: scaled at the load, the
+    in fp32 divided by t (IEEE division, as process_logits; none at t = 1, where it is exact:
+    the deployed temperature costs nothing). Applied where the tile is used, not where it is requested: scaled at the load, the
     passes that request a tile or two ahead waited for it there (select 176 -> 216 us at B = 64
     in the rejection plan, H200)."""
     if SCALED:
@@ -589,7 +582,7 @@ def scan_ge(z_ptr, V, m, kappa, t, TILE: tl.constexpr, SCALE: tl.constexpr):
     mass = tl.zeros((), tl.int64)
     for v0 in range(0, V, TILE):
         offs = v0 + tl.arange(0, TILE)
-        z = load_scaled(z_ptr, offs, V, t)
+        z = load_z(z_ptr + offs, offs < V, t, True)
         sel = (z > float("-inf")) & (f32_key(z).to(tl.int64) >= kappa)
         cnt += tl.sum(sel.to(tl.int64), axis=0)
         mass += tl.sum(tl.where(sel, fixed_mass(z, m, SCALE), 0), axis=0)
@@ -775,6 +768,14 @@ def live_tiles(live_ptr, bmax_ptr, b, NBLK, lo, hi, floor, m, jhi, STEP: tl.cons
 
 
 @triton.jit
+def row_degenerate(nan, m):
+    """A degenerate row, from its statistics: a NaN in it (nan > 0), or a maximum m that is not
+    finite (all -inf, or +inf present). Reduce and the rejection plan's bound walk decide it
+    alike (the walk's decision must agree with what reduce tells the later passes)."""
+    return (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+
+
+@triton.jit
 def row_needed(need_ptr, b, GATE: tl.constexpr):
     """Whether row b is searched: always without GATE; with it, where need_ptr[b] != 0 (the
     rejection plan's bound walk marks the rows whose exact threshold its consumers read)."""
@@ -852,7 +853,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
         bs = tl.load(bsum_ptr + b * NBLK + o, mask=om & need_z, other=0.0)
         m = tl.max(bm, axis=0)
         nan = tl.max(tl.load(bnan_ptr + b * NBLK + o, mask=om, other=0), axis=0)
-        deg = (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
+        deg = row_degenerate(nan, m)
         e = tl.zeros((NBLK_P2,), tl.float32)        # exp(block max - m)
         Z = tl.zeros((), tl.float32)
         if need_z:

@@ -65,6 +65,15 @@ def pdl_launch(pdl) -> dict:
 PDL_MODES = {"off": 0, "early": 1, "late": 2}
 
 
+def pdl_mode(pdl, default: str) -> int:
+    """A launcher's `pdl` knob (True: its table's `default` mode, False: off, or a PDL_MODES
+    key) as the kernels' PDL constexpr; anything else is an error naming the knob."""
+    key = default if pdl is True else "off" if pdl is False else pdl
+    if key not in PDL_MODES:
+        raise ValueError(f"pdl must be True, False or one of {sorted(PDL_MODES)}, got {pdl!r}")
+    return PDL_MODES[key]
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """Start of a kernel launched with programmatic dependent launch: wait until the launches

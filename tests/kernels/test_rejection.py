@@ -400,21 +400,12 @@ def _walk(logits, drafts, q, T, k, p, seed, pos, tile):
 
 def _exact_accepts(logits, drafts, q, T, k, p, seed, pos):
     """Each draft's acceptance test as the reference decides it (as if the earlier ones passed)."""
-    from dspark_compile.kernels.philox import STREAM_ACCEPT, uniform
+    from dspark_compile.kernels.rejection import safe_probs, sampled_accepts
     B, N1, V = logits.shape
-    N = N1 - 1
     rep = lambda t: t.repeat_interleave(N1)  # noqa: E731
     z = process_logits(logits.reshape(-1, V), rep(T), rep(k), rep(p))
-    pr = probs_from_processed(z).view(B, N1, V)[:, :N]
-    d = drafts.to(torch.int64)
-    valid = (d >= 0) & (d < V)
-    x = torch.where(valid, d, 0)[..., None]
-    px = pr.gather(2, x)[..., 0]
-    qc = torch.where(torch.isfinite(q) & (q > 0), q, torch.zeros_like(q))
-    qx = qc.gather(2, x)[..., 0]
-    posn = pos[:, None] + torch.arange(N)[None]
-    u = uniform(seed[:, None], torch.zeros_like(posn), posn, torch.full_like(posn, STREAM_ACCEPT))
-    return valid & (qx > 0) & (px >= u * qx)
+    pr = probs_from_processed(z).view(B, N1, V)
+    return sampled_accepts(pr, drafts, safe_probs(q), seed, pos)
 
 
 def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
