@@ -17,25 +17,28 @@ Cases per B (requests):
   rows (std 3) are the stress case: top-p 0.95 keeps ~10^4 tokens there. `ours-noskip` (top-p
   cases): the select pass reads every tile (skip_below_bracket=False).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
-  top-p, so it is not a variant here. `ours-refine4` / `ours-refine2`: 4 / 2 threshold
+  top-p, so it is not a variant here. `ours-nocand` (top-p cases): without the candidate pick,
+  every row's threshold is searched each step (candidate=False, the plan before session 9). `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
   histograms of 8 / 32 bins instead of HIST_BINS (16); `ours-cap1024` / `ours-cap4096`: 1024 / 4096
   threshold candidates instead of CAND_CAP (2048); `ours-edges32` / `ours-edges64`: refinement
   passes splitting at 32 / 64 edges instead of REFINE_EDGES (16), `ours-hist8-edges64` both
   knobs; `ours-chunk<n>`: n tokens per row-pass program instead of row_tiling's.
-- `rejection_topp`: target rows [B, 6, V] fp32, drafts drawn from q = softmax(target + noise),
-  T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows;
+- `rejection_topp`: target rows [B, 6, V] fp32, draft logits = target + noise (std 1), drafts
+  drawn from their q = softmax(process(draft logits)), T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows;
   `ours-mode-greedy` is the op's all-greedy plan (mode="greedy", the engine's greedy variant).
-  `ours-nobounds` (top-p cases): without the bound walk, every target row is searched;
+  `ours-nobounds` (top-p cases): without the bound walk, every target and draft row is
+  searched;
   `ours-nopdl` / `ours-pdl-early` / `ours-pdl-late`: the launches after the statistics pass
   without programmatic dependent launch / with each trigger point.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
 logits (fp32, as the draft head produces them) + the W1 rows + for probabilistic rows the
-draft_probs written once (fp32). The byte floor of the brief (~78 us at B = 1) is the W2 part.
-Rejection = per request the target rows up to the first rejection and its q row (data
-dependent: counted as 2 target rows + 1 q row, about what the drafts here produce), plus tokens.
+draft_logits written once (fp32). The byte floor of the brief (~78 us at B = 1) is the W2 part.
+Rejection = per request the target rows up to the first rejection and its draft row (data
+dependent: counted as 2 target rows + 1 draft row, about what the drafts here produce), plus
+tokens.
 """
 from __future__ import annotations
 
@@ -111,7 +114,7 @@ def _markov_check(make, greedy):
         same = (got_d == want_d).all(1)
         msgs = [_rows_differ(same)]      # bias sums differ in order: a near-tie may flip a row
         if not greedy and same.any():
-            msgs.append(compare("draft_probs", got_p[same], want_p[same]))
+            msgs.append(compare("draft_logits", got_p[same], want_p[same]))
         return "; ".join(m for m in msgs if m)
     return check
 
@@ -147,8 +150,10 @@ def _skip_variants():
     (block_floor=False); `ours-nopdl`: plain launches (pdl=False), `ours-pdl-early` /
     `ours-pdl-late`: the next launch may start when every program has started / has finished its
     main loop (pdl="early" / "late"); `ours-few0` / `ours-few64`: thresholds always by bisection
-    / pairwise up to 64 candidates (few_candidates; FEW_CANDIDATES is 32)."""
-    return {"ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
+    / pairwise up to 64 candidates (few_candidates; FEW_CANDIDATES is 32); `ours-nocand`:
+    every row searched and sampled by final (candidate=False)."""
+    return {"ours-nocand": lambda d: ms.markov_sample_launch(**d, candidate=False),
+            "ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
             "ours-nofloor": lambda d: ms.markov_sample_launch(**d, block_floor=False),
             "ours-nopdl": lambda d: ms.markov_sample_launch(**d, pdl=False),
             "ours-pdl-early": lambda d: ms.markov_sample_launch(**d, pdl="early"),
@@ -219,14 +224,15 @@ def _rejection_inputs(B, T, top_p, greedy, peaked=False):
         g = _gen(device, seed)
         target = peaked_logits((B, N + 1, V), g, device) if peaked else \
             torch.randn(B, N + 1, V, generator=g, device=device) * 3.0
-        q = torch.softmax(target[:, :N] + torch.randn(B, N, V, generator=g, device=device), -1)
+        dl = target[:, :N] + torch.randn(B, N, V, generator=g, device=device)
+        meta = _sampling(B, T, top_p, g, device)
         if greedy:
             drafts = target[:, :N].argmax(-1)
             drafts[:, 2:] = torch.randint(0, V, (B, N - 2), generator=g, device=device)
-        else:
+        else:       # from the draft distributions, as the Markov sampler draws them
+            q = sampling.request_probs(dl, meta["temperature"], meta["top_k"], meta["top_p"])
             drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
-        return {"target_logits": target, "draft_tokens": drafts, "draft_probs": q,
-                **_sampling(B, T, top_p, g, device)}
+        return {"target_logits": target, "draft_tokens": drafts, "draft_logits": dl, **meta}
     return make
 
 

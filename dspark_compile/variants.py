@@ -8,8 +8,8 @@ step instead of ~7; 90 vs 170 us at B = 1 and 139 vs 391 us at B = 64 on the H20
 dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each
 bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py).
 Rejection switches too: its greedy plan (kernels/rejection.py) reads each target row once for
-its argmax, where the general plan runs the top-k/top-p passes over a copy of every row, and it
-never reads the draft probabilities, which the Markov greedy plan neither computes nor stores.
+its argmax, where the general plan runs the top-k/top-p passes over every row, and it never
+reads the draft logits, which the Markov greedy plan neither computes nor stores.
 """
 from __future__ import annotations
 
@@ -53,11 +53,11 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     mode "greedy", every `dspark::rejection_sample` call too); None when the program has no
     Markov sampler call (a build without the fuse_sampler pass).
 
-    In mode "greedy" the op leaves its draft probabilities unwritten, so the variant also drops
-    the step's in-place copy of them into the state (`index_put_` of B x N x V floats: ~330 MB
-    of traffic per step at B = 64, Flash dims): a greedy request's `row.draft_probs` rows then
-    keep the zeros that admission and the full program write (models/generate.py
-    set_row_sampling, kernels/markov_sampler.py), and rejection never reads them anyway.
+    In mode "greedy" the op leaves its draft logits unwritten, so the variant also drops the
+    step's in-place copy of them into the state (`index_put_` of B x N x V floats: ~330 MB of
+    traffic per step at B = 64, Flash dims): a greedy request's `row.draft_logits` rows then
+    keep what admission (NaN, models/generate.py set_row_sampling) or an earlier full step
+    wrote, and rejection never reads a greedy request's draft logits.
 
     `ExportedProgram.module()` builds a new module around a copy of the graph and the program's
     own weight tensors, so the variant costs a graph, not a second copy of the weights."""
@@ -71,7 +71,7 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     for n in markov_nodes(gm):
         _set_mode(n, i, mode)
         if mode == GREEDY:
-            _drop_probs_writes(gm, n)
+            _drop_draft_logits_writes(gm, n)
     if mode == GREEDY:
         j = _mode_arg(torch.ops.dspark.rejection_sample.default)
         for n in rejection_nodes(gm):
@@ -81,12 +81,12 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     return gm
 
 
-def _drop_probs_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """Erase the in-place state writes of `node`'s draft probabilities (output 1), when those
-    are all its uses; anything else reading them keeps them (and the writes) as they are."""
+def _drop_draft_logits_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Erase the in-place state writes of `node`'s draft logits (output 1), when those are all
+    its uses; anything else reading them keeps them (and the writes) as they are."""
     import operator
-    probs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
-    for g in probs:
+    outs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+    for g in outs:
         writes = [u for u in g.users if u.target is torch.ops.aten.index_put_.default
                   and u.args[2] is g and not u.users]
         if len(writes) != len(g.users):

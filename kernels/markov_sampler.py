@@ -3,28 +3,39 @@
     prev = anchor
     for k in 0..N-1:                       # draft k is the token at position start_pos + k
         l_k = base_logits[:, k] + W1[prev] @ W2^T             (fp32 math)
-        greedy rows: x_k = argmax(l_k), draft_probs[:, k] = 0
-        other rows:  p_k = softmax(process(l_k)); x_k = Gumbel-max(p_k, STREAM_DRAFT);
-                     draft_probs[:, k] = p_k
+        draft_logits[:, k] = l_k                               (every row)
+        greedy rows: x_k = argmax(l_k)
+        other rows:  z_k = process(l_k) (temperature, top-k, top-p: -inf outside the kept set);
+                     x_k = argmax(z_k + g), g = Gumbel(seed, vocab, start_pos + k, STREAM_DRAFT)
+                     -- a sample of q_k = softmax(z_k)
         prev = x_k
 
-Conventions (temperature/top-k/top-p, degenerate rows, Gumbel keys, id folding) are those of
-kernels/sampling.py.
+The op returns the drafts and draft_logits, not q: rejection sampling processes the draft
+logits exactly as it processes the target's (kernels/rejection.py) and computes q where it
+reads it -- mostly from row statistics, a threshold search only for the few rows it still
+needs. Writing q here needed each step's exact top-p threshold for every row; the token alone
+does not (below). Conventions (temperature/top-k/top-p, degenerate rows, Gumbel keys, id
+folding) are those of kernels/sampling.py; the draft's Gumbel-max adds the noise to z itself
+(log q up to a per-row constant).
 
 Bytes one call must move (Flash: V = 129280, r = 256, N = 5, bf16 W1/W2, fp32 base logits):
 W2 once per step, 5 x 66.2 MB = 331 MB (the floor, ~78 us on an H200), + base logits B*N*V*4
-(2.6 MB per request) + W1 rows B*N*r*2, + for non-greedy rows draft_probs B*N*V*4 written.
+(2.6 MB per request) + W1 rows B*N*r*2, + draft_logits B*N*V*4 written (modes "full" and
+"plain").
 
-Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
+Fused plan (modes "full" / "plain"), per step (fixed launches, so the op captures into one CUDA
+graph):
   logits  grid (cdiv(V, BLOCK_V),): a program owns a vocab block for *all* B rows, so W2 is read
           exactly once per step; bias = W1[prev] . W2[block]^T on tensor cores (bf16 operands
           give exact products, fp32 accumulation; a CUDA-core GEMV for one row measured 1.3-2.6x
-          slower on the H200 than padding it to a 16-row tile), + base, / T; per-block max,
-          lowest-id argmax, sum exp(z - max) and NaN flag; z of
-          non-greedy rows goes to the step's draft_probs slot. Step 0 folds the anchor itself.
-          The [B, V] bias never exists anywhere else. Odd steps walk the blocks from the end,
-          so a step starts on the W2 rows the last one left in the L2 (9-10 % off the greedy
-          plan on the H200: ~11 of W2's 66 MB per step came from the L2).
+          slower on the H200 than padding it to a 16-row tile), + base -> the step's
+          draft_logits slot; z = l / T: per-block max, lowest-id argmax, sum exp(z - max) and
+          NaN flag; then (`candidate`) each row's packed (max, lowest id) key and its Gumbel
+          candidate's (the block's argmax of z + g, Philox in-kernel) are atomically maxed into
+          per-step row slots. Step 0 folds the anchor itself. The [B, V] bias never exists
+          anywhere else. Odd steps walk the blocks from the end, so a step starts on the W2
+          rows the last one left in the L2 (9-10 % off the greedy plan on the H200: ~11 of
+          W2's 66 MB per step came from the L2).
           Mode "greedy" has its own step kernel instead (the whole plan is one launch per
           step): persistent programs, each over a run of vocab blocks for a batch tile, gather
           the rows' W1[prev] once, stream whole-rank W2 tiles with STAGES - 1 in flight, keep
@@ -33,16 +44,24 @@ Fused plan, per step (fixed launches, so the op captures into one CUDA graph):
           step's programs decode `prev` from it. Steps 1.. use programmatic dependent launch:
           a step's programs start while the previous step finishes and load their first W2
           tile before they wait for it. One small launch at the end writes the N drafts.
-  reduce  grid (B, C chunks): each program folds its row's block statistics (row max, Z,
-          argmax); greedy rows' tokens (and `prev`) are final here.
-  select  grid (B, C): top-k/top-p rows only (see below).
+  pick    grid (B, C): the token where no threshold is needed (_markov_pick_kernel): greedy
+          rows, degenerate rows, rows without top-k / top-p, and top-p rows whose candidate c
+          (the argmax of z + g over the whole row) is kept -- then c is the argmax over the
+          kept set too. Kept iff the fixed-point mass strictly above z_c is below resolve()'s
+          target (kernels/sampling.py), summed over the tiles whose block maxima lie above z_c
+          (a few tiles of a peaked row). The rest (top-k rows; candidates outside the top-p
+          set: about 1 - top_p of flat rows, fewer of peaked ones) are flagged for:
+  reduce  grid (B, C chunks), flagged rows: row max, Z, the top-k/top-p histogram, bracket.
+  select  grid (B, C), flagged rows: exact thresholds (see below).
   refine  grid (B, C) x REFINE_PASSES: rows whose select overflowed CAP candidates only.
-  final   grid (B, C), non-greedy rows: probabilities written over z, Gumbel-max with in-kernel
-          Philox over the kept tokens; the row's last program (atomic ticket) reduces the chunk
-          winners into the token and `prev`.
+  final   grid (B, C), flagged rows: Gumbel-max of z + g over the kept tokens; the row's last
+          program (atomic ticket) reduces the chunk winners into the token and `prev`.
+Mode "plain" (top-k / top-p ignored) takes every token from pick: two launches per step.
+Without `candidate` (a launch knob) every non-greedy row goes through the search and final,
+the plan of earlier sessions.
 A "last program" of a row is the one whose atomic ticket (acq_rel, after a CTA barrier) comes
 last; it reads the others' partials (bypassing L1) in a fixed order, so results never depend on
-which program finished first. Ticket counters are one zeroed tensor per call.
+which program finished first. Ticket counters and key slots are one zeroed tensor per call.
 
 Top-k / top-p cost (exact thresholds without sorting, kernels/sampling.py): for rows that use
 them, reduce also builds a 16-bin mass histogram of its chunk (one more read of z, its loads
@@ -60,19 +79,15 @@ peaked rows is most of the row. `final` skips the noise for tiles with nothing k
 row pass keeps per-lane partials over its chunk and reduces them once (a reduction per tile, a
 CTA barrier each, made these passes ~10x slower than their bytes) and loads the next tile
 before it uses the current one. Every launch after the first uses programmatic dependent
-launch (PDL_BY_TILE). H200, whole call, B = 1 / 64: peaked rows (tens of tokens kept) 244 /
-930 us, Gaussian rows (top-p 0.95 keeps ~10^4 tokens) 315 / 1327 us; at B = 64 per step
-logits ~59 us, reduce ~44, select ~48, refine ~34 over its 3 launches, final ~24
-(benchmarks/results/h200_sampler_2026-11-29/, session 7).
+launch (PDL_BY_TILE). H200 timings: benchmarks/results/h200_sampler_2026-11-29/.
 
-`mode` (static): "full" launches everything; "plain" skips select (top-k/top-p ignored);
-"greedy" (every row greedy) runs the greedy step kernel alone -- graphs the engine can capture
-for batches whose sampling parameters the host knows. Modes "full" and "plain" write greedy
-rows' draft_probs as zeros, like the reference (an all-greedy batch at B = 64 pays ~40 us for
-it on the H200, which is why the runtime runs such batches with the "greedy" variant,
-dspark_compile/variants.py). Mode
-"greedy" leaves draft_probs unwritten (unspecified; its reference gives zeros): rejection never
-reads a greedy row's q, and writing B*N*V zeros would cost more than the whole greedy sampler.
+`mode` (static): "full" launches everything; "plain" ignores top-k/top-p; "greedy" (every row
+greedy) runs the greedy step kernel alone -- graphs the engine can capture for batches whose
+sampling parameters the host knows. Modes "full" and "plain" write every row's draft_logits,
+greedy rows' included, like the reference. Mode "greedy" leaves draft_logits unwritten
+(unspecified; the reference gives the logits): rejection never reads a greedy row's q, and
+writing B*N*V floats would cost more than the whole greedy sampler (the runtime runs
+all-greedy batches with the "greedy" variant, dspark_compile/variants.py).
 """
 from __future__ import annotations
 
@@ -87,11 +102,12 @@ from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
                        fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
-                       lane_argmax_update, launch_select_refine, logprobs_from_processed,
-                       pack_argmax, probs_from_processed, process_logits,
+                       lane_argmax_update, launch_select_refine, pack_argmax, process_logits,
                        reduce_compile_config, refine_compile_config, row_flags,
-                       row_reduce_kernel, row_tiling, select_compile_config, threshold_scratch,
-                       tile_max, tl_vocab_gumbel, unpack_token)
+                       row_needed, row_reduce_kernel, row_t, row_tiling, scale_z,
+                       select_compile_config, threshold_scratch, tile_max, tl_rows_gumbel,
+                       tl_vocab_gumbel, unpack_id, unpack_token, unpack_value, fixed_mass,
+                       load_z, mass_scale_bits, row_degenerate)
 from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
                          pdl_enter, pdl_launch, pdl_mode, pdl_release)
 
@@ -124,22 +140,26 @@ def markov_bias(prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch
 def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor,
                             w2: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor):
-    """-> (drafts [B, N] int64, draft_probs [B, N, V] fp32; greedy rows' probs are zeros)."""
+    """-> (drafts [B, N] int64, draft_logits [B, N, V] fp32: step k's base + bias, unscaled,
+    every row). The draft distribution of step k is q_k = softmax(process(draft_logits[:, k]))
+    (draft_probs); rejection sampling computes it where it reads it."""
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     B, N, V = base_logits.shape
     greedy = greedy_rows(temperature)
     prev = fold_ids(anchor.to(torch.int64), V)
-    drafts, probs = [], []
+    drafts, out = [], []
     for k in range(N):
         logits = base_logits[:, k].float() + markov_bias(prev, w1, w2)
+        # Gumbel-max over the kept tokens' z itself (log q up to a constant): the fused kernel
+        # can then pick the argmax of z + g over the whole row before it knows the kept set
         z = process_logits(logits, temperature, top_k, top_p)
-        x = gumbel_argmax(logprobs_from_processed(z), seed, start_pos + k, STREAM_DRAFT)
+        x = gumbel_argmax(z, seed, start_pos + k, STREAM_DRAFT)
         x = torch.where(greedy, argmax_tokens(logits), x)
-        p = probs_from_processed(z)
-        probs.append(torch.where(greedy[:, None], torch.zeros_like(p), p))
+        out.append(logits)
         drafts.append(x)
         prev = x
-    return torch.stack(drafts, 1), torch.stack(probs, 1)
+    return torch.stack(drafts, 1), torch.stack(out, 1)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,16 +170,19 @@ MODES = {"greedy": 0, "plain": 1, "full": 2}
 _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
 @triton.jit
 def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
-                          z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
+                          z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, seed_ptr, pos_ptr,
+                          rowkey_ptr, candkey_ptr,
                           B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
                           DOT_F32: tl.constexpr, REVERSE_ODD: tl.constexpr,
-                          PDL: tl.constexpr = 0):
+                          CAND: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Modes "full" / "plain", one Markov step, grid (NBLK,): vocab block `blk` for every row
     (see the module docstring). W1/W2 are contiguous [V, R] with R a compile-time constant: the
     compiler sees aligned, contiguous rows and issues wide loads (a runtime stride costs ~3x
-    the registers)."""
+    the registers). CAND: each row's packed (max, lowest argmax) key and its Gumbel candidate's
+    (max of z + g, lowest id) are atomically maxed into rowkey_ptr[step, row] and
+    candkey_ptr[step, row] (zero-filled)."""
     pdl_enter(PDL)
     base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
     z_ptr += z_off
@@ -202,14 +225,14 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
         base = tl.load(base_ptr + rows[:, None] * stride_bb + offs_v[None, :],
                        mask=rmask[:, None] & vmask[None, :], other=0.0,
                        eviction_policy="evict_first").to(tl.float32)
-        z = base + acc
+        lg = base + acc
+        # the op's draft_logits (every row): the later passes scale them as they read them
+        # (sampling.scale_z, bit for bit as here), rejection processes them like the target's
+        tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :], lg,
+                 mask=rmask[:, None] & vmask[None, :])
         t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
         greedy = t <= 0.0
-        z = tl.math.div_rn(z, tl.where(greedy, 1.0, t)[:, None])
-        # greedy rows' draft_probs are zeros, as in the reference (nothing later touches
-        # them): the op's outputs are fully specified in this mode
-        tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :],
-                 tl.where(greedy[:, None], 0.0, z), mask=rmask[:, None] & vmask[None, :])
+        z = tl.math.div_rn(lg, tl.where(greedy, 1.0, t)[:, None])
         zn, bmax, barg, bnan = _block_maxima(z, vmask, blk, BLOCK_V)
         e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
         bsum = tl.sum(e, axis=1)
@@ -218,6 +241,19 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
         tl.store(barg_ptr + so, barg, mask=rmask)
         tl.store(bsum_ptr + so, bsum, mask=rmask)
         tl.store(bnan_ptr + so, bnan, mask=rmask)
+        if CAND:
+            # the row's maximum, and its Gumbel-max candidate over the whole row: the argmax of
+            # z + g, which is the draft whenever it is in the kept set (_markov_pick_kernel)
+            tl.atomic_max(rowkey_ptr + step * B + rows, pack_argmax(bmax, barg, bnan > 0),
+                          mask=rmask, sem="relaxed")
+            seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
+            pos = tl.load(pos_ptr + rows, mask=rmask, other=0) + step
+            g = tl_rows_gumbel(seed, blk * BLOCK_V, pos, BLOCK_B, BLOCK_V, _STREAM_DRAFT)
+            sc = tl.where(zn > float("-inf"), zn + g, float("-inf"))
+            cmax = tl.max(sc, axis=1)
+            carg = tl.argmax(sc, axis=1, tie_break_left=True) + blk * BLOCK_V
+            tl.atomic_max(candkey_ptr + step * B + rows, pack_argmax(cmax, carg, False),
+                          mask=rmask & ~greedy, sem="relaxed")
 
 
 @triton.jit
@@ -331,9 +367,14 @@ def _markov_greedy_tokens_kernel(packed_ptr, drafts_ptr, B, stride_db, BLOCK: tl
 @triton.jit
 def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowf_ptr,
                          rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
-                         done_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
+                         done_ptr, need_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
                          done_off, TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
-                         BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK_V: tl.constexpr, GATE: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
+    """Grid (B, C), non-greedy rows (with GATE only those need_ptr flags): the Gumbel-max of
+    z + g over the kept tokens {z >= tau} (tau from select; every finite token without top-k /
+    top-p); the row's last program (atomic ticket) reduces the chunk winners into the token and
+    `prev`. z: the step's draft_logits scaled as read (scale_z)."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -341,48 +382,37 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
     drafts_ptr += step
     done_ptr += done_off
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
-    if ~greedy:
-        m = tl.load(rowf_ptr + b * 4)
-        Zk = tl.load(rowf_ptr + b * 4 + 1)
+    if (~greedy) & row_needed(need_ptr, b, GATE):
         deg = tl.load(rowi_ptr + b * 4 + 3) != 0
         tau = tl.full((), float("-inf"), tl.float32)
         if (k_on | p_on) & ~deg:
             tau = tl.load(rowf_ptr + b * 4 + 2)
-            Zk = tl.load(rowf_ptr + b * 4 + 3)
-        logz = tl.log(Zk)
-        # one division per program: p = e * (1 / Zk) is within 1.5 ulp of e / Zk, and the
-        # IEEE division per token was ~15 of the pass's ~70 instructions per token
-        rz = tl.math.div_rn(1.0, Zk)
+        t = row_t(temp_ptr, b, True)
         seed = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b) + step
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         # per-lane best, reduced once at the end
         best_v = tl.full((TILE,), float("-inf"), tl.float32)
         bid_v = tl.zeros((TILE,), tl.int32)
-        # the next tile's z and block maximum are loaded before this tile is used (a tile
+        # the next tile's logits and block maximum are loaded before this tile is used (a tile
         # decided, then loaded, waited on two round trips)
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
         ar = tl.arange(0, TILE)
-        zn = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
+        ln = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
         tmn = tile_max(bmax_ptr, b, NBLK, lo, TILE, BLOCK_V)
         for v0 in range(lo, hi, TILE):
-            z = zn
+            z = scale_z(ln, t, True)
             tm = tmn
             offs = v0 + ar
-            vm = offs < V
-            zn = tl.load(zrow + offs + TILE, mask=offs + TILE < hi, other=float("-inf"))
+            ln = tl.load(zrow + offs + TILE, mask=offs + TILE < hi, other=float("-inf"))
             tmn = tile_max(bmax_ptr, b, NBLK, v0 + TILE, TILE, BLOCK_V)
-            # nothing kept in the tile (its best token is below tau): zeros, and no noise
+            # nothing kept in the tile (its best token is below tau): no noise
             if (tm >= tau) & ~deg:
                 keep = (z >= tau) & (z > float("-inf"))
-                prob = tl.where(keep, tl.exp(z - m) * rz, 0.0)
-                tl.store(zrow + offs, prob, mask=vm)
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
-                s = tl.where(keep, ((z - m) - logz) + g, float("-inf"))
+                s = tl.where(keep, z + g, float("-inf"))
                 best_v, bid_v = lane_argmax_update(best_v, bid_v, s, offs)
-            else:
-                tl.store(zrow + offs, tl.zeros((TILE,), tl.float32), mask=vm)
         pdl_release(PDL)
         best, bid = lane_argmax_finish(best_v, bid_v)
         tl.store(best_v_ptr + b * C + c, best)
@@ -398,6 +428,88 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
             tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
             tl.store(drafts_ptr + b * stride_db, tok)
             tl.store(prev_ptr + b, tok)
+
+
+@triton.jit
+def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, candkey_ptr, bmax_ptr,
+                        bsum_ptr, drafts_ptr, prev_ptr, need_ptr, part_ptr, done_ptr, step, B, V,
+                        C, CHUNK, NBLK, stride_zb, stride_db, z_off, done_off,
+                        TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
+                        NBLK_P2: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
+                        PDL: tl.constexpr = 0):
+    """Grid (B, C), after the logits kernel (CAND): the step's token without a threshold where
+    the row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
+
+    - greedy rows: the row maximum's id; degenerate rows (a NaN, a maximum not finite): 0;
+    - rows without top-k / top-p (and every row in mode "plain"): the candidate c, the argmax of
+      z + g over the whole row, is the Gumbel-max over the kept set (all of it);
+    - top-p rows without top-k: c is the argmax over the kept set whenever it is kept, and c is
+      kept iff the fixed-point mass strictly above z_c is below resolve()'s target
+      max(top_p Z SCALE, 1), with Z from the block statistics as reduce sums it. The chunk
+      programs sum that mass over the tiles whose block maxima lie above z_c (on peaked rows a
+      few tiles); the row's last program (atomic ticket) decides. Not kept (probability about
+      1 - top_p on flat rows, less on peaked ones): the row takes the exact path;
+    - top-k rows: the exact path.
+    """
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    z_ptr += z_off
+    drafts_ptr += step
+    done_ptr += done_off
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
+    rkey = tl.load(rowkey_ptr + step * B + b)
+    m = unpack_value(rkey)
+    deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
+    cid = unpack_id(tl.load(candkey_ptr + step * B + b))
+    if (~greedy) & (~deg) & p_on & (~k_on):
+        t = row_t(temp_ptr, b, True)
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        zc = load_z(zrow + cid, cid < V, t, True)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        ar = tl.arange(0, TILE)
+        acc = tl.zeros((TILE,), tl.int64)
+        # the next tile's block maxima and (where they reach above z_c) logits in flight
+        # while this tile is summed
+        tmn = tile_max(bmax_ptr, b, NBLK, lo, TILE, BLOCK_V)
+        ln = tl.load(zrow + lo + ar, mask=lo + ar < tl.where(tmn > zc, hi, 0),
+                     other=float("-inf"))
+        for v0 in range(lo, hi, TILE):
+            x = ln
+            nx = v0 + TILE + ar
+            tmn = tile_max(bmax_ptr, b, NBLK, v0 + TILE, TILE, BLOCK_V)
+            ln = tl.load(zrow + nx, mask=nx < tl.where(tmn > zc, hi, 0), other=float("-inf"))
+            z = scale_z(x, t, True)
+            acc += tl.where(z > zc, fixed_mass(z, m, SCALE), 0)
+        pdl_release(PDL)
+        tl.store(part_ptr + b * C + c, tl.sum(acc, axis=0))
+        tl.debug_barrier()   # every thread's stores happen before the releasing ticket
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            above = tl.sum(tl.load(part_ptr + b * C + co, mask=co < C, other=0,
+                                   cache_modifier=".cg"), axis=0)
+            # Z exactly as row_reduce_kernel sums it (same statistics, same reduction)
+            o = tl.arange(0, NBLK_P2)
+            om = o < NBLK
+            bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
+            bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
+            Z = tl.sum(bs * tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0), axis=0)
+            T = tl.maximum(Z.to(tl.float64) * SCALE * p.to(tl.float64), 1.0)
+            kept = above.to(tl.float64) < T
+            tl.store(need_ptr + b, (~kept).to(tl.int32))
+            if kept:
+                tl.store(drafts_ptr + b * stride_db, cid)
+                tl.store(prev_ptr + b, cid)
+    else:
+        pdl_release(PDL)
+        if c == 0:
+            exact = (~greedy) & (~deg) & k_on
+            tok = tl.where(greedy, unpack_token(rkey), tl.where(deg, 0, cid))
+            tl.store(need_ptr + b, exact.to(tl.int32))
+            if ~exact:
+                tl.store(drafts_ptr + b * stride_db, tok)
+                tl.store(prev_ptr + b, tok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +597,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          refine_passes=REFINE_PASSES, hist_bins=HIST_BINS,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
                          skip_below_bracket=True, few_candidates=FEW_CANDIDATES,
-                         greedy_config=None, pdl=True, block_floor=True):
+                         greedy_config=None, pdl=True, block_floor=True, candidate=True,
+                         thresholds=None):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -511,7 +624,14 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     program of this one has started ("early") or has finished its main loop ("late"); True
     takes PDL_BY_TILE's choice for B rows. `block_floor` (tuning; default on): top-p rows without
     top-k search their threshold only over the tokens above a floor the block maxima give
-    (sampling.block_max_floor): reduce and select skip the rest of the row.
+    (sampling.block_max_floor): reduce and select skip the rest of the row. `candidate`
+    (tuning; default on): modes "full" / "plain" draw each step's Gumbel candidate in the
+    logits kernel and keep it where no threshold can exclude it (_markov_pick_kernel); the
+    threshold search and final run only for the rows it leaves (top-k rows, candidates outside
+    the top-p set). Off: every non-greedy row is searched and sampled by final.
+    `thresholds` (test hook, a list; modes "full" / "plain"): each step appends copies of its
+    row parameters (rowf [B, 4]: m, Z, tau, kept mass; rowi [B, 4]: ..., degenerate) after
+    final, as the searched rows left them.
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -519,19 +639,19 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     check_pow2("refine_edges", refine_edges, 4, 128)
     NB = hist_bins
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
-    check_int32_index(base_logits=base_logits, w2=w2)   # draft_probs has base_logits' shape
+    check_int32_index(base_logits=base_logits, w2=w2)   # draft_logits has base_logits' shape
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     MODE = MODES[mode]
     B, N, V = base_logits.shape
     R = w1.shape[1]
     dev = base_logits.device
-    # every row of every step is written (greedy rows by reduce or the packed maxima, the others
-    # by final), so no fill
+    # every token is written (by pick, reduce, final or the packed maxima), and every
+    # draft_logits row by the logits kernel (modes "full" / "plain"), so no fill
     drafts = torch.empty((B, N), dtype=torch.int64, device=dev)
-    probs = torch.empty((B, N, V), dtype=torch.float32, device=dev)
+    out = torch.empty((B, N, V), dtype=torch.float32, device=dev)
     if B == 0 or N == 0:
-        return drafts.zero_(), probs
+        return drafts.zero_(), out
     if base_logits.stride(-1) != 1:
         base_logits = base_logits.contiguous()
     w1 = w1.contiguous()
@@ -549,12 +669,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                       reverse_odd_steps)
         launch(_markov_greedy_tokens_kernel)[(N,)](packed, drafts, B, drafts.stride(0),
                                                    BLOCK=min(1024, next_pow2(B)), num_warps=4)
-        return drafts, probs
+        return drafts, out
     kern = _markov_logits_kernel
     dot_f32 = interpreting(kern) or w1.dtype == torch.float32
     # programmatic dependent launch for every launch after the first (the first waits for the
     # op's inputs the plain way): each kernel enters with pdl_enter, so only the launch latency
-    # between the ~7 launches per step overlaps
+    # between the launches of a step overlaps
     pdl = _pdl_mode(pdl, B)             # checked everywhere, used where available
     if not pdl_available(kern, dev):
         pdl = 0
@@ -562,8 +682,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     NBLK = triton.cdiv(V, BLOCK_V)
     TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
     HTILE = hist_tile(TILE, NB)
-    f32, i32 = torch.float32, torch.int32
-    prev = torch.empty((B,), dtype=torch.int64, device=dev)     # step 0 folds the anchor itself
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    prev = torch.empty((B,), dtype=i64, device=dev)     # step 0 folds the anchor itself
     temperature = temperature.contiguous()
     top_k, top_p, seed, start_pos = (t.contiguous() for t in (top_k, top_p, seed, start_pos))
     bmax = torch.empty((B, NBLK), dtype=f32, device=dev)
@@ -573,50 +693,70 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     rowf = torch.empty((B, 4), dtype=f32, device=dev)
     rowi = torch.empty((B, 4), dtype=i32, device=dev)
     # one memset for every ticket/slot counter of the call, [step, counter, row], then (mode
-    # "full") the refine state per row
-    NCNT = 4 + 2 * refine_passes
+    # "full") the refine state per row, then (candidate) the packed row and candidate maxima
+    # [step, row] as int64
+    NCNT = 5 + 2 * refine_passes
     nrst = 4 * B if MODE == 2 else 0
-    zeroed = torch.zeros((N * NCNT * B + nrst,), dtype=i32, device=dev)
+    ncnt = N * NCNT * B + nrst
+    nkey = 2 * N * B if candidate else 0
+    zeroed = torch.zeros((ncnt + ncnt % 2 + 2 * nkey,), dtype=i32, device=dev)
     counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
-    rst = zeroed[N * NCNT * B:].view(B, 4) if MODE == 2 else zeroed[:1]
+    rst = zeroed[N * NCNT * B:ncnt].view(B, 4) if MODE == 2 else zeroed[:1]
+    keys = zeroed[ncnt + ncnt % 2:].view(i64).view(2, max(N, 1), B) if candidate else None
     thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, refine_edges, dev, TILE)
     best_v = torch.empty((B, C), dtype=f32, device=dev)
     best_i = torch.empty((B, C), dtype=i32, device=dev)
+    need = torch.empty((B,), dtype=i32, device=dev) if candidate else None
+    part = torch.empty((B, C), dtype=i64, device=dev) if candidate else None
     C_P2 = next_pow2(C)
-    sb, sz = base_logits.stride(0), probs.stride(0)
+    sb, sz = base_logits.stride(0), out.stride(0)
+    scale = float(2 ** mass_scale_bits(V))
+    dummy = keys[0] if candidate else prev
     for k in range(N):
         # step k's slices are passed as offsets rather than views (plainer for export)
-        zo = k * probs.stride(1)
+        zo = k * out.stride(1)
         cnt = [(k * NCNT + j) * B for j in range(NCNT)]
         launch(_markov_logits_kernel)[(NBLK,)](
-            base_logits, w1, w2, anchor, prev, temperature, probs, bmax, barg, bsum, bnan, B, V,
-            NBLK, sb, sz, k * base_logits.stride(1), zo, k,
+            base_logits, w1, w2, anchor, prev, temperature, out, bmax, barg, bsum, bnan, seed,
+            start_pos, dummy, keys[1] if candidate else dummy, B, V, NBLK, sb, sz,
+            k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
             EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
-            PDL=pdl, num_warps=warps1, **pdl_launch(pdl > 0 and k > 0))
+            CAND=bool(candidate), PDL=pdl, num_warps=warps1, **pdl_launch(pdl > 0 and k > 0))
+        if candidate:
+            launch(_markov_pick_kernel)[(B, C)](
+                temperature, top_k, top_p, out, keys[0], keys[1], bmax, bsum, drafts, prev,
+                need, part, counters, k, B, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
+                cnt[4 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2,
+                NBLK_P2=next_pow2(NBLK), BLOCK_V=BLOCK_V, SCALE=scale, PDL=pdl, num_warps=4,
+                **pdl_launch(pdl > 0))
+            if MODE == 1:       # every token is final: nothing to search or sample
+                continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
-            bmax, barg, bsum, bnan, temperature, top_k, top_p, probs, drafts, prev, rowf,
+            bmax, barg, bsum, bnan, temperature, top_k, top_p, out, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, thr["floor"], thr["live"],
-            rowi, V, NBLK, C, CHUNK, sz,        # (rowi: the unread need_ptr, GATE off)
+            rowi if need is None else need, V, NBLK, C, CHUNK, sz,
             drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
             MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2],
-            FLOOR=bool(block_floor) and MODE == 2,
+            FLOOR=bool(block_floor) and MODE == 2, GATE=need is not None, SCALED=True,
             PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
             launch_select_refine(
-                (temperature, top_k, top_p), probs, zo, sz, rowf, rowi, rst, thr, counters,
+                (temperature, top_k, top_p), out, zo, sz, rowf, rowi, rst, thr, counters,
                 (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
                 V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=NB, edges=refine_edges, cap=cap,
                 scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket,
-                few=few_candidates, pdl=pdl)
+                few=few_candidates, pdl=pdl, need=need, scaled=True)
         launch(_markov_final_kernel)[(B, C)](
-            temperature, top_k, top_p, seed, start_pos, probs, rowf, rowi, bmax, best_v,
-            best_i, drafts, prev, counters, k, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
-            cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, PDL=pdl, num_warps=4,
-            **pdl_launch(pdl > 0))
-    return drafts, probs
+            temperature, top_k, top_p, seed, start_pos, out, rowf, rowi, bmax, best_v,
+            best_i, drafts, prev, counters, rowi if need is None else need, k, V, C, CHUNK, NBLK,
+            sz, drafts.stride(0), zo, cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
+            GATE=need is not None, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+        if thresholds is not None:
+            thresholds.append((rowf.clone(), rowi.clone()))
+    return drafts, out
 
 
 # When the full plan's next launch may start (tl_helpers.pdl_release), per batch tile, from the
@@ -686,8 +826,8 @@ def markov_sample(base_logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Ten
                   w2: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
                   mode: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused Markov sampler. Greedy rows' draft_probs are zeros in modes "full" and "plain"
-    and unspecified on CUDA in mode "greedy" (never read; the module docstring says why)."""
+    """Fused Markov sampler: (drafts, draft_logits). draft_logits are unspecified on CUDA in
+    mode "greedy" (never read; the module docstring says why)."""
     return markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed,
                                 start_pos, mode)
 
@@ -709,11 +849,12 @@ def _markov_configs():
         out.append(compile_config(_markov_logits_kernel, dict(
             base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
             prev_ptr="*i64", temp_ptr="*fp32", z_ptr="*fp32",
-            bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", B="i32",
+            bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32",
+            seed_ptr="*i64", pos_ptr="*i64", rowkey_ptr="*i64", candkey_ptr="*i64", B="i32",
             V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
             step="i32"),
             dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
-                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True,
+                 EVEN_V=_V_FLASH % BLOCK_V == 0, DOT_F32=False, REVERSE_ODD=True, CAND=True,
                  PDL=_pdl_mode(True, B)),
             warps))
         for wide in (False, True):          # bf16 weights (Flash), fp32 ones
@@ -736,18 +877,29 @@ def _markov_configs():
         _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
         pdl = _pdl_mode(True, B)        # what a launch on sm_90+ (SM12x included) compiles
-        for mode in (1, 2):                 # mode "greedy" launches no reduce
-            out.append(reduce_compile_config(TILE, CHUNK, C, bv, _V_FLASH, mode, pdl))
-        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl))
-        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl))
+        # (the default plan: the pick kernel, then the search and final gated to the rows it
+        # leaves, mode "full" only)
+        out.append(reduce_compile_config(TILE, CHUNK, C, bv, _V_FLASH, 2, pdl, gate=True,
+                                         scaled=True))
+        out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl, gate=True,
+                                         scaled=True))
+        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl, scaled=True))
+        out.append(compile_config(_markov_final_kernel, dict(
+            **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
+            rowi_ptr="*i32", bmax_ptr="*fp32", best_v_ptr="*fp32", best_i_ptr="*i32",
+            drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", need_ptr="*i32", step="i32",
+            V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
+            done_off="i32"),
+            dict(TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, GATE=True, PDL=pdl), 4))
         for mode in (1, 2):
-            out.append(compile_config(_markov_final_kernel, dict(
-                **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
-                rowi_ptr="*i32", bmax_ptr="*fp32", best_v_ptr="*fp32", best_i_ptr="*i32",
-                drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", step="i32", V=_D16,
-                C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
-                done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, PDL=pdl), 4))
+            out.append(compile_config(_markov_pick_kernel, dict(
+                **flags, z_ptr="*fp32", rowkey_ptr="*i64", candkey_ptr="*i64",
+                bmax_ptr="*fp32", bsum_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
+                need_ptr="*i32", part_ptr="*i64", done_ptr="*i32", step="i32", B="i32",
+                V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32",
+                z_off=_D16, done_off="i32"),
+                dict(TILE=TILE, MODE=mode, C_P2=cp, NBLK_P2=next_pow2(triton.cdiv(_V_FLASH, bv)),
+                     BLOCK_V=bv, SCALE=float(2 ** mass_scale_bits(_V_FLASH)), PDL=pdl), 4))
     return out
 
 

@@ -7,7 +7,8 @@ bonus position for i = N.
 - Greedy rows (temperature <= 0): accept draft i while it equals argmax(target row i); at the first
   mismatch emit that argmax and stop; if all N pass, emit the bonus argmax of row N.
 - Other rows (standard speculative sampling, Leviathan/Chen): p_i = softmax(process(target row i)),
-  q_i = draft_probs[:, i] (NaN / inf / negative entries read as 0),
+  q_i = softmax(process(draft_logits[:, i])) (the draft distribution the Markov sampler drew
+  draft i from: its logits are processed exactly like the target's),
   u_i = uniform(seed, 0, start_pos + i, STREAM_ACCEPT). Accept draft x iff
   q_i(x) > 0 and p_i(x) >= u_i * q_i(x). At the first rejection sample from the residual
   max(p_i - q_i, 0) (from p_i if that is all zero) by Gumbel-max keyed
@@ -29,7 +30,7 @@ Mode "greedy" (every row greedy, whatever its temperature: the plan of the engin
 step variant, dspark_compile/variants.py): one launch reads each target row once, (rows,
 chunks) programs maxing packed (value, lowest id) keys into one int64 per row
 (kernels/sampling.py pack_argmax), and one small launch walks the acceptance chain. No scratch
-rows, draft_probs never read; B * (N + 1) * V * 4 bytes read (Flash, B = 64: 199 MB,
+rows, draft_logits never read; B * (N + 1) * V * 4 bytes read (Flash, B = 64: 199 MB,
 ~47 us at 4.2 TB/s) against the full plan's several passes and ~200 MB of scratch (its spill
 regions).
 """
@@ -50,7 +51,7 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
                        unpack_token,
                        logprobs_from_processed, probs_from_processed, process_logits, row_flags,
                        reduce_compile_config, refine_compile_config, row_reduce_kernel,
-                       row_tiling, sample_reference,
+                       request_probs, row_tiling, sample_reference,
                        select_compile_config,
                        threshold_scratch,
                        tile_max, tl_uniform, tl_vocab_gumbel)
@@ -58,7 +59,7 @@ from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_avail
                          pdl_launch, pdl_mode, pdl_release)
 
 
-def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
+def check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
                            seed, start_pos):
     if target_logits.dim() != 3 or not target_logits.dtype.is_floating_point:
         raise ValueError(f"target_logits must be a float [B, N+1, V] tensor, got "
@@ -70,23 +71,17 @@ def check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature
     if draft_tokens.shape != (B, N) or draft_tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"draft_tokens must be an int [{B}, {N}] tensor, got "
                          f"{draft_tokens.dtype} {tuple(draft_tokens.shape)}")
-    if draft_probs.shape != (B, N, V) or draft_probs.dtype != torch.float32:
-        raise ValueError(f"draft_probs must be a float32 [{B}, {N}, {V}] tensor, got "
-                         f"{draft_probs.dtype} {tuple(draft_probs.shape)}")
+    if draft_logits.shape != (B, N, V) or not draft_logits.dtype.is_floating_point:
+        raise ValueError(f"draft_logits must be a float [{B}, {N}, {V}] tensor, got "
+                         f"{draft_logits.dtype} {tuple(draft_logits.shape)}")
     check_sampling_params(B, temperature, top_k, top_p, seed, start_pos, "start_pos")
-
-
-def safe_probs(q: torch.Tensor) -> torch.Tensor:
-    """Draft probabilities as the test uses them: NaN, infinite or negative entries count as 0
-    (padded rows may carry garbage; a garbage q can then only cause rejections)."""
-    return torch.where((q > 0) & (q < float("inf")), q, torch.zeros_like(q))
 
 
 def sampled_accepts(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor,
                     seed: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
     """Each draft's acceptance test for a sampling request, as if every earlier draft had been
     accepted: bool [B, N], x valid, q(x) > 0 and p(x) >= u q(x). p: target probabilities
-    [B, >= N, V]; q: draft probabilities [B, N, V] (safe_probs)."""
+    [B, >= N, V]; q: draft probabilities [B, N, V]."""
     B, N = draft_tokens.shape
     V = p.shape[-1]
     d = draft_tokens.to(torch.int64)
@@ -101,11 +96,11 @@ def sampled_accepts(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
 
 @fusable("rejection_sample")
 def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                               draft_probs: torch.Tensor, temperature: torch.Tensor,
+                               draft_logits: torch.Tensor, temperature: torch.Tensor,
                                top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
                                start_pos: torch.Tensor):
     """-> (tokens [B, N+1] int64, -1 past num_sampled; num_sampled [B] int64)."""
-    check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
+    check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
                            seed, start_pos)
     B, N1, V = target_logits.shape
     N = N1 - 1
@@ -120,7 +115,7 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 
     # acceptance of each draft, as if every earlier one had been accepted
     d = draft_tokens.to(torch.int64)
-    q = safe_probs(draft_probs)
+    q = request_probs(draft_logits, temperature, top_k, top_p)
     ok = torch.where(greedy[:, None], (d == target_arg[:, :N]) & (d >= 0) & (d < V),
                      sampled_accepts(p, d, q, seed, start_pos))
     accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)              # a in [0, N]
@@ -151,20 +146,22 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
 MODES = ("full", "greedy")
 #
-# The row passes of kernels/sampling.py (C programs per row), then the acceptance chain:
-#   stats    grid (rows, block groups): block statistics of z = l / T, 1 or 4 blocks per
-#            program (z is not stored: every later pass scales the logits it reads, scale_z,
-#            bit for bit as this pass does)
-#   walk     grid (B,): the acceptance tests the statistics decide; flags the rows whose exact
-#            threshold is still read (knob `bounds`; see _bound_walk_kernel)
-#   reduce   row max, Z, argmax (greedy rows), top-k/top-p histogram + bracket    (sampling.py)
-#   select   exact top-k/top-p thresholds                                          (sampling.py)
-#            (reduce and select skip the rows the walk did not flag)
+# The row passes of kernels/sampling.py (C programs per row), then the acceptance chain. The
+# draft rows (the Markov sampler's logits, processed like the target's) go through the same
+# passes as the target rows, in launches of their own:
+#   stats    x 2 (target, draft rows), grid (rows, block groups): block statistics of
+#            z = l / T, 1 or 4 blocks per program (z is not stored: every later pass scales
+#            the logits it reads, scale_z, bit for bit as this pass does)
+#   walk     grid (B,): the acceptance tests the statistics decide; flags the target and draft
+#            rows whose exact threshold is still read (knob `bounds`; see _bound_walk_kernel)
+#   search   x 2 (target, draft rows; sampling.py): reduce (row max, Z, argmax of greedy rows,
+#            top-k/top-p histogram + bracket), select (exact thresholds) and the refinement
+#            passes; rows the walk did not flag are skipped
 #   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
 #   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
 #            writes the token.
-# Every searched row is read ~3 times (from L2 at small B: rows * 0.5 MB), q once: 6 launches +
-# REFINE_PASSES refinement launches (always launched; rows that need none exit at once).
+# Every searched row is read ~3 times (from L2 at small B: rows * 0.5 MB): 5 launches +
+# 2 x (2 + REFINE_PASSES) search launches (always launched; rows that need none exit at once).
 
 @triton.jit
 def _rows_stats_kernel(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
@@ -248,13 +245,6 @@ def _greedy_accept_kernel(drafts_ptr, packed_ptr, tokens_ptr, num_ptr, B, N, V, 
 
 
 @triton.jit
-def clean_q(q):
-    """Draft probabilities as the reference reads them (safe_probs): NaN, inf and negative
-    entries are 0."""
-    return tl.where((q > 0.0) & (q < float("inf")), q, 0.0)
-
-
-@triton.jit
 def _row_p_params(rowf_ptr, rowi_ptr, r, trunc):
     """(m, kept mass, tau, degenerate) of row r after reduce/select."""
     m = tl.load(rowf_ptr + r * 4)
@@ -267,6 +257,14 @@ def _row_p_params(rowf_ptr, rowi_ptr, r, trunc):
     return m, Zk, tau, deg
 
 
+@triton.jit
+def _kept_prob(z, m, Zk, tau, deg):
+    """p(token) of a row from its reduce/select parameters and the token's z: what the
+    acceptance test and the residual read, for target and draft rows alike."""
+    return tl.where((z >= tau) & (z > float("-inf")) & ~deg, tl.math.div_rn(tl.exp(z - m), Zk),
+                    0.0)
+
+
 # The bound walk (launch knob `bounds`, on by default): most acceptance tests need no exact
 # threshold, and a row whose threshold nothing reads is not searched. For a sampling row without
 # top-k, from the statistics pass alone (row max m, Z = sum exp(z - m), per-block maxima and sums):
@@ -276,93 +274,115 @@ def _row_p_params(rowf_ptr, rowi_ptr, r, trunc):
 #   fixed-point target), and that mass is at least the sum of exp(bmax - m) over the blocks whose
 #   maximum lies above z_x (each holds its maximum there; less up to 1 / SCALE per token for the
 #   fixed point's floors) and at most the sum of those blocks' whole masses;
-# so p(x) = exp(z_x - m) / Zk (0 if x is not kept) is bracketed, and "p(x) >= u q(x)" is often
-# decided either way. Every bound carries a relative margin BOUND_EPS, far above the fp32 sums'
-# and the fixed-point masses' error (<= 1e-5), so a decision never differs from the exact one.
-# Per request, in row order: sure accepts continue, the first sure rejection stops the walk
-# (that row is resampled), undecided rows are tested exactly later (assuming acceptance, the
-# walk goes on). The rows whose exact threshold is read (undecided rows, the stop row or the
-# bonus row) are flagged in `need`; reduce and select skip the others. The acceptance kernel
-# takes the walk's stored decisions (recomputing them there could round differently), and
-# greedy and top-k requests keep every row (dec 0: exact).
+# so p(x) = exp(z_x - m) / Zk (0 if x is not kept) is bracketed. The draft distribution q is
+# processed like p from the draft logits (their own statistics pass), so q(x) is bracketed the
+# same way, and "q(x) > 0 and p(x) >= u q(x)" is often decided either way. Every bound carries a
+# relative margin BOUND_EPS, far above the fp32 sums' and the fixed-point masses' error
+# (<= 1e-5), and the divisions are correctly rounded (monotone), so a decision never differs
+# from the exact one. Per request, in row order: sure accepts continue, the first sure rejection
+# stops the walk (that row is resampled), undecided rows are tested exactly later (assuming
+# acceptance, the walk goes on). The target and draft rows whose exact threshold is read
+# (undecided tests: both; the stop row: the target row, and the draft row of a residual) are
+# flagged in `need` / `dneed`; reduce and select skip the others. The acceptance kernel takes
+# the walk's stored decisions (recomputing them there could round differently), and greedy and
+# top-k requests keep every row (dec 0: exact; a greedy request's draft rows are never read).
 BOUND_EPS = tl.constexpr(1e-3)
 
 
 @triton.jit
-def _bound_walk_kernel(drafts_ptr, q_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, temp_ptr,
-                       topk_ptr, topp_ptr, seed_ptr, pos_ptr, need_ptr, dec_ptr, N, V, NBLK,
-                       stride_db, stride_qb, stride_qi, stride_zr, N_P2: tl.constexpr,
-                       NBLK_P2: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
+def _kept_bounds(z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, rows, rv, xf, t, p, p_on, V, NBLK,
+                 stride_zr, NBLK_P2: tl.constexpr, SCALE: tl.constexpr):
+    """For token xf[i] of row rows[i] (valid where rv): (surely kept, surely not kept,
+    exp(z_x - m), lower and upper bound of the kept mass Zk, degenerate row), from the row's
+    statistics and z_x (see the comment above)."""
+    o = tl.arange(0, NBLK_P2)
+    so = rows[:, None] * NBLK + o[None, :]
+    sm = rv[:, None] & (o < NBLK)[None, :]
+    bm = tl.load(bmax_ptr + so, mask=sm, other=float("-inf"))
+    bs = tl.load(bsum_ptr + so, mask=sm, other=0.0)
+    nan = tl.max(tl.load(bnan_ptr + so, mask=sm, other=0), axis=1)
+    m = tl.max(bm, axis=1)
+    deg = row_degenerate(nan, m)
+    zx = load_z(z_ptr + rows.to(tl.int64) * stride_zr + xf, rv & ~deg, t, True)
+    mm = tl.where(deg, 0.0, m)
+    e = tl.where(bm > float("-inf"), tl.exp(bm - mm[:, None]), 0.0)
+    Z = tl.where(rv & ~deg, tl.sum(bs * e, axis=1), 1.0)   # (1: no 0 / 0 in unused lanes)
+    above = bm > zx[:, None]
+    s_lo = tl.sum(tl.where(above, e, 0.0), axis=1)
+    s_hi = tl.sum(tl.where(above, bs * e, 0.0), axis=1)
+    T = p * Z
+    # membership: sure in / sure out (a row without top-p keeps every finite token)
+    fin = zx > float("-inf")
+    # (tl.where, not | / &, mixes the row's scalar flag with the vectors)
+    inside = fin & tl.where(p_on, (s_hi == 0.0)
+                            | (s_hi * (1.0 + BOUND_EPS) < T * (1.0 - BOUND_EPS)), True)
+    # (the exact masses are floors of e * SCALE: the mass above loses < 1 / SCALE a token)
+    outside = (~fin) | tl.where(p_on, s_lo * (1.0 - BOUND_EPS) >= tl.maximum(
+        T * (1.0 + BOUND_EPS), 1.0 / SCALE) + (V + 1.0) / SCALE, False)
+    zk_lo = tl.where(p_on, tl.maximum(T, 1.0), Z) * (1.0 - BOUND_EPS)
+    zk_hi = Z * (1.0 + BOUND_EPS)
+    return inside & ~deg, (outside & ~inside) | deg, tl.exp(zx - mm), zk_lo, zk_hi, deg
+
+
+@triton.jit
+def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, dbmax_ptr,
+                       dbsum_ptr, dbnan_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
+                       need_ptr, dneed_ptr, dec_ptr, N, V, NBLK, stride_db, stride_zr,
+                       stride_dr, N_P2: tl.constexpr, NBLK_P2: tl.constexpr,
+                       SCALE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
     N1 = N + 1
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, 2)
     i = tl.arange(0, N_P2)
     iv = i < N
-    r = b * N1 + i
+    r = b * N1 + i                              # target rows
+    rd = b * N + i                              # draft rows
     dec = tl.zeros((N_P2,), tl.int32)          # 0 undecided (exact), 1 accept, 2 reject
     if (~greedy) & (~k_on):
-        # every row's test at once: [rows, blocks] statistics, one round trip
+        # every row's test at once: [rows, blocks] statistics, one round trip per side
         d = tl.load(drafts_ptr + b * stride_db + i, mask=iv, other=-1).to(tl.int64)
         dvalid = (d >= 0) & (d < V)
         xf = tl.where(dvalid, d, 0)
-        qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf, mask=iv,
-                     other=0.0)
-        qx = clean_q(qx)
+        t = row_t(temp_ptr, b, True)
+        pin, pout, pex, pzlo, pzhi, _ = _kept_bounds(
+            z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, r, iv, xf, t, p, p_on, V, NBLK, stride_zr,
+            NBLK_P2, SCALE)
+        qin, qout, qex, qzlo, qzhi, _ = _kept_bounds(
+            dz_ptr, dbmax_ptr, dbsum_ptr, dbnan_ptr, rd, iv, xf, t, p, p_on, V, NBLK, stride_dr,
+            NBLK_P2, SCALE)
         u = tl_uniform(tl.load(seed_ptr + b), tl.zeros((N_P2,), tl.int32),
                        tl.load(pos_ptr + b) + i, _STREAM_ACCEPT)
-        uq = u * qx                             # as _accept_kernel rounds it
-        o = tl.arange(0, NBLK_P2)
-        so = r[:, None] * NBLK + o[None, :]
-        sm = iv[:, None] & (o < NBLK)[None, :]
-        bm = tl.load(bmax_ptr + so, mask=sm, other=float("-inf"))
-        bs = tl.load(bsum_ptr + so, mask=sm, other=0.0)
-        nan = tl.max(tl.load(bnan_ptr + so, mask=sm, other=0), axis=1)
-        m = tl.max(bm, axis=1)
-        deg = row_degenerate(nan, m)
-        zx = load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, iv & ~deg,
-                    row_t(temp_ptr, b, True), True)
-        mm = tl.where(deg, 0.0, m)
-        e = tl.where(bm > float("-inf"), tl.exp(bm - mm[:, None]), 0.0)
-        Z = tl.where(iv & ~deg, tl.sum(bs * e, axis=1), 1.0)   # (1: no 0 / 0 in unused lanes)
-        above = bm > zx[:, None]
-        s_lo = tl.sum(tl.where(above, e, 0.0), axis=1)
-        s_hi = tl.sum(tl.where(above, bs * e, 0.0), axis=1)
-        T = p * Z
-        # membership: sure in / sure out (a row without top-p keeps every finite token)
-        fin = zx > float("-inf")
-        # (tl.where, not | / &, mixes the row's scalar flag with the vectors)
-        inside = fin & tl.where(p_on, (s_hi == 0.0)
-                                | (s_hi * (1.0 + BOUND_EPS) < T * (1.0 - BOUND_EPS)), True)
-        # (the exact masses are floors of e * SCALE: the mass above loses < 1 / SCALE a token)
-        outside = (~fin) | tl.where(p_on, s_lo * (1.0 - BOUND_EPS) >= tl.maximum(
-            T * (1.0 + BOUND_EPS), 1.0 / SCALE) + (V + 1.0) / SCALE, False)
-        zk_lo = tl.where(p_on, tl.maximum(T, 1.0), Z) * (1.0 - BOUND_EPS)
-        zk_hi = Z * (1.0 + BOUND_EPS)
-        ex = tl.exp(zx - mm)
-        # correctly rounded divisions (as accept's): monotone in the divisor, so with
-        # zk_lo <= Zk <= zk_hi the bounds hold even where the margins vanish (subnormal u q)
-        acc_sure = inside & (tl.math.div_rn(ex, zk_hi) >= uq * (1.0 + BOUND_EPS))
-        rej_sure = (inside & (tl.math.div_rn(ex, zk_lo) < uq * (1.0 - BOUND_EPS))) \
-            | (outside & ~inside)
-        # exact 0 >= u q: an exact zero product accepts whatever p(x) is
-        dec = tl.where((uq == 0.0) & dvalid & (qx > 0.0), 1,
-                       tl.where(~dvalid | (qx <= 0.0) | deg | rej_sure, 2,
-                                tl.where(acc_sure, 1, 0)))
+        # q(x) as _accept_kernel computes it (_kept_prob) lies in [q_lo, q_hi] (correctly
+        # rounded divisions are monotone in the divisor), u q(x) in [uq_lo, uq_hi]
+        q_lo = tl.math.div_rn(qex, qzhi)
+        q_hi = tl.math.div_rn(qex, qzlo)
+        uq_lo = u * q_lo
+        uq_hi = u * q_hi
+        q_zero = (~dvalid) | qout | (qin & (q_hi == 0.0))      # q(x) = 0: never accepted
+        q_pos = dvalid & qin & (q_lo > 0.0)
+        # an exact zero product u q accepts whatever p(x) is
+        acc_sure = q_pos & ((uq_hi == 0.0)
+                            | (pin & (tl.math.div_rn(pex, pzhi) >= uq_hi * (1.0 + BOUND_EPS))))
+        rej_sure = q_zero | (q_pos & (uq_lo > 0.0) & (
+            pout | (pin & (tl.math.div_rn(pex, pzlo) < uq_lo * (1.0 - BOUND_EPS)))))
+        dec = tl.where(rej_sure, 2, tl.where(acc_sure, 1, 0))
         # the walk: rows after the first sure rejection are never read
         stop = tl.min(tl.where(iv & (dec == 2), i, N), axis=0)
         need = (i <= stop) & ((dec == 0) | (i == stop))
         tl.store(need_ptr + r, need.to(tl.int32), mask=i <= N)
+        tl.store(dneed_ptr + rd, need.to(tl.int32), mask=iv)
         tl.store(dec_ptr + r, tl.where(i <= stop, dec, 0), mask=iv)
     else:
         tl.store(need_ptr + r, tl.full((N_P2,), 1, tl.int32), mask=i <= N)
+        tl.store(dneed_ptr + rd, tl.full((N_P2,), 1, tl.int32) - greedy.to(tl.int32), mask=iv)
         tl.store(dec_ptr + r, dec, mask=iv)
 
 
 @triton.jit
-def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_ptr, topk_ptr,
-                   topp_ptr, seed_ptr, pos_ptr, dec_ptr, tokens_ptr, num_ptr, a_ptr,
-                   N, V, stride_db, stride_qb, stride_qi, stride_tb, stride_zr,
+def _accept_kernel(drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, targ_ptr,
+                   temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, dec_ptr, tokens_ptr, num_ptr,
+                   a_ptr, N, V, stride_db, stride_tb, stride_zr, stride_dr,
                    PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -383,13 +403,14 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
             elif dc != 0:
                 ok = dc == 1
             else:
+                t = row_t(temp_ptr, b, True)
                 m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
-                zx = load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, xf < V,
-                            row_t(temp_ptr, b, True), True)
-                px = tl.where((zx >= tau) & (zx > float("-inf")) & ~deg,
-                              tl.math.div_rn(tl.exp(zx - m), Zk), 0.0)
-                qx = tl.load(q_ptr + b.to(tl.int64) * stride_qb + i * stride_qi + xf)
-                qx = clean_q(qx)
+                px = _kept_prob(load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, xf < V, t, True),
+                                m, Zk, tau, deg)
+                rd = b * N + i
+                m, Zk, tau, deg = _row_p_params(drowf_ptr, drowi_ptr, rd, k_on | p_on)
+                qx = _kept_prob(load_z(dz_ptr + rd.to(tl.int64) * stride_dr + xf, xf < V, t,
+                                       True), m, Zk, tau, deg)
                 u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
                 ok = dvalid & (qx > 0.0) & (px >= u * qx)
             if ok:
@@ -407,9 +428,10 @@ def _accept_kernel(drafts_ptr, q_ptr, z_ptr, rowf_ptr, rowi_ptr, targ_ptr, temp_
 
 
 @triton.jit
-def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_ptr, topp_ptr,
-                     seed_ptr, pos_ptr, a_ptr, tokens_ptr, part_f_ptr, part_i_ptr, done_ptr,
-                     N, V, C, CHUNK, NBLK, stride_qb, stride_qi, stride_tb, stride_zr, done_off,
+def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bmax_ptr,
+                     temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, a_ptr, tokens_ptr,
+                     part_f_ptr, part_i_ptr, done_ptr, N, V, C, CHUNK, NBLK, stride_tb,
+                     stride_zr, stride_dr, done_off,
                      TILE: tl.constexpr, BLOCK: tl.constexpr, C_P2: tl.constexpr,
                      STREAM: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
@@ -425,7 +447,15 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
         seed = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b) + a
         use_q = a < N
-        qrow = q_ptr + b.to(tl.int64) * stride_qb + tl.minimum(a, N - 1) * stride_qi
+        # the draft distribution of row a (none for the bonus row: q = 0)
+        rd = b * N + tl.minimum(a, N - 1)
+        qm = tl.zeros((), tl.float32)
+        qZk = tl.full((), 1.0, tl.float32)
+        qtau = tl.full((), float("-inf"), tl.float32)
+        qdeg = ~use_q
+        if use_q:
+            qm, qZk, qtau, qdeg = _row_p_params(drowf_ptr, drowi_ptr, rd, k_on | p_on)
+        qrow = dz_ptr + tl.maximum(rd, 0).to(tl.int64) * stride_dr
         zrow = z_ptr + r.to(tl.int64) * stride_zr
         t = row_t(temp_ptr, b, True)
         # per-lane partials, reduced once at the end
@@ -442,8 +472,7 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
                 z = load_z(zrow + offs, vm, t, True)
                 keep = (z >= tau) & (z > float("-inf"))
                 pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
-                qv = tl.load(qrow + offs, mask=vm & use_q, other=0.0)
-                qv = clean_q(qv)
+                qv = _kept_prob(load_z(qrow + offs, vm & ~qdeg, t, True), qm, qZk, qtau, qdeg)
                 res = tl.maximum(pv - qv, 0.0)
                 rsum_v += res
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, STREAM)
@@ -480,28 +509,28 @@ def _resample_kernel(q_ptr, z_ptr, rowf_ptr, rowi_ptr, bmax_ptr, temp_ptr, topk_
 
 
 
-def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
-                            seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
+def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperature, top_k,
+                            top_p, seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
                             cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True,
                             bounds=True, pdl=True):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
-    (the plan an all-greedy batch can capture: two launches, no scratch rows, draft_probs never
+    (the plan an all-greedy batch can capture: two launches, no scratch rows, draft_logits never
     read). `stream` keys the residual/bonus noise; plain target sampling is this with N = 0 and
     STREAM_TARGET (`sample_launch`). `tile`, `chunk`, `cap` are test hooks;
     `skip_below_bracket` (tuning) as in markov_sample_launch. `bounds` (tuning; default on):
     the bound walk decides what acceptance tests it can from the row statistics, and only the
-    rows whose exact threshold is still read are searched (see _bound_walk_kernel). `pdl`
-    (tuning; NVIDIA sm_90+ only): every launch of mode "full" after the statistics pass uses
-    programmatic dependent launch: True (PDL_BY_REQUESTS' choice), False or a
-    tl_helpers.PDL_MODES key, as markov_sample_launch's.
+    target and draft rows whose exact threshold is still read are searched (see
+    _bound_walk_kernel). `pdl` (tuning; NVIDIA sm_90+ only): every launch of mode "full" after
+    the statistics passes uses programmatic dependent launch: True (PDL_BY_REQUESTS' choice),
+    False or a tl_helpers.PDL_MODES key, as markov_sample_launch's.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-    check_rejection_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p,
+    check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
                            seed, start_pos)
-    check_int32_index(target_logits=target_logits, draft_probs=draft_probs)
+    check_int32_index(target_logits=target_logits, draft_logits=draft_logits)
     B, N1, V = target_logits.shape
     N = N1 - 1
     dev = target_logits.device
@@ -512,17 +541,17 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperatur
         return tokens, num
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()
-    if draft_probs.stride(-1) != 1:
-        draft_probs = draft_probs.contiguous()
+    if draft_logits.stride(-1) != 1:
+        draft_logits = draft_logits.contiguous()
     drafts = draft_tokens.contiguous()
     if N == 0:  # valid pointers for the draft loads, which are all masked: no fill needed
         drafts = torch.empty((B, 1), dtype=torch.int64, device=dev)
-        draft_probs = torch.empty((B, 1, 1), dtype=torch.float32, device=dev)
+        draft_logits = torch.empty((B, 1, 1), dtype=torch.float32, device=dev)
     if mode == "greedy":
         _greedy(target_logits, drafts, tokens, num, tile, chunk)
         return tokens, num
     meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
-    args = (target_logits, drafts, draft_probs, *meta, tokens, num)
+    args = (target_logits, drafts, draft_logits, N, *meta, tokens, num)
     if not pdl_available(_accept_kernel, dev):
         mode_pdl = 0
     _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds, mode_pdl)
@@ -572,12 +601,12 @@ def stats_blocks_per_program(rows: int, nblk: int) -> int:
 
 
 def _stats(logits, temperature, TILE: int, bpp: int | None = None):
-    """The statistics pass over logits [B, N+1, V] (a _rows_view): per-block (max, argmax,
+    """The statistics pass over logits [B, n, V] (a _rows_view, n rows per request): per-block (max, argmax,
     sum exp(z - max), NaN flag) of z = l / T over blocks of TILE tokens, as a dict. z itself is
     not stored: the later passes scale the logits as they read them (load_z). `bpp` (test hook)
     overrides stats_blocks_per_program."""
-    B, N1, V = logits.shape
-    R, NBLK, dev = B * N1, triton.cdiv(V, TILE), logits.device
+    B, n, V = logits.shape
+    R, NBLK, dev = B * n, triton.cdiv(V, TILE), logits.device
     st = dict(bmax=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
               barg=torch.empty((R, NBLK), dtype=torch.int32, device=dev),
               bsum=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
@@ -585,75 +614,109 @@ def _stats(logits, temperature, TILE: int, bpp: int | None = None):
     BPP = bpp or stats_blocks_per_program(R, NBLK)
     launch(_rows_stats_kernel)[(R, triton.cdiv(NBLK, BPP))](
         logits, temperature, st["bmax"], st["barg"], st["bsum"], st["bnan"], V, NBLK,
-        N1, logits.stride(1), BLOCK=TILE, BPP=BPP, num_warps=4)
+        n, logits.stride(1), BLOCK=TILE, BPP=BPP, num_warps=4)
     return st
 
 
-def _walk(logits, st, drafts, q, flags, seed, start_pos, need, dec, pdl=0):
-    """The bound walk (one program per request) over logits (a _rows_view) and their
-    statistics, into need [rows] and dec [rows] (int32)."""
+def _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl=0):
+    """The bound walk (one program per request) over the target and draft logits (_rows_views)
+    and their statistics, into need [rows], dneed [draft rows] and dec [rows] (int32)."""
     B, N1, V = logits.shape
     NBLK = st["bmax"].shape[1]
     launch(_bound_walk_kernel)[(B,)](
-        drafts, q, logits, st["bmax"], st["bsum"], st["bnan"], *flags, seed, start_pos, need,
-        dec, N1 - 1, V, NBLK, drafts.stride(0), q.stride(0), q.stride(1), logits.stride(1),
-        N_P2=next_pow2(N1), NBLK_P2=next_pow2(NBLK), SCALE=float(2 ** mass_scale_bits(V)),
-        PDL=pdl, num_warps=4, **pdl_launch(pdl))
+        drafts, logits, st["bmax"], st["bsum"], st["bnan"], dlogits, dst["bmax"], dst["bsum"],
+        dst["bnan"], *flags, seed, start_pos, need, dneed, dec, N1 - 1, V, NBLK,
+        drafts.stride(0), logits.stride(1), dlogits.stride(1), N_P2=next_pow2(N1),
+        NBLK_P2=next_pow2(NBLK), SCALE=float(2 ** mass_scale_bits(V)), PDL=pdl, num_warps=4,
+        **pdl_launch(pdl))
 
 
-def _parallel(logits, drafts, q, temperature, top_k, top_p, seed, start_pos, tokens, num, tile,
-              chunk, cap, stream, skip, bounds, pdl):
+def _search(z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, cap, skip, pdl):
+    """Exact thresholds of the rows of z [B, n, V] (a _rows_view, n rows per request) that
+    `need` flags (every row without it): reduce, select and the refinement passes, into rowf /
+    rowi [B * n, 4]. counters: int32 [3 * rows + 2 * REFINE_PASSES * rows], zeroed; rst: the
+    refine state [rows, 4], zeroed; thr: threshold_scratch for at least B * n rows."""
+    B, n, V = z.shape
+    R, dev = B * n, z.device
+    TILE, CHUNK, C = tiling
+    NBLK = st["bmax"].shape[1]
+    targ = torch.empty((R,), dtype=torch.int64, device=dev)     # greedy rows' argmax
+    scratch = torch.empty((R,), dtype=torch.int64, device=dev)
+    launch(row_reduce_kernel)[(R, C)](
+        st["bmax"], st["barg"], st["bsum"], st["bnan"], *flags, z, targ, scratch, rowf, rowi,
+        thr["hist"], rst, counters, thr["floor"], thr["live"], rowi if need is None else need, V,
+        NBLK, C, CHUNK, z.stride(1), 1, 0, 0, 0, n, NBLK_P2=next_pow2(NBLK),
+        TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS, MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE,
+        NT_P2=thr["live"].shape[2], FLOOR=True, GATE=need is not None, SCALED=True, PDL=pdl,
+        num_warps=4, **pdl_launch(pdl))
+    # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
+    launch_select_refine(
+        flags, z, 0, z.stride(1), rowf, rowi, rst, thr, counters, (R, 2 * R),
+        [(3 * R + 2 * r * R, 3 * R + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
+        V=V, C=C, CHUNK=CHUNK, RPR=n, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
+        scan=True, bmax=st["bmax"], BLOCK_V=TILE, skip=skip, need=need, pdl=pdl, scaled=True)
+    return targ
+
+
+def _search_counters(rows: int) -> int:
+    """int32 ticket counters one _search over `rows` rows uses (reduce, select x 2, refine x 2
+    per pass)."""
+    return 3 * rows + 2 * REFINE_PASSES * rows
+
+
+def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start_pos, tokens,
+              num, tile, chunk, cap, stream, skip, bounds, pdl):
     B, N1, V = logits.shape
-    N, R, dev = N1 - 1, B * N1, logits.device
+    R, RD, dev = B * N1, B * N, logits.device
     logits = _rows_view(logits)
-    TILE, CHUNK, C = row_tiling(R, V, tile, chunk)
-    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    TILE, CHUNK, C = tiling = row_tiling(R, V, tile, chunk)
+    f32, i32 = torch.float32, torch.int32
     # one memset, first (so the launches after it follow each other, for PDL): ticket counters
-    # (reduce, select x2, resample, refine x2 per pass), the refine state per row, then the
+    # of the target and draft searches and of resample, the refine states per row, then the
     # bound walk's decisions (0: test exactly; the walk writes each request's, so without it
     # every test is exact)
-    NCNT = 3 * R + B + 2 * REFINE_PASSES * R
-    zeroed = torch.zeros((NCNT + 5 * R,), dtype=i32, device=dev)
-    counters, rst, dec = zeroed[:NCNT], zeroed[NCNT:NCNT + 4 * R].view(R, 4), zeroed[NCNT + 4 * R:]
-    # statistics blocks = tiles (tile_max skips)
+    nt, nd = _search_counters(R), _search_counters(RD)
+    sizes = (nt, nd, B, 4 * R, 4 * RD, R)
+    zeroed = torch.zeros((sum(sizes),), dtype=i32, device=dev)
+    cnt_t, cnt_d, cnt_r, rst, drst, dec = torch.split(zeroed, sizes)
+    rst, drst = rst.view(R, 4), drst.view(RD, 4)
+    # statistics blocks = tiles (tile_max skips). z is not stored: every later pass scales
+    # the logits it reads (scale_z)
     st = _stats(logits, temperature, TILE)
-    bmax, bsum, barg, bnan = (st[n] for n in ("bmax", "bsum", "barg", "bnan"))
-    sz = logits.stride(1)                        # row r of z = logits row r / T (scale_z)
-    NBLK = bmax.shape[1]
+    flags = (temperature, top_k, top_p)
     rowf = torch.empty((R, 4), dtype=f32, device=dev)
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
-    targ = torch.empty((R,), dtype=i64, device=dev)
-    scratch = torch.empty((R,), dtype=i64, device=dev)
+    drowf = torch.empty((max(RD, 1), 4), dtype=f32, device=dev)
+    drowi = torch.empty((max(RD, 1), 4), dtype=i32, device=dev)
     # (no drafts, nothing to decide: plain sampling searches its one row per request)
     bounds = bounds and N > 0
-    need = torch.empty((R,), dtype=i32, device=dev) if bounds else None
+    need = dneed = None
     thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
+    if N > 0:
+        dlogits = _rows_view(dlogits)
+        dst = _stats(dlogits, temperature, TILE)
+        if bounds:
+            need = torch.empty((R,), dtype=i32, device=dev)
+            dneed = torch.empty((RD,), dtype=i32, device=dev)
+            _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl)
+    targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap, skip, pdl)
+    if N > 0:
+        # the draft rows' thresholds (the walk flags the few read); the searches run one after
+        # the other, so they share the threshold scratch
+        _search(dlogits, dst, flags, drowf, drowi, drst, thr, cnt_d, dneed, tiling, cap, skip,
+                pdl)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
-    flags = (temperature, top_k, top_p)
-    if bounds:
-        _walk(logits, st, drafts, q, flags, seed, start_pos, need, dec, pdl)
-    launch(row_reduce_kernel)[(R, C)](
-        bmax, barg, bsum, bnan, *flags, logits, targ, scratch, rowf, rowi, thr["hist"], rst,
-        counters, thr["floor"], thr["live"], rowi if need is None else need, V, NBLK, C, CHUNK,
-        sz, 1, 0, 0, 0, N1, NBLK_P2=next_pow2(NBLK), TILE=hist_tile(TILE, HIST_BINS),
-        NB=HIST_BINS, MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE, NT_P2=thr["live"].shape[2],
-        FLOOR=True, GATE=bounds, SCALED=True, PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
-    launch_select_refine(
-        flags, logits, 0, sz, rowf, rowi, rst, thr, counters, (R, 2 * R),
-        [(3 * R + B + 2 * r * R, 3 * R + B + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
-        V=V, C=C, CHUNK=CHUNK, RPR=N1, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True, bmax=bmax, BLOCK_V=TILE, skip=skip, need=need, pdl=pdl, scaled=True)
+    sz, sd = logits.stride(1), dlogits.stride(1)
     launch(_accept_kernel)[(B,)](
-        drafts, q, logits, rowf, rowi, targ, *flags, seed, start_pos, dec, tokens, num, accepted,
-        N, V, drafts.stride(0), q.stride(0), q.stride(1), tokens.stride(0), sz, PDL=pdl,
+        drafts, logits, rowf, rowi, dlogits, drowf, drowi, targ, *flags, seed, start_pos, dec,
+        tokens, num, accepted, N, V, drafts.stride(0), tokens.stride(0), sz, sd, PDL=pdl,
         num_warps=1, **pdl_launch(pdl))
     launch(_resample_kernel)[(B, C)](
-        q, logits, rowf, rowi, bmax, *flags, seed, start_pos, accepted, tokens, part_f, part_i,
-        counters, N, V, C, CHUNK, NBLK, q.stride(0), q.stride(1), tokens.stride(0), sz, 3 * R,
-        TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, PDL=pdl, num_warps=4,
+        logits, rowf, rowi, dlogits, drowf, drowi, st["bmax"], *flags, seed, start_pos, accepted,
+        tokens, part_f, part_i, cnt_r, N, V, C, CHUNK, st["bmax"].shape[1], tokens.stride(0), sz,
+        sd, 0, TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, PDL=pdl, num_warps=4,
         **pdl_launch(pdl))
 
 
@@ -676,18 +739,18 @@ def sample_launch(logits, temperature, top_k, top_p, seed, position, *, tile=Non
 # Registration
 # ----------------------------------------------------------------------------------------------
 
-def rejection_sample_mode_reference(target_logits, draft_tokens, draft_probs, temperature,
+def rejection_sample_mode_reference(target_logits, draft_tokens, draft_logits, temperature,
                                     top_k, top_p, seed, start_pos, mode: str = "full"):
     """The reference under a launch mode: "greedy" treats every row as greedy."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if mode == "greedy":
         temperature = torch.zeros_like(temperature)
-    return rejection_sample_reference(target_logits, draft_tokens, draft_probs, temperature,
+    return rejection_sample_reference(target_logits, draft_tokens, draft_logits, temperature,
                                       top_k, top_p, seed, start_pos)
 
 
-def _rejection_fake(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p, seed,
+def _rejection_fake(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p, seed,
                     start_pos, mode="full"):
     B, N1, _ = target_logits.shape
     return (target_logits.new_empty((B, N1), dtype=torch.int64),
@@ -696,12 +759,12 @@ def _rejection_fake(target_logits, draft_tokens, draft_probs, temperature, top_k
 
 @dspark_op("rejection_sample", reference=rejection_sample_mode_reference, fake=_rejection_fake)
 def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-                     draft_probs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     draft_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
                      mode: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
     """Fused rejection sampling; mode "greedy" treats every row as greedy (the module
     docstring's greedy plan)."""
-    return rejection_sample_launch(target_logits, draft_tokens, draft_probs, temperature, top_k,
+    return rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperature, top_k,
                                    top_p, seed, start_pos, mode)
 
 
@@ -738,17 +801,21 @@ def _parallel_configs(stream: int):
         if drafts:
             # the bound walk: Flash's N = 5 drafts, 6 rows per request
             out.append(compile_config(_bound_walk_kernel, dict(
-                drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", bmax_ptr="*fp32",
-                bsum_ptr="*fp32", bnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64",
-                need_ptr="*i32", dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32",
-                stride_qb=d16, stride_qi=d16, stride_zr=d16),
+                drafts_ptr="*i64", z_ptr="*fp32", bmax_ptr="*fp32", bsum_ptr="*fp32",
+                bnan_ptr="*i32", dz_ptr="*fp32", dbmax_ptr="*fp32", dbsum_ptr="*fp32",
+                dbnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64", need_ptr="*i32",
+                dneed_ptr="*i32", dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32",
+                stride_zr=d16, stride_dr=d16),
                 dict(N_P2=8, NBLK_P2=next_pow2(triton.cdiv(129280, 1024)),
                      SCALE=float(2 ** mass_scale_bits(129280)), PDL=pdl), 4))
         out.append(compile_config(_accept_kernel, dict(
-            drafts_ptr="*i64", q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
-            targ_ptr="*i64", **flags, seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32",
-            tokens_ptr="*i64", num_ptr="*i64", a_ptr="*i32", N="i32", V=d16, stride_db="i32",
-            stride_qb=d16, stride_qi=d16, stride_tb="i32", stride_zr=d16), dict(PDL=pdl), 1))
+            drafts_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
+            dz_ptr="*fp32", drowf_ptr="*fp32", drowi_ptr="*i32", targ_ptr="*i64", **flags,
+            seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32", tokens_ptr="*i64", num_ptr="*i64",
+            a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_tb="i32", stride_zr=d16,
+            stride_dr=d16), dict(PDL=pdl), 1))
+        # rows searched: plain sampling B = 1 / 16 / 48 and rejection's target and draft rows
+        # (6 and 5 per request) alike (the tiling follows the target rows)
         for rows in (1, 16, 48):
             _, CHUNK, C = row_tiling(rows, 129280)
             # statistics blocks are the 1024-token tiles
@@ -758,11 +825,12 @@ def _parallel_configs(stream: int):
                                              scaled=True))
             out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True))
             out.append(compile_config(_resample_kernel, dict(
-                q_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
-                bmax_ptr="*fp32", **flags, seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32",
-                tokens_ptr="*i64", part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32",
-                N="i32", V=d16, C=d16, CHUNK=d16, NBLK="i32", stride_qb=d16, stride_qi=d16,
-                stride_tb="i32", stride_zr=d16, done_off="i32"),
+                z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", dz_ptr="*fp32",
+                drowf_ptr="*fp32", drowi_ptr="*i32", bmax_ptr="*fp32", **flags,
+                seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
+                part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
+                CHUNK=d16, NBLK="i32", stride_tb="i32", stride_zr=d16, stride_dr=d16,
+                done_off="i32"),
                 dict(TILE=1024, BLOCK=1024, C_P2=next_pow2(C), STREAM=stream, PDL=pdl), 4))
     return out
 

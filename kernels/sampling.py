@@ -131,6 +131,17 @@ def probs_from_processed(z: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.zeros_like(p), p)
 
 
+def request_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """softmax(process(...)) [B, n, V] fp32 of n rows of logits [B, n, V] per request, each
+    processed with its request's parameters (the draft distributions q of markov_sample's
+    draft_logits, the target distributions p of rejection sampling)."""
+    B, n, V = logits.shape
+    rep = lambda t: t.repeat_interleave(n)  # noqa: E731  per-request -> per-row
+    z = process_logits(logits.reshape(B * n, V), rep(temperature), rep(top_k), rep(top_p))
+    return probs_from_processed(z).reshape(B, n, V)
+
+
 def logprobs_from_processed(z: torch.Tensor) -> torch.Tensor:
     """log_softmax over the kept tokens (-inf elsewhere); degenerate rows all -inf."""
     bad = degenerate_rows(z)
@@ -295,6 +306,19 @@ def tl_vocab_gumbel(seed, v0, pos, TILE: tl.constexpr, STREAM: tl.constexpr):
 
 
 @triton.jit
+def tl_rows_gumbel(seed, v0, pos, ROWS: tl.constexpr, TILE: tl.constexpr, STREAM: tl.constexpr):
+    """tl_vocab_gumbel for ROWS rows at once ([ROWS] seeds and positions): [ROWS, TILE] noise of
+    tokens v0 .. v0 + TILE - 1 (v0 a multiple of 4), bit for bit the 1-D version's."""
+    c0 = (v0 // 4 + tl.arange(0, TILE // 4)).to(tl.uint32)[None, :] \
+        + tl.zeros((ROWS, TILE // 4), tl.uint32)
+    c1 = pos.to(tl.uint32)[:, None] + tl.zeros((ROWS, TILE // 4), tl.uint32)
+    sd = seed.to(tl.int64)[:, None] + tl.zeros((ROWS, TILE // 4), tl.int64)
+    r0, r1, r2, r3 = tl.philox(sd, c0, c1, STREAM, 0)
+    u = bits_uniform(tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)))
+    return -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+
+
+@triton.jit
 def f32_key(x):
     """Order-preserving int32 key of finite fp32 x (-0 and +0 share the key of +0)."""
     x = tl.where(x == 0.0, 0.0, x)
@@ -429,6 +453,19 @@ def unpack_token(key):
     v = key_f32((key >> 31) - 2147483648)
     ok = (key != _NAN_KEY) & (v > float("-inf")) & (v < float("inf"))
     return tl.where(ok, 2147483647 - (key & 2147483647), 0)
+
+
+@triton.jit
+def unpack_value(key):
+    """The value of a packed row maximum (NaN for a row holding a NaN)."""
+    v = key_f32((key >> 31) - 2147483648)
+    return tl.where(key != _NAN_KEY, v, float("nan"))
+
+
+@triton.jit
+def unpack_id(key):
+    """The id of a packed maximum, whatever its value (int64)."""
+    return 2147483647 - (key & 2147483647)
 
 
 @triton.jit

@@ -70,11 +70,12 @@ def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
     state["row.top_k"][row] = sp.top_k
     state["row.top_p"][row] = sp.top_p
     state["row.seed"][row] = sp.seed
-    if "row.draft_probs" in state:
-        # zeros until a step or prefill writes this row's draft probabilities: the engine's
-        # greedy variant never stores them, and zeros are exact if a row's sampling changes
-        # mid-request (q = 0 rejects every draft, the token is drawn from p)
-        state["row.draft_probs"][row].zero_()
+    if "row.draft_logits" in state:
+        # NaN until a step or prefill writes this row's draft logits: the engine's greedy
+        # variant never stores them, and a NaN row is exact if a row's sampling changes
+        # mid-request (a degenerate draft row has q = 0: every draft is rejected and the token
+        # is drawn from p)
+        state["row.draft_logits"][row].fill_(float("nan"))
 
 
 def append_committed(out: list[int], new: list[int], sp: SamplingParams) -> bool:

@@ -71,9 +71,10 @@ def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[s
         for i in range(cfg.n_mtp_layers):
             specs[f"mtp.{i}.ctx"] = Spec((R, cfg.sliding_window, cfg.head_dim), prec.dtype)
         # per-row speculative-decoding state: next inputs [anchor, d1..dN], last committed
-        # position, draft distributions (probabilistic rows) and sampling parameters.
+        # position, the drafts' logits (their distributions, for probabilistic rows) and sampling
+        # parameters.
         specs["row.tokens"] = Spec((R, N + 1), torch.int64)
-        specs["row.draft_probs"] = Spec((R, N, V), torch.float32)
+        specs["row.draft_logits"] = Spec((R, N, V), torch.float32)
     specs["row.last_pos"] = Spec((R,), torch.int64)
     specs["row.temperature"] = Spec((R,), torch.float32)
     specs["row.top_k"] = Spec((R,), torch.int64)

@@ -6,7 +6,7 @@ One step for B request rows (reference/dspark_draft.md §5.1), N = dspark_block_
     reject    greedy / standard rejection                                  -> tokens, num_sampled
     context   store aux rows r < num_sampled into each draft layer's ring
     draft     [anchor', noise x (N-1)] at last'+1 .. last'+N               -> base logits
-    sample    Markov sampler (N sequential steps)                          -> drafts, draft probs
+    sample    Markov sampler (N sequential steps)                          -> drafts, draft logits
     next      row state := [anchor', drafts], last' = last + num_sampled
 
 Capture-safe: fixed shapes, no host syncs, randomness keyed by (seed, position) tensors. The only
@@ -38,7 +38,7 @@ def bound_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def draft_block(model, state: dict, rows: torch.Tensor, anchor: torch.Tensor, last: torch.Tensor):
-    """Draft N tokens after `anchor` (at last+1) for each row; returns (drafts, probs)."""
+    """Draft N tokens after `anchor` (at last+1) for each row; returns (drafts, draft logits)."""
     cfg = model.cfg
     N = cfg.dspark_block_size
     B = rows.shape[0]
@@ -67,7 +67,7 @@ class DraftVerifyStep(nn.Module):
         batch = Batch.make(rows, last[:, None] + 1 + ar, tok_in, trash, V)
 
         logits, aux = model(batch, state, aux_layers=cfg.dspark_target_layer_ids)
-        tokens, num = rejection_sample_reference(logits, tok_in[:, 1:], state["row.draft_probs"][rows],
+        tokens, num = rejection_sample_reference(logits, tok_in[:, 1:], state["row.draft_logits"][rows],
                                                  *sampling_of(state, rows), last + 2)
         num = torch.where(batch.valid, num, torch.zeros_like(num))
         tokens = torch.where(batch.valid[:, None] & (ar[None, :] < num[:, None]), tokens,
@@ -80,10 +80,10 @@ class DraftVerifyStep(nn.Module):
 
         anchor = bound_ids(tokens.gather(1, (num - 1).clamp_min(0)[:, None]).squeeze(1), V)
         new_last = last + num
-        drafts, probs = draft_block(model, state, rows, anchor, new_last)
+        drafts, draft_logits = draft_block(model, state, rows, anchor, new_last)
 
         state["row.tokens"].index_put_((rows,), torch.cat((anchor[:, None], drafts), 1))
-        state["row.draft_probs"].index_put_((rows,), probs)
+        state["row.draft_logits"].index_put_((rows,), draft_logits)
         state["row.last_pos"].index_put_((rows,), new_last)
         return tokens, num
 
@@ -118,9 +118,9 @@ def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, specula
     last = torch.tensor([L - 1], device=dev)
     state["row.last_pos"][row] = L - 1
     if speculative:
-        drafts, probs = draft_block(model, state, rows, first, last)
+        drafts, draft_logits = draft_block(model, state, rows, first, last)
         state["row.tokens"][row] = torch.cat((first, drafts[0]))
-        state["row.draft_probs"][row] = probs[0]
+        state["row.draft_logits"][row] = draft_logits[0]
     return (int(first), logits[0, -1]) if return_logits else int(first)
 
 

@@ -8,7 +8,8 @@ from dspark_compile.kernels.markov_sampler import (markov_bias, markov_sample_la
                                                    markov_sample_reference)
 from dspark_compile.kernels.philox import STREAM_DRAFT
 from dspark_compile.kernels.sampling import (HIST_BINS, check_int32_index, gumbel_noise,
-                                             probs_from_processed, process_logits)
+                                             probs_from_processed, process_logits,
+                                             request_probs)
 from stats_utils import chi2_pvalue
 
 V, R, N = 137, 16, 5
@@ -19,6 +20,50 @@ ONE = dict(tile=256, chunk=256, cap=256)
 MULTI = dict(tile=32, chunk=64, cap=64)
 
 
+
+
+def ref(*args):
+    """The reference's (drafts, draft probabilities q [B, N, V]): q = softmax(process(
+    draft_logits)) per step, greedy rows zeros (mode "greedy": every row)."""
+    mode = args[9] if len(args) > 9 else "full"
+    d, lg = markov_sample_mode_reference(*args[:9], mode)
+    T, k, p = args[4:7]
+    if mode == "greedy":
+        return d, torch.zeros_like(lg)
+    if mode == "plain":
+        k, p = torch.zeros_like(k), torch.ones_like(p)
+    q = request_probs(lg, T, k, p)
+    return d, torch.where((T <= 0)[:, None, None], torch.zeros_like(q), q)
+
+
+def fused(*args, **kw):
+    """The fused sampler's (drafts, q): the drafts of the default plan (the candidate pick)
+    must equal those of the plan that searches every row (candidate=False), whose per-step
+    thresholds (the `thresholds` hook) and draft logits give q as the exact path defines it:
+    exp(z - m) / kept mass where z >= tau."""
+    mode = kw.get("mode", args[9] if len(args) > 9 else "full")
+    th = []
+    d, lg = markov_sample_launch(*args, candidate=False, thresholds=th, **kw)
+    dc, lgc = markov_sample_launch(*args, **kw)
+    assert torch.equal(dc, d), "candidate pick and exact path disagree"
+    if mode == "greedy":
+        return d, torch.zeros_like(lg)
+    torch.testing.assert_close(lgc, lg, rtol=0, atol=0, equal_nan=True)
+    T, k, p = args[4:7]
+    V = lg.shape[-1]
+    trunc = (((k > 0) & (k < V)) | (p < 1.0)) if mode == "full" else torch.zeros_like(T).bool()
+    t = torch.where(T > 0, T, torch.ones_like(T)).float()
+    q = []
+    for s, (rowf, rowi) in enumerate(th):
+        z = lg[:, s] / t[:, None]
+        deg = rowi[:, 3] != 0
+        cut = trunc & ~deg
+        tau = torch.where(cut, rowf[:, 2], torch.full_like(rowf[:, 2], NINF))
+        zk = torch.where(cut, rowf[:, 3], rowf[:, 1])
+        keep = (z >= tau[:, None]) & (z > NINF) & ~deg[:, None] & (T > 0)[:, None]
+        e = torch.exp(z - rowf[:, :1])
+        q.append(torch.where(keep, e / zk[:, None], torch.zeros_like(z)))
+    return d, torch.stack(q, 1)
 
 
 def assert_probs_match(got, want):
@@ -62,29 +107,32 @@ def rebuild_probs(base, anchor, drafts, w1, w2, T, k, p):
 # ------------------------------------------------------------------------------------------
 # reference semantics
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_markov_chaining(fused):
+@pytest.mark.parametrize("use_fused", [False, True])
+def test_markov_chaining(use_fused):
     w1, w2 = chain_weights(10.0)
     base = torch.zeros(2, N, V)
     anchor = torch.tensor([1, 1])
     T, k, p = params(2, T=torch.tensor([0.0, 0.05]))   # greedy, and nearly greedy sampling
     args = (base, anchor, w1, w2, T, k, p, torch.tensor([3, 4]), torch.tensor([10, 10]))
-    drafts, probs = markov_sample_launch(*args, **ONE) if fused else markov_sample_reference(*args)
+    drafts, probs = fused(*args, **ONE) if use_fused else ref(*args)
     assert drafts.tolist() == [[2, 3, 4, 5, 6]] * 2
     assert (probs[0] == 0).all()                           # a greedy row's probabilities
     torch.testing.assert_close(probs[1].sum(-1), torch.ones(N))
 
 
-def test_reference_probs_are_softmax_of_base_plus_bias():
+def test_reference_draft_logits_are_base_plus_bias():
+    """The op's draft_logits are base + W1[prev] W2^T per step, rebuilt from the sampled prefix;
+    their draft distributions q are softmax(process(.)) of them."""
     w1, w2 = weights(1)
     g = torch.Generator().manual_seed(2)
     base = torch.randn(3, N, V, generator=g)
     anchor = torch.tensor([5, 0, 136])
-    T, k, p = params(3)
-    drafts, probs = markov_sample_reference(base, anchor, w1, w2, T, k, p, torch.arange(3),
-                                            torch.arange(3))
-    want0 = torch.softmax(base[:, 0] + w1[anchor].float() @ w2.float().T, -1)
-    torch.testing.assert_close(probs[:, 0], want0, rtol=1e-5, atol=1e-6)
+    T, k, p = params(3, T=torch.tensor([1.0, 0.7, 1.0]), p=torch.tensor([1.0, 1.0, 0.8]))
+    drafts, lg = markov_sample_reference(base, anchor, w1, w2, T, k, p, torch.arange(3),
+                                         torch.arange(3))
+    torch.testing.assert_close(lg[:, 0], base[:, 0] + w1[anchor].float() @ w2.float().T)
+    _, probs = ref(base, anchor, w1, w2, T, k, p, torch.arange(3), torch.arange(3))
+    torch.testing.assert_close(probs[0, 0], torch.softmax(lg[0, 0], -1))
     torch.testing.assert_close(probs, rebuild_probs(base, anchor, drafts, w1, w2, T, k, p))
 
 
@@ -97,15 +145,17 @@ def test_draft_sampling_follows_its_distribution():
     anchor = torch.full((n,), 3)
     T, k, p = params(n, T=0.9)
     seed = torch.arange(n) * 31 + 7
-    drafts, probs = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed,
-                                            torch.full((n,), 42))
+    drafts, probs = ref(base, anchor, w1, w2, T, k, p, seed, torch.full((n,), 42))
+    _, lg = markov_sample_reference(base[:5], anchor[:5], w1, w2, T[:5], k[:5], p[:5], seed[:5],
+                                    torch.full((5,), 42))
     want = probs[0, 0].double()
     assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=v), want) > 1e-3
     no_bias = torch.softmax(base[0, 0] / 0.9, -1).double()
     assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=v), no_bias) < 1e-6
-    # the noise is the documented key: Gumbel(seed, vocab, start_pos, STREAM_DRAFT)
+    # the noise is the documented key: Gumbel(seed, vocab, start_pos, STREAM_DRAFT), added to
+    # z = logits / T
     g = gumbel_noise(seed[:5], torch.full((5,), 42), v, STREAM_DRAFT)
-    assert torch.equal(torch.argmax(torch.log(probs[:5, 0]) + g, -1), drafts[:5, 0])
+    assert torch.equal(torch.argmax(lg[:, 0] / 0.9 + g, -1), drafts[:5, 0])
 
 
 # ------------------------------------------------------------------------------------------
@@ -122,12 +172,14 @@ def test_fused_equals_reference_probabilistic_and_greedy():
     T = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.0, 2.0, 0.5])
     k, p = torch.zeros(8, dtype=torch.int64), torch.ones(8)
     seed, sp = torch.arange(8) * 1000 + 17, torch.arange(8) * 3 + 50
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
     assert torch.equal(got_d, want_d)
-    # every row, greedy ones (zeros) included: the op's outputs are fully specified
     assert_probs_match(got_p, want_p)
-    assert (got_p[T <= 0] == 0).all()
+    # the op's draft_logits: every row, greedy ones included (fully specified outputs)
+    _, got_lg = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
+    _, want_lg = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    torch.testing.assert_close(got_lg, want_lg, rtol=1e-5, atol=1e-5)
     ng = T > 0
     # per step from the fused prefix: rows sum to 1, the drawn token has positive probability
     torch.testing.assert_close(got_p[ng], rebuild_probs(base, anchor, got_d, w1, w2, T, k, p)[ng],
@@ -146,14 +198,43 @@ def test_fused_equals_reference_on_many_seeds():
     T, k, p = params(B, T=1.0)
     seed = torch.randint(0, 2 ** 62, (B,), generator=torch.Generator().manual_seed(9))
     sp = torch.arange(B) * 11
-    want, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got, _ = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain", **ONE)
+    want, _ = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got, _ = fused(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain", **ONE)
     assert torch.equal(got, want)
     # the same seeds again: the same tokens; other seeds: other tokens
-    again, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    again, _ = ref(base, anchor, w1, w2, T, k, p, seed, sp)
     assert torch.equal(again, want)
-    other, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed + 1, sp)
+    other, _ = ref(base, anchor, w1, w2, T, k, p, seed + 1, sp)
     assert (other != want).any(1).float().mean() > 0.5
+
+
+def test_candidate_pick_keeps_kept_candidates_and_searches_the_rest():
+    """The default plan takes a step's Gumbel candidate (argmax of z + g over the whole row)
+    where it lies in the top-p set and searches the rest: on rows where both happen (flat and
+    peaked rows, top-p from 0 to 0.99, a top-k row, T != 1, multi-program chunks), the tokens
+    equal the reference's, and both paths were taken."""
+    w1, w2 = weights(16)
+    B, n = 24, 3
+    g = torch.Generator().manual_seed(16)
+    base = torch.randn(B, n, V, generator=g) * torch.tensor([0.5, 2.0, 4.0]).repeat(8)[:, None,
+                                                                                     None]
+    base[::4, :, :5] += 6.0                                   # peaked rows
+    anchor = torch.randint(0, V, (B,), generator=g)
+    T = torch.tensor([1.0, 0.8, 1.3]).repeat(8)
+    k = torch.zeros(B, dtype=torch.int64)
+    k[5] = 20
+    p = torch.tensor([0.0, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 0.6]).repeat(3)
+    seed, sp = torch.arange(B) * 13 + 1, torch.arange(B) * 5
+    args = (base, anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_lg = markov_sample_reference(*args)
+    got_d, _ = markov_sample_launch(*args, **MULTI)
+    assert torch.equal(got_d, want_d)
+    # the candidates, from the reference's logits and noise: kept ones are the draft
+    cand = torch.stack([torch.argmax(want_lg[:, s] / T[:, None]
+                                     + gumbel_noise(seed, sp + s, V, STREAM_DRAFT), -1)
+                        for s in range(n)], 1)
+    picked = (cand == want_d) & (k == 0)[:, None]
+    assert picked.sum() >= 10 and (~picked).sum() >= 10, int(picked.sum())
 
 
 def test_fused_top_k_top_p():
@@ -166,8 +247,8 @@ def test_fused_top_k_top_p():
     k = torch.tensor([1, V, 10, 0])
     p = torch.tensor([1.0, 0.75, 0.8, 0.95])
     seed, sp = torch.tensor([11, 12, 13, 14]), torch.tensor([0, 5, 9, 100])
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI)
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     assert ((got_p[0] > 0).sum(-1) == 1).all()            # top-k 1
@@ -184,8 +265,8 @@ def test_fused_more_rows_than_a_batch_tile():
     T = torch.where(torch.arange(B) % 3 == 0, 0.0, 1.0)
     k, p = torch.zeros(B, dtype=torch.int64), torch.ones(B)
     seed, sp = torch.arange(B) + 77, torch.arange(B)
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain",
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain",
                                         logits_config=(16, 128, 16, 4, 1), **ONE)
     assert torch.equal(got_d, want_d)
     ng = T > 0
@@ -201,13 +282,13 @@ def test_logits_blocks_smaller_than_a_tile_in_mode_full():
     k, p = torch.tensor([0, 0, 7, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9])
     seed, sp = torch.arange(4) + 3, torch.arange(4) * 7
     args = (base[:, :3], anchor, w1, w2, T, k, p, seed, sp)
-    want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, logits_config=(16, 32, 16, 4, 1), **ONE)
+    want_d, want_p = ref(*args)
+    got_d, got_p = fused(*args, logits_config=(16, 32, 16, 4, 1), **ONE)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     for bad in ((16, 32, 16, 4), (16, 32, 16, 4, 1, 1)):   # the persistent 6th entry is gone
         with pytest.raises(ValueError, match="logits config"):
-            markov_sample_launch(*args, logits_config=bad)
+            fused(*args, logits_config=bad)
 
 
 def test_fused_threshold_fallback_when_candidates_overflow():
@@ -218,8 +299,8 @@ def test_fused_threshold_fallback_when_candidates_overflow():
     base = base[:, :2]
     T, k, p = torch.tensor([1.0, 1.0]), torch.tensor([0, 40]), torch.tensor([0.9, 0.7])
     seed, sp = torch.tensor([1, 2]), torch.tensor([3, 4])
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp,
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp,
                                         tile=256, chunk=256, cap=2)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
@@ -230,7 +311,7 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
     base, anchor = _case(3, 8)
     T, k, p = torch.tensor([1.0, 0.0, 0.8]), torch.tensor([0, 0, 7]), torch.tensor([0.9, 1.0, 1.0])
     seed, sp = torch.tensor([5, 6, 7]), torch.tensor([20, 21, 22])
-    alone = markov_sample_launch(base[:, :2], anchor, w1, w2, T, k, p, seed, sp, **ONE)
+    alone = fused(base[:, :2], anchor, w1, w2, T, k, p, seed, sp, **ONE)
     # padded rows: NaN logits, all -inf, out-of-range anchors, garbage sampling parameters
     pad = torch.randn(4, N, V)
     pad[0] = float("nan")
@@ -243,13 +324,13 @@ def test_fused_degenerate_out_of_range_and_padded_rows():
     p2 = torch.cat((p, torch.tensor([0.5, float("nan"), 0.1, 2.0])))
     seed2 = torch.cat((seed, torch.tensor([-1, 0, 1 << 62, 9])))
     sp2 = torch.cat((sp, torch.tensor([-7, 0, 1 << 40, 3])))
-    d, q = markov_sample_launch(base2, anchor2, w1, w2, T2, k2, p2, seed2, sp2, **ONE)
+    d, q = fused(base2, anchor2, w1, w2, T2, k2, p2, seed2, sp2, **ONE)
     assert torch.equal(d[:3], alone[0]) and torch.equal(q[[0, 2]], alone[1][[0, 2]])
     assert (d >= 0).all() and (d < V).all()
     assert d[3:5].eq(0).all() and d[6].eq(0).all()        # NaN / -inf / NaN-temperature rows
     for r in (3, 4, 6):                                    # non-greedy degenerate: zero probs
         assert torch.isfinite(q[r]).all() and (q[r] == 0).all()
-    want_d, want_q = markov_sample_reference(base2, anchor2, w1, w2, T2, k2, p2, seed2, sp2)
+    want_d, want_q = ref(base2, anchor2, w1, w2, T2, k2, p2, seed2, sp2)
     assert torch.equal(d, want_d)
     ng = T2 > 0
     torch.testing.assert_close(q[ng], want_q[ng], rtol=1e-5, atol=1e-6)
@@ -285,7 +366,7 @@ def test_greedy_mode_packed_maxima(B, kw):
     for bl, ww2 in ((base, w2), (tb, tie_w2)):
         args = (bl, anchor, w1, ww2, T, k, p, seed, sp)
         want, _ = markov_sample_mode_reference(*args, "greedy")
-        got, _ = markov_sample_launch(*args, "greedy", **kw, **ONE)
+        got, _ = fused(*args, "greedy", **kw, **ONE)
         assert torch.equal(got, want)
     assert got.eq(3).all()
 
@@ -298,8 +379,8 @@ def test_wide_weights(dtype):
     base, anchor = _case(3, 12)
     for mode, (T, k, p) in (("greedy", params(3, 0.0)), ("full", params(3, 1.0, p=0.9))):
         args = (base, anchor, w1, w2, T, k, p, torch.arange(3), torch.arange(3))
-        want_d, want_p = markov_sample_mode_reference(*args, mode)
-        got_d, got_p = markov_sample_launch(*args, mode, **ONE)
+        want_d, want_p = ref(*args, mode)
+        got_d, got_p = fused(*args, mode, **ONE)
         assert torch.equal(got_d, want_d)
         if mode == "full":
             assert_probs_match(got_p, want_p)
@@ -313,8 +394,8 @@ def test_modes_and_op_dispatch():
     seed, sp = torch.tensor([1, 2]), torch.tensor([3, 4])
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
     for mode in ("greedy", "plain"):
-        want_d, want_q = markov_sample_mode_reference(*args, mode)
-        got_d, got_q = markov_sample_launch(*args, mode, **ONE)
+        want_d, want_q = ref(*args, mode)
+        got_d, got_q = fused(*args, mode, **ONE)
         assert torch.equal(got_d, want_d), mode
         if mode == "plain":
             torch.testing.assert_close(got_q[0], want_q[0], rtol=1e-5, atol=1e-6)
@@ -370,8 +451,9 @@ def test_gpu_flash_dims_match_reference_and_replay_in_a_graph():
     got_d, got_p = torch.ops.dspark.markov_sample(*args)
     assert torch.equal(got_d, want_d)
     ng = T > 0
-    same = (got_d == want_d).all(1) & ng
-    torch.testing.assert_close(got_p[same], want_p[same], rtol=1e-4, atol=1e-6)
+    same = (got_d == want_d).all(1)
+    # draft logits: the bias summed in another order on tensor cores (~1e-7 relative)
+    torch.testing.assert_close(got_p[same], want_p[same], rtol=1e-5, atol=1e-5)
     static = [a.clone() for a in args]
     torch.ops.dspark.markov_sample(*static)             # warm-up (compile) outside the graph
     graph = torch.cuda.CUDAGraph()
@@ -451,7 +533,7 @@ def test_near_tie_check_accepts_only_ties():
     base, anchor = _case(2, 15)
     base[0, 0, 9] = base[0, 0, 20] = base[0, 0].max() + 1.0      # exact tie: ids 9 and 20
     T, k, p = params(2, 0.0)
-    want, _ = markov_sample_reference(base, anchor, w1, w2, T, k, p, torch.arange(2),
+    want, _ = ref(base, anchor, w1, w2, T, k, p, torch.arange(2),
                                       torch.arange(2))
     assert want[0, 0] == 9
     tie = want.clone()
@@ -492,7 +574,7 @@ def _gpu_greedy_case(B, **kw):
     T, k, p = (t.to(dev) for t in params(B, 0.0))
     seed, sp = torch.arange(B, device=dev), torch.arange(B, device=dev)
     args = [base, anchor, w1, w2, T, k, p, seed, sp]
-    want, _ = markov_sample_reference(*args)
+    want, _ = ref(*args)
     run = (lambda *a: markov_sample_launch(*a, "greedy", **kw)) if kw else \
         (lambda *a: torch.ops.dspark.markov_sample(*a, mode="greedy"))
     got, _ = run(*args)
@@ -520,7 +602,7 @@ def test_gpu_greedy_mode_fp32_weights():
     T, k, p = (t.to(dev) for t in params(B, 0.0))
     args = [base, anchor, w1, w2, T, k, p, torch.arange(B, device=dev),
             torch.arange(B, device=dev)]
-    want, _ = markov_sample_reference(*args)
+    want, _ = ref(*args)
     got, _ = torch.ops.dspark.markov_sample(*args, mode="greedy")
     assert_only_near_ties_differ(got, want, base, anchor, w1, w2)
 
@@ -547,11 +629,11 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
     k = torch.tensor([0, 900, 0, 1500])
     p = torch.tensor([0.95, 1.0, 0.5, 0.9])
     seed, sp = torch.arange(4), torch.arange(4) + 7
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
     # rows 0-2 (top-p or top-k alone) resolve without the scan; row 3 (top-k and top-p with
     # ~600 tokens between their thresholds, more than cap) still needs it
     for rows, scan in ((slice(0, 3), False), (slice(3, 4), True)):
-        got_d, got_p = markov_sample_launch(
+        got_d, got_p = fused(
             base[rows], anchor[rows], w1, w2, T[rows], k[rows], p[rows], seed[rows], sp[rows],
             tile=256, chunk=512, cap=64, scan_fallback=scan)
         assert torch.equal(got_d, want_d[rows])
@@ -597,8 +679,8 @@ def test_select_skips_tiles_below_the_bracket_exactly(skip, floor, boost, cap, p
     k = torch.tensor([0, 5, 0, 20, 0, 0])
     p = torch.tensor([0.95, 1.0, 0.9, 1.0, p4, 0.5])
     seed, sp = torch.arange(B) + 3, torch.arange(B) * 11
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=tile,
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, tile=tile,
                                         chunk=chunk, cap=cap, skip_below_bracket=skip,
                                         block_floor=floor, logits_config=(16, block, 16, 4, 1),
                                         scan_fallback=False)
@@ -626,8 +708,8 @@ def test_thresholds_pairwise_and_by_bisection_agree(few):
     k = torch.tensor([0, 30, 12, 0, 50, 0])
     p = torch.tensor([0.95, 1.0, 0.8, 0.7, 1.0, 0.99])
     seed, sp = torch.arange(B) + 1, torch.arange(B) * 3
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
                                         few_candidates=few, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
@@ -649,8 +731,8 @@ def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     p = torch.tensor([1.0, 0.75, 0.8, 0.95])
     seed, sp = torch.tensor([11, 12, 13, 14]), torch.tensor([0, 5, 9, 100])
     args = (base[:, :2], anchor, w1, w2, T, k, p, seed, sp)
-    want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, hist_bins=hist_bins, **MULTI)
+    want_d, want_p = ref(*args)
+    got_d, got_p = fused(*args, hist_bins=hist_bins, **MULTI)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     v = 2048
@@ -658,10 +740,10 @@ def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     T, k, p = torch.ones(3), torch.tensor([0, 900, 0]), torch.tensor([0.95, 1.0, 0.5])
     seed, sp = torch.arange(3), torch.arange(3) + 7
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
-    want_d, want_p = markov_sample_reference(*args)
+    want_d, want_p = ref(*args)
     # coarser bins than the default narrow a bracket more slowly: at this toy cap they may need
     # more refinement passes than REFINE_PASSES, so only they may take the exact scan
-    got_d, got_p = markov_sample_launch(*args, tile=256, chunk=512, cap=64,
+    got_d, got_p = fused(*args, tile=256, chunk=512, cap=64,
                                         scan_fallback=hist_bins < HIST_BINS, hist_bins=hist_bins)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
@@ -678,8 +760,8 @@ def test_fused_threshold_refinement_exact_ties_beyond_cap():
     base = (base * 2).round() / 64                          # ~5 distinct values, ~400 each
     T, k, p = torch.tensor([1.0, 1.0]), torch.tensor([0, 100]), torch.tensor([0.6, 1.0])
     seed, sp = torch.tensor([3, 4]), torch.tensor([0, 9])
-    want_d, want_p = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, tile=256,
+    want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, tile=256,
                                         chunk=512, cap=64, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
@@ -704,10 +786,10 @@ def test_gpu_flash_top_p_rows_resolve_without_the_scan_fallback():
     seed = torch.tensor([1, 2, 3, 4], device=dev)
     sp = torch.tensor([10, 20, 30, 40], device=dev)
     args = [base, anchor, w1, w2, T, k, p, seed, sp]
-    got_d, got_p = markov_sample_launch(*args, scan_fallback=False)
+    got_d, got_p = fused(*args, scan_fallback=False)
     torch.testing.assert_close(got_p.double().sum(-1), torch.ones(B, N, dtype=torch.float64,
                                                                  device=dev), atol=1e-4, rtol=0)
-    want_d, want_p = markov_sample_reference(*args)
+    want_d, want_p = ref(*args)
     assert torch.equal(got_d, want_d)
     same = (got_d == want_d).all(1)
     # The bias is summed in another order on tensor cores (z differs by ~1e-7 relative), so a
@@ -741,7 +823,7 @@ def test_boundary_flip_check_accepts_only_the_boundary_token():
     base, anchor = _case(1, 13)
     T, k, p = params(1, 1.0, 0, 0.9)
     seed, sp = torch.tensor([3]), torch.tensor([5])
-    d, q = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
+    d, q = ref(base, anchor, w1, w2, T, k, p, seed, sp)
     same = torch.tensor([True])
     prev = torch.cat((anchor[:, None], d[:, :-1]), 1)
     z = base[0, 0].double() + markov_bias(prev[0, :1], w1, w2)[0].double()
@@ -778,8 +860,8 @@ def test_top_k_beyond_the_finite_tokens_keeps_them_all_without_a_search():
     p = torch.tensor([1.0, 1.0, 0.9])
     seed, sp = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
     args = (base, anchor % 40, w1, w2, T, k, p, seed, sp)
-    want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, tile=32, chunk=64, cap=64, scan_fallback=False)
+    want_d, want_p = ref(*args)
+    got_d, got_p = fused(*args, tile=32, chunk=64, cap=64, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     assert ((got_p[:2] > 0).sum(-1) == 40).all()      # rows 0-1: all finite tokens kept
@@ -797,8 +879,8 @@ def test_production_tiling_refinement_matches_reference():
     p = torch.tensor([0.95, 1.0, 0.6])
     seed, sp = torch.arange(3) + 20, torch.arange(3)
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
-    want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, cap=64, scan_fallback=False)
+    want_d, want_p = ref(*args)
+    got_d, got_p = fused(*args, cap=64, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
 
@@ -821,7 +903,7 @@ def test_production_tiling_floor_on_peaked_rows_matches_reference():
     p = torch.tensor([0.95, 0.999, 0.95])
     anchor, seed, sp = torch.arange(B), torch.arange(B) + 5, torch.arange(B) * 3
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
-    want_d, want_p = markov_sample_reference(*args)
-    got_d, got_p = markov_sample_launch(*args, scan_fallback=False)
+    want_d, want_p = ref(*args)
+    got_d, got_p = fused(*args, scan_fallback=False)
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)

@@ -9,7 +9,8 @@ from dspark_compile.kernels.philox import STREAM_DRAFT
 from dspark_compile.kernels.rejection import (rejection_sample_launch,
                                               rejection_sample_mode_reference,
                                               rejection_sample_reference)
-from dspark_compile.kernels.sampling import gumbel_argmax, probs_from_processed, process_logits
+from dspark_compile.kernels.sampling import (gumbel_argmax, probs_from_processed, process_logits,
+                                             request_probs)
 from stats_utils import chi2_pvalue
 
 NINF = float("-inf")
@@ -88,7 +89,8 @@ def test_probabilistic_q_equal_p_accepts_everything():
                                                 p.repeat_interleave(N + 1))).reshape(B, N + 1, V)
     drafts = torch.randint(0, V, (B, N), generator=g)
     drafts = torch.where(probs[:, :N].gather(2, drafts[..., None])[..., 0] > 0, drafts, 0)
-    tokens, num = rejection_sample_reference(logits, drafts, probs[:, :N].contiguous(), T, k, p,
+    # the draft logits are the target's: q = p
+    tokens, num = rejection_sample_reference(logits, drafts, logits[:, :N].contiguous(), T, k, p,
                                              torch.arange(B), torch.arange(B))
     assert (num == N + 1).all()
     assert torch.equal(tokens[:, :N], drafts)
@@ -107,14 +109,15 @@ def _lossless_setup(n, V=5, N=2):
     # drafts sampled from q with the draft stream at their own positions
     drafts = torch.stack([gumbel_argmax(torch.log(q[i]).expand(n, -1), seed, pos + i, STREAM_DRAFT)
                           for i in range(N)], 1)
-    return target.expand(n, -1, -1), drafts, q.expand(n, -1, -1).contiguous(), p, seed, pos
+    return (target.expand(n, -1, -1), drafts, draft.expand(n, -1, -1).contiguous(), q, p, seed,
+            pos)
 
 
 def test_draft_plus_rejection_follows_target_distribution():
     n, V, N = 20000, 5, 2
-    logits, drafts, q, p, seed, pos = _lossless_setup(n, V, N)
+    logits, drafts, dl, q, p, seed, pos = _lossless_setup(n, V, N)
     T, k, tp = meta(n, T=1.0)
-    tokens, num = rejection_sample_reference(logits, drafts, q, T, k, tp, seed, pos)
+    tokens, num = rejection_sample_reference(logits, drafts, dl, T, k, tp, seed, pos)
     assert chi2_pvalue(torch.bincount(tokens[:, 0], minlength=V), p[0]) > 1e-3
     second = num >= 2                      # draft 0 accepted: token 1 must follow p_1
     assert chi2_pvalue(torch.bincount(tokens[second, 1], minlength=V), p[1]) > 1e-3
@@ -122,11 +125,13 @@ def test_draft_plus_rejection_follows_target_distribution():
     assert chi2_pvalue(torch.bincount(tokens[third, 2], minlength=V), p[2]) > 1e-3
     # the draft distribution alone is far from the target (the test has power)...
     assert chi2_pvalue(torch.bincount(drafts[:, 0], minlength=V), p[0]) < 1e-6
-    # rejecting every draft (q(x) = 0) and resampling from p is lossless too
-    never, _ = rejection_sample_reference(logits, drafts, torch.zeros_like(q), T, k, tp, seed, pos)
+    # rejecting every draft (a degenerate draft row: q = 0) and resampling from p is lossless
+    never, nn = rejection_sample_reference(logits, drafts, torch.full_like(dl, float("nan")), T,
+                                           k, tp, seed, pos)
+    assert (nn == 1).all()
     assert chi2_pvalue(torch.bincount(never[:, 0], minlength=V), p[0]) > 1e-3
     # ...while a wrong acceptance rule is caught
-    accept_only, _ = _wrong_accept_by_p_only(logits, drafts, q, seed, pos)
+    accept_only, _ = _wrong_accept_by_p_only(logits, drafts, q.expand(n, -1, -1), seed, pos)
     assert chi2_pvalue(torch.bincount(accept_only, minlength=V), p[0]) < 1e-6
 
 
@@ -144,7 +149,7 @@ def _wrong_accept_by_p_only(logits, drafts, q, seed, pos):
 
 
 def test_seeded_determinism():
-    logits, drafts, q, _, seed, pos = _lossless_setup(256)
+    logits, drafts, q, _, _, seed, pos = _lossless_setup(256)
     T, k, tp = meta(256, T=1.0)
     a = rejection_sample_reference(logits, drafts, q, T, k, tp, seed, pos)
     b = rejection_sample_reference(logits, drafts, q, T, k, tp, seed, pos)
@@ -160,6 +165,7 @@ def _mixed_case(seed=0, B=8, N=4, V=137):
     draft_logits = logits[:, :N] + torch.randn(B, N, V, generator=g) * 0.5
     q = torch.softmax(draft_logits, -1)
     drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    q = draft_logits            # what the op takes
     T = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 0.0, 1.0, 0.9])[:B]
     k = torch.tensor([0, 0, 10, 0, 0, 0, 30, 5])[:B]
     p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0, 0.95, 1.0])[:B]
@@ -194,7 +200,7 @@ def test_no_drafts_samples_the_bonus_only(T):
     B, V = 4, 97
     logits = torch.randn(B, 1, V, generator=g) * 2
     drafts, q = torch.zeros((B, 0), dtype=torch.int64), torch.zeros((B, 0, V))
-    T_, k, p = meta(B, T, 5, 0.9)
+    T_, k, p = meta(B, T, 5, 0.9)     # (q: no draft logits)
     seed, pos = torch.arange(B) + 11, torch.arange(B) * 3
     want = rejection_sample_reference(logits, drafts, q, T_, k, p, seed, pos)
     assert torch.equal(want[1], torch.ones(B, dtype=torch.int64))
@@ -213,7 +219,7 @@ def test_fused_degenerate_and_padded_rows():
     pl[0] = float("nan")
     pl[1] = NINF
     pq = torch.full((3, N, V), float("nan"))
-    pq[2] = -1.0
+    pq[2] = -1.0                                  # flat draft rows: q uniform
     pd = torch.tensor([[-1, V, 0, 5], [0, 0, 0, 0], [1 << 40, 3, 3, 3]])
     L = torch.cat((logits, pl))
     D = torch.cat((drafts, pd))
@@ -282,8 +288,8 @@ def test_op_dispatch_and_errors():
     got = torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos)
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    with pytest.raises(ValueError, match="draft_probs"):
-        rejection_sample_reference(logits, drafts, q.double(), T, k, p, seed, pos)
+    with pytest.raises(ValueError, match="draft_logits"):
+        rejection_sample_reference(logits, drafts, q[:, :, :-1], T, k, p, seed, pos)
     with pytest.raises(ValueError, match="draft_tokens"):
         rejection_sample_reference(logits, drafts[:, :2], q, T, k, p, seed, pos)
     with pytest.raises(ValueError, match="mode"):
@@ -305,8 +311,8 @@ def test_gpu_flash_vocab_matches_reference():
     B, N, V = 8, 5, 129280
     g = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(B, N + 1, V, device=dev, generator=g) * 3
-    q = torch.softmax(logits[:, :N] + torch.randn(B, N, V, device=dev, generator=g) * 0.3, -1)
-    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    q = logits[:, :N] + torch.randn(B, N, V, device=dev, generator=g) * 0.3    # draft logits
+    drafts = torch.multinomial(torch.softmax(q, -1).reshape(-1, V), 1, generator=g).reshape(B, N)
     drafts[0] = logits[0, :N].argmax(-1)
     T = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.0, 0.0, 1.2, 1.0], device=dev)
     k = torch.tensor([0, 0, 0, 40, 0, 0, 0, 100], device=dev)
@@ -360,7 +366,7 @@ def test_fused_threshold_refinement_on_near_flat_rows():
     logits = torch.randn(B, 2, v, generator=g) * 0.3
     logits[2] = (logits[2] * 4).round() / 64             # exact ties, hundreds per value
     drafts = torch.randint(0, v, (B, 1), generator=g)
-    q = torch.softmax(torch.randn(B, 1, v, generator=g), -1)
+    q = torch.randn(B, 1, v, generator=g)                # draft logits
     T = torch.tensor([1.0, 0.8, 1.0])
     k = torch.tensor([0, 1000, 0])
     p = torch.tensor([0.95, 1.0, 0.7])
@@ -381,38 +387,38 @@ def _confident_case(seed, B, N, V):
     hot = torch.randint(0, V, (B, N + 1, 8), generator=g)
     lift = 6 + 5 * torch.rand(B, N + 1, 1, generator=g)
     logits = x.scatter_add_(-1, hot, lift.expand(B, N + 1, 8).contiguous())
-    q = torch.softmax(logits[:, :N] + 0.5 * torch.randn(B, N, V, generator=g), -1)
-    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
-    return logits, drafts, q
+    dl = logits[:, :N] + 0.5 * torch.randn(B, N, V, generator=g)
+    drafts = torch.multinomial(torch.softmax(dl, -1).reshape(-1, V), 1, generator=g).reshape(B, N)
+    return logits, drafts, dl
 
 
-def _walk(logits, drafts, q, T, k, p, seed, pos, tile):
-    """The statistics pass and the bound walk alone: (need [B, N+1], dec [B, N])."""
+def _walk(logits, drafts, dl, T, k, p, seed, pos, tile):
+    """The statistics passes and the bound walk alone: (need [B, N+1], dneed [B, N],
+    dec [B, N]) for target logits [B, N+1, V] and draft logits dl [B, N, V]."""
     from dspark_compile.kernels import rejection as rj
     B, N1, V = logits.shape
-    logits = logits.contiguous()
-    st = rj._stats(logits, T, tile)
+    logits, dl = logits.contiguous(), dl.contiguous()
+    st, dst = rj._stats(logits, T, tile), rj._stats(dl, T, tile)
     need = torch.full((B * N1,), -1, dtype=torch.int32)
+    dneed = torch.full((B * (N1 - 1),), -1, dtype=torch.int32)
     dec = torch.full((B * N1,), -1, dtype=torch.int32)
-    rj._walk(logits, st, drafts, q, (T, k, p), seed, pos, need, dec)
-    return need.view(B, N1), dec.view(B, N1)[:, :N1 - 1]
+    rj._walk(logits, st, dl, dst, drafts, (T, k, p), seed, pos, need, dneed, dec)
+    return need.view(B, N1), dneed.view(B, N1 - 1), dec.view(B, N1)[:, :N1 - 1]
 
 
-def _exact_accepts(logits, drafts, q, T, k, p, seed, pos):
+def _exact_accepts(logits, drafts, dl, T, k, p, seed, pos):
     """Each draft's acceptance test as the reference decides it (as if the earlier ones passed)."""
-    from dspark_compile.kernels.rejection import safe_probs, sampled_accepts
-    B, N1, V = logits.shape
-    rep = lambda t: t.repeat_interleave(N1)  # noqa: E731
-    z = process_logits(logits.reshape(-1, V), rep(T), rep(k), rep(p))
-    pr = probs_from_processed(z).view(B, N1, V)
-    return sampled_accepts(pr, drafts, safe_probs(q), seed, pos)
+    from dspark_compile.kernels.rejection import sampled_accepts
+    return sampled_accepts(request_probs(logits, T, k, p), drafts, request_probs(dl, T, k, p),
+                           seed, pos)
 
 
 def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
-    """Every decision the walk takes is the exact test's; the rows it flags are exactly the ones
-    whose exact threshold is read (undecided tests, the resampled or bonus row); greedy and
-    top-k requests keep every row; and on confident rows it decides most tests (so most rows
-    are never searched)."""
+    """Every decision the walk takes is the exact test's; the target and draft rows it flags are
+    exactly the ones whose exact threshold is read (undecided tests, the resampled or bonus row,
+    the draft row of a residual); greedy and top-k requests keep every target row (top-k ones
+    every draft row, greedy ones none); and on confident rows it decides most tests (so most
+    rows are never searched)."""
     B, N, V = 36, 4, 600
     decided = flagged = tested = rows = 0
     for s in range(3):
@@ -422,24 +428,28 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
         # draft (q(x) > p(x) on the kept tokens), where the kept mass's bounds decide
         g = torch.Generator().manual_seed(100 + s)
         logits[12:24] = torch.randn(12, N + 1, V, generator=g) * 2
-        q[12:24] = torch.softmax(logits[12:24, :N] + 0.3 * torch.randn(12, N, V, generator=g), -1)
-        q[24:] = torch.softmax(2.5 * logits[24:, :N], -1)
-        drafts[12:] = torch.multinomial(q[12:].reshape(-1, V), 1, generator=g).view(-1, N)
+        q[12:24] = logits[12:24, :N] + 0.3 * torch.randn(12, N, V, generator=g)
+        q[24:] = 2.5 * logits[24:, :N]
+        drafts[12:] = torch.multinomial(torch.softmax(q[12:], -1).reshape(-1, V), 1,
+                                        generator=g).view(-1, N)
         T = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0] + [1.0] * 24)
         k = torch.tensor([0, 0, 0, 0, 0, 0, 0, 20, 0, 0, 0, 0] + [0] * 24)
         p = torch.tensor([0.95, 0.9, 0.95, 1.0, 0.0, 0.5, 1.0, 0.95, 0.95, 0.95, 0.8, 0.99]
                          + [0.3, 0.5, 0.7, 0.9, 0.95, 1.0] * 2 + [0.4, 0.5, 0.6, 0.8] * 3)
         logits[8, 1, 5] = float("nan")                  # a degenerate row mid-chain
         drafts[9, 1] = V + 3                            # an out-of-range draft
-        q[10, 0, drafts[10, 0]] = 0.0                   # a draft its q gives no mass
+        q[10, 0, drafts[10, 0]] = NINF                  # a draft its q gives no mass
         logits[11, :, : V // 2] = NINF                  # whole -inf blocks
+        q[11, 1:, V // 3:] = NINF                       # and in draft rows
+        q[7, 2, 0] = float("nan")                       # a degenerate draft row
         seed = torch.randint(0, 2 ** 62, (B,), generator=torch.Generator().manual_seed(s))
         pos = torch.arange(B) * 11 + s
-        need, dec = _walk(logits, drafts, q, T, k, p, seed, pos, tile=64)
+        need, dneed, dec = _walk(logits, drafts, q, T, k, p, seed, pos, tile=64)
         exact = _exact_accepts(logits, drafts, q, T, k, p, seed, pos)
         for b in range(B):
             if T[b] <= 0 or k[b] > 0:
                 assert (need[b] == 1).all() and (dec[b] == 0).all(), b
+                assert (dneed[b] == int(T[b] > 0)).all(), b
                 continue
             rej = (dec[b] == 2).nonzero()
             stop = int(rej[0]) if len(rej) else N
@@ -449,7 +459,10 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
                 if i < N and dec[b, i] == 2:
                     assert not exact[b, i] and i == stop, (s, b, i)
                 assert need[b, i] == int(i == stop or dec[b, i] == 0), (s, b, i)
+                if i < N:
+                    assert dneed[b, i] == need[b, i], (s, b, i)
             assert (need[b, stop + 1:] == 0).all(), (s, b)
+            assert (dneed[b, stop + 1:] == 0).all(), (s, b)
             if b < 6:                                   # the confident, well-formed requests
                 decided += int((dec[b, :min(stop + 1, N)] != 0).sum())
                 tested += min(stop + 1, N)
@@ -469,14 +482,15 @@ def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
     # other rows of the same request
     g = torch.Generator().manual_seed(20 + seed)
     logits[6:] = torch.randn(3, N + 1, V, generator=g) * 2
-    q[6:] = torch.softmax(logits[6:, :N] + 0.3 * torch.randn(3, N, V, generator=g), -1)
-    drafts[6:] = torch.multinomial(q[6:].reshape(-1, V), 1, generator=g).view(-1, N)
+    q[6:] = logits[6:, :N] + 0.3 * torch.randn(3, N, V, generator=g)
+    drafts[6:] = torch.multinomial(torch.softmax(q[6:], -1).reshape(-1, V), 1,
+                                   generator=g).view(-1, N)
     T = torch.tensor([1.0, 0.8, 1.0, 1.2, 1.0, 1.0, 1.0, 0.9, 1.0])
     k = torch.tensor([0, 0, 0, 0, 7, 0, 0, 0, 0])
     p = torch.tensor([0.95, 0.9, 1.0, 0.95, 0.9, 0.3, 0.9, 0.95, 0.7])
     sd = torch.arange(B) * 31 + seed
     pos = torch.arange(B) * 7
-    need, dec = _walk(logits, drafts, q, T, k, p, sd, pos, tile=32)
+    need, _, dec = _walk(logits, drafts, q, T, k, p, sd, pos, tile=32)
     mixed = [b for b in range(B) if k[b] == 0 and (need[b] == 0).any() and any(
         dec[b, i] == 0 and need[b, i] == 1 and not (dec[b, :i] == 2).any() for i in range(N))]
     assert mixed, "no request with an exact test and skipped rows: the case lost its point"
@@ -485,10 +499,10 @@ def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
         got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
                                       bounds=bounds)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bounds
-    # bf16 target logits: every pass reads and scales them itself (no fp32 copy is made)
-    l16 = logits.bfloat16()
-    want = rejection_sample_reference(l16, drafts, q, T, k, p, sd, pos)
-    got = rejection_sample_launch(l16, drafts, q, T, k, p, sd, pos, tile=32, chunk=128)
+    # bf16 target and draft logits: every pass reads and scales them itself (no fp32 copy)
+    l16, q16 = logits.bfloat16(), q.bfloat16()
+    want = rejection_sample_reference(l16, drafts, q16, T, k, p, sd, pos)
+    got = rejection_sample_launch(l16, drafts, q16, T, k, p, sd, pos, tile=32, chunk=128)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -510,8 +524,8 @@ def _gpu_confident_case(B, dev):
     lift = 9 + 6 * torch.rand(B, N + 1, 1, device=dev, generator=g)
     logits = x.scatter_add_(-1, hot, lift.expand(B, N + 1, 32).contiguous())
     logits[B // 2:] = torch.randn(B - B // 2, N + 1, V, device=dev, generator=g) * 3
-    q = torch.softmax(logits[:, :N] + torch.randn(B, N, V, device=dev, generator=g) * 0.5, -1)
-    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
+    q = logits[:, :N] + torch.randn(B, N, V, device=dev, generator=g) * 0.5   # draft logits
+    drafts = torch.multinomial(torch.softmax(q, -1).reshape(-1, V), 1, generator=g).reshape(B, N)
     T = torch.ones(B, device=dev)
     T[0] = 0.0
     k = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -593,33 +607,42 @@ def test_statistics_pass_per_block_whatever_the_blocks_per_program():
 
 
 def test_bound_walk_edge_decisions():
-    """u q(x) == 0 accepts even a token outside the top-p set (p(x) = 0 >= 0), as the exact
-    test does; a test 1e-4 from its boundary, either side, is left to the exact path."""
+    """u q(x) == 0 accepts whatever p(x) is, as the exact test does (q(x) a subnormal the
+    product rounds away); a test 1e-4 from its boundary, either side, is left to the exact
+    path."""
     from dspark_compile.kernels.philox import STREAM_ACCEPT, uniform
     V = 256
     u_of = lambda s, pos: float(uniform(torch.tensor([s]), torch.tensor([0]),  # noqa: E731
                                         torch.tensor([pos]), torch.tensor([STREAM_ACCEPT]))[0])
-    # request 0: one dominant token, the draft 70 nats below it (outside top-p 0.9) with the
-    # smallest subnormal q(x): u q(x) rounds to 0 for u < 0.5
-    s0 = next(s for s in range(100) if u_of(s, 0) < 0.5)
+    # request 0: one dominant target token, the draft 70 nats below it; the draft row holds
+    # two tokens, the draft's 100 nats below the other: q(x) = e^-100 (~26 times the smallest
+    # subnormal), so u q(x) rounds to 0 for u < 0.015
+    s0 = next(s for s in range(10000) if u_of(s, 0) < 0.015)
     logits = torch.randn(3, 2, V, generator=torch.Generator().manual_seed(0))
     logits[0, 0, 3], logits[0, 0, 9] = 40.0, -30.0
     drafts = torch.tensor([[9], [0], [0]])
-    q = torch.softmax(torch.randn(3, 1, V, generator=torch.Generator().manual_seed(1)), -1)
-    q[0, 0, 9] = torch.tensor(1.4e-45)
+    q = torch.randn(3, 1, V, generator=torch.Generator().manual_seed(1))     # draft logits
+    q[0, 0] = NINF
+    q[0, 0, 3], q[0, 0, 9] = 0.0, -100.0
     # requests 1 and 2: a confident row, the draft its top token, q(x) = p(x) / u (1 -+ 1e-4)
     logits[1:, 0] = 0.0
     logits[1:, 0, :4] = torch.tensor([8.0, 7.5, 7.0, 6.0])
-    T, k, p = meta(3, 1.0, 0, 0.9)
-    seed, pos = torch.tensor([s0, 5, 6]), torch.tensor([0, 3, 4])
+    T, k, p = meta(3, 1.0, 0, 1.0)
+    s1 = [s for s in range(100) if u_of(s, 3) > 0.6][:2]
+    seed, pos = torch.tensor([s0, *s1]), torch.tensor([0, 3, 3])
     pr = probs_from_processed(process_logits(logits[:, 0], T, k, p))
     for b, f in ((1, 1 - 1e-4), (2, 1 + 1e-4)):
-        q[b, 0, 0] = pr[b, 0] / u_of(int(seed[b]), int(pos[b])) * f
-    need, dec = _walk(logits, drafts, q, T, k, p, seed, pos, tile=32)
+        c = float(pr[b, 0]) / u_of(int(seed[b]), int(pos[b])) * f
+        qv = torch.full((V,), (1 - c) / (V - 1), dtype=torch.float64)
+        qv[0] = c
+        q[b, 0] = torch.log(qv).float()
+    assert torch.isclose(request_probs(q, T, k, p)[0, 0, 9], torch.tensor(3.7e-44), rtol=0.1)
+    need, dneed, dec = _walk(logits, drafts, q, T, k, p, seed, pos, tile=32)
     exact = _exact_accepts(logits, drafts, q, T, k, p, seed, pos)
     assert exact[0, 0] and dec[0, 0] == 1
     assert exact[1, 0] and not exact[2, 0]
     assert dec[1, 0] == 0 and dec[2, 0] == 0 and (need[1:, 0] == 1).all()
+    assert (dneed[1:, 0] == 1).all()
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
     got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=32)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,6 +1,6 @@
 """fuse_sampler: the step's Markov sampler and rejection sampling regions become one dspark:: op
 each (and plain sampling, in a program that has it); the step is unchanged, including every
-sampled token and the draft probabilities it stores."""
+sampled token and the draft logits it stores."""
 import warnings
 
 import pytest

@@ -158,10 +158,13 @@ def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp
                                                                 got.outputs[i])
         for k in ("state_row_tokens", "state_row_last_pos"):
             assert torch.equal(ref.state[k], got.state[k]), (seed, k)
-        greedy = got.state["state_row_temperature"][:-1] <= 0   # [:-1]: not the trash row
-        assert (got.state["state_row_draft_probs"][:-1][greedy] == 0).all(), seed
+        # the stored draft logits: every live row's, greedy ones included (the tensor-core
+        # bias sums in another order: ~1e-7 relative)
+        torch.testing.assert_close(got.state["state_row_draft_logits"][:-1],
+                                   ref.state["state_row_draft_logits"][:-1], rtol=1e-5,
+                                   atol=1e-5, msg=f"seed {seed}")
         for k, v in got.state.items():
             if not v.dtype.is_floating_point:
                 continue
-            v = v[:-1] if k == "state_row_draft_probs" else v
+            v = v[:-1] if k == "state_row_draft_logits" else v     # [:-1]: not the trash row
             assert bool(torch.isfinite(v.float()).all()), (seed, k)
