@@ -30,7 +30,9 @@ Cases per B (requests):
   `ours-nobounds` (top-p cases): without the bound walk, every target and draft row is
   searched;
   `ours-nopdl` / `ours-pdl-early` / `ours-pdl-late`: the launches after the statistics pass
-  without programmatic dependent launch / with each trigger point.
+  without programmatic dependent launch / with each trigger point; `ours-chunk<n>`: n tokens
+  per row-pass program instead of row_tiling's (the searches run on the few rows the walk
+  flags).
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
@@ -260,6 +262,8 @@ def rejection_cases(batches):
                 "ours-noskip": lambda d: rj.rejection_sample_launch(**d,
                                                                     skip_below_bracket=False),
                 "ours-nobounds": lambda d: rj.rejection_sample_launch(**d, bounds=False),
+                **{f"ours-chunk{n}": (lambda n: lambda d: rj.rejection_sample_launch(
+                    **d, chunk=n))(n) for n in (2048, 4096)},
                 **{f"ours-{n}": (lambda m: lambda d: rj.rejection_sample_launch(**d, pdl=m))(m)
                    for n, m in (("nopdl", False), ("pdl-early", "early"),
                                 ("pdl-late", "late"))}}

@@ -30,9 +30,8 @@ graph):
           give exact products, fp32 accumulation; a CUDA-core GEMV for one row measured 1.3-2.6x
           slower on the H200 than padding it to a 16-row tile), + base -> the step's
           draft_logits slot; z = l / T: per-block max, lowest-id argmax, sum exp(z - max) and
-          NaN flag; then (`candidate`) each row's packed (max, lowest id) key and its Gumbel
-          candidate's (the block's argmax of z + g, Philox in-kernel) are atomically maxed into
-          per-step row slots. Step 0 folds the anchor itself. The [B, V] bias never exists
+          NaN flag; then (`candidate`) each row's packed (max, lowest id) key is atomically
+          maxed into a per-step row slot. Step 0 folds the anchor itself. The [B, V] bias never exists
           anywhere else. Odd steps walk the blocks from the end, so a step starts on the W2
           rows the last one left in the L2 (9-10 % off the greedy plan on the H200: ~11 of
           W2's 66 MB per step came from the L2).
@@ -44,21 +43,27 @@ graph):
           step's programs decode `prev` from it. Steps 1.. use programmatic dependent launch:
           a step's programs start while the previous step finishes and load their first W2
           tile before they wait for it. One small launch at the end writes the N drafts.
+  cand    grid (B, C), sampled rows without top-k: the Gumbel candidate c, the argmax of
+          z + g (Philox in-kernel) over the tokens at or above the block maxima's top-p floor
+          (a lower bound of tau; the whole row without top-p), so noise is drawn only for the
+          few tiles of a peaked row that reach the floor.
   pick    grid (B, C): the token where no threshold is needed (_markov_pick_kernel): greedy
           rows, degenerate rows, rows without top-k / top-p, and top-p rows whose candidate c
-          (the argmax of z + g over the whole row) is kept -- then c is the argmax over the
-          kept set too. Kept iff the fixed-point mass strictly above z_c is below resolve()'s
-          target (kernels/sampling.py), summed over the tiles whose block maxima lie above z_c
-          (a few tiles of a peaked row). The rest (top-k rows; candidates outside the top-p
-          set: about 1 - top_p of flat rows, fewer of peaked ones) are flagged for:
+          is kept -- then c is the argmax over the kept set too. Kept iff the fixed-point mass
+          strictly above z_c is below resolve()'s target (kernels/sampling.py), summed over the
+          tiles whose block maxima lie above z_c (a few tiles of a peaked row). The rest
+          (top-k rows; candidates outside the top-p set: about 1 - top_p of flat rows, fewer of
+          peaked ones) are flagged for:
   reduce  grid (B, C chunks), flagged rows: row max, Z, the top-k/top-p histogram, bracket.
   select  grid (B, C), flagged rows: exact thresholds (see below).
   refine  grid (B, C) x REFINE_PASSES: rows whose select overflowed CAP candidates only.
   final   grid (B, C), flagged rows: Gumbel-max of z + g over the kept tokens; the row's last
           program (atomic ticket) reduces the chunk winners into the token and `prev`.
-Mode "plain" (top-k / top-p ignored) takes every token from pick: two launches per step.
-Without `candidate` (a launch knob) every non-greedy row goes through the search and final,
-the plan of earlier sessions.
+The row passes of this plan take the one-row tiling (row_tiling(1, V): 2048-token chunks) at
+every B: a search now runs on a few rows, and its time is its slowest program's. Mode "plain"
+(top-k / top-p ignored) takes every token from pick: three launches per step. Without
+`candidate` (a launch knob) every non-greedy row goes through the search and final, the plan
+of earlier sessions, at row_tiling(B, V).
 A "last program" of a row is the one whose atomic ticket (acq_rel, after a CTA barrier) comes
 last; it reads the others' partials (bypassing L1) in a fixed order, so results never depend on
 which program finished first. Ticket counters and key slots are one zeroed tensor per call.
@@ -105,8 +110,8 @@ from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE
                        lane_argmax_update, launch_select_refine, pack_argmax, process_logits,
                        reduce_compile_config, refine_compile_config, row_flags,
                        row_needed, row_reduce_kernel, row_t, row_tiling, scale_z,
-                       select_compile_config, threshold_scratch, tile_max, tl_rows_gumbel,
-                       tl_vocab_gumbel, unpack_id, unpack_token, unpack_value, fixed_mass,
+                       select_compile_config, threshold_scratch, tile_max, block_max_floor,
+                       tl_vocab_gumbel, unpack_token, unpack_value, fixed_mass,
                        load_z, mass_scale_bits, row_degenerate)
 from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
                          pdl_enter, pdl_launch, pdl_mode, pdl_release)
@@ -168,10 +173,11 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
 
 MODES = {"greedy": 0, "plain": 1, "full": 2}
 _STREAM_DRAFT = tl.constexpr(STREAM_DRAFT)
+
+
 @triton.jit
 def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_ptr,
-                          z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, seed_ptr, pos_ptr,
-                          rowkey_ptr, candkey_ptr,
+                          z_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, rowkey_ptr,
                           B, V, NBLK, stride_bb, stride_zb, base_off, z_off, step,
                           R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
                           BLOCK_R: tl.constexpr, STAGES: tl.constexpr, EVEN_V: tl.constexpr,
@@ -180,9 +186,10 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
     """Modes "full" / "plain", one Markov step, grid (NBLK,): vocab block `blk` for every row
     (see the module docstring). W1/W2 are contiguous [V, R] with R a compile-time constant: the
     compiler sees aligned, contiguous rows and issues wide loads (a runtime stride costs ~3x
-    the registers). CAND: each row's packed (max, lowest argmax) key and its Gumbel candidate's
-    (max of z + g, lowest id) are atomically maxed into rowkey_ptr[step, row] and
-    candkey_ptr[step, row] (zero-filled)."""
+    the registers). CAND: each row's packed (max, lowest argmax) key is atomically maxed into
+    rowkey_ptr[step, row] (zero-filled). (The Gumbel candidate is drawn by _markov_cand_kernel,
+    only above the top-p floor: drawn here, for every token of every row, the noise took this
+    kernel from 59 to 115 us per step at B = 64 on the H200.)"""
     pdl_enter(PDL)
     base_ptr += base_off            # this step's slice of [B, N, V] (no views: export-friendly)
     z_ptr += z_off
@@ -242,18 +249,9 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
         tl.store(bsum_ptr + so, bsum, mask=rmask)
         tl.store(bnan_ptr + so, bnan, mask=rmask)
         if CAND:
-            # the row's maximum, and its Gumbel-max candidate over the whole row: the argmax of
-            # z + g, which is the draft whenever it is in the kept set (_markov_pick_kernel)
+            # the row's maximum (value, lowest id) for the candidate plan's later launches
             tl.atomic_max(rowkey_ptr + step * B + rows, pack_argmax(bmax, barg, bnan > 0),
                           mask=rmask, sem="relaxed")
-            seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
-            pos = tl.load(pos_ptr + rows, mask=rmask, other=0) + step
-            g = tl_rows_gumbel(seed, blk * BLOCK_V, pos, BLOCK_B, BLOCK_V, _STREAM_DRAFT)
-            sc = tl.where(zn > float("-inf"), zn + g, float("-inf"))
-            cmax = tl.max(sc, axis=1)
-            carg = tl.argmax(sc, axis=1, tie_break_left=True) + blk * BLOCK_V
-            tl.atomic_max(candkey_ptr + step * B + rows, pack_argmax(cmax, carg, False),
-                          mask=rmask & ~greedy, sem="relaxed")
 
 
 @triton.jit
@@ -431,19 +429,90 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 
 
 @triton.jit
-def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, candkey_ptr, bmax_ptr,
+def _markov_cand_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
+                        bmax_ptr, bsum_ptr, cand_ptr, best_v_ptr, best_i_ptr, done_ptr, step, B,
+                        V, C, CHUNK, NBLK, stride_zb, z_off, done_off, TILE: tl.constexpr,
+                        MODE: tl.constexpr, C_P2: tl.constexpr, NBLK_P2: tl.constexpr,
+                        BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
+    """Grid (B, C), candidate plan, rows that sample without top-k: the Gumbel candidate, the
+    argmax of z + g (lowest id on ties) over the row's tokens at or above the top-p floor
+    (sampling.block_max_floor: a lower bound on tau, so the kept set lies above it; -inf without
+    top-p), into cand_ptr[b] by the row's last program. Noise is drawn only for the tiles whose
+    block maxima reach the floor (a few tiles of a peaked row)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    z_ptr += z_off
+    done_ptr += done_off
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
+    m = unpack_value(tl.load(rowkey_ptr + step * B + b))
+    deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
+    if (~greedy) & (~deg) & (~k_on):
+        fl = tl.full((), float("-inf"), tl.float32)
+        if p_on:
+            # Z and the floor as reduce computes them (the same statistics and reductions)
+            o = tl.arange(0, NBLK_P2)
+            bm = tl.load(bmax_ptr + b * NBLK + o, mask=o < NBLK, other=float("-inf"))
+            bs = tl.load(bsum_ptr + b * NBLK + o, mask=o < NBLK, other=0.0)
+            e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
+            fl = block_max_floor(bm, e, m, tl.sum(bs * e, axis=0), p)
+        t = row_t(temp_ptr, b, True)
+        seed = tl.load(seed_ptr + b)
+        pos = tl.load(pos_ptr + b) + step
+        zrow = z_ptr + b.to(tl.int64) * stride_zb
+        best_v = tl.full((TILE,), float("-inf"), tl.float32)
+        bid_v = tl.zeros((TILE,), tl.int32)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        ar = tl.arange(0, TILE)
+        # the next tile's block maxima and (where they reach the floor) logits in flight while
+        # this tile is scored
+        tmn = tile_max(bmax_ptr, b, NBLK, lo, TILE, BLOCK_V)
+        ln = tl.load(zrow + lo + ar, mask=lo + ar < tl.where(tmn >= fl, hi, 0),
+                     other=float("-inf"))
+        for v0 in range(lo, hi, TILE):
+            x = ln
+            tm = tmn
+            nx = v0 + TILE + ar
+            tmn = tile_max(bmax_ptr, b, NBLK, v0 + TILE, TILE, BLOCK_V)
+            ln = tl.load(zrow + nx, mask=nx < tl.where(tmn >= fl, hi, 0), other=float("-inf"))
+            if tm >= fl:
+                z = scale_z(x, t, True)
+                g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
+                sc = tl.where((z >= fl) & (z > float("-inf")), z + g, float("-inf"))
+                best_v, bid_v = lane_argmax_update(best_v, bid_v, sc, v0 + ar)
+        pdl_release(PDL)
+        best, bid = lane_argmax_finish(best_v, bid_v)
+        tl.store(best_v_ptr + b * C + c, best)
+        tl.store(best_i_ptr + b * C + c, bid)
+        tl.debug_barrier()
+        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
+            co = tl.arange(0, C_P2)
+            vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
+                           cache_modifier=".cg")
+            ids = tl.load(best_i_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg")
+            mb = tl.max(vals, axis=0)
+            tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
+            tl.store(cand_ptr + b, tl.where(mb > float("-inf"), tok, 0).to(tl.int64))
+    else:
+        pdl_release(PDL)
+
+
+@triton.jit
+def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_ptr, bmax_ptr,
                         bsum_ptr, drafts_ptr, prev_ptr, need_ptr, part_ptr, done_ptr, step, B, V,
                         C, CHUNK, NBLK, stride_zb, stride_db, z_off, done_off,
                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
                         NBLK_P2: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
                         PDL: tl.constexpr = 0):
-    """Grid (B, C), after the logits kernel (CAND): the step's token without a threshold where
-    the row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
+    """Grid (B, C), after _markov_cand_kernel: the step's token without a threshold where the
+    row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
 
     - greedy rows: the row maximum's id; degenerate rows (a NaN, a maximum not finite): 0;
     - rows without top-k / top-p (and every row in mode "plain"): the candidate c, the argmax of
       z + g over the whole row, is the Gumbel-max over the kept set (all of it);
-    - top-p rows without top-k: c is the argmax over the kept set whenever it is kept, and c is
+    - top-p rows without top-k: c (the argmax of z + g above a lower bound of tau) is the
+      argmax over the kept set whenever it is kept, and c is
       kept iff the fixed-point mass strictly above z_c is below resolve()'s target
       max(top_p Z SCALE, 1), with Z from the block statistics as reduce sums it. The chunk
       programs sum that mass over the tiles whose block maxima lie above z_c (on peaked rows a
@@ -461,7 +530,7 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, candkey
     rkey = tl.load(rowkey_ptr + step * B + b)
     m = unpack_value(rkey)
     deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
-    cid = unpack_id(tl.load(candkey_ptr + step * B + b))
+    cid = tl.load(cand_ptr + b)             # (read for sampled rows without top-k only)
     if (~greedy) & (~deg) & p_on & (~k_on):
         t = row_t(temp_ptr, b, True)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
@@ -680,7 +749,9 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
         pdl = 0
     BLOCK_B, BLOCK_V, BLOCK_R, warps1, stages1 = _logits_config(B, R, logits_config)
     NBLK = triton.cdiv(V, BLOCK_V)
-    TILE, CHUNK, C = row_tiling(B, V, tile, chunk)
+    # the candidate plan's row passes search only the few rows its pick leaves, so they take the
+    # one-row tiling (short chunks, many programs per row: a search is its slowest program)
+    TILE, CHUNK, C = row_tiling(1 if candidate else B, V, tile, chunk)
     HTILE = hist_tile(TILE, NB)
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     prev = torch.empty((B,), dtype=i64, device=dev)     # step 0 folds the anchor itself
@@ -693,40 +764,46 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     rowf = torch.empty((B, 4), dtype=f32, device=dev)
     rowi = torch.empty((B, 4), dtype=i32, device=dev)
     # one memset for every ticket/slot counter of the call, [step, counter, row], then (mode
-    # "full") the refine state per row, then (candidate) the packed row and candidate maxima
-    # [step, row] as int64
-    NCNT = 5 + 2 * refine_passes
+    # "full") the refine state per row, then (candidate) the packed row maxima [step, row] as
+    # int64
+    NCNT = 6 + 2 * refine_passes
     nrst = 4 * B if MODE == 2 else 0
     ncnt = N * NCNT * B + nrst
-    nkey = 2 * N * B if candidate else 0
+    nkey = N * B if candidate else 0
     zeroed = torch.zeros((ncnt + ncnt % 2 + 2 * nkey,), dtype=i32, device=dev)
     counters = zeroed[:N * NCNT * B].view(N, NCNT, B)
     rst = zeroed[N * NCNT * B:ncnt].view(B, 4) if MODE == 2 else zeroed[:1]
-    keys = zeroed[ncnt + ncnt % 2:].view(i64).view(2, max(N, 1), B) if candidate else None
+    rowkey = zeroed[ncnt + ncnt % 2:].view(i64) if candidate else prev
     thr = threshold_scratch(B if MODE == 2 else 1, C, CHUNK, cap, NB, refine_edges, dev, TILE)
     best_v = torch.empty((B, C), dtype=f32, device=dev)
     best_i = torch.empty((B, C), dtype=i32, device=dev)
     need = torch.empty((B,), dtype=i32, device=dev) if candidate else None
     part = torch.empty((B, C), dtype=i64, device=dev) if candidate else None
+    cand = torch.empty((B,), dtype=i64, device=dev) if candidate else None
     C_P2 = next_pow2(C)
     sb, sz = base_logits.stride(0), out.stride(0)
     scale = float(2 ** mass_scale_bits(V))
-    dummy = keys[0] if candidate else prev
     for k in range(N):
         # step k's slices are passed as offsets rather than views (plainer for export)
         zo = k * out.stride(1)
         cnt = [(k * NCNT + j) * B for j in range(NCNT)]
         launch(_markov_logits_kernel)[(NBLK,)](
-            base_logits, w1, w2, anchor, prev, temperature, out, bmax, barg, bsum, bnan, seed,
-            start_pos, dummy, keys[1] if candidate else dummy, B, V, NBLK, sb, sz,
+            base_logits, w1, w2, anchor, prev, temperature, out, bmax, barg, bsum, bnan, rowkey,
+            B, V, NBLK, sb, sz,
             k * base_logits.stride(1), zo, k,
             R=R, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages1,
             EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
             CAND=bool(candidate), PDL=pdl, num_warps=warps1, **pdl_launch(pdl > 0 and k > 0))
         if candidate:
+            launch(_markov_cand_kernel)[(B, C)](
+                temperature, top_k, top_p, seed, start_pos, out, rowkey, bmax, bsum, cand,
+                best_v, best_i, counters, k, B, V, C, CHUNK, NBLK, sz, zo,
+                cnt[5 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2,
+                NBLK_P2=next_pow2(NBLK), BLOCK_V=BLOCK_V, PDL=pdl, num_warps=4,
+                **pdl_launch(pdl > 0))
             launch(_markov_pick_kernel)[(B, C)](
-                temperature, top_k, top_p, out, keys[0], keys[1], bmax, bsum, drafts, prev,
-                need, part, counters, k, B, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
+                temperature, top_k, top_p, out, rowkey, cand, bmax, bsum, drafts, prev, need,
+                part, counters, k, B, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
                 cnt[4 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2,
                 NBLK_P2=next_pow2(NBLK), BLOCK_V=BLOCK_V, SCALE=scale, PDL=pdl, num_warps=4,
                 **pdl_launch(pdl > 0))
@@ -850,7 +927,7 @@ def _markov_configs():
             base_ptr="*fp32", w1_ptr="*bf16", w2_ptr="*bf16", anchor_ptr="*i64",
             prev_ptr="*i64", temp_ptr="*fp32", z_ptr="*fp32",
             bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32",
-            seed_ptr="*i64", pos_ptr="*i64", rowkey_ptr="*i64", candkey_ptr="*i64", B="i32",
+            rowkey_ptr="*i64", B="i32",
             V=_D16, NBLK="i32", stride_bb=_D16, stride_zb=_D16, base_off=_D16, z_off=_D16,
             step="i32"),
             dict(R=_R_FLASH, BLOCK_B=BLOCK_B, BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, STAGES=stages,
@@ -870,11 +947,11 @@ def _markov_configs():
                 warps))
     out.append(compile_config(_markov_greedy_tokens_kernel, dict(
         packed_ptr="*i64", drafts_ptr="*i64", B="i32", stride_db="i32"), dict(BLOCK=64), 4))
-    TILE, _, _ = row_tiling(1, _V_FLASH, None, None)
-    # per batch size, what the launcher picks: chunk programs per row (C_P2), the row passes'
-    # span flags (NT_P2) and the logits kernel's block (BLOCK_V: 128 up to 32 rows, then 64)
+    # the default (candidate) plan's row passes take the one-row tiling at every B; per batch
+    # size the logits kernel's block differs (BLOCK_V: 128 up to 32 rows, then 64), and so do
+    # the PDL mode and the block statistics' count
+    TILE, CHUNK, C = row_tiling(1, _V_FLASH, None, None)
     for B in (1, 16, 64):
-        _, CHUNK, C = row_tiling(B, _V_FLASH, None, None)
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
         pdl = _pdl_mode(True, B)        # what a launch on sm_90+ (SM12x included) compiles
         # (the default plan: the pick kernel, then the search and final gated to the rows it
@@ -891,15 +968,22 @@ def _markov_configs():
             V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
             done_off="i32"),
             dict(TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, GATE=True, PDL=pdl), 4))
+        nblk_p2 = next_pow2(triton.cdiv(_V_FLASH, bv))
         for mode in (1, 2):
+            out.append(compile_config(_markov_cand_kernel, dict(
+                **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowkey_ptr="*i64",
+                bmax_ptr="*fp32", bsum_ptr="*fp32", cand_ptr="*i64", best_v_ptr="*fp32",
+                best_i_ptr="*i32", done_ptr="*i32", step="i32", B="i32", V=_D16, C=_D16,
+                CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, done_off="i32"),
+                dict(TILE=TILE, MODE=mode, C_P2=cp, NBLK_P2=nblk_p2, BLOCK_V=bv, PDL=pdl), 4))
             out.append(compile_config(_markov_pick_kernel, dict(
-                **flags, z_ptr="*fp32", rowkey_ptr="*i64", candkey_ptr="*i64",
+                **flags, z_ptr="*fp32", rowkey_ptr="*i64", cand_ptr="*i64",
                 bmax_ptr="*fp32", bsum_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
                 need_ptr="*i32", part_ptr="*i64", done_ptr="*i32", step="i32", B="i32",
                 V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32",
                 z_off=_D16, done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, NBLK_P2=next_pow2(triton.cdiv(_V_FLASH, bv)),
-                     BLOCK_V=bv, SCALE=float(2 ** mass_scale_bits(_V_FLASH)), PDL=pdl), 4))
+                dict(TILE=TILE, MODE=mode, C_P2=cp, NBLK_P2=nblk_p2, BLOCK_V=bv,
+                     SCALE=float(2 ** mass_scale_bits(_V_FLASH)), PDL=pdl), 4))
     return out
 
 

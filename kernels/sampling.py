@@ -306,19 +306,6 @@ def tl_vocab_gumbel(seed, v0, pos, TILE: tl.constexpr, STREAM: tl.constexpr):
 
 
 @triton.jit
-def tl_rows_gumbel(seed, v0, pos, ROWS: tl.constexpr, TILE: tl.constexpr, STREAM: tl.constexpr):
-    """tl_vocab_gumbel for ROWS rows at once ([ROWS] seeds and positions): [ROWS, TILE] noise of
-    tokens v0 .. v0 + TILE - 1 (v0 a multiple of 4), bit for bit the 1-D version's."""
-    c0 = (v0 // 4 + tl.arange(0, TILE // 4)).to(tl.uint32)[None, :] \
-        + tl.zeros((ROWS, TILE // 4), tl.uint32)
-    c1 = pos.to(tl.uint32)[:, None] + tl.zeros((ROWS, TILE // 4), tl.uint32)
-    sd = seed.to(tl.int64)[:, None] + tl.zeros((ROWS, TILE // 4), tl.int64)
-    r0, r1, r2, r3 = tl.philox(sd, c0, c1, STREAM, 0)
-    u = bits_uniform(tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3)))
-    return -tl.log(-tl.log(tl.maximum(u, 1e-20)))
-
-
-@triton.jit
 def f32_key(x):
     """Order-preserving int32 key of finite fp32 x (-0 and +0 share the key of +0)."""
     x = tl.where(x == 0.0, 0.0, x)
@@ -460,12 +447,6 @@ def unpack_value(key):
     """The value of a packed row maximum (NaN for a row holding a NaN)."""
     v = key_f32((key >> 31) - 2147483648)
     return tl.where(key != _NAN_KEY, v, float("nan"))
-
-
-@triton.jit
-def unpack_id(key):
-    """The id of a packed maximum, whatever its value (int64)."""
-    return 2147483647 - (key & 2147483647)
 
 
 @triton.jit
