@@ -43,6 +43,7 @@ graph):
           step's programs decode `prev` from it. Steps 1.. use programmatic dependent launch:
           a step's programs start while the previous step finishes and load their first W2
           tile before they wait for it. One small launch at the end writes the N drafts.
+  rowstat grid (B,): a sampled row's Z and top-p floor from the block statistics, once.
   cand    grid (B, C), sampled rows without top-k: the Gumbel candidate c, the argmax of
           z + g (Philox in-kernel) over the tokens at or above the block maxima's top-p floor
           (a lower bound of tau; the whole row without top-p), so noise is drawn only for the
@@ -61,7 +62,7 @@ graph):
           program (atomic ticket) reduces the chunk winners into the token and `prev`.
 The row passes of this plan take the one-row tiling (row_tiling(1, V): 2048-token chunks) at
 every B: a search now runs on a few rows, and its time is its slowest program's. Mode "plain"
-(top-k / top-p ignored) takes every token from pick: three launches per step. Without
+(top-k / top-p ignored) takes every token from pick: four launches per step. Without
 `candidate` (a launch knob) every non-greedy row goes through the search and final, the plan
 of earlier sessions, at row_tiling(B, V).
 A "last program" of a row is the one whose atomic ticket (acq_rel, after a CTA barrier) comes
@@ -429,11 +430,39 @@ def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr,
 
 
 @triton.jit
+def _markov_rowstat_kernel(temp_ptr, topk_ptr, topp_ptr, rowkey_ptr, bmax_ptr, bsum_ptr,
+                           rowz_ptr, floor_ptr, step, B, V, NBLK, MODE: tl.constexpr,
+                           NBLK_P2: tl.constexpr, PDL: tl.constexpr = 0):
+    """Grid (B,), candidate plan: a sampled row's Z (as reduce sums it: the same statistics and
+    reductions) and, with top-p, the block maxima's floor (sampling.block_max_floor), once per
+    row for cand's and pick's programs (each of them deriving both read the row's statistics:
+    ~16 KB a program at B = 64's 64-token blocks)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
+    m = unpack_value(tl.load(rowkey_ptr + step * B + b))
+    deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
+    Z = tl.zeros((), tl.float32)
+    fl = tl.full((), float("-inf"), tl.float32)
+    if (~greedy) & (~deg) & (~k_on):
+        o = tl.arange(0, NBLK_P2)
+        bm = tl.load(bmax_ptr + b * NBLK + o, mask=o < NBLK, other=float("-inf"))
+        bs = tl.load(bsum_ptr + b * NBLK + o, mask=o < NBLK, other=0.0)
+        e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
+        Z = tl.sum(bs * e, axis=0)
+        if p_on:
+            fl = block_max_floor(bm, e, m, Z, p)
+    pdl_release(PDL)
+    tl.store(rowz_ptr + b, Z)
+    tl.store(floor_ptr + b, fl)
+
+
+@triton.jit
 def _markov_cand_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
-                        bmax_ptr, bsum_ptr, cand_ptr, best_v_ptr, best_i_ptr, done_ptr, step, B,
+                        bmax_ptr, floor_ptr, cand_ptr, best_v_ptr, best_i_ptr, done_ptr, step, B,
                         V, C, CHUNK, NBLK, stride_zb, z_off, done_off, TILE: tl.constexpr,
-                        MODE: tl.constexpr, C_P2: tl.constexpr, NBLK_P2: tl.constexpr,
-                        BLOCK_V: tl.constexpr, PDL: tl.constexpr = 0):
+                        MODE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+                        PDL: tl.constexpr = 0):
     """Grid (B, C), candidate plan, rows that sample without top-k: the Gumbel candidate, the
     argmax of z + g (lowest id on ties) over the row's tokens at or above the top-p floor
     (sampling.block_max_floor: a lower bound on tau, so the kept set lies above it; -inf without
@@ -448,14 +477,7 @@ def _markov_cand_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, 
     m = unpack_value(tl.load(rowkey_ptr + step * B + b))
     deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
     if (~greedy) & (~deg) & (~k_on):
-        fl = tl.full((), float("-inf"), tl.float32)
-        if p_on:
-            # Z and the floor as reduce computes them (the same statistics and reductions)
-            o = tl.arange(0, NBLK_P2)
-            bm = tl.load(bmax_ptr + b * NBLK + o, mask=o < NBLK, other=float("-inf"))
-            bs = tl.load(bsum_ptr + b * NBLK + o, mask=o < NBLK, other=0.0)
-            e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
-            fl = block_max_floor(bm, e, m, tl.sum(bs * e, axis=0), p)
+        fl = tl.load(floor_ptr + b)             # (_markov_rowstat_kernel)
         t = row_t(temp_ptr, b, True)
         seed = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b) + step
@@ -500,11 +522,10 @@ def _markov_cand_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, 
 
 @triton.jit
 def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_ptr, bmax_ptr,
-                        bsum_ptr, drafts_ptr, prev_ptr, need_ptr, part_ptr, done_ptr, step, B, V,
+                        rowz_ptr, drafts_ptr, prev_ptr, need_ptr, part_ptr, done_ptr, step, B, V,
                         C, CHUNK, NBLK, stride_zb, stride_db, z_off, done_off,
                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
-                        NBLK_P2: tl.constexpr, BLOCK_V: tl.constexpr, SCALE: tl.constexpr,
-                        PDL: tl.constexpr = 0):
+                        BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
     """Grid (B, C), after _markov_cand_kernel: the step's token without a threshold where the
     row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
 
@@ -558,12 +579,8 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
             co = tl.arange(0, C_P2)
             above = tl.sum(tl.load(part_ptr + b * C + co, mask=co < C, other=0,
                                    cache_modifier=".cg"), axis=0)
-            # Z exactly as row_reduce_kernel sums it (same statistics, same reduction)
-            o = tl.arange(0, NBLK_P2)
-            om = o < NBLK
-            bm = tl.load(bmax_ptr + b * NBLK + o, mask=om, other=float("-inf"))
-            bs = tl.load(bsum_ptr + b * NBLK + o, mask=om, other=0.0)
-            Z = tl.sum(bs * tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0), axis=0)
+            # Z exactly as row_reduce_kernel sums it (_markov_rowstat_kernel)
+            Z = tl.load(rowz_ptr + b)
             T = tl.maximum(Z.to(tl.float64) * SCALE * p.to(tl.float64), 1.0)
             kept = above.to(tl.float64) < T
             tl.store(need_ptr + b, (~kept).to(tl.int32))
@@ -780,6 +797,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     need = torch.empty((B,), dtype=i32, device=dev) if candidate else None
     part = torch.empty((B, C), dtype=i64, device=dev) if candidate else None
     cand = torch.empty((B,), dtype=i64, device=dev) if candidate else None
+    rowz = torch.empty((B,), dtype=f32, device=dev) if candidate else None
+    rowfl = torch.empty((B,), dtype=f32, device=dev) if candidate else None
     C_P2 = next_pow2(C)
     sb, sz = base_logits.stride(0), out.stride(0)
     scale = float(2 ** mass_scale_bits(V))
@@ -795,18 +814,19 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
             CAND=bool(candidate), PDL=pdl, num_warps=warps1, **pdl_launch(pdl > 0 and k > 0))
         if candidate:
+            launch(_markov_rowstat_kernel)[(B,)](
+                temperature, top_k, top_p, rowkey, bmax, bsum, rowz, rowfl, k, B, V, NBLK,
+                MODE=MODE, NBLK_P2=next_pow2(NBLK), PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
             launch(_markov_cand_kernel)[(B, C)](
-                temperature, top_k, top_p, seed, start_pos, out, rowkey, bmax, bsum, cand,
+                temperature, top_k, top_p, seed, start_pos, out, rowkey, bmax, rowfl, cand,
                 best_v, best_i, counters, k, B, V, C, CHUNK, NBLK, sz, zo,
-                cnt[5 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2,
-                NBLK_P2=next_pow2(NBLK), BLOCK_V=BLOCK_V, PDL=pdl, num_warps=4,
-                **pdl_launch(pdl > 0))
+                cnt[5 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
             launch(_markov_pick_kernel)[(B, C)](
-                temperature, top_k, top_p, out, rowkey, cand, bmax, bsum, drafts, prev, need,
+                temperature, top_k, top_p, out, rowkey, cand, bmax, rowz, drafts, prev, need,
                 part, counters, k, B, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
-                cnt[4 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2,
-                NBLK_P2=next_pow2(NBLK), BLOCK_V=BLOCK_V, SCALE=scale, PDL=pdl, num_warps=4,
-                **pdl_launch(pdl > 0))
+                cnt[4 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
+                SCALE=scale, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
             if MODE == 1:       # every token is final: nothing to search or sample
                 continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
@@ -970,19 +990,23 @@ def _markov_configs():
             dict(TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, GATE=True, PDL=pdl), 4))
         nblk_p2 = next_pow2(triton.cdiv(_V_FLASH, bv))
         for mode in (1, 2):
+            out.append(compile_config(_markov_rowstat_kernel, dict(
+                **flags, rowkey_ptr="*i64", bmax_ptr="*fp32", bsum_ptr="*fp32",
+                rowz_ptr="*fp32", floor_ptr="*fp32", step="i32", B="i32", V=_D16, NBLK="i32"),
+                dict(MODE=mode, NBLK_P2=nblk_p2, PDL=pdl), 4))
             out.append(compile_config(_markov_cand_kernel, dict(
                 **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowkey_ptr="*i64",
-                bmax_ptr="*fp32", bsum_ptr="*fp32", cand_ptr="*i64", best_v_ptr="*fp32",
+                bmax_ptr="*fp32", floor_ptr="*fp32", cand_ptr="*i64", best_v_ptr="*fp32",
                 best_i_ptr="*i32", done_ptr="*i32", step="i32", B="i32", V=_D16, C=_D16,
                 CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, NBLK_P2=nblk_p2, BLOCK_V=bv, PDL=pdl), 4))
+                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, PDL=pdl), 4))
             out.append(compile_config(_markov_pick_kernel, dict(
                 **flags, z_ptr="*fp32", rowkey_ptr="*i64", cand_ptr="*i64",
-                bmax_ptr="*fp32", bsum_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
+                bmax_ptr="*fp32", rowz_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
                 need_ptr="*i32", part_ptr="*i64", done_ptr="*i32", step="i32", B="i32",
                 V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32",
                 z_off=_D16, done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, NBLK_P2=nblk_p2, BLOCK_V=bv,
+                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv,
                      SCALE=float(2 ** mass_scale_bits(_V_FLASH)), PDL=pdl), 4))
     return out
 
