@@ -59,7 +59,8 @@ graph):
   select  grid (B, C), flagged rows: exact thresholds (see below).
   refine  grid (B, C) x REFINE_PASSES: rows whose select overflowed CAP candidates only.
   final   grid (B, C), flagged rows: Gumbel-max of z + g over the kept tokens; the row's last
-          program (atomic ticket) reduces the chunk winners into the token and `prev`.
+          program (atomic ticket) reduces the chunk winners into the token and `prev`. cand
+          and final are one kernel (_markov_gumbel_kernel): a Gumbel-max above a threshold.
 The row passes of this plan take the one-row tiling (row_tiling(1, V): 2048-token chunks) at
 every B: a search now runs on a few rows, and its time is its slowest program's. Mode "plain"
 (top-k / top-p ignored) takes every token from pick: four launches per step. Without
@@ -188,7 +189,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
     (see the module docstring). W1/W2 are contiguous [V, R] with R a compile-time constant: the
     compiler sees aligned, contiguous rows and issues wide loads (a runtime stride costs ~3x
     the registers). CAND: each row's packed (max, lowest argmax) key is atomically maxed into
-    rowkey_ptr[step, row] (zero-filled). (The Gumbel candidate is drawn by _markov_cand_kernel,
+    rowkey_ptr[step, row] (zero-filled). (The Gumbel candidate is drawn by _markov_gumbel_kernel,
     only above the top-p floor: drawn here, for every token of every row, the noise took this
     kernel from 59 to 115 us per step at B = 64 on the H200.)"""
     pdl_enter(PDL)
@@ -364,69 +365,25 @@ def _markov_greedy_tokens_kernel(packed_ptr, drafts_ptr, B, stride_db, BLOCK: tl
 
 
 @triton.jit
-def _markov_final_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowf_ptr,
-                         rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, drafts_ptr, prev_ptr,
-                         done_ptr, need_ptr, step, V, C, CHUNK, NBLK, stride_zb, stride_db, z_off,
-                         done_off, TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
-                         BLOCK_V: tl.constexpr, GATE: tl.constexpr = False,
-                         PDL: tl.constexpr = 0):
-    """Grid (B, C), non-greedy rows (with GATE only those need_ptr flags): the Gumbel-max of
-    z + g over the kept tokens {z >= tau} (tau from select; every finite token without top-k /
-    top-p); the row's last program (atomic ticket) reduces the chunk winners into the token and
-    `prev`. z: the step's draft_logits scaled as read (scale_z)."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    z_ptr += z_off
-    drafts_ptr += step
-    done_ptr += done_off
-    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
-    if (~greedy) & row_needed(need_ptr, b, GATE):
-        deg = tl.load(rowi_ptr + b * 4 + 3) != 0
-        tau = tl.full((), float("-inf"), tl.float32)
-        if (k_on | p_on) & ~deg:
-            tau = tl.load(rowf_ptr + b * 4 + 2)
-        t = row_t(temp_ptr, b, True)
-        seed = tl.load(seed_ptr + b)
-        pos = tl.load(pos_ptr + b) + step
-        zrow = z_ptr + b.to(tl.int64) * stride_zb
-        # per-lane best, reduced once at the end
-        best_v = tl.full((TILE,), float("-inf"), tl.float32)
-        bid_v = tl.zeros((TILE,), tl.int32)
-        # the next tile's logits and block maximum are loaded before this tile is used (a tile
-        # decided, then loaded, waited on two round trips)
-        lo = c * CHUNK
-        hi = tl.minimum(lo + CHUNK, V)
-        ar = tl.arange(0, TILE)
-        ln = tl.load(zrow + lo + ar, mask=lo + ar < hi, other=float("-inf"))
-        tmn = tile_max(bmax_ptr, b, NBLK, lo, TILE, BLOCK_V)
-        for v0 in range(lo, hi, TILE):
-            z = scale_z(ln, t, True)
-            tm = tmn
-            offs = v0 + ar
-            ln = tl.load(zrow + offs + TILE, mask=offs + TILE < hi, other=float("-inf"))
-            tmn = tile_max(bmax_ptr, b, NBLK, v0 + TILE, TILE, BLOCK_V)
-            # nothing kept in the tile (its best token is below tau): no noise
-            if (tm >= tau) & ~deg:
-                keep = (z >= tau) & (z > float("-inf"))
-                g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
-                s = tl.where(keep, z + g, float("-inf"))
-                best_v, bid_v = lane_argmax_update(best_v, bid_v, s, offs)
-        pdl_release(PDL)
-        best, bid = lane_argmax_finish(best_v, bid_v)
-        tl.store(best_v_ptr + b * C + c, best)
-        tl.store(best_i_ptr + b * C + c, bid)
-        tl.debug_barrier()
-        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-            co = tl.arange(0, C_P2)
-            vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
-                           cache_modifier=".cg")
-            ids = tl.load(best_i_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg")
-            mb = tl.max(vals, axis=0)
-            tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
-            tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
-            tl.store(drafts_ptr + b * stride_db, tok)
-            tl.store(prev_ptr + b, tok)
+def _row_argmax(best_v, bid_v, best_v_ptr, best_i_ptr, done_ptr, b, c, C, C_P2: tl.constexpr):
+    """A chunk program's per-lane argmax (value, lowest id) into the row's partials; the row's
+    last program (atomic ticket) reduces them in chunk order: (last, token: the lowest id of
+    the maximum, 0 if every value was -inf). The token is meaningful where last is."""
+    best, bid = lane_argmax_finish(best_v, bid_v)
+    tl.store(best_v_ptr + b * C + c, best)
+    tl.store(best_i_ptr + b * C + c, bid)
+    tl.debug_barrier()          # every thread's stores happen before the releasing ticket
+    last = tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1
+    tok = tl.zeros((), tl.int64)
+    if last:
+        co = tl.arange(0, C_P2)
+        vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
+                       cache_modifier=".cg")
+        ids = tl.load(best_i_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg")
+        mb = tl.max(vals, axis=0)
+        tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
+        tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
+    return last, tok
 
 
 @triton.jit
@@ -440,8 +397,7 @@ def _markov_rowstat_kernel(temp_ptr, topk_ptr, topp_ptr, rowkey_ptr, bmax_ptr, b
     pdl_enter(PDL)
     b = tl.program_id(0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
-    m = unpack_value(tl.load(rowkey_ptr + step * B + b))
-    deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
+    _, m, deg = _row_max(rowkey_ptr, step, B, b)
     Z = tl.zeros((), tl.float32)
     fl = tl.full((), float("-inf"), tl.float32)
     if (~greedy) & (~deg) & (~k_on):
@@ -458,64 +414,88 @@ def _markov_rowstat_kernel(temp_ptr, topk_ptr, topp_ptr, rowkey_ptr, bmax_ptr, b
 
 
 @triton.jit
-def _markov_cand_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
-                        bmax_ptr, floor_ptr, cand_ptr, best_v_ptr, best_i_ptr, done_ptr, step, B,
-                        V, C, CHUNK, NBLK, stride_zb, z_off, done_off, TILE: tl.constexpr,
-                        MODE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
-                        PDL: tl.constexpr = 0):
-    """Grid (B, C), candidate plan, rows that sample without top-k: the Gumbel candidate, the
-    argmax of z + g (lowest id on ties) over the row's tokens at or above the top-p floor
-    (sampling.block_max_floor: a lower bound on tau, so the kept set lies above it; -inf without
-    top-p), into cand_ptr[b] by the row's last program. Noise is drawn only for the tiles whose
-    block maxima reach the floor (a few tiles of a peaked row)."""
+def _row_max(rowkey_ptr, step, B, b):
+    """(packed key, value, degenerate) of row b's maximum from the logits kernel's atomic
+    maxima (CAND): degenerate as sampling.row_degenerate decides it (a NaN: the largest key,
+    whose value reads NaN; a maximum not finite)."""
+    rkey = tl.load(rowkey_ptr + step * B + b)
+    m = unpack_value(rkey)
+    return rkey, m, row_degenerate(tl.zeros((), tl.int32), m)
+
+
+@triton.jit
+def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
+                          floor_ptr, rowf_ptr, rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr,
+                          out_ptr, prev_ptr, done_ptr, need_ptr, step, B, V, C, CHUNK, NBLK,
+                          stride_zb, stride_db, z_off, done_off, TILE: tl.constexpr,
+                          MODE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+                          CAND: tl.constexpr = False, GATE: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
+    """Grid (B, C): the Gumbel-max of z + g (lowest id on ties, Philox in-kernel) over a row's
+    tokens at or above a threshold; the row's last program (atomic ticket) writes the token.
+    Noise is drawn only for the tiles whose block maxima reach the threshold, whose logits are
+    the only ones loaded. z: the step's draft_logits scaled as read (scale_z).
+    - CAND (`cand`): sampled rows without top-k, above the block maxima's top-p floor
+      (_markov_rowstat_kernel; -inf without top-p): the candidate, into out_ptr[b];
+    - else (`final`): non-greedy rows (with GATE only those need_ptr flags), above select's
+      exact threshold tau (every finite token without top-k / top-p): the draft, into the
+      step's column of out_ptr (the drafts) and `prev`."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     z_ptr += z_off
     done_ptr += done_off
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
-    m = unpack_value(tl.load(rowkey_ptr + step * B + b))
-    deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
-    if (~greedy) & (~deg) & (~k_on):
-        fl = tl.load(floor_ptr + b)             # (_markov_rowstat_kernel)
+    if CAND:
+        _, _, deg = _row_max(rowkey_ptr, step, B, b)
+        run = (~greedy) & (~deg) & (~k_on)
+    else:
+        deg = tl.zeros((), tl.int1)
+        run = (~greedy) & row_needed(need_ptr, b, GATE)
+    if run:
+        if CAND:
+            thr = tl.load(floor_ptr + b)
+        else:
+            deg = tl.load(rowi_ptr + b * 4 + 3) != 0
+            thr = tl.full((), float("-inf"), tl.float32)
+            if (k_on | p_on) & ~deg:
+                thr = tl.load(rowf_ptr + b * 4 + 2)
         t = row_t(temp_ptr, b, True)
         seed = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b) + step
         zrow = z_ptr + b.to(tl.int64) * stride_zb
+        # per-lane best, reduced once at the end
         best_v = tl.full((TILE,), float("-inf"), tl.float32)
         bid_v = tl.zeros((TILE,), tl.int32)
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
         ar = tl.arange(0, TILE)
-        # the next tile's block maxima and (where they reach the floor) logits in flight while
-        # this tile is scored
+        # the next tile's block maxima and (where they reach the threshold) logits in flight
+        # while this tile is scored (a tile decided, then loaded, waited on two round trips)
+        # (a degenerate row scores nothing: token 0)
         tmn = tile_max(bmax_ptr, b, NBLK, lo, TILE, BLOCK_V)
-        ln = tl.load(zrow + lo + ar, mask=lo + ar < tl.where(tmn >= fl, hi, 0),
+        ln = tl.load(zrow + lo + ar, mask=lo + ar < tl.where((tmn >= thr) & ~deg, hi, 0),
                      other=float("-inf"))
         for v0 in range(lo, hi, TILE):
             x = ln
             tm = tmn
             nx = v0 + TILE + ar
             tmn = tile_max(bmax_ptr, b, NBLK, v0 + TILE, TILE, BLOCK_V)
-            ln = tl.load(zrow + nx, mask=nx < tl.where(tmn >= fl, hi, 0), other=float("-inf"))
-            if tm >= fl:
+            ln = tl.load(zrow + nx, mask=nx < tl.where((tmn >= thr) & ~deg, hi, 0),
+                         other=float("-inf"))
+            if (tm >= thr) & ~deg:
                 z = scale_z(x, t, True)
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, _STREAM_DRAFT)
-                sc = tl.where((z >= fl) & (z > float("-inf")), z + g, float("-inf"))
+                sc = tl.where((z >= thr) & (z > float("-inf")), z + g, float("-inf"))
                 best_v, bid_v = lane_argmax_update(best_v, bid_v, sc, v0 + ar)
         pdl_release(PDL)
-        best, bid = lane_argmax_finish(best_v, bid_v)
-        tl.store(best_v_ptr + b * C + c, best)
-        tl.store(best_i_ptr + b * C + c, bid)
-        tl.debug_barrier()
-        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-            co = tl.arange(0, C_P2)
-            vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
-                           cache_modifier=".cg")
-            ids = tl.load(best_i_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg")
-            mb = tl.max(vals, axis=0)
-            tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
-            tl.store(cand_ptr + b, tl.where(mb > float("-inf"), tok, 0).to(tl.int64))
+        last, tok = _row_argmax(best_v, bid_v, best_v_ptr, best_i_ptr, done_ptr, b, c, C, C_P2)
+        if last:
+            if CAND:
+                tl.store(out_ptr + b, tok)
+            else:
+                tl.store(out_ptr + step + b * stride_db, tok)
+                tl.store(prev_ptr + b, tok)
     else:
         pdl_release(PDL)
 
@@ -526,7 +506,7 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
                         C, CHUNK, NBLK, stride_zb, stride_db, z_off, done_off,
                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
                         BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
-    """Grid (B, C), after _markov_cand_kernel: the step's token without a threshold where the
+    """Grid (B, C), after cand (_markov_gumbel_kernel): the step's token without a threshold where the
     row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
 
     - greedy rows: the row maximum's id; degenerate rows (a NaN, a maximum not finite): 0;
@@ -548,9 +528,7 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
     drafts_ptr += step
     done_ptr += done_off
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
-    rkey = tl.load(rowkey_ptr + step * B + b)
-    m = unpack_value(rkey)
-    deg = (m != m) | ~((m > float("-inf")) & (m < float("inf")))
+    rkey, m, deg = _row_max(rowkey_ptr, step, B, b)
     cid = tl.load(cand_ptr + b)             # (read for sampled rows without top-k only)
     if (~greedy) & (~deg) & p_on & (~k_on):
         t = row_t(temp_ptr, b, True)
@@ -817,11 +795,12 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             launch(_markov_rowstat_kernel)[(B,)](
                 temperature, top_k, top_p, rowkey, bmax, bsum, rowz, rowfl, k, B, V, NBLK,
                 MODE=MODE, NBLK_P2=next_pow2(NBLK), PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
-            launch(_markov_cand_kernel)[(B, C)](
-                temperature, top_k, top_p, seed, start_pos, out, rowkey, bmax, rowfl, cand,
-                best_v, best_i, counters, k, B, V, C, CHUNK, NBLK, sz, zo,
-                cnt[5 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
-                PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+            launch(_markov_gumbel_kernel)[(B, C)](       # cand
+                temperature, top_k, top_p, seed, start_pos, out, rowkey, rowfl, rowf, rowi, bmax,
+                best_v, best_i, cand, prev, counters, rowi, k, B, V, C, CHUNK, NBLK, sz,
+                drafts.stride(0), zo, cnt[5 + 2 * refine_passes], TILE=TILE, MODE=MODE,
+                C_P2=C_P2, BLOCK_V=BLOCK_V, CAND=True, PDL=pdl, num_warps=4,
+                **pdl_launch(pdl > 0))
             launch(_markov_pick_kernel)[(B, C)](
                 temperature, top_k, top_p, out, rowkey, cand, bmax, rowz, drafts, prev, need,
                 part, counters, k, B, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
@@ -846,11 +825,11 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=NB, edges=refine_edges, cap=cap,
                 scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket,
                 few=few_candidates, pdl=pdl, need=need, scaled=True)
-        launch(_markov_final_kernel)[(B, C)](
-            temperature, top_k, top_p, seed, start_pos, out, rowf, rowi, bmax, best_v,
-            best_i, drafts, prev, counters, rowi if need is None else need, k, V, C, CHUNK, NBLK,
-            sz, drafts.stride(0), zo, cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
-            GATE=need is not None, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+        launch(_markov_gumbel_kernel)[(B, C)](           # final
+            temperature, top_k, top_p, seed, start_pos, out, rowkey, bmax, rowf, rowi, bmax,
+            best_v, best_i, drafts, prev, counters, rowi if need is None else need, k, B, V, C,
+            CHUNK, NBLK, sz, drafts.stride(0), zo, cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2,
+            BLOCK_V=BLOCK_V, GATE=need is not None, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if thresholds is not None:
             thresholds.append((rowf.clone(), rowi.clone()))
     return drafts, out
@@ -981,25 +960,22 @@ def _markov_configs():
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl, gate=True,
                                          scaled=True))
         out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl, scaled=True))
-        out.append(compile_config(_markov_final_kernel, dict(
-            **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32",
-            rowi_ptr="*i32", bmax_ptr="*fp32", best_v_ptr="*fp32", best_i_ptr="*i32",
-            drafts_ptr="*i64", prev_ptr="*i64", done_ptr="*i32", need_ptr="*i32", step="i32",
-            V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16,
-            done_off="i32"),
-            dict(TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, GATE=True, PDL=pdl), 4))
+        gumbel_sig = dict(
+            **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowkey_ptr="*i64",
+            floor_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
+            best_v_ptr="*fp32", best_i_ptr="*i32", out_ptr="*i64", prev_ptr="*i64",
+            done_ptr="*i32", need_ptr="*i32", step="i32", B="i32", V=_D16, C=_D16, CHUNK=_D16,
+            NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16, done_off="i32")
+        out.append(compile_config(_markov_gumbel_kernel, gumbel_sig, dict(
+            TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, CAND=False, GATE=True, PDL=pdl), 4))  # final
         nblk_p2 = next_pow2(triton.cdiv(_V_FLASH, bv))
         for mode in (1, 2):
             out.append(compile_config(_markov_rowstat_kernel, dict(
                 **flags, rowkey_ptr="*i64", bmax_ptr="*fp32", bsum_ptr="*fp32",
                 rowz_ptr="*fp32", floor_ptr="*fp32", step="i32", B="i32", V=_D16, NBLK="i32"),
                 dict(MODE=mode, NBLK_P2=nblk_p2, PDL=pdl), 4))
-            out.append(compile_config(_markov_cand_kernel, dict(
-                **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowkey_ptr="*i64",
-                bmax_ptr="*fp32", floor_ptr="*fp32", cand_ptr="*i64", best_v_ptr="*fp32",
-                best_i_ptr="*i32", done_ptr="*i32", step="i32", B="i32", V=_D16, C=_D16,
-                CHUNK=_D16, NBLK="i32", stride_zb=_D16, z_off=_D16, done_off="i32"),
-                dict(TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, PDL=pdl), 4))
+            out.append(compile_config(_markov_gumbel_kernel, gumbel_sig, dict(      # cand
+                TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, CAND=True, GATE=False, PDL=pdl), 4))
             out.append(compile_config(_markov_pick_kernel, dict(
                 **flags, z_ptr="*fp32", rowkey_ptr="*i64", cand_ptr="*i64",
                 bmax_ptr="*fp32", rowz_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
