@@ -122,9 +122,11 @@ def _markov_check(make, greedy):
 
 
 def _markov_bytes(B, probabilistic):
+    """The floor of a call: the draft logits' write counts for probabilistic cases only (the
+    greedy case's floor is the greedy plan's, which writes none)."""
     w2 = V * R * 2
-    probs = B * N * V * 4 if probabilistic else 0
-    return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + probs
+    out = B * N * V * 4 if probabilistic else 0
+    return N * w2 + B * N * V * 4 + B * N * R * 2 + B * N * 8 + out
 
 
 # greedy step-kernel tilings (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) per batch tile (see

@@ -43,7 +43,8 @@ graph):
           step's programs decode `prev` from it. Steps 1.. use programmatic dependent launch:
           a step's programs start while the previous step finishes and load their first W2
           tile before they wait for it. One small launch at the end writes the N drafts.
-  rowstat grid (B,): a sampled row's Z and top-p floor from the block statistics, once.
+  rowstat grid (B,), mode "full": a sampled row's Z and top-p floor from the block
+          statistics, once (pick decides with that Z, and reduce reads it).
   cand    grid (B, C), sampled rows without top-k: the Gumbel candidate c, the argmax of
           z + g (Philox in-kernel) over the tokens at or above the block maxima's top-p floor
           (a lower bound of tau; the whole row without top-p), so noise is drawn only for the
@@ -63,7 +64,7 @@ graph):
           and final are one kernel (_markov_gumbel_kernel): a Gumbel-max above a threshold.
 The row passes of this plan take the one-row tiling (row_tiling(1, V): 2048-token chunks) at
 every B: a search now runs on a few rows, and its time is its slowest program's. Mode "plain"
-(top-k / top-p ignored) takes every token from pick: four launches per step. Without
+(top-k / top-p ignored) takes every token from pick: three launches per step. Without
 `candidate` (a launch knob) every non-greedy row goes through the search and final, the plan
 of earlier sessions, at row_tiling(B, V).
 A "last program" of a row is the one whose atomic ticket (acq_rel, after a CTA barrier) comes
@@ -90,7 +91,10 @@ launch (PDL_BY_TILE). H200 timings: benchmarks/results/h200_sampler_2026-11-29/.
 
 `mode` (static): "full" launches everything; "plain" ignores top-k/top-p; "greedy" (every row
 greedy) runs the greedy step kernel alone -- graphs the engine can capture for batches whose
-sampling parameters the host knows. Modes "full" and "plain" write every row's draft_logits,
+sampling parameters the host knows. Mode "plain" draws from softmax(l / T) whatever a row's
+top-k / top-p, while rejection builds q with them: its drafts are lossless only for batches
+without top-k / top-p (the runtime never picks it; a graph for such batches could). Modes
+"full" and "plain" write every row's draft_logits,
 greedy rows' included, like the reference. Mode "greedy" leaves draft_logits unwritten
 (unspecified; the reference gives the logits): rejection never reads a greedy row's q, and
 writing B*N*V floats would cost more than the whole greedy sampler (the runtime runs
@@ -148,8 +152,9 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
                             w2: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor):
     """-> (drafts [B, N] int64, draft_logits [B, N, V] fp32: step k's base + bias, unscaled,
-    every row). The draft distribution of step k is q_k = softmax(process(draft_logits[:, k]))
-    (draft_probs); rejection sampling computes it where it reads it."""
+    every row). The draft distribution of step k is q_k = softmax(process(draft_logits[:, k]));
+    rejection sampling computes it where it reads it (sampling.request_probs in its
+    reference)."""
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     B, N, V = base_logits.shape
     greedy = greedy_rows(temperature)
@@ -388,28 +393,29 @@ def _row_argmax(best_v, bid_v, best_v_ptr, best_i_ptr, done_ptr, b, c, C, C_P2: 
 
 @triton.jit
 def _markov_rowstat_kernel(temp_ptr, topk_ptr, topp_ptr, rowkey_ptr, bmax_ptr, bsum_ptr,
-                           rowz_ptr, floor_ptr, step, B, V, NBLK, MODE: tl.constexpr,
+                           rowf_ptr, floor_ptr, step, B, V, NBLK, MODE: tl.constexpr,
                            NBLK_P2: tl.constexpr, PDL: tl.constexpr = 0):
-    """Grid (B,), candidate plan: a sampled row's Z (as reduce sums it: the same statistics and
-    reductions) and, with top-p, the block maxima's floor (sampling.block_max_floor), once per
-    row for cand's and pick's programs (each of them deriving both read the row's statistics:
-    ~16 KB a program at B = 64's 64-token blocks)."""
+    """Grid (B,), candidate plan, mode "full": a sampled row's Z into rowf_ptr[b, 1] and, for
+    top-p rows without top-k, the block maxima's floor (sampling.block_max_floor) into
+    floor_ptr[b], once per row for cand's and pick's programs (each of them deriving both read
+    the row's statistics: ~16 KB a program at B = 64's 64-token blocks). Pick decides with this
+    Z and reduce reads it (ZIN), so the exact path's target is the same bits."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
     _, m, deg = _row_max(rowkey_ptr, step, B, b)
     Z = tl.zeros((), tl.float32)
     fl = tl.full((), float("-inf"), tl.float32)
-    if (~greedy) & (~deg) & (~k_on):
+    if (~greedy) & (~deg):
         o = tl.arange(0, NBLK_P2)
         bm = tl.load(bmax_ptr + b * NBLK + o, mask=o < NBLK, other=float("-inf"))
         bs = tl.load(bsum_ptr + b * NBLK + o, mask=o < NBLK, other=0.0)
         e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
         Z = tl.sum(bs * e, axis=0)
-        if p_on:
+        if p_on & (~k_on):
             fl = block_max_floor(bm, e, m, Z, p)
     pdl_release(PDL)
-    tl.store(rowz_ptr + b, Z)
+    tl.store(rowf_ptr + b * 4 + 1, Z)
     tl.store(floor_ptr + b, fl)
 
 
@@ -454,7 +460,9 @@ def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr
         run = (~greedy) & row_needed(need_ptr, b, GATE)
     if run:
         if CAND:
-            thr = tl.load(floor_ptr + b)
+            thr = tl.full((), float("-inf"), tl.float32)
+            if p_on:                            # (mode "plain" launches no rowstat)
+                thr = tl.load(floor_ptr + b)
         else:
             deg = tl.load(rowi_ptr + b * 4 + 3) != 0
             thr = tl.full((), float("-inf"), tl.float32)
@@ -502,7 +510,7 @@ def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr
 
 @triton.jit
 def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_ptr, bmax_ptr,
-                        rowz_ptr, drafts_ptr, prev_ptr, need_ptr, part_ptr, done_ptr, step, B, V,
+                        rowf_ptr, drafts_ptr, prev_ptr, need_ptr, part_ptr, done_ptr, step, B, V,
                         C, CHUNK, NBLK, stride_zb, stride_db, z_off, done_off,
                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
                         BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
@@ -557,8 +565,8 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
             co = tl.arange(0, C_P2)
             above = tl.sum(tl.load(part_ptr + b * C + co, mask=co < C, other=0,
                                    cache_modifier=".cg"), axis=0)
-            # Z exactly as row_reduce_kernel sums it (_markov_rowstat_kernel)
-            Z = tl.load(rowz_ptr + b)
+            # Z from _markov_rowstat_kernel, which reduce reads too (ZIN)
+            Z = tl.load(rowf_ptr + b * 4 + 1)
             T = tl.maximum(Z.to(tl.float64) * SCALE * p.to(tl.float64), 1.0)
             kept = above.to(tl.float64) < T
             tl.store(need_ptr + b, (~kept).to(tl.int32))
@@ -662,7 +670,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
                          skip_below_bracket=True, few_candidates=FEW_CANDIDATES,
                          greedy_config=None, pdl=True, block_floor=True, candidate=True,
-                         thresholds=None):
+                         thresholds=None, needs=None):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -689,13 +697,14 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     takes PDL_BY_TILE's choice for B rows. `block_floor` (tuning; default on): top-p rows without
     top-k search their threshold only over the tokens above a floor the block maxima give
     (sampling.block_max_floor): reduce and select skip the rest of the row. `candidate`
-    (tuning; default on): modes "full" / "plain" draw each step's Gumbel candidate in the
-    logits kernel and keep it where no threshold can exclude it (_markov_pick_kernel); the
+    (tuning; default on): modes "full" / "plain" draw each step's Gumbel candidate above the
+    block maxima's top-p floor (cand) and keep it where the kept set holds it (pick); the
     threshold search and final run only for the rows it leaves (top-k rows, candidates outside
     the top-p set). Off: every non-greedy row is searched and sampled by final.
-    `thresholds` (test hook, a list; modes "full" / "plain"): each step appends copies of its
-    row parameters (rowf [B, 4]: m, Z, tau, kept mass; rowi [B, 4]: ..., degenerate) after
-    final, as the searched rows left them.
+    `thresholds`, `needs` (test hooks, lists; modes "full" / "plain"): each step appends
+    copies of its row parameters (rowf [B, 4]: m, Z, tau, kept mass; rowi [B, 4]: ...,
+    degenerate) after final -- meaningful with `candidate` off, where every row is searched --
+    and of pick's flags (need [B] int32, 1: the row took the search; `candidate` on).
     """
     if not isinstance(refine_passes, int) or refine_passes < 1:
         raise ValueError(f"refine_passes must be an int >= 1, got {refine_passes!r}")
@@ -775,7 +784,6 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     need = torch.empty((B,), dtype=i32, device=dev) if candidate else None
     part = torch.empty((B, C), dtype=i64, device=dev) if candidate else None
     cand = torch.empty((B,), dtype=i64, device=dev) if candidate else None
-    rowz = torch.empty((B,), dtype=f32, device=dev) if candidate else None
     rowfl = torch.empty((B,), dtype=f32, device=dev) if candidate else None
     C_P2 = next_pow2(C)
     sb, sz = base_logits.stride(0), out.stride(0)
@@ -792,9 +800,11 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             EVEN_V=V % BLOCK_V == 0, DOT_F32=dot_f32, REVERSE_ODD=reverse_odd_steps,
             CAND=bool(candidate), PDL=pdl, num_warps=warps1, **pdl_launch(pdl > 0 and k > 0))
         if candidate:
-            launch(_markov_rowstat_kernel)[(B,)](
-                temperature, top_k, top_p, rowkey, bmax, bsum, rowz, rowfl, k, B, V, NBLK,
-                MODE=MODE, NBLK_P2=next_pow2(NBLK), PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+            if MODE == 2:
+                launch(_markov_rowstat_kernel)[(B,)](
+                    temperature, top_k, top_p, rowkey, bmax, bsum, rowf, rowfl, k, B, V, NBLK,
+                    MODE=MODE, NBLK_P2=next_pow2(NBLK), PDL=pdl, num_warps=4,
+                    **pdl_launch(pdl > 0))
             launch(_markov_gumbel_kernel)[(B, C)](       # cand
                 temperature, top_k, top_p, seed, start_pos, out, rowkey, rowfl, rowf, rowi, bmax,
                 best_v, best_i, cand, prev, counters, rowi, k, B, V, C, CHUNK, NBLK, sz,
@@ -802,11 +812,13 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 C_P2=C_P2, BLOCK_V=BLOCK_V, CAND=True, PDL=pdl, num_warps=4,
                 **pdl_launch(pdl > 0))
             launch(_markov_pick_kernel)[(B, C)](
-                temperature, top_k, top_p, out, rowkey, cand, bmax, rowz, drafts, prev, need,
+                temperature, top_k, top_p, out, rowkey, cand, bmax, rowf, drafts, prev, need,
                 part, counters, k, B, V, C, CHUNK, NBLK, sz, drafts.stride(0), zo,
                 cnt[4 + 2 * refine_passes], TILE=TILE, MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V,
                 SCALE=scale, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
             if MODE == 1:       # every token is final: nothing to search or sample
+                if needs is not None:
+                    needs.append(need.clone())
                 continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
@@ -816,7 +828,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
             MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2],
             FLOOR=bool(block_floor) and MODE == 2, GATE=need is not None, SCALED=True,
-            PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+            ZIN=bool(candidate), PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
             launch_select_refine(
@@ -832,6 +844,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             BLOCK_V=BLOCK_V, GATE=need is not None, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if thresholds is not None:
             thresholds.append((rowf.clone(), rowi.clone()))
+        if needs is not None and need is not None:
+            needs.append(need.clone())
     return drafts, out
 
 
@@ -956,7 +970,7 @@ def _markov_configs():
         # (the default plan: the pick kernel, then the search and final gated to the rows it
         # leaves, mode "full" only)
         out.append(reduce_compile_config(TILE, CHUNK, C, bv, _V_FLASH, 2, pdl, gate=True,
-                                         scaled=True))
+                                         scaled=True, zin=True))
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl, gate=True,
                                          scaled=True))
         out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl, scaled=True))
@@ -970,15 +984,17 @@ def _markov_configs():
             TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, CAND=False, GATE=True, PDL=pdl), 4))  # final
         nblk_p2 = next_pow2(triton.cdiv(_V_FLASH, bv))
         for mode in (1, 2):
-            out.append(compile_config(_markov_rowstat_kernel, dict(
-                **flags, rowkey_ptr="*i64", bmax_ptr="*fp32", bsum_ptr="*fp32",
-                rowz_ptr="*fp32", floor_ptr="*fp32", step="i32", B="i32", V=_D16, NBLK="i32"),
-                dict(MODE=mode, NBLK_P2=nblk_p2, PDL=pdl), 4))
+            if mode == 2:               # (mode "plain" launches no rowstat)
+                out.append(compile_config(_markov_rowstat_kernel, dict(
+                    **flags, rowkey_ptr="*i64", bmax_ptr="*fp32", bsum_ptr="*fp32",
+                    rowf_ptr="*fp32", floor_ptr="*fp32", step="i32", B="i32", V=_D16,
+                    NBLK="i32"),
+                    dict(MODE=mode, NBLK_P2=nblk_p2, PDL=pdl), 4))
             out.append(compile_config(_markov_gumbel_kernel, gumbel_sig, dict(      # cand
                 TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, CAND=True, GATE=False, PDL=pdl), 4))
             out.append(compile_config(_markov_pick_kernel, dict(
                 **flags, z_ptr="*fp32", rowkey_ptr="*i64", cand_ptr="*i64",
-                bmax_ptr="*fp32", rowz_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
+                bmax_ptr="*fp32", rowf_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",
                 need_ptr="*i32", part_ptr="*i64", done_ptr="*i32", step="i32", B="i32",
                 V=_D16, C=_D16, CHUNK=_D16, NBLK="i32", stride_zb=_D16, stride_db="i32",
                 z_off=_D16, done_off="i32"),

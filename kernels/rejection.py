@@ -20,11 +20,12 @@ resampled/bonus token; -1 after them) and num_sampled [B] int64 in [1, N + 1].
 
 Fused op `dspark::rejection_sample` (with N = 0 and STREAM_TARGET it is also the plain target
 sampler `dspark::sample`): every row of every request at once, the vocabulary split over many
-programs (the row passes of kernels/sampling.py; launches listed below). It reads all
-B * (N + 1) target rows, although a request only needs the rows up to its first rejection: a
-serial path (one program per request walking its rows, stopping at the first rejection) read
-fewer bytes but was latency-bound, and measured slower at every B on the H200 (B = 64: 13.7 ms vs
-5.2 ms at top-p 0.95, 404 vs 175 us greedy; B = 1: 6.4 ms vs 166 us), so it was removed.
+programs (the row passes of kernels/sampling.py; launches listed below). Its statistics passes
+read all B * (N + 1) target and B * N draft rows, although a request only needs the rows up to
+its first rejection: a serial path (one program per request walking its rows, stopping at the
+first rejection) read fewer bytes but was latency-bound, and measured slower at every B on the
+H200 (B = 64: 13.7 ms vs 5.2 ms at top-p 0.95, 404 vs 175 us greedy; B = 1: 6.4 ms vs 166 us),
+so it was removed.
 
 Mode "greedy" (every row greedy, whatever its temperature: the plan of the engine's all-greedy
 step variant, dspark_compile/variants.py): one launch reads each target row once, (rows,
@@ -471,7 +472,7 @@ def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bm
                 vm = offs < V
                 z = load_z(zrow + offs, vm, t, True)
                 keep = (z >= tau) & (z > float("-inf"))
-                pv = tl.where(keep, tl.math.div_rn(tl.exp(z - m), Zk), 0.0)
+                pv = _kept_prob(z, m, Zk, tau, deg)
                 qv = _kept_prob(load_z(qrow + offs, vm & ~qdeg, t, True), qm, qZk, qtau, qdeg)
                 res = tl.maximum(pv - qv, 0.0)
                 rsum_v += res
@@ -818,8 +819,8 @@ def _parallel_configs(stream: int):
             seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32", tokens_ptr="*i64", num_ptr="*i64",
             a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_tb="i32", stride_zr=d16,
             stride_dr=d16), dict(PDL=pdl), 1))
-        # rows searched: plain sampling B = 1 / 16 / 48 and rejection's target and draft rows
-        # (6 and 5 per request) alike (the tiling follows the target rows)
+        # the tilings the launcher picks: plain sampling at B = 1 / 16 / 48 rows, rejection at
+        # 2 B rows (the walk leaves about two a request to search) for B = 1 / 8 / 24
         for rows in (1, 16, 48):
             _, CHUNK, C = row_tiling(rows, 129280)
             # statistics blocks are the 1024-token tiles

@@ -796,7 +796,8 @@ def row_degenerate(nan, m):
 @triton.jit
 def row_needed(need_ptr, b, GATE: tl.constexpr):
     """Whether row b is searched: always without GATE; with it, where need_ptr[b] != 0 (the
-    rejection plan's bound walk marks the rows whose exact threshold its consumers read)."""
+    rejection plan's bound walk marks the rows whose exact threshold its consumers read; the
+    Markov candidate plan's pick, the rows whose candidate it could not keep)."""
     if GATE:
         return tl.load(need_ptr + b) != 0
     return tl.full((), 1, tl.int1)
@@ -829,12 +830,15 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
                       BLOCK_V: tl.constexpr = 1,
                       NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
                       GATE: tl.constexpr = False, SCALED: tl.constexpr = False,
-                      PDL: tl.constexpr = 0):
+                      ZIN: tl.constexpr = False, PDL: tl.constexpr = 0):
     # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
     # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
     # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
     # GATE: rows with need_ptr[b] == 0 are skipped whole (row_needed). SCALED: z_ptr holds the
     # logits, scaled where each tile is used (scale_z; the statistics came from the same z).
+    # ZIN: Z is read from rowf_ptr[b, 1], where an earlier launch of the caller wrote it from the
+    # same statistics (the Markov candidate plan's rowstat, whose pick decided with that Z: the
+    # threshold search must use its bits, not a sum that may round otherwise).
     pdl_enter(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -876,7 +880,10 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
         Z = tl.zeros((), tl.float32)
         if need_z:
             e = tl.where(bm > float("-inf"), tl.exp(bm - m), 0.0)
-            Z = tl.sum(bs * e, axis=0)
+            if ZIN:
+                Z = tl.load(rowf_ptr + b * 4 + 1)
+            else:
+                Z = tl.sum(bs * e, axis=0)
         if c == 0:      # Z and the argmax: only the program that stores them reads their stats
             ba = tl.load(barg_ptr + b * NBLK + o, mask=om, other=2147483647)
             arg = tl.min(tl.where(bm == m, ba, 2147483647), axis=0)
@@ -1334,11 +1341,12 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 
 
 def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, mode: int,
-                          pdl: int = 0, gate: bool = False, scaled: bool = False):
+                          pdl: int = 0, gate: bool = False, scaled: bool = False,
+                          zin: bool = False):
     """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
     tokens, statistics blocks of BLOCK_V, vocabulary V, MODE mode (2: with the threshold
-    histogram and the floor); `gate`, `scaled`: rows skipped by need flags, unscaled logits read
-    (the rejection plan)."""
+    histogram and the floor); `gate`, `scaled`, `zin`: rows skipped by need flags, unscaled
+    logits read, Z given (the rejection plan and the Markov candidate plan)."""
     d16 = "i32:16"
     return compile_config(row_reduce_kernel, dict(
         bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
@@ -1349,7 +1357,7 @@ def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, m
         RPR="i32"),
         dict(NBLK_P2=next_pow2(triton.cdiv(V, BLOCK_V)), TILE=hist_tile(TILE, HIST_BINS),
              NB=HIST_BINS, MODE=mode, C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
-             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, SCALED=scaled,
+             NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, SCALED=scaled, ZIN=zin,
              PDL=pdl), 4)
 
 

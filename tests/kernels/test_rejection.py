@@ -624,10 +624,12 @@ def test_bound_walk_edge_decisions():
     q = torch.randn(3, 1, V, generator=torch.Generator().manual_seed(1))     # draft logits
     q[0, 0] = NINF
     q[0, 0, 3], q[0, 0, 9] = 0.0, -100.0
-    # requests 1 and 2: a confident row, the draft its top token, q(x) = p(x) / u (1 -+ 1e-4)
+    # requests 1 and 2 (top-p 0.9): a confident row, the draft its top token, q(x) = p(x) / u
+    # (1 -+ 1e-4); the draft row's other tokens tie, so its top-p set is the whole row
     logits[1:, 0] = 0.0
     logits[1:, 0, :4] = torch.tensor([8.0, 7.5, 7.0, 6.0])
     T, k, p = meta(3, 1.0, 0, 1.0)
+    p[1:] = 0.9
     s1 = [s for s in range(100) if u_of(s, 3) > 0.6][:2]
     seed, pos = torch.tensor([s0, *s1]), torch.tensor([0, 3, 3])
     pr = probs_from_processed(process_logits(logits[:, 0], T, k, p))
