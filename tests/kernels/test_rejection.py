@@ -648,3 +648,42 @@ def test_bound_walk_edge_decisions():
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
     got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=32)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_bound_walk_uses_the_draft_rows_kept_mass_bounds():
+    """A draft row whose top-p set holds ~90 % of its mass (a long tail, cut at top-p 0.9) and a
+    target row whose set holds ~all of its mass: q(x)'s bracket is ~10 % wide, p(x)'s lower
+    bound tight. With p(x) = u q(x) / 1.05 the exact test rejects; a walk that bracketed q(x)
+    with the wrong kept-mass bound (q's bounds swapped) would take it as a sure accept."""
+    from dspark_compile.kernels.philox import STREAM_ACCEPT, uniform
+    V = 256
+    u_of = lambda s, pos: float(uniform(torch.tensor([s]), torch.tensor([0]),  # noqa: E731
+                                        torch.tensor([pos]), torch.tensor([STREAM_ACCEPT]))[0])
+    s0 = next(s for s in range(1000) if 0.4 < u_of(s, 7) < 0.85)
+    T, k, p = meta(1, 1.0, 0, 0.9)
+    # draft row: x = token 0 with weight 0.3, a tail of 255 distinct small weights (0.7)
+    wq = torch.linspace(1.0, 0.9, V - 1, dtype=torch.float64)
+    wq = torch.cat((torch.tensor([0.3], dtype=torch.float64), 0.7 * wq / wq.sum()))
+    dl = torch.log(wq).float().view(1, 1, V)
+    q = request_probs(dl, T, k, p)[0, 0, 0]
+    assert 0.3 < q < 0.34                                   # kept mass ~0.9 of the row
+    # target row: five tokens hold 0.999 (x the smallest of them), a tail of 0.001
+    tx = 0.999 * u_of(s0, 7) * float(q) / 1.05
+    wp = torch.full((V,), 0.001 / (V - 5), dtype=torch.float64)
+    wp[:5] = torch.tensor([tx, *((0.999 - tx) * torch.tensor([0.26, 0.25, 0.25, 0.24]))],
+                          dtype=torch.float64)
+    wp[5:] *= torch.linspace(1.0, 0.5, V - 5, dtype=torch.float64)
+    logits = torch.stack((torch.log(wp), torch.zeros(V, dtype=torch.float64))).float()[None]
+    drafts = torch.tensor([[0]])
+    seed, pos = torch.tensor([s0]), torch.tensor([7])
+    pr = request_probs(logits, T, k, p)[0, 0]
+    assert int((pr > 0).sum()) == 5                         # the target keeps the five
+    assert pr[0] < u_of(s0, 7) * q < 1.06 * pr[0]
+    need, dneed, dec = _walk(logits, drafts, dl, T, k, p, seed, pos, tile=32)
+    exact = _exact_accepts(logits, drafts, dl, T, k, p, seed, pos)
+    assert not exact[0, 0]
+    assert dec[0, 0] == 0 and need[0, 0] == 1 and dneed[0, 0] == 1
+    want = rejection_sample_reference(logits, drafts, dl, T, k, p, seed, pos)
+    got = rejection_sample_launch(logits, drafts, dl, T, k, p, seed, pos, tile=32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert want[1][0] == 1
