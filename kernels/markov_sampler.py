@@ -31,10 +31,10 @@ graph):
           slower on the H200 than padding it to a 16-row tile), + base -> the step's
           draft_logits slot; z = l / T: per-block max, lowest-id argmax, sum exp(z - max) and
           NaN flag; then (`candidate`) each row's packed (max, lowest id) key is atomically
-          maxed into a per-step row slot. Step 0 folds the anchor itself. The [B, V] bias never exists
-          anywhere else. Odd steps walk the blocks from the end, so a step starts on the W2
-          rows the last one left in the L2 (9-10 % off the greedy plan on the H200: ~11 of
-          W2's 66 MB per step came from the L2).
+          maxed into a per-step row slot. Step 0 folds the anchor itself. The [B, V] bias
+          never exists anywhere else. Odd steps walk the blocks from the end, so a step starts
+          on the W2 rows the last one left in the L2 (9-10 % off the greedy plan on the H200:
+          ~11 of W2's 66 MB per step came from the L2).
           Mode "greedy" has its own step kernel instead (the whole plan is one launch per
           step): persistent programs, each over a run of vocab blocks for a batch tile, gather
           the rows' W1[prev] once, stream whole-rank W2 tiles with STAGES - 1 in flight, keep
@@ -514,8 +514,8 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
                         C, CHUNK, NBLK, stride_zb, stride_db, z_off, done_off,
                         TILE: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr,
                         BLOCK_V: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr = 0):
-    """Grid (B, C), after cand (_markov_gumbel_kernel): the step's token without a threshold where the
-    row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
+    """Grid (B, C), after cand (_markov_gumbel_kernel): the step's token without a threshold
+    where the row allows it, else need_ptr[b] = 1 (the gated search and final take the row).
 
     - greedy rows: the row maximum's id; degenerate rows (a NaN, a maximum not finite): 0;
     - rows without top-k / top-p (and every row in mode "plain"): the candidate c, the argmax of

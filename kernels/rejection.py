@@ -602,10 +602,10 @@ def stats_blocks_per_program(rows: int, nblk: int) -> int:
 
 
 def _stats(logits, temperature, TILE: int, bpp: int | None = None):
-    """The statistics pass over logits [B, n, V] (a _rows_view, n rows per request): per-block (max, argmax,
-    sum exp(z - max), NaN flag) of z = l / T over blocks of TILE tokens, as a dict. z itself is
-    not stored: the later passes scale the logits as they read them (load_z). `bpp` (test hook)
-    overrides stats_blocks_per_program."""
+    """The statistics pass over logits [B, n, V] (a _rows_view, n rows per request): per-block
+    (max, argmax, sum exp(z - max), NaN flag) of z = l / T over blocks of TILE tokens, as a
+    dict. z itself is not stored: the later passes scale the logits as they read them (load_z).
+    `bpp` (test hook) overrides stats_blocks_per_program."""
     B, n, V = logits.shape
     R, NBLK, dev = B * n, triton.cdiv(V, TILE), logits.device
     st = dict(bmax=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
