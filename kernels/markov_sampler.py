@@ -385,8 +385,7 @@ def _row_argmax(best_v, bid_v, best_v_ptr, best_i_ptr, done_ptr, b, c, C, C_P2: 
         vals = tl.load(best_v_ptr + b * C + co, mask=co < C, other=float("-inf"),
                        cache_modifier=".cg")
         ids = tl.load(best_i_ptr + b * C + co, mask=co < C, other=0, cache_modifier=".cg")
-        mb = tl.max(vals, axis=0)
-        tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
+        mb, tok = lane_argmax_finish(vals, ids)
         tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
     return last, tok
 

@@ -44,18 +44,15 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
-                       gumbel_argmax, greedy_rows,
-                       hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine,
-                       load_z, mass_scale_bits, pack_argmax, row_degenerate, row_t,
-                       unpack_token,
-                       logprobs_from_processed, probs_from_processed, process_logits, row_flags,
-                       reduce_compile_config, refine_compile_config, row_reduce_kernel,
-                       request_probs, row_tiling, sample_reference,
-                       select_compile_config,
-                       threshold_scratch,
-                       tile_max, tl_uniform, tl_vocab_gumbel)
+from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_tokens,
+                       check_int32_index, check_sampling_params, fold_ids, greedy_rows,
+                       gumbel_argmax, hist_tile, lane_argmax_finish, lane_argmax_update,
+                       launch_select_refine, load_z, logprobs_from_processed, mass_scale_bits,
+                       pack_argmax, probs_from_processed, process_requests, reduce_compile_config,
+                       refine_compile_config, request_probs, row_degenerate, row_flags,
+                       row_reduce_kernel, row_t, row_tiling, sample_reference,
+                       select_compile_config, threshold_scratch, tile_max, tl_uniform,
+                       tl_vocab_gumbel, unpack_token)
 from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter,
                          pdl_launch, pdl_mode, pdl_release)
 
@@ -107,12 +104,10 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     N = N1 - 1
     dev = target_logits.device
     greedy = greedy_rows(temperature)
-    rep = lambda t: t.repeat_interleave(N1)  # noqa: E731  per-request -> per-row
-    flat = target_logits.reshape(B * N1, V).float()
-    z = process_logits(flat, rep(temperature), rep(top_k), rep(top_p))
+    z = process_requests(target_logits, temperature, top_k, top_p)
     p = probs_from_processed(z).reshape(B, N1, V)
     logp = logprobs_from_processed(z).reshape(B, N1, V)
-    target_arg = argmax_tokens(flat).reshape(B, N1)
+    target_arg = argmax_tokens(target_logits.reshape(B * N1, V).float()).reshape(B, N1)
 
     # acceptance of each draft, as if every earlier one had been accepted
     d = draft_tokens.to(torch.int64)
@@ -293,9 +288,9 @@ BOUND_EPS = tl.constexpr(1e-3)
 @triton.jit
 def _kept_bounds(z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, rows, rv, xf, t, p, p_on, V, NBLK,
                  stride_zr, NBLK_P2: tl.constexpr, SCALE: tl.constexpr):
-    """For token xf[i] of row rows[i] (valid where rv): (surely kept, surely not kept,
-    exp(z_x - m), lower and upper bound of the kept mass Zk, degenerate row), from the row's
-    statistics and z_x (see the comment above)."""
+    """For token xf[i] of row rows[i] (valid where rv): (surely kept, surely not kept -- a
+    degenerate row keeps nothing --, exp(z_x - m), lower and upper bound of the kept mass Zk),
+    from the row's statistics and z_x (see the comment above)."""
     o = tl.arange(0, NBLK_P2)
     so = rows[:, None] * NBLK + o[None, :]
     sm = rv[:, None] & (o < NBLK)[None, :]
@@ -322,7 +317,7 @@ def _kept_bounds(z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, rows, rv, xf, t, p, p_on, 
         T * (1.0 + BOUND_EPS), 1.0 / SCALE) + (V + 1.0) / SCALE, False)
     zk_lo = tl.where(p_on, tl.maximum(T, 1.0), Z) * (1.0 - BOUND_EPS)
     zk_hi = Z * (1.0 + BOUND_EPS)
-    return inside & ~deg, (outside & ~inside) | deg, tl.exp(zx - mm), zk_lo, zk_hi, deg
+    return inside & ~deg, (outside & ~inside) | deg, tl.exp(zx - mm), zk_lo, zk_hi
 
 
 @triton.jit
@@ -346,10 +341,10 @@ def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, 
         dvalid = (d >= 0) & (d < V)
         xf = tl.where(dvalid, d, 0)
         t = row_t(temp_ptr, b, True)
-        pin, pout, pex, pzlo, pzhi, _ = _kept_bounds(
+        pin, pout, pex, pzlo, pzhi = _kept_bounds(
             z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, r, iv, xf, t, p, p_on, V, NBLK, stride_zr,
             NBLK_P2, SCALE)
-        qin, qout, qex, qzlo, qzhi, _ = _kept_bounds(
+        qin, qout, qex, qzlo, qzhi = _kept_bounds(
             dz_ptr, dbmax_ptr, dbsum_ptr, dbnan_ptr, rd, iv, xf, t, p, p_on, V, NBLK, stride_dr,
             NBLK_P2, SCALE)
         u = tl_uniform(tl.load(seed_ptr + b), tl.zeros((N_P2,), tl.int32),
@@ -502,8 +497,7 @@ def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bm
             vals = tl.load(part_f_ptr + po + off, mask=cm, other=float("-inf"),
                            cache_modifier=".cg")
             ids = tl.load(part_i_ptr + po + off, mask=cm, other=0, cache_modifier=".cg")
-            mb = tl.max(vals, axis=0)
-            tok = tl.min(tl.where(vals == mb, ids, 2147483647), axis=0)
+            mb, tok = lane_argmax_finish(vals, ids)
             tok = tl.where(mb > float("-inf"), tok, 0).to(tl.int64)
             tl.store(tokens_ptr + b * stride_tb + a, tok)
 

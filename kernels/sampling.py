@@ -131,15 +131,23 @@ def probs_from_processed(z: torch.Tensor) -> torch.Tensor:
     return torch.where(bad[:, None], torch.zeros_like(p), p)
 
 
-def request_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """softmax(process(...)) [B, n, V] fp32 of n rows of logits [B, n, V] per request, each
-    processed with its request's parameters (the draft distributions q of markov_sample's
-    draft_logits, the target distributions p of rejection sampling)."""
+def process_requests(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """process_logits of n rows of logits [B, n, V] per request, each with its request's
+    parameters: [B * n, V] fp32."""
     B, n, V = logits.shape
     rep = lambda t: t.repeat_interleave(n)  # noqa: E731  per-request -> per-row
-    z = process_logits(logits.reshape(B * n, V), rep(temperature), rep(top_k), rep(top_p))
-    return probs_from_processed(z).reshape(B, n, V)
+    return process_logits(logits.reshape(B * n, V), rep(temperature), rep(top_k), rep(top_p))
+
+
+def request_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """softmax(process(...)) [B, n, V] fp32 of n rows of logits [B, n, V] per request (the draft
+    distributions q of markov_sample's draft_logits, the target distributions p of rejection
+    sampling)."""
+    B, n, V = logits.shape
+    return probs_from_processed(process_requests(logits, temperature, top_k, top_p)) \
+        .reshape(B, n, V)
 
 
 def logprobs_from_processed(z: torch.Tensor) -> torch.Tensor:
@@ -334,9 +342,9 @@ def row_t(temp_ptr, r, SCALED: tl.constexpr):
 def scale_z(x, t, SCALED: tl.constexpr):
     """A row pass's z from the tile it loaded: x itself (stored z), or with SCALED the logits x
     in fp32 divided by t (IEEE division, as process_logits; none at t = 1, where it is exact:
-    the deployed temperature costs nothing). Applied where the tile is used, not where it is requested: scaled at the load, the
-    passes that request a tile or two ahead waited for it there (select 176 -> 216 us at B = 64
-    in the rejection plan, H200)."""
+    the deployed temperature costs nothing). Applied where the tile is used, not where it is
+    requested: scaled at the load, the passes that request a tile or two ahead waited for it
+    there (select 176 -> 216 us at B = 64 in the rejection plan, H200)."""
     if SCALED:
         x = x.to(tl.float32)
         if t != 1.0:

@@ -84,9 +84,7 @@ def test_probabilistic_q_equal_p_accepts_everything():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(B, N + 1, V, generator=g)
     T, k, p = meta(B, T=0.8)
-    probs = probs_from_processed(process_logits(logits.reshape(-1, V), T.repeat_interleave(N + 1),
-                                                k.repeat_interleave(N + 1),
-                                                p.repeat_interleave(N + 1))).reshape(B, N + 1, V)
+    probs = request_probs(logits, T, k, p)
     drafts = torch.randint(0, V, (B, N), generator=g)
     drafts = torch.where(probs[:, :N].gather(2, drafts[..., None])[..., 0] > 0, drafts, 0)
     # the draft logits are the target's: q = p
