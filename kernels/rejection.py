@@ -50,9 +50,9 @@ from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_
                        launch_select_refine, load_z, logprobs_from_processed, mass_scale_bits,
                        pack_argmax, probs_from_processed, process_requests, reduce_compile_config,
                        refine_compile_config, request_probs, row_degenerate, row_flags,
-                       row_reduce_kernel, row_t, row_tiling, sample_reference,
-                       select_compile_config, threshold_scratch, tile_max, tl_uniform,
-                       tl_vocab_gumbel, unpack_token)
+                       row_reduce_kernel, row_t, row_tiling, sample_reference, scale_z,
+                       select_compile_config, threshold_scratch, tile_max,
+                       tl_uniform, tl_vocab_gumbel, unpack_token)
 from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter,
                          pdl_launch, pdl_mode, pdl_release)
 
@@ -145,9 +145,9 @@ MODES = ("full", "greedy")
 # The row passes of kernels/sampling.py (C programs per row), then the acceptance chain. The
 # draft rows (the Markov sampler's logits, processed like the target's) go through the same
 # passes as the target rows, in launches of their own:
-#   stats    x 2 (target, draft rows), grid (rows, block groups): block statistics of
-#            z = l / T, 1 or 4 blocks per program (z is not stored: every later pass scales
-#            the logits it reads, scale_z, bit for bit as this pass does)
+#   stats    x 2 (target, draft rows), grid (rows, blocks): block statistics of z = l / T
+#            (z is not stored: every later pass scales the logits it reads, scale_z, bit for
+#            bit as this pass does)
 #   walk     grid (B,): the acceptance tests the statistics decide; flags the target and draft
 #            rows whose exact threshold is still read (knob `bounds`; see _bound_walk_kernel)
 #   search   x 2 (target, draft rows; sampling.py): reduce (row max, Z, argmax of greedy rows,
@@ -160,35 +160,39 @@ MODES = ("full", "greedy")
 # 2 x (2 + REFINE_PASSES) search launches (always launched; rows that need none exit at once).
 
 @triton.jit
+def _add_or(s0, f0, s1, f1):
+    return s0 + s1, tl.maximum(f0, f1)
+
+
+@triton.jit
 def _rows_stats_kernel(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
-                       V, NBLK, RPR, stride_lr, BLOCK: tl.constexpr, BPP: tl.constexpr):
-    # BPP blocks per program, the next one requested before this one is reduced: one block per
-    # program waited on its load with nothing in flight (101 us for B = 64's 199 MB, H200)
+                       V, NBLK, RPR, stride_lr, BLOCK: tl.constexpr):
+    """Grid (rows, blocks): one block's (max, lowest argmax, sum exp(z - max), NaN flag) of
+    z = l / T. The pass costs instructions more than bytes (H200, B = 64's 199 MB of target
+    rows, benchmarks/stats_probe.py: the loads alone 48 us, the shipped loop of four blocks a
+    program 103 us), so per token it does the least: no division at T = 1 (scale_z: bit for bit
+    what the later passes compute), the max and its lowest index from one reduction, the sum
+    and the NaN flag from another, and one block per program of 2 warps (67 us in the probe;
+    4 warps 85 us, 8 warps 127 us). In the op at B = 64: 103 + 87 -> 61 + 61 us for the target
+    and draft rows (s10_3)."""
     r = tl.program_id(0)
-    b0 = tl.program_id(1) * BPP
+    blk = tl.program_id(1)
     temp = tl.load(temp_ptr + r // RPR).to(tl.float32)
-    greedy = temp <= 0.0
-    row = logits_ptr + r.to(tl.int64) * stride_lr
-    ar = tl.arange(0, BLOCK)
-    xn = tl.load(row + b0 * BLOCK + ar, mask=b0 * BLOCK + ar < V, other=0.0)
-    for j in range(0, BPP):
-        blk = b0 + j
-        x = xn
-        nx = (blk + 1) * BLOCK + ar
-        xn = tl.load(row + nx, mask=(nx < V) & (j + 1 < BPP), other=0.0)
-        if blk < NBLK:
-            offs = blk * BLOCK + ar
-            vm = offs < V
-            z = tl.math.div_rn(x.to(tl.float32), tl.where(greedy, 1.0, temp))
-            isnan = (z != z) & vm
-            zn = tl.where(isnan | ~vm, float("-inf"), z)
-            bmax = tl.max(zn, axis=0)
-            so = r * NBLK + blk
-            tl.store(bmax_ptr + so, bmax)
-            tl.store(barg_ptr + so, tl.argmax(zn, axis=0, tie_break_left=True) + blk * BLOCK)
-            tl.store(bsum_ptr + so,
-                     tl.sum(tl.where(zn > float("-inf"), tl.exp(zn - bmax), 0.0), axis=0))
-            tl.store(bnan_ptr + so, tl.max(isnan.to(tl.int32), axis=0))
+    t = tl.where(temp <= 0.0, 1.0, temp)            # greedy rows: z = l
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    vm = offs < V
+    x = tl.load(logits_ptr + r.to(tl.int64) * stride_lr + offs, mask=vm, other=0.0)
+    z = scale_z(x, t, True)
+    isnan = (z != z) & vm
+    zn = tl.where(isnan | ~vm, float("-inf"), z)
+    bmax, barg = tl.max(zn, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    e = tl.where(zn > float("-inf"), tl.exp(zn - bmax), 0.0)
+    bsum, bnan = tl.reduce((e, isnan.to(tl.int32)), 0, _add_or)   # one reduction
+    so = r * NBLK + blk
+    tl.store(bmax_ptr + so, bmax)
+    tl.store(barg_ptr + so, barg + blk * BLOCK)
+    tl.store(bsum_ptr + so, bsum)
+    tl.store(bnan_ptr + so, bnan)
 
 
 @triton.jit
@@ -588,28 +592,19 @@ def _greedy(logits, drafts, tokens, num, tile, chunk):
         BLOCK=BLOCK, num_warps=4)
 
 
-def stats_blocks_per_program(rows: int, nblk: int) -> int:
-    """Statistics blocks per program: 4 once the grid would be many waves (4096+ blocks), so
-    loads stay in flight; 1 below that, where a program's chain of blocks would be the latency
-    (B = 1: 6 rows x 127 blocks in one wave)."""
-    return 4 if rows * nblk >= 4096 else 1
-
-
-def _stats(logits, temperature, TILE: int, bpp: int | None = None):
+def _stats(logits, temperature, TILE: int):
     """The statistics pass over logits [B, n, V] (a _rows_view, n rows per request): per-block
     (max, argmax, sum exp(z - max), NaN flag) of z = l / T over blocks of TILE tokens, as a
-    dict. z itself is not stored: the later passes scale the logits as they read them (load_z).
-    `bpp` (test hook) overrides stats_blocks_per_program."""
+    dict. z itself is not stored: the later passes scale the logits as they read them (load_z)."""
     B, n, V = logits.shape
     R, NBLK, dev = B * n, triton.cdiv(V, TILE), logits.device
     st = dict(bmax=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
               barg=torch.empty((R, NBLK), dtype=torch.int32, device=dev),
               bsum=torch.empty((R, NBLK), dtype=torch.float32, device=dev),
               bnan=torch.empty((R, NBLK), dtype=torch.int32, device=dev))
-    BPP = bpp or stats_blocks_per_program(R, NBLK)
-    launch(_rows_stats_kernel)[(R, triton.cdiv(NBLK, BPP))](
+    launch(_rows_stats_kernel)[(R, NBLK)](
         logits, temperature, st["bmax"], st["barg"], st["bsum"], st["bnan"], V, NBLK,
-        n, logits.stride(1), BLOCK=TILE, BPP=BPP, num_warps=4)
+        n, logits.stride(1), BLOCK=TILE, num_warps=2)
     return st
 
 
@@ -788,7 +783,7 @@ def _parallel_configs(stream: int):
     out = [compile_config(_rows_stats_kernel, dict(
         logits_ptr="*fp32", temp_ptr="*fp32", bmax_ptr="*fp32", barg_ptr="*i32",
         bsum_ptr="*fp32", bnan_ptr="*i32", V=d16, NBLK="i32", RPR="i32", stride_lr=d16),
-        dict(BLOCK=1024, BPP=bpp), 4) for bpp in (1, 4)]
+        dict(BLOCK=1024), 2)]
     if drafts:
         out.append(compile_config(_rows_argmax_kernel, dict(
             logits_ptr="*fp32", packed_ptr="*i64", V=d16, CHUNK=d16, stride_lr=d16),

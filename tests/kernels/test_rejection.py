@@ -563,18 +563,19 @@ def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
 
 
-def test_statistics_pass_per_block_whatever_the_blocks_per_program():
-    """The statistics pass (one block per program, or several with the next one in flight, the
-    last group ragged) gives every block's max, lowest-id argmax, sum exp(z - max) and NaN flag
-    of z = logits / T, greedy rows at T = 1."""
+def test_statistics_pass_per_block():
+    """The statistics pass gives every block's max, lowest-id argmax, sum exp(z - max) and NaN
+    flag of z = logits / T (greedy rows at T = 1; T = 1 itself divides nothing), the ragged last
+    block included, and writes nothing past its rows' blocks."""
     from dspark_compile.kernels import rejection as rj
     g = torch.Generator().manual_seed(5)
-    B, N1, V, tile = 3, 2, 1000, 64
+    B, N1, V, tile = 4, 2, 1000, 64
     logits = torch.randn(B, N1, V, generator=g) * 3
     logits[0, 1, 70] = float("nan")
     logits[1, 0, 128:256] = NINF                        # whole -inf blocks
     logits[2, 1, 5] = logits[2, 1, 9] = 50.0            # a tie: the lower id
-    T = torch.tensor([0.7, 0.0, 1.3])
+    logits[3, 0, 990] = logits[3, 0, 999] = 60.0        # a tie in the ragged last block
+    T = torch.tensor([0.7, 0.0, 1.3, 1.0])
     z = logits / torch.where(T > 0, T, torch.ones_like(T)).repeat_interleave(N1)[:, None] \
         .view(B, N1, 1)
     z = z.reshape(B * N1, V)
@@ -583,22 +584,20 @@ def test_statistics_pass_per_block_whatever_the_blocks_per_program():
     nan = torch.isnan(zp)
     zn = torch.where(nan, torch.full_like(zp, NINF), zp)
     bmax = zn.amax(-1)
-    for bpp in (1, 4, 3):
-        st = rj._stats(logits, T, tile, bpp=bpp)
-        assert torch.equal(st["bmax"], bmax), bpp
-        assert torch.equal(st["bnan"].bool(), nan.any(-1)), bpp
-        fin = bmax > NINF
-        assert torch.equal(st["barg"][fin], (zn.argmax(-1) + torch.arange(nblk) * tile)[fin]), bpp
-        want = torch.where(zn > NINF, torch.exp(zn - bmax[..., None]), 0.0).sum(-1)
-        torch.testing.assert_close(st["bsum"][fin], want[fin], rtol=2e-6, atol=0,
-                                   msg=f"bpp {bpp}")
-    # a ragged last group writes nothing past its row's blocks (checked on padded buffers: the
-    # interpreter runs rows in order, so a stray write into the next row would be overwritten)
-    R, bpp = B * N1, 3
+    st = rj._stats(logits, T, tile)
+    assert torch.equal(st["bmax"], bmax)
+    assert torch.equal(st["bnan"].bool(), nan.any(-1))
+    fin = bmax > NINF
+    assert torch.equal(st["barg"][fin], (zn.argmax(-1) + torch.arange(nblk) * tile)[fin])
+    assert st["barg"][3 * N1, nblk - 1] == 990         # request 3, row 0
+    want = torch.where(zn > NINF, torch.exp(zn - bmax[..., None]), 0.0).sum(-1)
+    torch.testing.assert_close(st["bsum"][fin], want[fin], rtol=2e-6, atol=0)
+    # nothing written past the rows' blocks (padded buffers; the interpreter runs programs in
+    # order, so a stray write into the next row would be overwritten: the pad shows it)
+    R = B * N1
     pad = [torch.full((R * nblk + 8,), -7, dtype=dt) for dt in (torch.float32, torch.int32,
                                                                    torch.float32, torch.int32)]
-    rj._rows_stats_kernel[(R, -(-nblk // bpp))](logits, T, *pad, V, nblk, N1, V, BLOCK=tile,
-                                                 BPP=bpp)
+    rj._rows_stats_kernel[(R, nblk)](logits, T, *pad, V, nblk, N1, V, BLOCK=tile)
     for t in pad:
         assert (t[R * nblk:] == -7).all()
         assert (t[:R * nblk] != -7).any()
