@@ -37,6 +37,8 @@ regions).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -511,7 +513,7 @@ def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bm
 def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperature, top_k,
                             top_p, seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
                             cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True,
-                            bounds=True, pdl=True):
+                            bounds=True, pdl=True, overlap=True):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
@@ -523,7 +525,9 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperatu
     target and draft rows whose exact threshold is still read are searched (see
     _bound_walk_kernel). `pdl` (tuning; NVIDIA sm_90+ only): every launch of mode "full" after
     the statistics passes uses programmatic dependent launch: True (PDL_BY_REQUESTS' choice),
-    False or a tl_helpers.PDL_MODES key, as markov_sample_launch's.
+    False or a tl_helpers.PDL_MODES key, as markov_sample_launch's. `overlap` (tuning;
+    default on, CUDA only): the draft rows' threshold search runs on a side stream beside the
+    target rows' (a fork and a join: two branches of one CUDA graph when captured).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -553,7 +557,7 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperatu
     args = (target_logits, drafts, draft_logits, N, *meta, tokens, num)
     if not pdl_available(_accept_kernel, dev):
         mode_pdl = 0
-    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds, mode_pdl)
+    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds, mode_pdl, overlap)
     return tokens, num
 
 
@@ -648,6 +652,18 @@ def _search(z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, cap, ski
     return targ
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev) -> torch.cuda.Stream:
+    """The stream the draft rows' search runs on, one per device (made once: a stream made
+    while a graph is being captured would be made each capture)."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SIDE_STREAMS:
+        _SIDE_STREAMS[i] = torch.cuda.Stream(device=i)
+    return _SIDE_STREAMS[i]
+
+
 def _search_counters(rows: int) -> int:
     """int32 ticket counters one _search over `rows` rows uses (reduce, select x 2, refine x 2
     per pass)."""
@@ -655,7 +671,7 @@ def _search_counters(rows: int) -> int:
 
 
 def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start_pos, tokens,
-              num, tile, chunk, cap, stream, skip, bounds, pdl):
+              num, tile, chunk, cap, stream, skip, bounds, pdl, overlap):
     B, N1, V = logits.shape
     R, RD, dev = B * N1, B * N, logits.device
     logits = _rows_view(logits)
@@ -693,12 +709,23 @@ def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start
             need = torch.empty((R,), dtype=i32, device=dev)
             dneed = torch.empty((RD,), dtype=i32, device=dev)
             _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl)
-    targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap, skip, pdl)
+    side = None
     if N > 0:
-        # the draft rows' thresholds (the walk flags the few read); the searches run one after
-        # the other, so they share the threshold scratch
-        _search(dlogits, dst, flags, drowf, drowi, drst, thr, cnt_d, dneed, tiling, cap, skip,
-                pdl)
+        # the draft rows' thresholds (the walk flags the few read), searched beside the target
+        # rows' on a side stream (`overlap`): each search is a chain of short launches over a
+        # few rows (at B = 1 a few programs each), so one runs in the other's idle SMs. Then
+        # each has its own threshold scratch; run one after the other, they share it.
+        side = _side_stream(dev) if overlap and logits.is_cuda else None
+        dthr = thr
+        if side is not None:
+            dthr = threshold_scratch(RD, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _search(dlogits, dst, flags, drowf, drowi, drst, dthr, cnt_d, dneed, tiling, cap,
+                    skip, pdl)
+    targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap, skip, pdl)
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)    # the join, before accept reads them
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)

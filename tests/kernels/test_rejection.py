@@ -541,14 +541,18 @@ def _gpu_confident_case(B, dev):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [4, 40])
 def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
-    """At the Flash vocabulary: the bound walk on and off, with PDL off / early / late, give the
-    reference's tokens; the default plan replayed in a CUDA graph on new inputs too."""
+    """At the Flash vocabulary: the bound walk on and off, with PDL off / early / late, the
+    draft rows' search beside the target rows' (side stream) or after them, give the
+    reference's tokens; the default plan (its fork and join two branches of the graph) replayed
+    in a CUDA graph on new inputs too."""
     args = _gpu_confident_case(B, "cuda")
     want = rejection_sample_reference(*args)
     for bounds in (True, False):
         for pdl in (False, "early", "late"):
-            got = rejection_sample_launch(*args, bounds=bounds, pdl=pdl)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (bounds, pdl)
+            for overlap in (True, False):
+                got = rejection_sample_launch(*args, bounds=bounds, pdl=pdl, overlap=overlap)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
+                    (bounds, pdl, overlap)
     static = [a.clone() for a in args]
     torch.ops.dspark.rejection_sample(*static)
     graph = torch.cuda.CUDAGraph()
