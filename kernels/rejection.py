@@ -154,7 +154,11 @@ MODES = ("full", "greedy")
 #            rows whose exact threshold is still read (knob `bounds`; see _bound_walk_kernel)
 #   search   x 2 (target, draft rows; sampling.py): reduce (row max, Z, argmax of greedy rows,
 #            top-k/top-p histogram + bracket), select (exact thresholds) and the refinement
-#            passes; rows the walk did not flag are skipped
+#            passes; rows the walk did not flag are skipped. The draft rows' search runs on a
+#            side stream beside the target rows' (knob `overlap`; a fork and a join, so a
+#            captured step is still one CUDA graph, with two branches here): each is a chain
+#            of launches over a few rows, and alone they left most SMs idle (H200, s10_4:
+#            -18 to -33 us at B = 1 and 4, -55 to -95 us at B = 16 and 64)
 #   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
 #   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
 #            writes the token.
@@ -714,7 +718,8 @@ def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start
         # the draft rows' thresholds (the walk flags the few read), searched beside the target
         # rows' on a side stream (`overlap`): each search is a chain of short launches over a
         # few rows (at B = 1 a few programs each), so one runs in the other's idle SMs. Then
-        # each has its own threshold scratch; run one after the other, they share it.
+        # each has its own threshold scratch (the draft rows' spill regions: B N V fp32, 165 MB
+        # at B = 64 on the Flash vocabulary); run one after the other, they share it.
         side = _side_stream(dev) if overlap and logits.is_cuda else None
         dthr = thr
         if side is not None:
