@@ -7,12 +7,14 @@ pass 87 us for 165 MB. Hypothesis: the instructions per token, not the loads -- 
 rounded division (a multi-instruction sequence) even at T = 1, then four block reductions (max,
 argmax, sum, NaN), each a CTA barrier. This probe times, on the same rows:
 - `read`: the loads and a sum only (the pass's floor at this grid);
-- `base`: the kernel as shipped;
+- `base`: session 9's kernel (four blocks a program, the next one's load in flight);
 - `nodiv`: no division where T = 1 (bit-identical there: x / 1 = x);
 - `fused`: nodiv, and the max and its lowest index from one reduction (tl.max return_indices);
 - `greedyarg`: fused, the argmax only for greedy rows (reduce reads it only for those);
-- `sumany`: fused, the sum and the NaN flag from one reduction (a tuple tl.reduce);
-- `2d-gG-wW`: G blocks loaded as one [G, 1024] tile, each reduction once for all G, W warps.
+- `sumany`: greedyarg, and the sum and the NaN flag from one reduction (a tuple tl.reduce);
+- `2d-gG-wW`: G blocks loaded as one [G, 1024] tile, each reduction once for all G, W warps;
+- `shipped`: kernels/rejection.py's kernel now (2d-g1-w2's work).
+The first two runs (`s10_2_stats_probe/`) timed the shipped kernel of then as `base`.
 
     python benchmarks/stats_probe.py --out /tmp/stats_probe.json
 
@@ -38,8 +40,12 @@ V = 129280
 
 @triton.jit
 def stats_probe(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, V, NBLK, RPR,
-                stride_lr, BLOCK: tl.constexpr, BPP: tl.constexpr, WORK: tl.constexpr):
-    # WORK 0: read + sum; 1: nodiv; 2: fused max/argmax; 3: argmax for greedy rows only
+                stride_lr, BLOCK: tl.constexpr, BPP: tl.constexpr, WORK: tl.constexpr,
+                DIV: tl.constexpr):
+    # BPP blocks a program, the next one's load in flight (session 9's loop). WORK 0: read +
+    # sum; 1: max, argmax, sum, NaN flag as four reductions (with DIV: divided at T = 1 too,
+    # session 9's kernel); 2: max and argmax as one; 3: and the argmax for greedy rows only;
+    # 4: and the sum and NaN flag as one
     r = tl.program_id(0)
     b0 = tl.program_id(1) * BPP
     temp = tl.load(temp_ptr + r // RPR).to(tl.float32)
@@ -61,7 +67,7 @@ def stats_probe(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, V,
                 tl.store(bsum_ptr + so, tl.sum(tl.where(vm, x, 0.0), axis=0))
             else:
                 z = x.to(tl.float32)
-                if t != 1.0:
+                if DIV or t != 1.0:
                     z = tl.math.div_rn(z, t)
                 isnan = (z != z) & vm
                 zn = tl.where(isnan | ~vm, float("-inf"), z)
@@ -142,38 +148,26 @@ def main():
             sets.append(dict(x=torch.randn((R, V), device=dev) * 3,
                              t=torch.ones((B,), device=dev), **st))
 
-        def shipped(bpp, warps):
+        def run(kernel, grid, **kw):
             def fn(s):
-                _rows_stats_kernel[(R, triton.cdiv(NBLK, bpp))](
-                    s["x"], s["t"], s["bmax"], s["barg"], s["bsum"], s["bnan"], V, NBLK, 6, V,
-                    BLOCK=BLOCK, BPP=bpp, num_warps=warps)
+                kernel[grid](s["x"], s["t"], s["bmax"], s["barg"], s["bsum"], s["bnan"], V, NBLK,
+                             6, V, BLOCK=BLOCK, **kw)
             return fn
 
-        def probe(work, bpp, warps):
-            def fn(s):
-                stats_probe[(R, triton.cdiv(NBLK, bpp))](
-                    s["x"], s["t"], s["bmax"], s["barg"], s["bsum"], s["bnan"], V, NBLK, 6, V,
-                    BLOCK=BLOCK, BPP=bpp, WORK=work, num_warps=warps)
-            return fn
+        def probe(work, bpp, warps, div=False):
+            return run(stats_probe, (R, triton.cdiv(NBLK, bpp)), BPP=bpp, WORK=work, DIV=div,
+                       num_warps=warps)
 
-        bpp0 = 4 if R * NBLK >= 4096 else 1
-        variants = {"base": shipped(bpp0, 4), "read": probe(0, bpp0, 4),
+        bpp0 = 4 if R * NBLK >= 4096 else 1     # session 9's blocks per program
+        variants = {"base": probe(1, bpp0, 4, div=True), "read": probe(0, bpp0, 4),
                     "nodiv": probe(1, bpp0, 4), "fused": probe(2, bpp0, 4),
-                    "greedyarg": probe(3, bpp0, 4)}
-        variants["sumany"] = probe(4, bpp0, 4)
-        variants["sumany-w2"] = probe(4, bpp0, 2)
-        variants["sumany-w1"] = probe(4, bpp0, 1)
-
-        def probe2d(g, warps):
-            def fn(s):
-                stats_probe_2d[(R, triton.cdiv(NBLK, g))](
-                    s["x"], s["t"], s["bmax"], s["barg"], s["bsum"], s["bnan"], V, NBLK, 6, V,
-                    BLOCK=BLOCK, G=g, num_warps=warps)
-            return fn
-
+                    "greedyarg": probe(3, bpp0, 4), "sumany": probe(4, bpp0, 4),
+                    "sumany-w2": probe(4, bpp0, 2), "sumany-w1": probe(4, bpp0, 1),
+                    "shipped": run(_rows_stats_kernel, (R, NBLK), num_warps=2)}
         for g in (1, 2, 4, 8):
             for w in (2, 4, 8):
-                variants[f"2d-g{g}-w{w}"] = probe2d(g, w)
+                variants[f"2d-g{g}-w{w}"] = run(stats_probe_2d, (R, triton.cdiv(NBLK, g)), G=g,
+                                                num_warps=w)
         floor_us = R * V * 4 / 4.2e6
         for name, fn in variants.items():
             rec = harness.time_variant(fn, sets, cfg)
