@@ -37,8 +37,6 @@ regions).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -713,24 +711,33 @@ def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start
             need = torch.empty((R,), dtype=i32, device=dev)
             dneed = torch.empty((RD,), dtype=i32, device=dev)
             _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl)
-    side = None
-    if N > 0:
-        # the draft rows' thresholds (the walk flags the few read), searched beside the target
-        # rows' on a side stream (`overlap`): each search is a chain of short launches over a
-        # few rows (at B = 1 a few programs each), so one runs in the other's idle SMs. Then
-        # each has its own threshold scratch (the draft rows' spill regions: B N V fp32, 165 MB
-        # at B = 64 on the Flash vocabulary); run one after the other, they share it.
-        side = _side_stream(dev) if overlap and logits.is_cuda else None
-        dthr = thr
-        if side is not None:
-            dthr = threshold_scratch(RD, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
-            side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _search(dlogits, dst, flags, drowf, drowi, drst, dthr, cnt_d, dneed, tiling, cap,
-                    skip, pdl)
-    targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap, skip, pdl)
+    # the draft rows' thresholds (the walk flags the few read) are searched beside the target
+    # rows' on a side stream (`overlap`): each search is a chain of short launches over a few
+    # rows (at B = 1 a few programs each), so one runs in the other's idle SMs. Then each has
+    # its own threshold scratch (the draft rows' spill regions: B N V fp32, 165 MB at B = 64
+    # on the Flash vocabulary); run after the target rows' search, on one stream, they share it.
+    side = _side_stream(dev) if overlap and N > 0 and logits.is_cuda else None
+
+    def dsearch(scratch):
+        _search(dlogits, dst, flags, drowf, drowi, drst, scratch, cnt_d, dneed, tiling, cap,
+                skip, pdl)
+
     if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)    # the join, before accept reads them
+        dthr = threshold_scratch(RD, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)                          # the fork, after the walk
+        try:
+            with torch.cuda.stream(side):
+                dsearch(dthr)
+            targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap,
+                           skip, pdl)
+        finally:    # the join, before accept reads them (also when a launch raised: a
+            main.wait_stream(side)      # capture would otherwise end with the stream unjoined)
+    else:
+        targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap, skip,
+                       pdl)
+        if N > 0:
+            dsearch(thr)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)

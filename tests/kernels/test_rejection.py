@@ -543,8 +543,8 @@ def _gpu_confident_case(B, dev):
 def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
     """At the Flash vocabulary: the bound walk on and off, with PDL off / early / late, the
     draft rows' search beside the target rows' (side stream) or after them, give the
-    reference's tokens; the default plan (its fork and join two branches of the graph) replayed
-    in a CUDA graph on new inputs too."""
+    reference's tokens; captured in a CUDA graph (with overlap, its fork and join two branches
+    of the graph) and replayed on new inputs too."""
     args = _gpu_confident_case(B, "cuda")
     want = rejection_sample_reference(*args)
     for bounds in (True, False):
@@ -553,24 +553,28 @@ def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
                 got = rejection_sample_launch(*args, bounds=bounds, pdl=pdl, overlap=overlap)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
                     (bounds, pdl, overlap)
-    static = [a.clone() for a in args]
-    torch.ops.dspark.rejection_sample(*static)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = torch.ops.dspark.rejection_sample(*static)
     new = _gpu_confident_case(B + 1, "cuda")
     new = [n[:B] for n in new]
-    for s, n in zip(static, new):
-        s.copy_(n)
-    graph.replay()
     want = rejection_sample_reference(*new)
-    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    for overlap in (True, False):
+        # the op itself (overlap, its default), and the launcher without it
+        run = torch.ops.dspark.rejection_sample if overlap else \
+            (lambda *a: rejection_sample_launch(*a, overlap=False))
+        static = [a.clone() for a in args]
+        run(*static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(*static)
+        for s, n in zip(static, new):
+            s.copy_(n)
+        graph.replay()
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), overlap
 
 
 def test_statistics_pass_per_block():
     """The statistics pass gives every block's max, lowest-id argmax, sum exp(z - max) and NaN
-    flag of z = logits / T (greedy rows at T = 1; T = 1 itself divides nothing), the ragged last
-    block included, and writes nothing past its rows' blocks."""
+    flag of z = logits / T (greedy rows at T = 1), the ragged last block included, and writes
+    nothing past its rows' blocks."""
     from dspark_compile.kernels import rejection as rj
     g = torch.Generator().manual_seed(5)
     B, N1, V, tile = 4, 2, 1000, 64
