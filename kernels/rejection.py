@@ -152,11 +152,12 @@ MODES = ("full", "greedy")
 #            rows whose exact threshold is still read (knob `bounds`; see _bound_walk_kernel)
 #   search   x 2 (target, draft rows; sampling.py): reduce (row max, Z, argmax of greedy rows,
 #            top-k/top-p histogram + bracket), select (exact thresholds) and the refinement
-#            passes; rows the walk did not flag are skipped. The draft rows' search runs on a
-#            side stream beside the target rows' (knob `overlap`; a fork and a join, so a
-#            captured step is still one CUDA graph, with two branches here): each is a chain
-#            of launches over a few rows, and alone they left most SMs idle (H200, s10_4:
-#            -18 to -33 us at B = 1 and 4, -55 to -95 us at B = 16 and 64)
+#            passes; rows the walk did not flag are skipped. The draft rows' search (and
+#            statistics pass) runs on a side stream beside the target rows' (knob `overlap`;
+#            a fork and a join, so a captured step is still one CUDA graph, with two branches
+#            here): each search is a chain of launches over a few rows, and alone they left
+#            most SMs idle (H200, s10_4, the searches only: -18 to -33 us at B = 1 and 4, -55
+#            to -95 us at B = 16 and 64)
 #   accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
 #   resample grid (B, C): residual / bonus Gumbel-max over row a; the request's last program
 #            writes the token.
@@ -294,20 +295,25 @@ BOUND_EPS = tl.constexpr(1e-3)
 
 
 @triton.jit
-def _kept_bounds(z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, rows, rv, xf, t, p, p_on, V, NBLK,
-                 stride_zr, NBLK_P2: tl.constexpr, SCALE: tl.constexpr):
-    """For token xf[i] of row rows[i] (valid where rv): (surely kept, surely not kept -- a
-    degenerate row keeps nothing --, exp(z_x - m), lower and upper bound of the kept mass Zk),
-    from the row's statistics and z_x (see the comment above)."""
+def _block_stats(bmax_ptr, bsum_ptr, bnan_ptr, rows, rv, NBLK, NBLK_P2: tl.constexpr):
+    """Rows rows[i]' (valid where rv) block statistics as [rows, NBLK_P2] tiles: (maxima, sums,
+    NaN flags)."""
     o = tl.arange(0, NBLK_P2)
     so = rows[:, None] * NBLK + o[None, :]
     sm = rv[:, None] & (o < NBLK)[None, :]
-    bm = tl.load(bmax_ptr + so, mask=sm, other=float("-inf"))
-    bs = tl.load(bsum_ptr + so, mask=sm, other=0.0)
-    nan = tl.max(tl.load(bnan_ptr + so, mask=sm, other=0), axis=1)
+    return (tl.load(bmax_ptr + so, mask=sm, other=float("-inf")),
+            tl.load(bsum_ptr + so, mask=sm, other=0.0), tl.load(bnan_ptr + so, mask=sm, other=0))
+
+
+@triton.jit
+def _kept_bounds(bm, bs, bn, zx, rv, p, p_on, V, SCALE: tl.constexpr):
+    """For a token of z value zx[i] in row i (valid where rv; _block_stats' bm, bs, bn):
+    (surely kept, surely not kept -- a degenerate row keeps nothing --, exp(z_x - m), lower
+    and upper bound of the kept mass Zk) (see the comment above). Loads nothing: the walk
+    requests every tile of both sides before it computes either."""
     m = tl.max(bm, axis=1)
-    deg = row_degenerate(nan, m)
-    zx = load_z(z_ptr + rows.to(tl.int64) * stride_zr + xf, rv & ~deg, t, True)
+    deg = row_degenerate(tl.max(bn, axis=1), m)
+    zx = tl.where(rv & ~deg, zx, float("-inf"))
     mm = tl.where(deg, 0.0, m)
     e = tl.where(bm > float("-inf"), tl.exp(bm - mm[:, None]), 0.0)
     Z = tl.where(rv & ~deg, tl.sum(bs * e, axis=1), 1.0)   # (1: no 0 / 0 in unused lanes)
@@ -343,20 +349,23 @@ def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, 
     r = b * N1 + i                              # target rows
     rd = b * N + i                              # draft rows
     dec = tl.zeros((N_P2,), tl.int32)          # 0 undecided (exact), 1 accept, 2 reject
+    # every row's test at once from [rows, blocks] statistics. The loads are requested before
+    # anything waits on them, the row flags' included (a greedy or top-k request reads them
+    # for nothing: ~17 KB): the walk is a chain of round trips (flags and statistics, then the
+    # drafts' logits) with little arithmetic, and it is on every request's path
+    d = tl.load(drafts_ptr + b * stride_db + i, mask=iv, other=-1).to(tl.int64)
+    pbm, pbs, pbn = _block_stats(bmax_ptr, bsum_ptr, bnan_ptr, r, iv, NBLK, NBLK_P2)
+    qbm, qbs, qbn = _block_stats(dbmax_ptr, dbsum_ptr, dbnan_ptr, rd, iv, NBLK, NBLK_P2)
     if (~greedy) & (~k_on):
-        # every row's test at once: [rows, blocks] statistics, one round trip per side
-        d = tl.load(drafts_ptr + b * stride_db + i, mask=iv, other=-1).to(tl.int64)
         dvalid = (d >= 0) & (d < V)
         xf = tl.where(dvalid, d, 0)
         t = row_t(temp_ptr, b, True)
-        pin, pout, pex, pzlo, pzhi = _kept_bounds(
-            z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, r, iv, xf, t, p, p_on, V, NBLK, stride_zr,
-            NBLK_P2, SCALE)
-        qin, qout, qex, qzlo, qzhi = _kept_bounds(
-            dz_ptr, dbmax_ptr, dbsum_ptr, dbnan_ptr, rd, iv, xf, t, p, p_on, V, NBLK, stride_dr,
-            NBLK_P2, SCALE)
+        pzx = load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, iv, t, True)
+        qzx = load_z(dz_ptr + rd.to(tl.int64) * stride_dr + xf, iv, t, True)
         u = tl_uniform(tl.load(seed_ptr + b), tl.zeros((N_P2,), tl.int32),
                        tl.load(pos_ptr + b) + i, _STREAM_ACCEPT)
+        pin, pout, pex, pzlo, pzhi = _kept_bounds(pbm, pbs, pbn, pzx, iv, p, p_on, V, SCALE)
+        qin, qout, qex, qzlo, qzhi = _kept_bounds(qbm, qbs, qbn, qzx, iv, p, p_on, V, SCALE)
         # q(x) as _accept_kernel computes it (_kept_prob) lies in [q_lo, q_hi] (correctly
         # rounded divisions are monotone in the divisor), u q(x) in [uq_lo, uq_hi]
         q_lo = tl.math.div_rn(qex, qzhi)
@@ -528,8 +537,9 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperatu
     _bound_walk_kernel). `pdl` (tuning; NVIDIA sm_90+ only): every launch of mode "full" after
     the statistics passes uses programmatic dependent launch: True (PDL_BY_REQUESTS' choice),
     False or a tl_helpers.PDL_MODES key, as markov_sample_launch's. `overlap` (tuning;
-    default on, CUDA only): the draft rows' threshold search runs on a side stream beside the
-    target rows' (a fork and a join: two branches of one CUDA graph when captured).
+    default on, CUDA only): the draft rows' statistics pass and threshold search run on a side
+    stream beside the target rows' (a fork and a join each: two branches of one CUDA graph when
+    captured).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -654,6 +664,24 @@ def _search(z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, cap, ski
     return targ
 
 
+def _side_by_side(side, on_main, on_side):
+    """on_main() on the current stream and on_side() on `side` at the same time: a fork from the
+    current stream's work so far, and a join once both are launched (also when a launch
+    raised: a capture would otherwise end with the side stream unjoined). Without a side
+    stream (None), on_main() then on_side(). -> (on_main(), on_side())."""
+    if side is None:
+        a = on_main()
+        return a, on_side()
+    main = torch.cuda.current_stream(side.device)
+    side.wait_stream(main)
+    try:
+        with torch.cuda.stream(side):
+            b = on_side()
+        return on_main(), b
+    finally:
+        main.wait_stream(side)
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -692,9 +720,19 @@ def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start
     zeroed = torch.zeros((sum(sizes),), dtype=i32, device=dev)
     cnt_t, cnt_d, cnt_r, rst, drst, dec = torch.split(zeroed, sizes)
     rst, drst = rst.view(R, 4), drst.view(RD, 4)
+    # The draft rows' launches run beside the target rows' on a side stream (`overlap`): the
+    # statistics passes, and after the walk the threshold searches. A search is a chain of
+    # short launches over a few rows (at B = 1 a few programs each), so one runs in the
+    # other's idle SMs. Then each search has its own threshold scratch (the draft rows' spill
+    # regions: B N V fp32, 165 MB at B = 64 on the Flash vocabulary); run one after the other,
+    # on one stream, they share it.
+    side = _side_stream(dev) if overlap and N > 0 and logits.is_cuda else None
+    if N > 0:
+        dlogits = _rows_view(dlogits)
     # statistics blocks = tiles (tile_max skips). z is not stored: every later pass scales
     # the logits it reads (scale_z)
-    st = _stats(logits, temperature, TILE)
+    st, dst = _side_by_side(side, lambda: _stats(logits, temperature, TILE),
+                            lambda: _stats(dlogits, temperature, TILE) if N > 0 else None)
     flags = (temperature, top_k, top_p)
     rowf = torch.empty((R, 4), dtype=f32, device=dev)
     rowi = torch.empty((R, 4), dtype=i32, device=dev)
@@ -704,40 +742,18 @@ def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start
     bounds = bounds and N > 0
     need = dneed = None
     thr = threshold_scratch(R, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
-    if N > 0:
-        dlogits = _rows_view(dlogits)
-        dst = _stats(dlogits, temperature, TILE)
-        if bounds:
-            need = torch.empty((R,), dtype=i32, device=dev)
-            dneed = torch.empty((RD,), dtype=i32, device=dev)
-            _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl)
-    # the draft rows' thresholds (the walk flags the few read) are searched beside the target
-    # rows' on a side stream (`overlap`): each search is a chain of short launches over a few
-    # rows (at B = 1 a few programs each), so one runs in the other's idle SMs. Then each has
-    # its own threshold scratch (the draft rows' spill regions: B N V fp32, 165 MB at B = 64
-    # on the Flash vocabulary); run after the target rows' search, on one stream, they share it.
-    side = _side_stream(dev) if overlap and N > 0 and logits.is_cuda else None
-
-    def dsearch(scratch):
-        _search(dlogits, dst, flags, drowf, drowi, drst, scratch, cnt_d, dneed, tiling, cap,
-                skip, pdl)
-
-    if side is not None:
-        dthr = threshold_scratch(RD, C, CHUNK, cap, HIST_BINS, REFINE_EDGES, dev, TILE)
-        main = torch.cuda.current_stream(dev)
-        side.wait_stream(main)                          # the fork, after the walk
-        try:
-            with torch.cuda.stream(side):
-                dsearch(dthr)
-            targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap,
-                           skip, pdl)
-        finally:    # the join, before accept reads them (also when a launch raised: a
-            main.wait_stream(side)      # capture would otherwise end with the stream unjoined)
-    else:
-        targ = _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap, skip,
-                       pdl)
-        if N > 0:
-            dsearch(thr)
+    dthr = thr if side is None else threshold_scratch(RD, C, CHUNK, cap, HIST_BINS,
+                                                      REFINE_EDGES, dev, TILE)
+    if bounds:
+        need = torch.empty((R,), dtype=i32, device=dev)
+        dneed = torch.empty((RD,), dtype=i32, device=dev)
+        _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl)
+    # the draft rows' thresholds: only those the walk flags are searched
+    targ, _ = _side_by_side(
+        side, lambda: _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap,
+                              skip, pdl),
+        lambda: _search(dlogits, dst, flags, drowf, drowi, drst, dthr, cnt_d, dneed, tiling,
+                        cap, skip, pdl) if N > 0 else None)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
