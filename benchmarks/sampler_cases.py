@@ -28,8 +28,9 @@ Cases per B (requests):
   drawn from their q = softmax(process(draft logits)), T = 1.0, top-p 0.95. `rejection_greedy`: T = 0, drafts = target argmax for the first two rows;
   `ours-mode-greedy` is the op's all-greedy plan (mode="greedy", the engine's greedy variant).
   `ours-nobounds` (top-p cases): without the bound walk, every target and draft row is
-  searched; `ours-serial`: the draft rows' search after the target rows' on one stream
-  (overlap=False; the default runs it beside them on a side stream);
+  searched; `ours-serial`: the draft rows' statistics pass and search after the target
+  rows', on one stream (overlap=False; the default runs them beside the target rows' on a
+  side stream);
   `ours-nopdl` / `ours-pdl-early` / `ours-pdl-late`: the launches after the statistics pass
   without programmatic dependent launch / with each trigger point; `ours-chunk<n>`: n tokens
   per row-pass program instead of row_tiling's (the searches run on the few rows the walk

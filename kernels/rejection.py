@@ -686,8 +686,8 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _side_stream(dev) -> torch.cuda.Stream:
-    """The stream the draft rows' search runs on, one per device (made once: a stream made
-    while a graph is being captured would be made each capture)."""
+    """The stream the draft rows' statistics pass and search run on, one per device (made
+    once: a stream made while a graph is being captured would be made each capture)."""
     i = dev.index if dev.index is not None else torch.cuda.current_device()
     if i not in _SIDE_STREAMS:
         _SIDE_STREAMS[i] = torch.cuda.Stream(device=i)

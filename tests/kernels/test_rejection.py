@@ -542,9 +542,9 @@ def _gpu_confident_case(B, dev):
 @pytest.mark.parametrize("B", [4, 40])
 def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
     """At the Flash vocabulary: the bound walk on and off, with PDL off / early / late, the
-    draft rows' search beside the target rows' (side stream) or after them, give the
-    reference's tokens; captured in a CUDA graph (with overlap, its fork and join two branches
-    of the graph) and replayed on new inputs too."""
+    draft rows' statistics and search beside the target rows' (side stream) or after them,
+    give the reference's tokens; captured in a CUDA graph (with overlap, its forks and joins
+    branches of the graph) and replayed on new inputs too."""
     args = _gpu_confident_case(B, "cuda")
     want = rejection_sample_reference(*args)
     for bounds in (True, False):
