@@ -30,17 +30,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import subprocess
 import tempfile
 
-# a compiler run, never the interpreter (kernels/sm12x.py rebuilds interpreter objects too, but
-# a fresh process without it is what a build machine sees)
-os.environ.pop("TRITON_INTERPRET", None)
-
-from dspark_compile.kernels import sm12x  # noqa: E402
-from dspark_compile.kernels.registry import KERNELS  # noqa: E402
+from dspark_compile.kernels import sm12x
+from dspark_compile.kernels.registry import KERNELS
 
 _OP_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 COUNTED = ("BAR", "SHFL", "MUFU")

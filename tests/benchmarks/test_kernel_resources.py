@@ -22,11 +22,13 @@ def test_ctas_by_registers():
 
 
 def test_report_for_sm90_on_a_machine_without_a_gpu(tmp_path):
-    # a fresh process, as a user runs it (interpreter-mode tests patch Triton's language in this
-    # one; the tool drops TRITON_INTERPRET itself)
+    # a fresh process without TRITON_INTERPRET, as a user runs it (interpreter-mode tests patch
+    # Triton's language in this one)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "r.json"
     run = subprocess.run([sys.executable, TOOL, "--capability", "90", "--ops", "act_quant",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+                          "--out", str(out)], capture_output=True, text=True, timeout=600,
+                         env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())
     from dspark_compile.kernels.registry import KERNELS
@@ -38,5 +40,5 @@ def test_report_for_sm90_on_a_machine_without_a_gpu(tmp_path):
         assert 1 <= r["ctas_by_registers"] <= 32
     assert sum(line.startswith("act_quant ") for line in run.stdout.splitlines()) == len(rows)
     bad = subprocess.run([sys.executable, TOOL, "--ops", "no_such_op"], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env=env)
     assert bad.returncode != 0 and "no_such_op" in bad.stderr
