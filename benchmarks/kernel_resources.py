@@ -70,26 +70,12 @@ def report(capability: int, ops: set[str] | None = None) -> list[dict]:
     if unknown:
         raise SystemExit(f"--ops: no registered op {sorted(unknown)}; known: {sorted(KERNELS)}")
     out = []
-    for op in sorted(KERNELS):
-        if ops and op not in ops:
-            continue
-        for entry in KERNELS[op].compile_configs:
-            kernel, _, constexprs, num_warps = entry
-            compiled = sm12x.compile_entry(entry, capability)
-            cubin = compiled.asm["cubin"]
-            res = sm12x.cubin_resources(cubin)
-            counts = sass_counts(cubin)
-            out.append({
-                "op": op, "kernel": sm12x.as_jit(kernel).__name__, "capability": capability,
-                "num_warps": num_warps,
-                "constexprs": {k: sm12x._jsonable(v) for k, v in constexprs.items()},
-                "registers": res["REG"],
-                "shared_bytes": res["SHARED"] + int(compiled.metadata.shared),
-                "local_bytes": res["LOCAL"],
-                "instructions": sum(counts.values()),
-                **{c.lower(): counts[c] for c in COUNTED},
-                "ctas_by_registers": ctas_by_registers(res["REG"], num_warps),
-            })
+    for rec, compiled in sm12x.config_resources(capability, ops):
+        counts = sass_counts(compiled.asm["cubin"])
+        out.append(dict(rec, capability=capability, instructions=sum(counts.values()),
+                        **{c.lower(): counts[c] for c in COUNTED},
+                        ctas_by_registers=ctas_by_registers(rec["registers"],
+                                                            rec["num_warps"])))
     return out
 
 

@@ -522,7 +522,7 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
     - top-p rows without top-k: c (the argmax of z + g above a lower bound of tau) is the
       argmax over the kept set whenever it is kept, and c is
       kept iff the fixed-point mass strictly above z_c is below resolve()'s target
-      max(top_p Z SCALE, 1), with Z from the block statistics as reduce sums it. The chunk
+      max(top_p Z SCALE, 1), with rowstat's Z (which reduce reads too, ZIN). The chunk
       programs sum that mass over the tiles whose block maxima lie above z_c (on peaked rows a
       few tiles); the row's last program (atomic ticket) decides. Not kept (probability about
       1 - top_p on flat rows, less on peaked ones): the row takes the exact path;

@@ -173,21 +173,23 @@ def _arch_capability(arch: str) -> int:
     return ARCHS[arch]
 
 
-def resource_report(arch: str) -> list[dict]:
-    """One record per declared configuration of every registered kernel, compiled for `arch`."""
-    capability = _arch_capability(arch)
+def config_resources(capability: int, ops: set[str] | None = None):
+    """Every declared configuration (of the registered ops in `ops`; all if None) compiled for
+    sm_<capability>: yields (record, compiled kernel), the record holding the op, kernel,
+    num_warps, constexprs, registers, shared memory (static + Triton's dynamic), local memory
+    and stack. Also what benchmarks/kernel_resources.py reports at any capability."""
     import_all_kernel_modules()
-    report = []
     for op_name in sorted(KERNELS):
+        if ops is not None and op_name not in ops:
+            continue
         for entry in KERNELS[op_name].compile_configs:
             kernel, _, constexprs, num_warps = entry
             compiled = compile_entry(entry, capability)
             res = cubin_resources(compiled.asm["cubin"])
             dyn = int(compiled.metadata.shared)
-            report.append({
+            yield {
                 "op": op_name,
                 "kernel": as_jit(kernel).__name__,
-                "arch": arch,
                 "num_warps": num_warps,
                 "constexprs": {k: _jsonable(v) for k, v in constexprs.items()},
                 "registers": res["REG"],
@@ -196,9 +198,14 @@ def resource_report(arch: str) -> list[dict]:
                 "shared_bytes": res["SHARED"] + dyn,
                 "local_bytes": res["LOCAL"],
                 "stack_bytes": res.get("STACK", 0),
-                "ok": res["SHARED"] + dyn <= SMEM_LIMIT_BYTES and res["LOCAL"] == 0,
-            })
-    return report
+            }, compiled
+
+
+def resource_report(arch: str) -> list[dict]:
+    """One record per declared configuration of every registered kernel, compiled for `arch`."""
+    capability = _arch_capability(arch)
+    return [dict(r, arch=arch, ok=r["shared_bytes"] <= SMEM_LIMIT_BYTES and r["local_bytes"] == 0)
+            for r, _ in config_resources(capability)]
 
 
 def check_report(report: list[dict]) -> None:
