@@ -39,8 +39,6 @@ from dspark_compile.kernels.registry import KERNELS
 
 _OP_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 COUNTED = ("BAR", "SHFL", "MUFU")
-REGS_PER_SM = 65536
-MAX_CTAS_PER_SM = 32
 
 
 def sass_counts(cubin: bytes) -> collections.Counter:
@@ -58,12 +56,6 @@ def sass_counts(cubin: bytes) -> collections.Counter:
     return ops
 
 
-def ctas_by_registers(registers: int, num_warps: int) -> int:
-    """CTAs per SM the register file allows (per-thread registers rounded up to 8)."""
-    per_cta = -(-registers // 8) * 8 * 32 * num_warps
-    return min(MAX_CTAS_PER_SM, REGS_PER_SM // per_cta)
-
-
 def report(capability: int, ops: set[str] | None = None) -> list[dict]:
     sm12x.import_all_kernel_modules()
     unknown = (ops or set()) - set(KERNELS)
@@ -74,7 +66,7 @@ def report(capability: int, ops: set[str] | None = None) -> list[dict]:
         counts = sass_counts(compiled.asm["cubin"])
         out.append(dict(rec, capability=capability, instructions=sum(counts.values()),
                         **{c.lower(): counts[c] for c in COUNTED},
-                        ctas_by_registers=ctas_by_registers(rec["registers"],
+                        ctas_by_registers=sm12x.ctas_by_registers(rec["registers"],
                                                             rec["num_warps"])))
     return out
 

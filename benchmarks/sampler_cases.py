@@ -18,7 +18,9 @@ Cases per B (requests):
   cases): the select pass reads every tile (skip_below_bracket=False).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-nocand` (top-p cases): without the candidate pick,
-  every row's threshold is searched each step (candidate=False, the plan before session 9). `ours-refine4` / `ours-refine2`: 4 / 2 threshold
+  every row's threshold is searched each step (candidate=False, the plan before session 9);
+  `ours-nopersist`: the searched rows' launches one program per row and chunk instead of
+  persistent grids (persistent=False). `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
   histograms of 8 / 32 bins instead of HIST_BINS (16); `ours-cap1024` / `ours-cap4096`: 1024 / 4096
   threshold candidates instead of CAND_CAP (2048); `ours-edges32` / `ours-edges64`: refinement
@@ -30,7 +32,8 @@ Cases per B (requests):
   `ours-nobounds` (top-p cases): without the bound walk, every target and draft row is
   searched; `ours-serial`: the draft rows' statistics pass and search after the target
   rows', on one stream (overlap=False; the default runs them beside the target rows' on a
-  side stream);
+  side stream); `ours-persist`: the searches in persistent grids of about one wave
+  (persistent=True; the default launches one program per row and chunk);
   `ours-nopdl` / `ours-pdl-early` / `ours-pdl-late`: the launches after the statistics pass
   without programmatic dependent launch / with each trigger point; `ours-chunk<n>`: n tokens
   per row-pass program instead of row_tiling's (the searches run on the few rows the walk
@@ -156,9 +159,11 @@ def _skip_variants():
     (block_floor=False); `ours-nopdl`: plain launches (pdl=False), `ours-pdl-early` /
     `ours-pdl-late`: the next launch may start when every program has started / has finished its
     main loop (pdl="early" / "late"); `ours-few0` / `ours-few64`: thresholds always by bisection
-    / pairwise up to 64 candidates (few_candidates; FEW_CANDIDATES is 32); `ours-nocand`:
+    / pairwise up to 64 candidates (few_candidates; FEW_CANDIDATES is 32); `ours-nopersist`:
+    the searched rows' launches one program per row and chunk (persistent=False); `ours-nocand`:
     every row searched and sampled by final (candidate=False)."""
     return {"ours-nocand": lambda d: ms.markov_sample_launch(**d, candidate=False),
+            "ours-nopersist": lambda d: ms.markov_sample_launch(**d, persistent=False),
             "ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
             "ours-nofloor": lambda d: ms.markov_sample_launch(**d, block_floor=False),
             "ours-nopdl": lambda d: ms.markov_sample_launch(**d, pdl=False),
@@ -267,6 +272,7 @@ def rejection_cases(batches):
                                                                     skip_below_bracket=False),
                 "ours-nobounds": lambda d: rj.rejection_sample_launch(**d, bounds=False),
                 "ours-serial": lambda d: rj.rejection_sample_launch(**d, overlap=False),
+                "ours-persist": lambda d: rj.rejection_sample_launch(**d, persistent=True),
                 **{f"ours-chunk{n}": (lambda n: lambda d: rj.rejection_sample_launch(
                     **d, chunk=n))(n) for n in (2048, 4096)},
                 **{f"ours-{n}": (lambda m: lambda d: rj.rejection_sample_launch(**d, pdl=m))(m)

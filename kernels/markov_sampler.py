@@ -115,7 +115,8 @@ from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE
                        fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
                        lane_argmax_update, launch_select_refine, pack_argmax, process_logits,
                        reduce_compile_config, refine_compile_config, row_flags,
-                       row_needed, row_reduce_kernel, row_t, row_tiling, scale_z,
+                       row_reduce_kernel, row_t, row_tiling, scale_z, row_list, list_row, row_needed,
+                       gated_grid, row_list_p2, GATED_PER_SM,
                        select_compile_config, threshold_scratch, tile_max, block_max_floor,
                        tl_vocab_gumbel, unpack_token, unpack_value, fixed_mass,
                        load_z, mass_scale_bits, row_degenerate)
@@ -429,34 +430,18 @@ def _row_max(rowkey_ptr, step, B, b):
 
 
 @triton.jit
-def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
-                          floor_ptr, rowf_ptr, rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr,
-                          out_ptr, prev_ptr, done_ptr, need_ptr, step, B, V, C, CHUNK, NBLK,
-                          stride_zb, stride_db, z_off, done_off, TILE: tl.constexpr,
-                          MODE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
-                          CAND: tl.constexpr = False, GATE: tl.constexpr = False,
-                          PDL: tl.constexpr = 0):
-    """Grid (B, C): the Gumbel-max of z + g (lowest id on ties, Philox in-kernel) over a row's
-    tokens at or above a threshold; the row's last program (atomic ticket) writes the token.
-    Noise is drawn only for the tiles whose block maxima reach the threshold, whose logits are
-    the only ones loaded. z: the step's draft_logits scaled as read (scale_z).
-    - CAND (`cand`): sampled rows without top-k, above the block maxima's top-p floor
-      (_markov_rowstat_kernel; -inf without top-p): the candidate, into out_ptr[b];
-    - else (`final`): non-greedy rows (with GATE only those need_ptr flags), above select's
-      exact threshold tau (every finite token without top-k / top-p): the draft, into the
-      step's column of out_ptr (the drafts) and `prev`."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    z_ptr += z_off
-    done_ptr += done_off
+def _gumbel_item(b, c, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
+                 floor_ptr, rowf_ptr, rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr, out_ptr,
+                 prev_ptr, done_ptr, step, B, V, C, CHUNK, NBLK, stride_zb, stride_db, TILE, MODE,
+                 C_P2, BLOCK_V, CAND, PDL):
+    """_markov_gumbel_kernel's work item: chunk c of row b."""
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE)
     if CAND:
         _, _, deg = _row_max(rowkey_ptr, step, B, b)
         run = (~greedy) & (~deg) & (~k_on)
     else:
         deg = tl.zeros((), tl.int1)
-        run = (~greedy) & row_needed(need_ptr, b, GATE)
+        run = ~greedy
     if run:
         if CAND:
             thr = tl.full((), float("-inf"), tl.float32)
@@ -505,6 +490,46 @@ def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr
                 tl.store(prev_ptr + b, tok)
     else:
         pdl_release(PDL)
+
+
+@triton.jit
+def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr,
+                          floor_ptr, rowf_ptr, rowi_ptr, bmax_ptr, best_v_ptr, best_i_ptr,
+                          out_ptr, prev_ptr, done_ptr, need_ptr, step, B, V, C, CHUNK, NBLK,
+                          stride_zb, stride_db, z_off, done_off, TILE: tl.constexpr,
+                          MODE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+                          CAND: tl.constexpr = False, GATE: tl.constexpr = False,
+                          ROWS_P2: tl.constexpr = 1, PERSIST: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
+    """Grid (B, C): the Gumbel-max of z + g (lowest id on ties, Philox in-kernel) over a row's
+    tokens at or above a threshold; the row's last program (atomic ticket) writes the token.
+    Noise is drawn only for the tiles whose block maxima reach the threshold, whose logits are
+    the only ones loaded. z: the step's draft_logits scaled as read (scale_z).
+    - CAND (`cand`): sampled rows without top-k, above the block maxima's top-p floor
+      (_markov_rowstat_kernel; -inf without top-p): the candidate, into out_ptr[b];
+    - else (`final`): non-greedy rows (with GATE only those need_ptr flags), above select's
+      exact threshold tau (every finite token without top-k / top-p): the draft, into the
+      step's column of out_ptr (the drafts) and `prev`.
+    Work items, GATE, PERSIST: as in sampling.row_reduce_kernel (cand runs one program per
+    item; final, gated, persistent by default).
+    """
+    pdl_enter(PDL)
+    z_ptr += z_off
+    done_ptr += done_off
+    if PERSIST:
+        count, rank = row_list(need_ptr, B, GATE, ROWS_P2)
+        for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
+            _gumbel_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, temp_ptr, topk_ptr,
+                topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr, floor_ptr, rowf_ptr, rowi_ptr,
+                bmax_ptr, best_v_ptr, best_i_ptr, out_ptr, prev_ptr, done_ptr, step, B, V, C,
+                CHUNK, NBLK, stride_zb, stride_db, TILE, MODE, C_P2, BLOCK_V, CAND, PDL)
+    else:
+        b = tl.program_id(0)
+        if row_needed(need_ptr, b, GATE):
+            _gumbel_item(b, tl.program_id(1), temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
+                z_ptr, rowkey_ptr, floor_ptr, rowf_ptr, rowi_ptr, bmax_ptr, best_v_ptr,
+                best_i_ptr, out_ptr, prev_ptr, done_ptr, step, B, V, C, CHUNK, NBLK, stride_zb,
+                stride_db, TILE, MODE, C_P2, BLOCK_V, CAND, PDL)
 
 
 @triton.jit
@@ -598,6 +623,29 @@ def _markov_pick_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowkey_ptr, cand_pt
 LOGITS_CONFIGS = {16: (16, 128, 64, 8, 3), 32: (32, 128, 32, 8, 3), 64: (64, 64, 64, 4, 3)}
 
 
+# From how many rows the candidate plan's gated launches (the search and final of the rows pick
+# flags) run persistent grids, from the H200 A/B of session 11 (s11_3, benchmarks/results/
+# h200_sampler_2026-11-29/): at B = 64 -125 us per call on peaked rows, -31 on Gaussian ones; at
+# B = 16 -13 / +7; at B = 1 and 4 +4 (nothing to save: 64 programs a launch either way, and the
+# item loop costs registers).
+PERSIST_FROM_ROWS = 16
+
+
+def _persistent(persistent, B: int) -> bool:
+    """The launcher's `persistent` knob (None: PERSIST_FROM_ROWS' choice for B rows)."""
+    if persistent is None:
+        return B >= PERSIST_FROM_ROWS
+    if not isinstance(persistent, bool):
+        raise ValueError(f"persistent must be True, False or None, got {persistent!r}")
+    return persistent
+
+
+# Programs per SM of `final`'s persistent grid (sampling.gated_grid, GATED_PER_SM):
+# _markov_gumbel_kernel's PERSIST build keeps 4 resident per SM at its registers (80-114) on
+# sm_90 and sm_120.
+FINAL_PER_SM = 4
+
+
 def _batch_tile(B: int) -> int:
     """Rows per program of the logits kernels (16, 32 or 64; more rows take more tiles)."""
     return min(64, max(16, next_pow2(B)))
@@ -669,7 +717,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                          refine_edges=REFINE_EDGES, reverse_odd_steps=True,
                          skip_below_bracket=True, few_candidates=FEW_CANDIDATES,
                          greedy_config=None, pdl=True, block_floor=True, candidate=True,
-                         thresholds=None, needs=None):
+                         persistent=None, thresholds=None, needs=None):
     """Run the fused sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `tile`, `chunk`, `cap` are test hooks (small values exercise the multi-program and the
@@ -699,7 +747,11 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     (tuning; default on): modes "full" / "plain" draw each step's Gumbel candidate above the
     block maxima's top-p floor (cand) and keep it where the kept set holds it (pick); the
     threshold search and final run only for the rows it leaves (top-k rows, candidates outside
-    the top-p set). Off: every non-greedy row is searched and sampled by final.
+    the top-p set). Off: every non-greedy row is searched and sampled by final. `persistent`
+    (tuning, with `candidate`; None: from PERSIST_FROM_ROWS rows on): those gated launches
+    run grids of about one wave whose programs take the flagged rows' (row, chunk) items in
+    turn (sampling.gated_grid), not one program per row and chunk, most of which would only
+    read a flag and exit.
     `thresholds`, `needs` (test hooks, lists; modes "full" / "plain"): each step appends
     copies of its row parameters (rowf [B, 4]: m, Z, tau, kept mass; rowi [B, 4]: ...,
     degenerate) after final -- meaningful with `candidate` off, where every row is searched --
@@ -781,6 +833,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     best_v = torch.empty((B, C), dtype=f32, device=dev)
     best_i = torch.empty((B, C), dtype=i32, device=dev)
     need = torch.empty((B,), dtype=i32, device=dev) if candidate else None
+    gate = need is not None     # the search and final take the rows pick flags
+    persist = gate and _persistent(persistent, B)   # ... in grids of one wave (gated_grid)
     part = torch.empty((B, C), dtype=i64, device=dev) if candidate else None
     cand = torch.empty((B,), dtype=i64, device=dev) if candidate else None
     rowfl = torch.empty((B,), dtype=f32, device=dev) if candidate else None
@@ -820,14 +874,17 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                     needs.append(need.clone())
                 continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
-        launch(row_reduce_kernel)[(B, C if MODE == 2 else 1)](
+        CR = C if MODE == 2 else 1
+        launch(row_reduce_kernel)[gated_grid(B, CR, GATED_PER_SM["reduce"], dev, persist)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, out, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, thr["floor"], thr["live"],
-            rowi if need is None else need, V, NBLK, C, CHUNK, sz,
-            drafts.stride(0), zo, k, cnt[0], 1, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
+            rowi if need is None else need, V, NBLK, CR, CHUNK, sz,
+            drafts.stride(0), zo, k, cnt[0], 1, B, NBLK_P2=next_pow2(NBLK), TILE=HTILE, NB=NB,
             MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2],
-            FLOOR=bool(block_floor) and MODE == 2, GATE=need is not None, SCALED=True,
-            ZIN=bool(candidate), PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+            FLOOR=bool(block_floor) and MODE == 2, GATE=gate, SCALED=True,
+            ZIN=bool(candidate), ROWS_P2=row_list_p2(B, persist), PERSIST=persist, PDL=pdl,
+            num_warps=4,
+            **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
             launch_select_refine(
@@ -835,12 +892,14 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(refine_passes)],
                 V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=NB, edges=refine_edges, cap=cap,
                 scan=scan_fallback, bmax=bmax, BLOCK_V=BLOCK_V, skip=skip_below_bracket,
-                few=few_candidates, pdl=pdl, need=need, scaled=True)
-        launch(_markov_gumbel_kernel)[(B, C)](           # final
+                few=few_candidates, pdl=pdl, need=need, scaled=True, persist=persist)
+        launch(_markov_gumbel_kernel)[gated_grid(B, C, FINAL_PER_SM, dev, persist)](  # final
             temperature, top_k, top_p, seed, start_pos, out, rowkey, bmax, rowf, rowi, bmax,
             best_v, best_i, drafts, prev, counters, rowi if need is None else need, k, B, V, C,
             CHUNK, NBLK, sz, drafts.stride(0), zo, cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2,
-            BLOCK_V=BLOCK_V, GATE=need is not None, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
+            BLOCK_V=BLOCK_V, GATE=gate, ROWS_P2=row_list_p2(B, persist), PERSIST=persist,
+            PDL=pdl, num_warps=4,
+            **pdl_launch(pdl > 0))
         if thresholds is not None:
             thresholds.append((rowf.clone(), rowi.clone()))
         if needs is not None and need is not None:
@@ -969,10 +1028,11 @@ def _markov_configs():
         # (the default plan: the pick kernel, then the search and final gated to the rows it
         # leaves, mode "full" only)
         out.append(reduce_compile_config(TILE, CHUNK, C, bv, _V_FLASH, 2, pdl, gate=True,
-                                         scaled=True, zin=True))
+                                         scaled=True, zin=True, rows=B, persist=True))
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl, gate=True,
-                                         scaled=True))
-        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl, scaled=True))
+                                         scaled=True, rows=B, persist=True))
+        out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl, scaled=True, gate=True,
+                                         rows=B, persist=True))
         gumbel_sig = dict(
             **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowkey_ptr="*i64",
             floor_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
@@ -980,7 +1040,8 @@ def _markov_configs():
             done_ptr="*i32", need_ptr="*i32", step="i32", B="i32", V=_D16, C=_D16, CHUNK=_D16,
             NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16, done_off="i32")
         out.append(compile_config(_markov_gumbel_kernel, gumbel_sig, dict(
-            TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, CAND=False, GATE=True, PDL=pdl), 4))  # final
+            TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, CAND=False, GATE=True,
+            ROWS_P2=row_list_p2(B, True), PERSIST=True, PDL=pdl), 4))  # final
         nblk_p2 = next_pow2(triton.cdiv(_V_FLASH, bv))
         for mode in (1, 2):
             if mode == 2:               # (mode "plain" launches no rowstat)
@@ -990,7 +1051,8 @@ def _markov_configs():
                     NBLK="i32"),
                     dict(MODE=mode, NBLK_P2=nblk_p2, PDL=pdl), 4))
             out.append(compile_config(_markov_gumbel_kernel, gumbel_sig, dict(      # cand
-                TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, CAND=True, GATE=False, PDL=pdl), 4))
+                TILE=TILE, MODE=mode, C_P2=cp, BLOCK_V=bv, CAND=True, GATE=False, ROWS_P2=1,
+                PERSIST=False, PDL=pdl), 4))
             out.append(compile_config(_markov_pick_kernel, dict(
                 **flags, z_ptr="*fp32", rowkey_ptr="*i64", cand_ptr="*i64",
                 bmax_ptr="*fp32", rowf_ptr="*fp32", drafts_ptr="*i64", prev_ptr="*i64",

@@ -44,15 +44,15 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_tokens,
-                       check_int32_index, check_sampling_params, fold_ids, greedy_rows,
-                       gumbel_argmax, hist_tile, lane_argmax_finish, lane_argmax_update,
-                       launch_select_refine, load_z, logprobs_from_processed, mass_scale_bits,
-                       pack_argmax, probs_from_processed, process_requests, reduce_compile_config,
-                       refine_compile_config, request_probs, row_degenerate, row_flags,
-                       row_reduce_kernel, row_t, row_tiling, sample_reference, scale_z,
-                       select_compile_config, threshold_scratch, tile_max,
-                       tl_uniform, tl_vocab_gumbel, unpack_token)
+from .sampling import (CAND_CAP, GATED_PER_SM, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
+                       argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
+                       gated_grid, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
+                       lane_argmax_update, launch_select_refine, load_z, logprobs_from_processed,
+                       mass_scale_bits, pack_argmax, probs_from_processed, process_requests,
+                       reduce_compile_config, refine_compile_config, request_probs,
+                       row_degenerate, row_flags, row_list_p2, row_reduce_kernel, row_t,
+                       row_tiling, sample_reference, scale_z, select_compile_config,
+                       threshold_scratch, tile_max, tl_uniform, tl_vocab_gumbel, unpack_token)
 from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter,
                          pdl_launch, pdl_mode, pdl_release)
 
@@ -524,7 +524,7 @@ def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bm
 def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperature, top_k,
                             top_p, seed, start_pos, mode: str = "full", *, tile=None, chunk=None,
                             cap=CAND_CAP, stream=STREAM_RESAMPLE, skip_below_bracket=True,
-                            bounds=True, pdl=True, overlap=True):
+                            bounds=True, pdl=True, overlap=True, persistent=False):
     """Run the fused rejection sampler (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     `mode` "full" reads every row's sampling parameters; "greedy" treats every row as greedy
@@ -539,10 +539,16 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperatu
     False or a tl_helpers.PDL_MODES key, as markov_sample_launch's. `overlap` (tuning;
     default on, CUDA only): the draft rows' statistics pass and threshold search run on a side
     stream beside the target rows' (a fork and a join each: two branches of one CUDA graph when
-    captured).
+    captured). `persistent` (tuning; default off): the searches run in grids of about one
+    wave whose programs take the flagged rows' (row, chunk) items in turn
+    (sampling.gated_grid), as the Markov sampler's do from 16 rows. Measured slower here
+    (H200, s11_3: B = 64 375 -> 589 us peaked, 931 -> 1868 Gaussian): the walk leaves about
+    two rows a request to search, many items for a loop that costs occupancy.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if not isinstance(persistent, bool):
+        raise ValueError(f"persistent must be True or False, got {persistent!r}")
     check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
                            seed, start_pos)
     check_int32_index(target_logits=target_logits, draft_logits=draft_logits)
@@ -569,7 +575,8 @@ def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperatu
     args = (target_logits, drafts, draft_logits, N, *meta, tokens, num)
     if not pdl_available(_accept_kernel, dev):
         mode_pdl = 0
-    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds, mode_pdl, overlap)
+    _parallel(*args, tile, chunk, cap, stream, skip_below_bracket, bounds, mode_pdl, overlap,
+              persistent)
     return tokens, num
 
 
@@ -637,30 +644,35 @@ def _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed,
         **pdl_launch(pdl))
 
 
-def _search(z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, cap, skip, pdl):
+def _search(z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, cap, skip, pdl,
+            persist):
     """Exact thresholds of the rows of z [B, n, V] (a _rows_view, n rows per request) that
     `need` flags (every row without it): reduce, select and the refinement passes, into rowf /
     rowi [B * n, 4]. counters: int32 [3 * rows + 2 * REFINE_PASSES * rows], zeroed; rst: the
-    refine state [rows, 4], zeroed; thr: threshold_scratch for at least B * n rows."""
+    refine state [rows, 4], zeroed; thr: threshold_scratch for at least B * n rows;
+    `persist`: the flagged rows in grids of about one wave (sampling.gated_grid)."""
     B, n, V = z.shape
     R, dev = B * n, z.device
     TILE, CHUNK, C = tiling
     NBLK = st["bmax"].shape[1]
     targ = torch.empty((R,), dtype=torch.int64, device=dev)     # greedy rows' argmax
     scratch = torch.empty((R,), dtype=torch.int64, device=dev)
-    launch(row_reduce_kernel)[(R, C)](
+    persist = persist and need is not None
+    launch(row_reduce_kernel)[gated_grid(R, C, GATED_PER_SM["reduce"], dev, persist)](
         st["bmax"], st["barg"], st["bsum"], st["bnan"], *flags, z, targ, scratch, rowf, rowi,
         thr["hist"], rst, counters, thr["floor"], thr["live"], rowi if need is None else need, V,
-        NBLK, C, CHUNK, z.stride(1), 1, 0, 0, 0, n, NBLK_P2=next_pow2(NBLK),
+        NBLK, C, CHUNK, z.stride(1), 1, 0, 0, 0, n, R, NBLK_P2=next_pow2(NBLK),
         TILE=hist_tile(TILE, HIST_BINS), NB=HIST_BINS, MODE=2, C_P2=next_pow2(C), BLOCK_V=TILE,
-        NT_P2=thr["live"].shape[2], FLOOR=True, GATE=need is not None, SCALED=True, PDL=pdl,
-        num_warps=4, **pdl_launch(pdl))
+        NT_P2=thr["live"].shape[2], FLOOR=True, GATE=need is not None, SCALED=True,
+        ROWS_P2=row_list_p2(R, persist), PERSIST=persist, PDL=pdl, num_warps=4,
+        **pdl_launch(pdl))
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
         flags, z, 0, z.stride(1), rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + 2 * r * R, 3 * R + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
         V=V, C=C, CHUNK=CHUNK, RPR=n, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=cap,
-        scan=True, bmax=st["bmax"], BLOCK_V=TILE, skip=skip, need=need, pdl=pdl, scaled=True)
+        scan=True, bmax=st["bmax"], BLOCK_V=TILE, skip=skip, need=need, pdl=pdl, scaled=True,
+        persist=persist)
     return targ
 
 
@@ -701,7 +713,7 @@ def _search_counters(rows: int) -> int:
 
 
 def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start_pos, tokens,
-              num, tile, chunk, cap, stream, skip, bounds, pdl, overlap):
+              num, tile, chunk, cap, stream, skip, bounds, pdl, overlap, persist):
     B, N1, V = logits.shape
     R, RD, dev = B * N1, B * N, logits.device
     logits = _rows_view(logits)
@@ -751,9 +763,9 @@ def _parallel(logits, drafts, dlogits, N, temperature, top_k, top_p, seed, start
     # the draft rows' thresholds: only those the walk flags are searched
     targ, _ = _side_by_side(
         side, lambda: _search(logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling, cap,
-                              skip, pdl),
+                              skip, pdl, persist),
         lambda: _search(dlogits, dst, flags, drowf, drowi, drst, dthr, cnt_d, dneed, tiling,
-                        cap, skip, pdl) if N > 0 else None)
+                        cap, skip, pdl, persist) if N > 0 else None)
     accepted = torch.empty((B,), dtype=i32, device=dev)
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
@@ -864,15 +876,18 @@ def _parallel_configs(stream: int):
             a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_tb="i32", stride_zr=d16,
             stride_dr=d16), dict(PDL=pdl), 1))
         # the tilings the launcher picks: plain sampling at B = 1 / 16 / 48 rows, rejection at
-        # 2 B rows (the walk leaves about two a request to search) for B = 1 / 8 / 24
+        # 2 B rows (the walk leaves about two a request to search) for B = 1 / 8 / 24, whose
+        # searches gate 6 B target rows (the draft rows' 5 B compile alike)
         for rows in (1, 16, 48):
             _, CHUNK, C = row_tiling(rows, 129280)
+            gated = 3 * rows if drafts else 1
             # statistics blocks are the 1024-token tiles
             out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=drafts,
-                                             scaled=True))
+                                             scaled=True, rows=gated))
             out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=drafts,
-                                             scaled=True))
-            out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True))
+                                             scaled=True, rows=gated))
+            out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True, gate=drafts,
+                                             rows=gated))
             out.append(compile_config(_resample_kernel, dict(
                 z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", dz_ptr="*fp32",
                 drowf_ptr="*fp32", drowi_ptr="*i32", bmax_ptr="*fp32", **flags,

@@ -34,7 +34,8 @@ import triton.language as tl
 
 from .philox import STREAM_TARGET, vocab_gumbel
 from .region import fusable
-from .tl_helpers import compile_config, launch, next_pow2, pdl_enter, pdl_launch, pdl_release
+from .tl_helpers import (compile_config, launch, multiprocessors, next_pow2, pdl_enter,
+                         pdl_launch, pdl_release)
 
 NEG_INF = float("-inf")
 
@@ -801,11 +802,50 @@ def row_degenerate(nan, m):
     return (nan > 0) | ~((m > float("-inf")) & (m < float("inf")))
 
 
+# ----------------------------------------------------------------------------------------------
+# Which rows a row pass works on
+# ----------------------------------------------------------------------------------------------
+# A gated row pass (the rejection plan's threshold searches, the Markov candidate plan's exact
+# path) works on the rows a need vector flags. Launched one program per (row, chunk) item, most
+# of its programs may only read their row's flag and exit: at B = 64 with no row flagged the
+# Markov plan's gated launches took 3.6-7.3 us each, ~34 us a step (H200, s11_1), in waves of
+# empty 8-warp programs. A persistent pass (PERSIST) instead runs a grid of about one wave
+# (gated_grid) whose programs take the flagged rows' items in turn; every program ranks the
+# flagged rows itself (a prefix sum over the flags: nothing has to build a list). The loop
+# costs registers (GATED_PER_SM), so a pass that searches many rows (rejection's, about two
+# a request) keeps one program per item: measured both ways in s11.
+
+@triton.jit
+def row_list(need_ptr, ROWS, GATE: tl.constexpr, ROWS_P2: tl.constexpr):
+    """(count, rank): the rows a row pass works on. With GATE the rows r < ROWS whose
+    need_ptr[r] is nonzero (the rejection plan's bound walk marks the rows whose exact threshold
+    its consumers read; the Markov candidate plan's pick, the rows whose candidate it could not
+    keep), rank[r] = r's index among them, in row order (-1 for the others); without GATE all
+    ROWS rows (rank unused)."""
+    if GATE:
+        o = tl.arange(0, ROWS_P2)
+        f = (tl.load(need_ptr + o, mask=o < ROWS, other=0) != 0).to(tl.int32)
+        rank = tl.where(f != 0, tl.cumsum(f, axis=0) - 1, -1)
+        count = tl.sum(f, axis=0)
+    else:
+        rank = tl.zeros((1,), tl.int32)
+        count = ROWS
+    return count, rank
+
+
+@triton.jit
+def list_row(rank, i, GATE: tl.constexpr, ROWS_P2: tl.constexpr):
+    """Row number i of row_list's rows."""
+    r = i
+    if GATE:
+        r = tl.sum(tl.where(rank == i, tl.arange(0, ROWS_P2), 0), axis=0)
+    return r
+
+
 @triton.jit
 def row_needed(need_ptr, b, GATE: tl.constexpr):
-    """Whether row b is searched: always without GATE; with it, where need_ptr[b] != 0 (the
-    rejection plan's bound walk marks the rows whose exact threshold its consumers read; the
-    Markov candidate plan's pick, the rows whose candidate it could not keep)."""
+    """Whether row b is worked on by a row pass launched one program per (row, chunk): always
+    without GATE; with it, where need_ptr[b] != 0."""
     if GATE:
         return tl.load(need_ptr + b) != 0
     return tl.full((), 1, tl.int1)
@@ -830,34 +870,16 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 
 
 @triton.jit
-def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
-                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
-                      floor_ptr, live_ptr, need_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, z_off,
-                      step, done_off, RPR, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
-                      NB: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr = 1,
-                      BLOCK_V: tl.constexpr = 1,
-                      NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
-                      GATE: tl.constexpr = False, SCALED: tl.constexpr = False,
-                      ZIN: tl.constexpr = False, PDL: tl.constexpr = 0):
-    # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
-    # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
-    # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
-    # GATE: rows with need_ptr[b] == 0 are skipped whole (row_needed). SCALED: z_ptr holds the
-    # logits, scaled where each tile is used (scale_z; the statistics came from the same z).
-    # ZIN: Z is read from rowf_ptr[b, 1], where an earlier launch of the caller wrote it from the
-    # same statistics (the Markov candidate plan's rowstat, whose pick decided with that Z: the
-    # threshold search must use its bits, not a sum that may round otherwise).
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    z_ptr += z_off
-    drafts_ptr += step
-    done_ptr += done_off
+def _reduce_item(b, c, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
+                 z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
+                 floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, step, RPR, NBLK_P2,
+                 TILE, NB, MODE, C_P2, BLOCK_V, NT_P2, FLOOR, SCALED, ZIN, PDL):
+    """row_reduce_kernel's work item: chunk c of row b."""
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, MODE)
     # only chunk 0 has work for greedy / plain rows: the others skip reading the B x NBLK block
     # statistics (16 B per block: (C - 1) x 16 KB per row and step at the Flash vocabulary)
     search = (~greedy) & (k_on | p_on)
-    if ((c == 0) | search) & row_needed(need_ptr, b, GATE):
+    if (c == 0) | search:
         t = row_t(temp_ptr, b // RPR, SCALED)
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         lo = c * CHUNK
@@ -967,6 +989,49 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
 
 
 @triton.jit
+def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
+                      z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
+                      floor_ptr, live_ptr, need_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, z_off,
+                      step, done_off, RPR, ROWS, NBLK_P2: tl.constexpr, TILE: tl.constexpr,
+                      NB: tl.constexpr, MODE: tl.constexpr, C_P2: tl.constexpr = 1,
+                      BLOCK_V: tl.constexpr = 1,
+                      NT_P2: tl.constexpr = 1, FLOOR: tl.constexpr = False,
+                      GATE: tl.constexpr = False, SCALED: tl.constexpr = False,
+                      ZIN: tl.constexpr = False, ROWS_P2: tl.constexpr = 1,
+                      PERSIST: tl.constexpr = False,
+                      PDL: tl.constexpr = 0):
+    # FLOOR: top-p rows (without top-k) leave out the tokens below block_max_floor, and the
+    # spans of 2 TILE tokens that hold none are neither read nor binned; select does the same
+    # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
+    # Work items: (row b, chunk c). GATE: only the rows need_ptr flags. PERSIST: a grid of any
+    # size whose programs take the items of the flagged rows among ROWS (ROWS_P2 >= ROWS) in
+    # turn (row_list); else grid (rows, C), one program per item. SCALED: z_ptr holds the
+    # logits, scaled where each tile is used (scale_z; the statistics came from the same z).
+    # ZIN: Z is read from rowf_ptr[b, 1], where an earlier launch of the caller wrote it from the
+    # same statistics (the Markov candidate plan's rowstat, whose pick decided with that Z: the
+    # threshold search must use its bits, not a sum that may round otherwise).
+    pdl_enter(PDL)
+    z_ptr += z_off
+    drafts_ptr += step
+    done_ptr += done_off
+    if PERSIST:
+        count, rank = row_list(need_ptr, ROWS, GATE, ROWS_P2)
+        for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
+            _reduce_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, bmax_ptr, barg_ptr,
+                bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr, z_ptr, drafts_ptr, prev_ptr,
+                rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr, floor_ptr, live_ptr, V, NBLK, C,
+                CHUNK, stride_zb, stride_db, step, RPR, NBLK_P2, TILE, NB, MODE, C_P2, BLOCK_V,
+                NT_P2, FLOOR, SCALED, ZIN, PDL)
+    else:
+        b = tl.program_id(0)
+        if row_needed(need_ptr, b, GATE):
+            _reduce_item(b, tl.program_id(1), bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr,
+                topk_ptr, topp_ptr, z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr,
+                rst_ptr, done_ptr, floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db,
+                step, RPR, NBLK_P2, TILE, NB, MODE, C_P2, BLOCK_V, NT_P2, FLOOR, SCALED, ZIN, PDL)
+
+
+@triton.jit
 def _select_tile(z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v, n_sp,
                  ccount_ptr, ckey_ptr, cmass_ptr, spill_ptr, fl, NB: tl.constexpr,
                  CAP: tl.constexpr, SCALE: tl.constexpr):
@@ -994,26 +1059,14 @@ def _select_tile(z, m, jlo, jhi, nb, b, C, c, CHUNK, am_v, ac_v, kmin_v, kmax_v,
 
 
 @triton.jit
-def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
-                      above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
-                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, need_ptr, V, C,
-                      CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR,
-                      TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
-                      SCALE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
-                      NT_P2: tl.constexpr, SKIP: tl.constexpr, FEW: tl.constexpr,
-                      SCAN: tl.constexpr = True, GATE: tl.constexpr = False,
-                      SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
-    # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
-    # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned.
-    # GATE, SCALED: as in row_reduce_kernel (refine needs no GATE: a skipped row's state stays 0)
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    z_ptr += z_off
-    ccount_ptr += ccount_off
-    done_ptr += done_off
+def _select_item(b, c, temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
+                 above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
+                 rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, V, C, CHUNK, NBLK,
+                 stride_zb, RPR, TILE, NB, CAP, SCALE, C_P2, BLOCK_V, NT_P2, SKIP, FEW, SCAN,
+                 SCALED, PDL):
+    """row_select_kernel's work item: chunk c of row b."""
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, 2)
-    search = (~greedy) & (k_on | p_on) & row_needed(need_ptr, b, GATE)
+    search = (~greedy) & (k_on | p_on)
     deg = tl.load(rowi_ptr + b * 4 + 3, mask=search, other=1) != 0
     if search & (~deg):
         k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
@@ -1096,6 +1149,44 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                         tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE,
                                                    SCAN)
                     store_threshold(rowf_ptr, b, tau, kept, SCALE)
+
+
+@triton.jit
+def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr,
+                      above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, kext_ptr,
+                      rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, need_ptr, V, C,
+                      CHUNK, NBLK, stride_zb, z_off, ccount_off, done_off, RPR, ROWS,
+                      TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                      SCALE: tl.constexpr, C_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+                      NT_P2: tl.constexpr, SKIP: tl.constexpr, FEW: tl.constexpr,
+                      SCAN: tl.constexpr = True, GATE: tl.constexpr = False,
+                      SCALED: tl.constexpr = False, ROWS_P2: tl.constexpr = 1,
+                      PERSIST: tl.constexpr = False,
+                      PDL: tl.constexpr = 0):
+    # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
+    # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned.
+    # Work items, GATE, PERSIST, SCALED: as in row_reduce_kernel (refine takes the same flags: a row select
+    # skips keeps refine state 0)
+    pdl_enter(PDL)
+    z_ptr += z_off
+    ccount_ptr += ccount_off
+    done_ptr += done_off
+    if PERSIST:
+        count, rank = row_list(need_ptr, ROWS, GATE, ROWS_P2)
+        for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
+            _select_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, temp_ptr, topk_ptr,
+                topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr, above_c_ptr, rowa_ptr, ckey_ptr,
+                cmass_ptr, ccount_ptr, done_ptr, kext_ptr, rst_ptr, spill_ptr, spn_ptr, bmax_ptr,
+                live_ptr, floor_ptr, V, C, CHUNK, NBLK, stride_zb, RPR, TILE, NB, CAP, SCALE,
+                C_P2, BLOCK_V, NT_P2, SKIP, FEW, SCAN, SCALED, PDL)
+    else:
+        b = tl.program_id(0)
+        if row_needed(need_ptr, b, GATE):
+            _select_item(b, tl.program_id(1), temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr,
+                rowi_ptr, above_m_ptr, above_c_ptr, rowa_ptr, ckey_ptr, cmass_ptr, ccount_ptr,
+                done_ptr, kext_ptr, rst_ptr, spill_ptr, spn_ptr, bmax_ptr, live_ptr, floor_ptr, V,
+                C, CHUNK, NBLK, stride_zb, RPR, TILE, NB, CAP, SCALE, C_P2, BLOCK_V, NT_P2, SKIP,
+                FEW, SCAN, SCALED, PDL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1189,23 +1280,13 @@ def resolve_one_key(key, n, am, ac, m, Zf, k, top_p, K_ON, P_ON, SCALE: tl.const
 
 
 @triton.jit
-def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr,
-                      above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr, spill_ptr, spn_ptr,
-                      ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, z_off,
-                      ccount_off, done_off, RPR, LAST, TILE: tl.constexpr, NB: tl.constexpr,
-                      CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
-                      FEW: tl.constexpr, SCAN: tl.constexpr = True,
-                      SCALED: tl.constexpr = False, PDL: tl.constexpr = 0):
-    # SCALED: as in row_reduce_kernel (only the scan fallback reads the row; the spill regions
-    # hold scaled z)
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    c = tl.program_id(1)
+def _refine_item(b, c, temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr,
+                 above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr, spill_ptr, spn_ptr,
+                 ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK, stride_zb, RPR, LAST,
+                 TILE, NB, CAP, SCALE, C_P2, FEW, SCAN, SCALED, PDL):
+    """row_refine_kernel's work item: chunk c of row b (its spill region)."""
     state = tl.load(rst_ptr + b * 4)
     if state != 0:
-        z_ptr += z_off
-        ccount_ptr += ccount_off
-        done_ptr += done_off
         _, k, p, _, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, 2)
         k_on = tl.load(rowi_ptr + b * 4 + 2) != 0
         klo = tl.load(rst_ptr + b * 4 + 1).to(tl.int64)
@@ -1300,9 +1381,68 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                 store_threshold(rowf_ptr, b, tau, kept, SCALE)
 
 
+@triton.jit
+def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr,
+                      above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr, spill_ptr, spn_ptr,
+                      ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, need_ptr, V, C, CHUNK,
+                      stride_zb, z_off, ccount_off, done_off, RPR, ROWS, LAST,
+                      TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                      SCALE: tl.constexpr, C_P2: tl.constexpr, FEW: tl.constexpr,
+                      SCAN: tl.constexpr = True, GATE: tl.constexpr = False,
+                      SCALED: tl.constexpr = False, ROWS_P2: tl.constexpr = 1,
+                      PERSIST: tl.constexpr = False,
+                      PDL: tl.constexpr = 0):
+    # Work items, GATE, PERSIST: as in row_select_kernel (rows select resolved or skipped have state 0).
+    # SCALED: as in row_reduce_kernel (only the scan fallback reads the row; the spill regions
+    # hold scaled z)
+    pdl_enter(PDL)
+    z_ptr += z_off
+    ccount_ptr += ccount_off
+    done_ptr += done_off
+    if PERSIST:
+        count, rank = row_list(need_ptr, ROWS, GATE, ROWS_P2)
+        for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
+            _refine_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, temp_ptr, topk_ptr,
+                topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr, above_m_ptr, above_c_ptr, rowa_ptr,
+                hist_ptr, kext_ptr, spill_ptr, spn_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
+                V, C, CHUNK, stride_zb, RPR, LAST, TILE, NB, CAP, SCALE, C_P2, FEW, SCAN, SCALED,
+                PDL)
+    else:
+        b = tl.program_id(0)
+        if row_needed(need_ptr, b, GATE):
+            _refine_item(b, tl.program_id(1), temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr,
+                rowi_ptr, rst_ptr, above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr,
+                spill_ptr, spn_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr, V, C, CHUNK,
+                stride_zb, RPR, LAST, TILE, NB, CAP, SCALE, C_P2, FEW, SCAN, SCALED, PDL)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launching the threshold search's select and refine passes (both fused samplers use this)
 # ----------------------------------------------------------------------------------------------
+
+# Programs per SM of a persistent pass's grid (gated_grid): what the PERSIST build keeps resident
+# at its registers on sm_90 and sm_120, so the grid is one wave and a launch with nothing flagged
+# costs one wave of empty programs. The item loop costs registers (LLVM hoists the per-thread
+# address arithmetic of the whole body out of it): reduce 128-137 (3 CTAs of 4 warps per SM),
+# select 128 (2 of 8 warps), refine 215 (1 of 8 warps), against 89 / 74 / 97 one program per
+# item (benchmarks/kernel_resources.py; tests/kernels/test_sm12x_resources.py checks the fit).
+GATED_PER_SM = {"reduce": 3, "select": 2, "refine": 1}
+
+
+def gated_grid(rows: int, C: int, per_sm: int, device, persist: bool) -> tuple:
+    """Grid of a row pass over `rows` rows of C chunk programs: one program per (row, chunk)
+    item, (rows, C); persistent (PERSIST, a gated pass whose flagged rows are usually few) at
+    most per_sm programs per SM, which take the flagged rows' items in turn (row_list)."""
+    if not persist:
+        return (rows, C)
+    return (max(1, min(rows * C, per_sm * multiprocessors(device))),)
+
+
+def row_list_p2(rows: int, persist: bool) -> int:
+    """ROWS_P2 of a row pass over `rows` rows: the need flags' vector of a persistent gated
+    pass (row_list), 1 otherwise."""
+    return next_pow2(rows) if persist else 1
+
 
 def check_int32_index(**tensors) -> None:
     """The fused kernels index rows and vocabulary with int32 arithmetic: a tensor spanning 2^31
@@ -1350,11 +1490,11 @@ def threshold_scratch(rows: int, C: int, CHUNK: int, cap: int, nb: int, edges: i
 
 def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, mode: int,
                           pdl: int = 0, gate: bool = False, scaled: bool = False,
-                          zin: bool = False):
+                          zin: bool = False, rows: int = 1, persist: bool = False):
     """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
     tokens, statistics blocks of BLOCK_V, vocabulary V, MODE mode (2: with the threshold
-    histogram and the floor); `gate`, `scaled`, `zin`: rows skipped by need flags, unscaled
-    logits read, Z given (the rejection plan and the Markov candidate plan)."""
+    histogram and the floor); `gate`, `scaled`, `zin`: only rows need flags mark (of `rows`),
+    unscaled logits read, Z given (the rejection plan and the Markov candidate plan)."""
     d16 = "i32:16"
     return compile_config(row_reduce_kernel, dict(
         bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
@@ -1362,18 +1502,19 @@ def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, m
         rowf_ptr="*fp32", rowi_ptr="*i32", hist_ptr="*i32", rst_ptr="*i32", done_ptr="*i32",
         floor_ptr="*fp32", live_ptr="*i32", need_ptr="*i32", V=d16, NBLK="i32", C=d16,
         CHUNK=d16, stride_zb=d16, stride_db="i32", z_off=d16, step="i32", done_off="i32",
-        RPR="i32"),
+        RPR="i32", ROWS="i32"),
         dict(NBLK_P2=next_pow2(triton.cdiv(V, BLOCK_V)), TILE=hist_tile(TILE, HIST_BINS),
              NB=HIST_BINS, MODE=mode, C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, SCALED=scaled, ZIN=zin,
-             PDL=pdl), 4)
+             ROWS_P2=row_list_p2(rows, persist and gate), PERSIST=persist, PDL=pdl), 4)
 
 
 def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0,
-                          gate: bool = False, scaled: bool = False):
+                          gate: bool = False, scaled: bool = False, rows: int = 1,
+                          persist: bool = False):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
     TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V; `gate`,
-    `scaled` as in reduce_compile_config."""
+    `scaled`, `rows` as in reduce_compile_config."""
     d16 = "i32:16"
     return compile_config(row_select_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -1381,28 +1522,32 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, p
         ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", kext_ptr="*i32",
         rst_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32", bmax_ptr="*fp32", live_ptr="*i32",
         floor_ptr="*fp32", need_ptr="*i32", V=d16, C=d16, CHUNK=d16, NBLK="i32",
-        stride_zb=d16, z_off=d16, ccount_off="i32", done_off="i32", RPR="i32"),
+        stride_zb=d16, z_off=d16, ccount_off="i32", done_off="i32", RPR="i32", ROWS="i32"),
         dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True,
-             GATE=gate, SCALED=scaled, PDL=pdl),
+             GATE=gate, SCALED=scaled, ROWS_P2=row_list_p2(rows, persist and gate), PERSIST=persist,
+             PDL=pdl),
         SELECT_WARPS)
 
 
-def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0, scaled: bool = False):
+def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0, scaled: bool = False,
+                          gate: bool = False, rows: int = 1, persist: bool = False):
     """row_refine_kernel's compile entry for a launch at row tile TILE, C chunk programs,
-    vocabulary V (no logits-block dependence: it reads only the spill regions)."""
+    vocabulary V (no logits-block dependence: it reads only the spill regions); `gate`, `rows`
+    as in reduce_compile_config."""
     d16 = "i32:16"
     return compile_config(row_refine_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
         rowi_ptr="*i32", rst_ptr="*i32", above_m_ptr="*i64", above_c_ptr="*i64",
         rowa_ptr="*i64", hist_ptr="*i32", kext_ptr="*i32", spill_ptr="*fp32", spn_ptr="*i32",
-        ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32", V=d16, C=d16,
-        CHUNK=d16, stride_zb=d16, z_off=d16, ccount_off="i32", done_off="i32", RPR="i32",
-        LAST="i32"),
+        ckey_ptr="*i32", cmass_ptr="*i64", ccount_ptr="*i32", done_ptr="*i32",
+        need_ptr="*i32", V=d16, C=d16, CHUNK=d16, stride_zb=d16, z_off=d16, ccount_off="i32",
+        done_off="i32", RPR="i32", ROWS="i32", LAST="i32"),
         dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), FEW=FEW_CANDIDATES,
-             SCAN=True, SCALED=scaled, PDL=pdl),
+             SCAN=True, GATE=gate, SCALED=scaled, ROWS_P2=row_list_p2(rows, persist and gate),
+             PERSIST=persist, PDL=pdl),
         SELECT_WARPS)
 
 
@@ -1411,7 +1556,7 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
                          RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
                          bmax, BLOCK_V: int, skip: bool = True,
                          few: int = FEW_CANDIDATES, pdl: int = 0, need=None,
-                         scaled: bool = False) -> None:
+                         scaled: bool = False, persist: bool = False) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
     resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
     offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
@@ -1420,7 +1565,9 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     candidates are resolved pairwise, more by bisection (tuning knob and test hook). `pdl`: the
     kernels' PDL mode (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller
     checked pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
-    nonzero (row_needed); the refine passes follow, since a row select skips keeps state 0.
+    nonzero; the refine passes take the same rows (a row select skips keeps state 0).
+    `persist` (with `need`): the passes run as grids of about one wave whose programs take the
+    flagged rows' (row, chunk) items in turn (gated_grid, row_list), not one program per item.
     `scaled`: z holds unscaled logits, each row's divided by its temperature (scale_z)."""
     if few != 0:    # the pairwise path builds a [few, few] int64 matrix per resolving program
         check_pow2("few", few, 1, 64)
@@ -1428,19 +1575,23 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     s = scratch
     scale = float(2 ** mass_scale_bits(V))
     C_P2 = next_pow2(C)
-    launch(row_select_kernel)[(rowf.shape[0], C)](
+    rows, gate = rowf.shape[0], need is not None
+    persist = persist and gate
+    flagged = rowi if need is None else need
+    launch(row_select_kernel)[gated_grid(rows, C, GATED_PER_SM["select"], z.device, persist)](
         *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
         counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], s["floor"],
-        rowi if need is None else need, V, C,
-        CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1], RPR,
-        TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2, BLOCK_V=BLOCK_V,
-        NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, GATE=need is not None,
-        SCALED=scaled, PDL=pdl,
+        flagged, V, C, CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1],
+        RPR, rows, TILE=select_tile(TILE), NB=NB, CAP=cap, SCALE=scale, C_P2=C_P2,
+        BLOCK_V=BLOCK_V, NT_P2=s["live"].shape[2], SKIP=skip, FEW=few, SCAN=scan, GATE=gate,
+        SCALED=scaled, ROWS_P2=row_list_p2(rows, persist), PERSIST=persist, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl))
     for r, (co, do) in enumerate(refine_offs):
-        launch(row_refine_kernel)[(rowf.shape[0], C)](
+        launch(row_refine_kernel)[gated_grid(rows, C, GATED_PER_SM["refine"], z.device,
+                                             persist)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
-            s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, V, C,
-            CHUNK, stride_zb, z_off, co, do, RPR, int(r == len(refine_offs) - 1),
+            s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, flagged,
+            V, C, CHUNK, stride_zb, z_off, co, do, RPR, rows, int(r == len(refine_offs) - 1),
             TILE=refine_tile(TILE, edges), NB=edges, CAP=cap, SCALE=scale, C_P2=C_P2, FEW=few,
-            SCAN=scan, SCALED=scaled, PDL=pdl, num_warps=SELECT_WARPS, **pdl_launch(pdl))
+            SCAN=scan, GATE=gate, SCALED=scaled, ROWS_P2=row_list_p2(rows, persist),
+            PERSIST=persist, PDL=pdl, num_warps=SELECT_WARPS, **pdl_launch(pdl))

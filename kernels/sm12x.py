@@ -167,6 +167,16 @@ def cubin_resources(cubin: bytes) -> dict:
     return res
 
 
+REGS_PER_SM = 65536            # sm_90, sm_120, sm_121
+MAX_CTAS_PER_SM = 32
+
+
+def ctas_by_registers(registers: int, num_warps: int) -> int:
+    """CTAs per SM the register file allows (per-thread registers rounded up to 8)."""
+    per_cta = -(-registers // 8) * 8 * WARP_SIZE * num_warps
+    return min(MAX_CTAS_PER_SM, REGS_PER_SM // per_cta)
+
+
 def _arch_capability(arch: str) -> int:
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")

@@ -47,6 +47,16 @@ def launch(kernel):
     return kernel
 
 
+def multiprocessors(device) -> int:
+    """The device's SM count, which sizes persistent grids; 1 for CPU tensors (the interpreter
+    runs programs one after another, and a grid of one program per "SM" makes each program take
+    several work items, the path the GPU takes)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def pdl_available(kernel, device) -> bool:
     """Programmatic dependent launch (`launch_pdl=True` with `pdl_enter` in the kernel): NVIDIA
     sm_90+ only, never in the interpreter."""

@@ -3,7 +3,8 @@ shapes) against it, the draft distribution (chi-square), degenerate/padded rows,
 import pytest
 import torch
 
-from dspark_compile.kernels.markov_sampler import (markov_bias, markov_sample_launch,
+from dspark_compile.kernels.markov_sampler import (PERSIST_FROM_ROWS, markov_bias,
+                                                   markov_sample_launch,
                                                    markov_sample_mode_reference,
                                                    markov_sample_reference)
 from dspark_compile.kernels.philox import STREAM_DRAFT
@@ -209,11 +210,14 @@ def test_fused_equals_reference_on_many_seeds():
     assert (other != want).any(1).float().mean() > 0.5
 
 
-def test_candidate_pick_keeps_kept_candidates_and_searches_the_rest():
+@pytest.mark.parametrize("persistent", [True, False])
+def test_candidate_pick_keeps_kept_candidates_and_searches_the_rest(persistent):
     """The default plan takes a step's Gumbel candidate (argmax of z + g above the top-p floor)
     where it lies in the top-p set and searches the rest: on rows where both happen (flat and
     peaked rows, top-p from 0 to 0.99, a top-k row, T != 1, multi-program chunks), the tokens
-    equal the reference's, and pick's own flags show both paths taken."""
+    equal the reference's, and pick's own flags show both paths taken. The searched rows go
+    through persistent grids (on the CPU one program per "SM": every program takes many rows'
+    items in turn) or one program per row and chunk."""
     w1, w2 = weights(16)
     B, n = 24, 3
     g = torch.Generator().manual_seed(16)
@@ -229,7 +233,7 @@ def test_candidate_pick_keeps_kept_candidates_and_searches_the_rest():
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
     want_d, _ = markov_sample_reference(*args)
     needs = []
-    got_d, _ = markov_sample_launch(*args, needs=needs, **MULTI)
+    got_d, _ = markov_sample_launch(*args, needs=needs, persistent=persistent, **MULTI)
     assert torch.equal(got_d, want_d)
     # pick's own flags: both paths taken (the top-k row always searched)
     need = torch.stack(needs, 1).bool()
@@ -430,6 +434,8 @@ def test_modes_and_op_dispatch():
     for mode in ("greedy", "full"):
         with pytest.raises(ValueError, match="pdl must be"):
             markov_sample_launch(*args, mode, pdl="sometimes")
+    with pytest.raises(ValueError, match="persistent must be"):
+        markov_sample_launch(*args, persistent="yes")
 
 
 # ------------------------------------------------------------------------------------------
@@ -475,7 +481,9 @@ def test_gpu_full_plan_pdl_modes_equal_plain_launches(B):
     of plain launches -- eagerly and replayed from a CUDA graph -- on mixed rows: greedy,
     temperature, top-k, top-p over peaked and Gaussian logits (the fused sampler is
     deterministic, so a launch reading before its predecessor finished shows up here). B = 40
-    takes the 64-row tile, whose default is "early"; B = 4 the 16-row tile ("late")."""
+    takes the 64-row tile, whose default is "early"; B = 4 the 16-row tile ("late"). The
+    searched rows also the other way than the default for B (persistent grids from 16 rows,
+    one program per row and chunk below)."""
     dev = "cuda"
     g, w1, w2 = flash_weights(2)
     base = torch.randn(B, N, VF, device=dev, generator=g) * 3
@@ -490,6 +498,10 @@ def test_gpu_full_plan_pdl_modes_equal_plain_launches(B):
     want_d, want_p = markov_sample_launch(*args, pdl=False)
     for mode in ("early", "late"):
         got_d, got_p = markov_sample_launch(*args, pdl=mode)
+        assert torch.equal(got_d, want_d), mode
+        assert torch.equal(got_p, want_p), mode
+        # the searched rows' launches the other way (persistent grids or one program per item)
+        got_d, got_p = markov_sample_launch(*args, pdl=mode, persistent=B < PERSIST_FROM_ROWS)
         assert torch.equal(got_d, want_d), mode
         assert torch.equal(got_p, want_p), mode
         graph = torch.cuda.CUDAGraph()

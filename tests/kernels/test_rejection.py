@@ -473,7 +473,8 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
     """The whole op with the walk (rows skipped by reduce / select, decided tests taken as
-    stored) and without it: both the reference's tokens, at tilings with several chunks."""
+    stored; their searches one program per row and chunk or in persistent grids) and without
+    it: the reference's tokens, at tilings with several chunks."""
     B, N, V = 9, 4, 500
     logits, drafts, q = _confident_case(10 + seed, B, N, V)
     # requests 6..8: flat rows, where the walk leaves tests to the exact path while it skips
@@ -493,9 +494,11 @@ def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
         dec[b, i] == 0 and need[b, i] == 1 and not (dec[b, :i] == 2).any() for i in range(N))]
     assert mixed, "no request with an exact test and skipped rows: the case lost its point"
     want = rejection_sample_reference(logits, drafts, q, T, k, p, sd, pos)
-    for bounds in (True, False):
+    # the searches one program per row and chunk (the default), or persistent grids (on the
+    # CPU one program per "SM", which takes every flagged row's items in turn)
+    for bounds, persistent in ((True, False), (False, False), (True, True)):
         got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
-                                      bounds=bounds)
+                                      bounds=bounds, persistent=persistent)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bounds
     # bf16 target and draft logits: every pass reads and scales them itself (no fp32 copy)
     l16, q16 = logits.bfloat16(), q.bfloat16()
@@ -510,6 +513,8 @@ def test_pdl_knob_is_checked():
     for mode in ("full", "greedy"):
         with pytest.raises(ValueError, match="pdl must be"):
             rejection_sample_launch(*args, mode, pdl="sometimes")
+        with pytest.raises(ValueError, match="persistent must be"):
+            rejection_sample_launch(*args, mode, persistent=1)
 
 
 def _gpu_confident_case(B, dev):
@@ -553,6 +558,9 @@ def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
                 got = rejection_sample_launch(*args, bounds=bounds, pdl=pdl, overlap=overlap)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
                     (bounds, pdl, overlap)
+    for pdl in (False, "early", "late"):        # the searches in persistent grids
+        got = rejection_sample_launch(*args, pdl=pdl, persistent=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pdl
     new = _gpu_confident_case(B + 1, "cuda")
     new = [n[:B] for n in new]
     want = rejection_sample_reference(*new)

@@ -64,7 +64,23 @@ def test_resources_fit_sm12x(arch, all_kernels):
         assert r["local_bytes"] == 0, f"{where}: {r['local_bytes']} B local memory (spills)"
         assert 0 < r["registers"] <= 255, where
         assert r["ok"]
+        # a persistent row pass's grid is sized to one wave of what its build keeps resident
+        if r["constexprs"].get("PERSIST"):
+            fit = sm12x.ctas_by_registers(r["registers"], r["num_warps"])
+            assert fit >= _PERSISTENT_PER_SM[r["kernel"]], f"{where}: {fit} CTAs per SM"
+    assert any(r["constexprs"].get("PERSIST") for r in report)
     sm12x.check_report(report)
+
+
+def _persistent_per_sm():
+    from dspark_compile.kernels.markov_sampler import FINAL_PER_SM
+    from dspark_compile.kernels.sampling import GATED_PER_SM
+    return {"row_reduce_kernel": GATED_PER_SM["reduce"],
+            "row_select_kernel": GATED_PER_SM["select"],
+            "row_refine_kernel": GATED_PER_SM["refine"], "_markov_gumbel_kernel": FINAL_PER_SM}
+
+
+_PERSISTENT_PER_SM = _persistent_per_sm()
 
 
 def test_check_report_names_offenders():
