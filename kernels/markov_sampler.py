@@ -63,7 +63,12 @@ graph):
           program (atomic ticket) reduces the chunk winners into the token and `prev`. cand
           and final are one kernel (_markov_gumbel_kernel): a Gumbel-max above a threshold.
 The row passes of this plan take the one-row tiling (row_tiling(1, V): 2048-token chunks) at
-every B: a search now runs on a few rows, and its time is its slowest program's. Mode "plain"
+every B: a search now runs on a few rows, and its time is its slowest program's. From
+PERSIST_FROM_ROWS rows on, the gated launches (reduce, select, refine, final) run persistent
+grids of about one wave whose programs take the flagged rows' (row, chunk) items in turn
+(sampling.gated_grid): launched one program per row and chunk, at B = 64 their programs were
+4096 a launch, nearly all of them reading a flag and exiting (34 us a step on the H200 with
+no row flagged, now 9). Mode "plain"
 (top-k / top-p ignored) takes every token from pick: three launches per step. Without
 `candidate` (a launch knob) every non-greedy row goes through the search and final, the plan
 of earlier sessions, at row_tiling(B, V).
@@ -1025,14 +1030,15 @@ def _markov_configs():
     for B in (1, 16, 64):
         cp, bv = next_pow2(C), _logits_config(B, _R_FLASH)[1]
         pdl = _pdl_mode(True, B)        # what a launch on sm_90+ (SM12x included) compiles
+        persist = _persistent(None, B)  # the gated launches' default build for B rows
         # (the default plan: the pick kernel, then the search and final gated to the rows it
         # leaves, mode "full" only)
         out.append(reduce_compile_config(TILE, CHUNK, C, bv, _V_FLASH, 2, pdl, gate=True,
-                                         scaled=True, zin=True, rows=B, persist=True))
+                                         scaled=True, zin=True, rows=B, persist=persist))
         out.append(select_compile_config(TILE, CHUNK, C, bv, _V_FLASH, pdl=pdl, gate=True,
-                                         scaled=True, rows=B, persist=True))
+                                         scaled=True, rows=B, persist=persist))
         out.append(refine_compile_config(TILE, C, _V_FLASH, pdl=pdl, scaled=True, gate=True,
-                                         rows=B, persist=True))
+                                         rows=B, persist=persist))
         gumbel_sig = dict(
             **flags, seed_ptr="*i64", pos_ptr="*i64", z_ptr="*fp32", rowkey_ptr="*i64",
             floor_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", bmax_ptr="*fp32",
@@ -1041,7 +1047,7 @@ def _markov_configs():
             NBLK="i32", stride_zb=_D16, stride_db="i32", z_off=_D16, done_off="i32")
         out.append(compile_config(_markov_gumbel_kernel, gumbel_sig, dict(
             TILE=TILE, MODE=2, C_P2=cp, BLOCK_V=bv, CAND=False, GATE=True,
-            ROWS_P2=row_list_p2(B, True), PERSIST=True, PDL=pdl), 4))  # final
+            ROWS_P2=row_list_p2(B, persist), PERSIST=persist, PDL=pdl), 4))  # final
         nblk_p2 = next_pow2(triton.cdiv(_V_FLASH, bv))
         for mode in (1, 2):
             if mode == 2:               # (mode "plain" launches no rowstat)

@@ -1423,10 +1423,13 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 # Programs per SM of a persistent pass's grid (gated_grid): what the PERSIST build keeps resident
 # at its registers on sm_90 and sm_120, so the grid is one wave and a launch with nothing flagged
 # costs one wave of empty programs. The item loop costs registers (LLVM hoists the per-thread
-# address arithmetic of the whole body out of it): reduce 128-137 (3 CTAs of 4 warps per SM),
-# select 128 (2 of 8 warps), refine 215 (1 of 8 warps), against 89 / 74 / 97 one program per
-# item (benchmarks/kernel_resources.py; tests/kernels/test_sm12x_resources.py checks the fit).
-GATED_PER_SM = {"reduce": 3, "select": 2, "refine": 1}
+# address arithmetic of the whole body out of it): on sm_90 reduce 128-137 (3 CTAs of 4 warps
+# per SM), select 128 (2 of 8 warps; on sm_120 the 16-row build takes more: 1), refine 215 (1 of
+# 8 warps), against 89 / 74 / 97 one program per item (benchmarks/kernel_resources.py;
+# tests/kernels/test_sm12x_resources.py checks the fit of the declared builds). The count varies
+# with ROWS_P2 (a select build for 1 row took 198), so a row count not declared may fit fewer:
+# its grid then runs in two waves, slower, not wrong. (The H200 A/B of s11_3 ran select at 2.)
+GATED_PER_SM = {"reduce": 3, "select": 1, "refine": 1}
 
 
 def gated_grid(rows: int, C: int, per_sm: int, device, persist: bool) -> tuple:

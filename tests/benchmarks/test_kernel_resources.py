@@ -8,19 +8,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOOL = os.path.join(REPO, "benchmarks", "kernel_resources.py")
 
 
-def test_ctas_by_registers():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import kernel_resources as kr
-    finally:
-        sys.path.pop(0)
-    # session 10's Markov logits kernel at B = 64 (4 warps): 146 -> 198 registers
-    assert kr.ctas_by_registers(146, 4) == 3
-    assert kr.ctas_by_registers(198, 4) == 2
-    assert kr.ctas_by_registers(255, 8) == 1
-    assert kr.ctas_by_registers(16, 1) == 32                 # the per-SM CTA limit
-
-
 def test_report_for_sm90_on_a_machine_without_a_gpu(tmp_path):
     # a fresh process without TRITON_INTERPRET, as a user runs it (interpreter-mode tests patch
     # Triton's language in this one)

@@ -65,10 +65,12 @@ def test_resources_fit_sm12x(arch, all_kernels):
         assert 0 < r["registers"] <= 255, where
         assert r["ok"]
         # a persistent row pass's grid is sized to one wave of what its build keeps resident
-        if r["constexprs"].get("PERSIST"):
+        # (the greedy step kernel's PERSIST is its own: a grid of PROGS_PER_SM, measured)
+        if r["constexprs"].get("PERSIST") and r["kernel"] in _PERSISTENT_PER_SM:
             fit = sm12x.ctas_by_registers(r["registers"], r["num_warps"])
             assert fit >= _PERSISTENT_PER_SM[r["kernel"]], f"{where}: {fit} CTAs per SM"
-    assert any(r["constexprs"].get("PERSIST") for r in report)
+    assert any(r["constexprs"].get("PERSIST") and r["kernel"] in _PERSISTENT_PER_SM
+               for r in report)
     sm12x.check_report(report)
 
 
@@ -81,6 +83,14 @@ def _persistent_per_sm():
 
 
 _PERSISTENT_PER_SM = _persistent_per_sm()
+
+
+def test_ctas_by_registers():
+    # session 10's Markov logits kernel at B = 64 (4 warps): 146 -> 198 registers
+    assert sm12x.ctas_by_registers(146, 4) == 3
+    assert sm12x.ctas_by_registers(198, 4) == 2
+    assert sm12x.ctas_by_registers(215, 8) == 1             # a persistent refine pass
+    assert sm12x.ctas_by_registers(16, 1) == 32             # the per-SM CTA limit
 
 
 def test_check_report_names_offenders():
