@@ -62,6 +62,8 @@ graph):
   final   grid (B, C), flagged rows: Gumbel-max of z + g over the kept tokens; the row's last
           program (atomic ticket) reduces the chunk winners into the token and `prev`. cand
           and final are one kernel (_markov_gumbel_kernel): a Gumbel-max above a threshold.
+          (reduce, select, refine and final: persistent grids from PERSIST_FROM_ROWS rows,
+          below.)
 The row passes of this plan take the one-row tiling (row_tiling(1, V): 2048-token chunks) at
 every B: a search now runs on a few rows, and its time is its slowest program's. From
 PERSIST_FROM_ROWS rows on, the gated launches (reduce, select, refine, final) run persistent
@@ -116,15 +118,14 @@ from .philox import STREAM_DRAFT
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
 from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, check_int32_index, check_pow2, check_sampling_params,
-                       fold_ids, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
-                       lane_argmax_update, launch_select_refine, pack_argmax, process_logits,
-                       reduce_compile_config, refine_compile_config, row_flags,
-                       row_reduce_kernel, row_t, row_tiling, scale_z, row_list, list_row, row_needed,
-                       gated_grid, row_list_p2, GATED_PER_SM,
-                       select_compile_config, threshold_scratch, tile_max, block_max_floor,
-                       tl_vocab_gumbel, unpack_token, unpack_value, fixed_mass,
-                       load_z, mass_scale_bits, row_degenerate)
+                       argmax_tokens, block_max_floor, check_int32_index, check_pow2,
+                       check_sampling_params, fixed_mass, fold_ids, gated_grid, gated_per_sm,
+                       greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
+                       lane_argmax_update, launch_select_refine, list_row, load_z, mass_scale_bits,
+                       pack_argmax, process_logits, reduce_compile_config, refine_compile_config,
+                       row_degenerate, row_flags, row_list, row_list_p2, row_needed,
+                       row_reduce_kernel, row_t, row_tiling, scale_z, select_compile_config,
+                       threshold_scratch, tile_max, tl_vocab_gumbel, unpack_token, unpack_value)
 from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
                          pdl_enter, pdl_launch, pdl_mode, pdl_release)
 
@@ -506,8 +507,8 @@ def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr
                           CAND: tl.constexpr = False, GATE: tl.constexpr = False,
                           ROWS_P2: tl.constexpr = 1, PERSIST: tl.constexpr = False,
                           PDL: tl.constexpr = 0):
-    """Grid (B, C): the Gumbel-max of z + g (lowest id on ties, Philox in-kernel) over a row's
-    tokens at or above a threshold; the row's last program (atomic ticket) writes the token.
+    """Per (row, chunk) item: the Gumbel-max of z + g (lowest id on ties, Philox in-kernel)
+    over a row's tokens at or above a threshold; the row's last ticket writes the token.
     Noise is drawn only for the tiles whose block maxima reach the threshold, whose logits are
     the only ones loaded. z: the step's draft_logits scaled as read (scale_z).
     - CAND (`cand`): sampled rows without top-k, above the block maxima's top-p floor
@@ -515,8 +516,8 @@ def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr
     - else (`final`): non-greedy rows (with GATE only those need_ptr flags), above select's
       exact threshold tau (every finite token without top-k / top-p): the draft, into the
       step's column of out_ptr (the drafts) and `prev`.
-    Work items, GATE, PERSIST: as in sampling.row_reduce_kernel (cand runs one program per
-    item; final, gated, persistent by default).
+    Work items, GATE, PERSIST: as in sampling.row_reduce_kernel (cand runs grid (B, C), one
+    program per item; final is gated, persistent from PERSIST_FROM_ROWS rows).
     """
     pdl_enter(PDL)
     z_ptr += z_off
@@ -769,6 +770,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     NB = hist_bins
     check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos)
     check_int32_index(base_logits=base_logits, w2=w2)   # draft_logits has base_logits' shape
+    persist = _persistent(persistent, base_logits.shape[0])
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     MODE = MODES[mode]
@@ -839,7 +841,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
     best_i = torch.empty((B, C), dtype=i32, device=dev)
     need = torch.empty((B,), dtype=i32, device=dev) if candidate else None
     gate = need is not None     # the search and final take the rows pick flags
-    persist = gate and _persistent(persistent, B)   # ... in grids of one wave (gated_grid)
+    persist = gate and persist      # ... in grids of about one wave (gated_grid)
     part = torch.empty((B, C), dtype=i64, device=dev) if candidate else None
     cand = torch.empty((B,), dtype=i64, device=dev) if candidate else None
     rowfl = torch.empty((B,), dtype=f32, device=dev) if candidate else None
@@ -880,7 +882,8 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
                 continue
         # only top-k/top-p rows (mode "full") use the chunk programs; otherwise one per row
         CR = C if MODE == 2 else 1
-        launch(row_reduce_kernel)[gated_grid(B, CR, GATED_PER_SM["reduce"], dev, persist)](
+        launch(row_reduce_kernel)[gated_grid(B, CR, gated_per_sm("reduce", dev), dev,
+                                             persist)](
             bmax, barg, bsum, bnan, temperature, top_k, top_p, out, drafts, prev, rowf,
             rowi, thr["hist"], rst, counters, thr["floor"], thr["live"],
             rowi if need is None else need, V, NBLK, CR, CHUNK, sz,

@@ -44,9 +44,9 @@ import triton.language as tl
 from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
 from .registry import add_compile_configs, dspark_op
 from .region import fusable
-from .sampling import (CAND_CAP, GATED_PER_SM, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, check_int32_index, check_sampling_params, fold_ids,
-                       gated_grid, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
+from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_tokens,
+                       check_int32_index, check_sampling_params, fold_ids, gated_grid,
+                       gated_per_sm, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
                        lane_argmax_update, launch_select_refine, load_z, logprobs_from_processed,
                        mass_scale_bits, pack_argmax, probs_from_processed, process_requests,
                        reduce_compile_config, refine_compile_config, request_probs,
@@ -658,7 +658,7 @@ def _search(z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, cap, ski
     targ = torch.empty((R,), dtype=torch.int64, device=dev)     # greedy rows' argmax
     scratch = torch.empty((R,), dtype=torch.int64, device=dev)
     persist = persist and need is not None
-    launch(row_reduce_kernel)[gated_grid(R, C, GATED_PER_SM["reduce"], dev, persist)](
+    launch(row_reduce_kernel)[gated_grid(R, C, gated_per_sm("reduce", dev), dev, persist)](
         st["bmax"], st["barg"], st["bsum"], st["bnan"], *flags, z, targ, scratch, rowf, rowi,
         thr["hist"], rst, counters, thr["floor"], thr["live"], rowi if need is None else need, V,
         NBLK, C, CHUNK, z.stride(1), 1, 0, 0, 0, n, R, NBLK_P2=next_pow2(NBLK),
@@ -876,18 +876,16 @@ def _parallel_configs(stream: int):
             a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_tb="i32", stride_zr=d16,
             stride_dr=d16), dict(PDL=pdl), 1))
         # the tilings the launcher picks: plain sampling at B = 1 / 16 / 48 rows, rejection at
-        # 2 B rows (the walk leaves about two a request to search) for B = 1 / 8 / 24, whose
-        # searches gate 6 B target rows (the draft rows' 5 B compile alike)
+        # 2 B rows (the walk leaves about two a request to search) for B = 1 / 8 / 24; one
+        # program per item (the default: `persistent` off)
         for rows in (1, 16, 48):
             _, CHUNK, C = row_tiling(rows, 129280)
-            gated = 3 * rows if drafts else 1
             # statistics blocks are the 1024-token tiles
             out.append(reduce_compile_config(1024, CHUNK, C, 1024, 129280, 2, pdl, gate=drafts,
-                                             scaled=True, rows=gated))
+                                             scaled=True))
             out.append(select_compile_config(1024, CHUNK, C, 1024, 129280, pdl, gate=drafts,
-                                             scaled=True, rows=gated))
-            out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True, gate=drafts,
-                                             rows=gated))
+                                             scaled=True))
+            out.append(refine_compile_config(1024, C, 129280, pdl, scaled=True, gate=drafts))
             out.append(compile_config(_resample_kernel, dict(
                 z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", dz_ptr="*fp32",
                 drowf_ptr="*fp32", drowi_ptr="*i32", bmax_ptr="*fp32", **flags,

@@ -729,10 +729,11 @@ def resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac, Zf, k, top_p,
 #
 # Rows live in a z buffer (scaled logits, fp32; or, SCALED, the logits themselves, scaled where
 # read: scale_z) with per-block statistics of z from the kernel that wrote it or read it (max,
-# lowest-id argmax, sum exp(z - max), NaN flag over BLOCK_V tokens). Programs
-# (row, chunk) run over C chunks of a row; the row's last program (atomic ticket, acq_rel, after a
-# CTA barrier; partials read past L1) finishes its work, in a fixed order: results never depend on
-# which program finished first. Sampling parameters are per request: row // RPR.
+# lowest-id argmax, sum exp(z - max), NaN flag over BLOCK_V tokens). A pass's work items are
+# (row, chunk) pairs over C chunks of a row, one program each or, persistent, several items a
+# program (row_list); whoever holds a row's last atomic ticket (acq_rel, after a CTA barrier;
+# partials read past L1) finishes the row's work, in a fixed order: results never depend on
+# which item finished first. Sampling parameters are per request: row // RPR.
 
 @triton.jit
 def tile_max(bmax_ptr, b, NBLK, v0, TILE: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -1005,8 +1006,11 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     # (the floor goes to floor_ptr[b], which select reads). BLOCK_V: the statistics' blocks.
     # Work items: (row b, chunk c). GATE: only the rows need_ptr flags. PERSIST: a grid of any
     # size whose programs take the items of the flagged rows among ROWS (ROWS_P2 >= ROWS) in
-    # turn (row_list); else grid (rows, C), one program per item. SCALED: z_ptr holds the
-    # logits, scaled where each tile is used (scale_z; the statistics came from the same z).
+    # turn (row_list); a program's pdl_release then comes after its first item's main loop (as
+    # measured, s11_3), so with PDL 2 the next launch may start while programs still hold
+    # items (it waits for this grid's end in pdl_enter all the same). Else grid (rows, C), one
+    # program per item. SCALED: z_ptr holds the logits, scaled where each tile is used
+    # (scale_z; the statistics came from the same z).
     # ZIN: Z is read from rowf_ptr[b, 1], where an earlier launch of the caller wrote it from the
     # same statistics (the Markov candidate plan's rowstat, whose pick decided with that Z: the
     # threshold search must use its bits, not a sum that may round otherwise).
@@ -1165,8 +1169,8 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
                       PDL: tl.constexpr = 0):
     # SCAN: the scan_threshold test hook. SKIP: tiles whose block maxima (bmax, the statistics
     # pass's blocks of BLOCK_V tokens) lie below the bracket are neither read nor binned.
-    # Work items, GATE, PERSIST, SCALED: as in row_reduce_kernel (refine takes the same flags: a row select
-    # skips keeps refine state 0)
+    # Work items, GATE, PERSIST, SCALED: as in row_reduce_kernel (refine takes the same flags:
+    # a row select skips keeps refine state 0)
     pdl_enter(PDL)
     z_ptr += z_off
     ccount_ptr += ccount_off
@@ -1392,7 +1396,8 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
                       SCALED: tl.constexpr = False, ROWS_P2: tl.constexpr = 1,
                       PERSIST: tl.constexpr = False,
                       PDL: tl.constexpr = 0):
-    # Work items, GATE, PERSIST: as in row_select_kernel (rows select resolved or skipped have state 0).
+    # Work items, GATE, PERSIST: as in row_select_kernel (rows select resolved or skipped have
+    # state 0).
     # SCALED: as in row_reduce_kernel (only the scan fallback reads the row; the spill regions
     # hold scaled z)
     pdl_enter(PDL)
@@ -1420,16 +1425,26 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
 # Launching the threshold search's select and refine passes (both fused samplers use this)
 # ----------------------------------------------------------------------------------------------
 
-# Programs per SM of a persistent pass's grid (gated_grid): what the PERSIST build keeps resident
-# at its registers on sm_90 and sm_120, so the grid is one wave and a launch with nothing flagged
-# costs one wave of empty programs. The item loop costs registers (LLVM hoists the per-thread
-# address arithmetic of the whole body out of it): on sm_90 reduce 128-137 (3 CTAs of 4 warps
-# per SM), select 128 (2 of 8 warps; on sm_120 the 16-row build takes more: 1), refine 215 (1 of
-# 8 warps), against 89 / 74 / 97 one program per item (benchmarks/kernel_resources.py;
-# tests/kernels/test_sm12x_resources.py checks the fit of the declared builds). The count varies
-# with ROWS_P2 (a select build for 1 row took 198), so a row count not declared may fit fewer:
-# its grid then runs in two waves, slower, not wrong. (The H200 A/B of s11_3 ran select at 2.)
-GATED_PER_SM = {"reduce": 3, "select": 1, "refine": 1}
+# Programs per SM of a persistent pass's grid (gated_grid), per compute capability major: what
+# the PERSIST build keeps resident at its registers, so the grid is one wave and a launch with
+# nothing flagged costs one wave of empty programs. The item loop costs registers (LLVM hoists
+# the per-thread address arithmetic of the whole body out of it): on sm_90 reduce 128-137
+# (3 CTAs of 4 warps per SM), select 128 (2 of 8 warps), refine 215 (1 of 8 warps), against
+# 89 / 74 / 97 one program per item (benchmarks/kernel_resources.py --capability 90; the H200
+# A/B of s11_3 ran these). On sm_120 / sm_121 the 16-row select build takes more registers:
+# 1 per SM (tests/kernels/test_sm12x_resources.py checks the declared builds fit). The count
+# varies with ROWS_P2 (a select build for 1 row took 198), so a row count not declared may fit
+# fewer: its grid then runs in two waves, slower, not wrong. Other capabilities (and the
+# interpreter) take SM12x's table.
+GATED_PER_SM = {9: {"reduce": 3, "select": 2, "refine": 1},
+                12: {"reduce": 3, "select": 1, "refine": 1}}
+
+
+def gated_per_sm(kind: str, device) -> int:
+    """GATED_PER_SM's programs per SM for pass `kind` (reduce / select / refine) on `device`."""
+    device = torch.device(device)
+    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 12
+    return GATED_PER_SM.get(major, GATED_PER_SM[12])[kind]
 
 
 def gated_grid(rows: int, C: int, per_sm: int, device, persist: bool) -> tuple:
@@ -1497,7 +1512,8 @@ def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, m
     """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
     tokens, statistics blocks of BLOCK_V, vocabulary V, MODE mode (2: with the threshold
     histogram and the floor); `gate`, `scaled`, `zin`: only rows need flags mark (of `rows`),
-    unscaled logits read, Z given (the rejection plan and the Markov candidate plan)."""
+    unscaled logits read, Z given (the rejection plan and the Markov candidate plan); `persist`
+    (with `gate`): the persistent build (PERSIST), whose need-flag vector `rows` sizes."""
     d16 = "i32:16"
     return compile_config(row_reduce_kernel, dict(
         bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
@@ -1509,7 +1525,8 @@ def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, m
         dict(NBLK_P2=next_pow2(triton.cdiv(V, BLOCK_V)), TILE=hist_tile(TILE, HIST_BINS),
              NB=HIST_BINS, MODE=mode, C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), FLOOR=mode == 2, GATE=gate, SCALED=scaled, ZIN=zin,
-             ROWS_P2=row_list_p2(rows, persist and gate), PERSIST=persist, PDL=pdl), 4)
+             ROWS_P2=row_list_p2(rows, persist and gate), PERSIST=persist and gate,
+             PDL=pdl), 4)
 
 
 def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, pdl: int = 0,
@@ -1517,7 +1534,7 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, p
                           persist: bool = False):
     """row_select_kernel's compile entry (kernels/sm12x.py readiness) for a launch at row tile
     TILE, C chunk programs of CHUNK tokens, logits blocks of BLOCK_V, vocabulary V; `gate`,
-    `scaled`, `rows` as in reduce_compile_config."""
+    `scaled`, `rows`, `persist` as in reduce_compile_config."""
     d16 = "i32:16"
     return compile_config(row_select_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -1529,16 +1546,16 @@ def select_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, p
         dict(TILE=select_tile(TILE), NB=HIST_BINS, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), BLOCK_V=BLOCK_V,
              NT_P2=live_slots(CHUNK, TILE), SKIP=True, FEW=FEW_CANDIDATES, SCAN=True,
-             GATE=gate, SCALED=scaled, ROWS_P2=row_list_p2(rows, persist and gate), PERSIST=persist,
-             PDL=pdl),
+             GATE=gate, SCALED=scaled, ROWS_P2=row_list_p2(rows, persist and gate),
+             PERSIST=persist and gate, PDL=pdl),
         SELECT_WARPS)
 
 
 def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0, scaled: bool = False,
                           gate: bool = False, rows: int = 1, persist: bool = False):
     """row_refine_kernel's compile entry for a launch at row tile TILE, C chunk programs,
-    vocabulary V (no logits-block dependence: it reads only the spill regions); `gate`, `rows`
-    as in reduce_compile_config."""
+    vocabulary V (no logits-block dependence: it reads only the spill regions); `gate`, `rows`,
+    `persist` as in reduce_compile_config."""
     d16 = "i32:16"
     return compile_config(row_refine_kernel, dict(
         temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", z_ptr="*fp32", rowf_ptr="*fp32",
@@ -1550,7 +1567,7 @@ def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0, scaled: bool 
         dict(TILE=refine_tile(TILE, REFINE_EDGES), NB=REFINE_EDGES, CAP=CAND_CAP,
              SCALE=float(2 ** mass_scale_bits(V)), C_P2=next_pow2(C), FEW=FEW_CANDIDATES,
              SCAN=True, GATE=gate, SCALED=scaled, ROWS_P2=row_list_p2(rows, persist and gate),
-             PERSIST=persist, PDL=pdl),
+             PERSIST=persist and gate, PDL=pdl),
         SELECT_WARPS)
 
 
@@ -1581,7 +1598,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
     rows, gate = rowf.shape[0], need is not None
     persist = persist and gate
     flagged = rowi if need is None else need
-    launch(row_select_kernel)[gated_grid(rows, C, GATED_PER_SM["select"], z.device, persist)](
+    launch(row_select_kernel)[gated_grid(rows, C, gated_per_sm("select", z.device), z.device,
+                                         persist)](
         *flags, z, rowf, rowi, s["above_m"], s["above_c"], s["rowa"], s["ckey"], s["cmass"],
         counters, counters, s["kext"], rst, s["spill"], s["spn"], bmax, s["live"], s["floor"],
         flagged, V, C, CHUNK, bmax.shape[1], stride_zb, z_off, select_offs[0], select_offs[1],
@@ -1590,8 +1608,8 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
         SCALED=scaled, ROWS_P2=row_list_p2(rows, persist), PERSIST=persist, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl))
     for r, (co, do) in enumerate(refine_offs):
-        launch(row_refine_kernel)[gated_grid(rows, C, GATED_PER_SM["refine"], z.device,
-                                             persist)](
+        launch(row_refine_kernel)[gated_grid(rows, C, gated_per_sm("refine", z.device),
+                                             z.device, persist)](
             *flags, z, rowf, rowi, rst, s["above_m"], s["above_c"], s["rowa"], s["hist"],
             s["kext"], s["spill"], s["spn"], s["ckey"], s["cmass"], counters, counters, flagged,
             V, C, CHUNK, stride_zb, z_off, co, do, RPR, rows, int(r == len(refine_offs) - 1),

@@ -635,7 +635,8 @@ def _flat_case(v, rows, seed, spread):
 def test_fused_threshold_refinement_on_near_flat_rows(spread):
     """The bracket overflows cap = 64 by far (the old full-scan fallback path); the radix
     refinement alone (scan fallback disabled: it would yield NaN) must give the reference's
-    exact thresholds for top-p, top-k and both."""
+    exact thresholds for top-p, top-k and both, its launches one program per item or in
+    persistent grids."""
     v = 2048
     base, anchor, w1, w2 = _flat_case(v, 4, 11, spread)
     T = torch.tensor([1.0, 1.0, 0.7, 1.0])
@@ -646,11 +647,15 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
     # rows 0-2 (top-p or top-k alone) resolve without the scan; row 3 (top-k and top-p with
     # ~600 tokens between their thresholds, more than cap) still needs it
     for rows, scan in ((slice(0, 3), False), (slice(3, 4), True)):
-        got_d, got_p = fused(
-            base[rows], anchor[rows], w1, w2, T[rows], k[rows], p[rows], seed[rows], sp[rows],
-            tile=256, chunk=512, cap=64, scan_fallback=scan)
+        args = (base[rows], anchor[rows], w1, w2, T[rows], k[rows], p[rows], seed[rows],
+                sp[rows])
+        got_d, got_p = fused(*args, tile=256, chunk=512, cap=64, scan_fallback=scan)
         assert torch.equal(got_d, want_d[rows])
         assert_probs_match(got_p, want_p[rows])
+        # the searched rows' refinement in persistent grids (several items a program)
+        got_d, _ = markov_sample_launch(*args, tile=256, chunk=512, cap=64,
+                                        scan_fallback=scan, persistent=True)
+        assert torch.equal(got_d, want_d[rows])
 
 
 @pytest.mark.parametrize("skip,floor", [(True, True), (True, False), (False, True)],

@@ -370,9 +370,10 @@ def test_fused_threshold_refinement_on_near_flat_rows():
     p = torch.tensor([0.95, 1.0, 0.7])
     seed, sp = torch.tensor([5, 6, 7]), torch.tensor([0, 3, 9])
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, sp)
-    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, tile=256,
-                                  chunk=512, cap=64)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for persistent in (False, True):        # the searches' refinement in persistent grids too
+        got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, tile=256,
+                                      chunk=512, cap=64, persistent=persistent)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), persistent
 
 
 # ---- the bound walk: acceptance tests decided from the row statistics alone ----
