@@ -891,8 +891,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             MODE=MODE, C_P2=C_P2, BLOCK_V=BLOCK_V, NT_P2=thr["live"].shape[2],
             FLOOR=bool(block_floor) and MODE == 2, GATE=gate, SCALED=True,
             ZIN=bool(candidate), ROWS_P2=row_list_p2(B, persist), PERSIST=persist, PDL=pdl,
-            num_warps=4,
-            **pdl_launch(pdl > 0))
+            num_warps=4, **pdl_launch(pdl > 0))
         if MODE == 2:
             # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
             launch_select_refine(
@@ -906,8 +905,7 @@ def markov_sample_launch(base_logits, anchor, w1, w2, temperature, top_k, top_p,
             best_v, best_i, drafts, prev, counters, rowi if need is None else need, k, B, V, C,
             CHUNK, NBLK, sz, drafts.stride(0), zo, cnt[3], TILE=TILE, MODE=MODE, C_P2=C_P2,
             BLOCK_V=BLOCK_V, GATE=gate, ROWS_P2=row_list_p2(B, persist), PERSIST=persist,
-            PDL=pdl, num_warps=4,
-            **pdl_launch(pdl > 0))
+            PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
         if thresholds is not None:
             thresholds.append((rowf.clone(), rowi.clone()))
         if needs is not None and need is not None:
