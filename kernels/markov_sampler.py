@@ -523,9 +523,10 @@ def _markov_gumbel_kernel(temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, z_ptr
     z_ptr += z_off
     done_ptr += done_off
     if PERSIST:
-        count, rank = row_list(need_ptr, B, GATE, ROWS_P2)
+        tl.static_assert(GATE, "a persistent pass takes the rows need_ptr flags")
+        count, rank = row_list(need_ptr, B, ROWS_P2)
         for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
-            _gumbel_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, temp_ptr, topk_ptr,
+            _gumbel_item(list_row(rank, item // C, ROWS_P2), item % C, temp_ptr, topk_ptr,
                 topp_ptr, seed_ptr, pos_ptr, z_ptr, rowkey_ptr, floor_ptr, rowf_ptr, rowi_ptr,
                 bmax_ptr, best_v_ptr, best_i_ptr, out_ptr, prev_ptr, done_ptr, step, B, V, C,
                 CHUNK, NBLK, stride_zb, stride_db, TILE, MODE, C_P2, BLOCK_V, CAND, PDL)

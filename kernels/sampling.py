@@ -817,30 +817,20 @@ def row_degenerate(nan, m):
 # a request) keeps one program per item: measured both ways in s11.
 
 @triton.jit
-def row_list(need_ptr, ROWS, GATE: tl.constexpr, ROWS_P2: tl.constexpr):
-    """(count, rank): the rows a row pass works on. With GATE the rows r < ROWS whose
-    need_ptr[r] is nonzero (the rejection plan's bound walk marks the rows whose exact threshold
-    its consumers read; the Markov candidate plan's pick, the rows whose candidate it could not
-    keep), rank[r] = r's index among them, in row order (-1 for the others); without GATE all
-    ROWS rows (rank unused)."""
-    if GATE:
-        o = tl.arange(0, ROWS_P2)
-        f = (tl.load(need_ptr + o, mask=o < ROWS, other=0) != 0).to(tl.int32)
-        rank = tl.where(f != 0, tl.cumsum(f, axis=0) - 1, -1)
-        count = tl.sum(f, axis=0)
-    else:
-        rank = tl.zeros((1,), tl.int32)
-        count = ROWS
-    return count, rank
+def row_list(need_ptr, ROWS, ROWS_P2: tl.constexpr):
+    """(count, rank): the rows r < ROWS (ROWS_P2 >= ROWS) whose need_ptr[r] is nonzero (the
+    rejection plan's bound walk marks the rows whose exact threshold its consumers read; the
+    Markov candidate plan's pick, the rows whose candidate it could not keep), and
+    rank[r] = r's index among them, in row order (-1 for the others)."""
+    o = tl.arange(0, ROWS_P2)
+    f = (tl.load(need_ptr + o, mask=o < ROWS, other=0) != 0).to(tl.int32)
+    return tl.sum(f, axis=0), tl.where(f != 0, tl.cumsum(f, axis=0) - 1, -1)
 
 
 @triton.jit
-def list_row(rank, i, GATE: tl.constexpr, ROWS_P2: tl.constexpr):
+def list_row(rank, i, ROWS_P2: tl.constexpr):
     """Row number i of row_list's rows."""
-    r = i
-    if GATE:
-        r = tl.sum(tl.where(rank == i, tl.arange(0, ROWS_P2), 0), axis=0)
-    return r
+    return tl.sum(tl.where(rank == i, tl.arange(0, ROWS_P2), 0), axis=0)
 
 
 @triton.jit
@@ -873,7 +863,7 @@ def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V, MODE: tl.constexpr):
 @triton.jit
 def _reduce_item(b, c, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr,
                  z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr,
-                 floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, step, RPR, NBLK_P2,
+                 floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db, RPR, NBLK_P2,
                  TILE, NB, MODE, C_P2, BLOCK_V, NT_P2, FLOOR, SCALED, ZIN, PDL):
     """row_reduce_kernel's work item: chunk c of row b."""
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b // RPR, V, MODE)
@@ -1019,12 +1009,13 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
     drafts_ptr += step
     done_ptr += done_off
     if PERSIST:
-        count, rank = row_list(need_ptr, ROWS, GATE, ROWS_P2)
+        tl.static_assert(GATE, "a persistent pass takes the rows need_ptr flags")
+        count, rank = row_list(need_ptr, ROWS, ROWS_P2)
         for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
-            _reduce_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, bmax_ptr, barg_ptr,
+            _reduce_item(list_row(rank, item // C, ROWS_P2), item % C, bmax_ptr, barg_ptr,
                 bsum_ptr, bnan_ptr, temp_ptr, topk_ptr, topp_ptr, z_ptr, drafts_ptr, prev_ptr,
                 rowf_ptr, rowi_ptr, hist_ptr, rst_ptr, done_ptr, floor_ptr, live_ptr, V, NBLK, C,
-                CHUNK, stride_zb, stride_db, step, RPR, NBLK_P2, TILE, NB, MODE, C_P2, BLOCK_V,
+                CHUNK, stride_zb, stride_db, RPR, NBLK_P2, TILE, NB, MODE, C_P2, BLOCK_V,
                 NT_P2, FLOOR, SCALED, ZIN, PDL)
     else:
         b = tl.program_id(0)
@@ -1032,7 +1023,7 @@ def row_reduce_kernel(bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr, topk_ptr
             _reduce_item(b, tl.program_id(1), bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, temp_ptr,
                 topk_ptr, topp_ptr, z_ptr, drafts_ptr, prev_ptr, rowf_ptr, rowi_ptr, hist_ptr,
                 rst_ptr, done_ptr, floor_ptr, live_ptr, V, NBLK, C, CHUNK, stride_zb, stride_db,
-                step, RPR, NBLK_P2, TILE, NB, MODE, C_P2, BLOCK_V, NT_P2, FLOOR, SCALED, ZIN, PDL)
+                RPR, NBLK_P2, TILE, NB, MODE, C_P2, BLOCK_V, NT_P2, FLOOR, SCALED, ZIN, PDL)
 
 
 @triton.jit
@@ -1176,9 +1167,10 @@ def row_select_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, a
     ccount_ptr += ccount_off
     done_ptr += done_off
     if PERSIST:
-        count, rank = row_list(need_ptr, ROWS, GATE, ROWS_P2)
+        tl.static_assert(GATE, "a persistent pass takes the rows need_ptr flags")
+        count, rank = row_list(need_ptr, ROWS, ROWS_P2)
         for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
-            _select_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, temp_ptr, topk_ptr,
+            _select_item(list_row(rank, item // C, ROWS_P2), item % C, temp_ptr, topk_ptr,
                 topp_ptr, z_ptr, rowf_ptr, rowi_ptr, above_m_ptr, above_c_ptr, rowa_ptr, ckey_ptr,
                 cmass_ptr, ccount_ptr, done_ptr, kext_ptr, rst_ptr, spill_ptr, spn_ptr, bmax_ptr,
                 live_ptr, floor_ptr, V, C, CHUNK, NBLK, stride_zb, RPR, TILE, NB, CAP, SCALE,
@@ -1405,9 +1397,10 @@ def row_refine_kernel(temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, r
     ccount_ptr += ccount_off
     done_ptr += done_off
     if PERSIST:
-        count, rank = row_list(need_ptr, ROWS, GATE, ROWS_P2)
+        tl.static_assert(GATE, "a persistent pass takes the rows need_ptr flags")
+        count, rank = row_list(need_ptr, ROWS, ROWS_P2)
         for item in range(tl.program_id(0), count * C, tl.num_programs(0)):
-            _refine_item(list_row(rank, item // C, GATE, ROWS_P2), item % C, temp_ptr, topk_ptr,
+            _refine_item(list_row(rank, item // C, ROWS_P2), item % C, temp_ptr, topk_ptr,
                 topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr, above_m_ptr, above_c_ptr, rowa_ptr,
                 hist_ptr, kext_ptr, spill_ptr, spn_ptr, ckey_ptr, cmass_ptr, ccount_ptr, done_ptr,
                 V, C, CHUNK, stride_zb, RPR, LAST, TILE, NB, CAP, SCALE, C_P2, FEW, SCAN, SCALED,
