@@ -176,7 +176,9 @@ def test_greedy_generation_through_graphs_is_lossless(gpu_engine, buckets):
     params = [SamplingParams(max_new_tokens=n) for n in (40, 32, 24, 48, 16, 40, 30, 8, 1)]
     eng.times = StepTimes()
     res = eng.generate(prompts, params)
-    if len(buckets) > 1:    # rows finished at different steps and moved to smaller buckets
+    # rows finish at different steps and move to smaller buckets, where there is one below the
+    # bucket of the whole batch (buckets 32,64 hold these 9 requests in 32 to the end)
+    if any(b < eng.bucket_for(len(prompts)) for b in buckets):
         assert len(eng.times.per_bucket) >= 2, eng.times
     assert sum(res.accepted_at) > 0, "no draft accepted"
     exact, ties = 0, []
