@@ -32,10 +32,17 @@ def pytest_addoption(parser):
                           "trace.DEFAULT_BUCKETS); fewer fit a short device run")
 
 
+ENGINE_TESTS = Path(__file__).parent / "runtime"
+
+
 def pytest_collection_modifyitems(config, items):
-    if _HAS_CUDA:
-        return
+    # `make test` spreads the tests over two processes (pytest-xdist, --dist loadgroup): the
+    # engine tests share session fixtures that build engines (minutes each on 2 cores), so
+    # they stay together in one process, which builds each engine once
+    engine = pytest.mark.xdist_group("engine")
     skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the borrowed H200; none here)")
     for item in items:
-        if "gpu" in item.keywords:
+        if ENGINE_TESTS in Path(str(item.path)).parents:
+            item.add_marker(engine)
+        if not _HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip)
