@@ -25,8 +25,10 @@ demo: venv
 	$(BIN)/dspark-compile run $(DEMO_DIR)/engine --prompt-ids 11,12,13,14,15,16,17,18 --prompt-ids 7,7,7 \
 		--max-new-tokens 32 --check-lossless
 
+# two processes (pytest-xdist; CI has 2 cores): the kernel tests run the Triton interpreter one
+# thread each; the engine tests stay in one process (tests/conftest.py: xdist group "engine")
 test: venv
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV) build
