@@ -26,9 +26,9 @@ demo: venv
 		--max-new-tokens 32 --check-lossless
 
 # two processes (pytest-xdist; CI has 2 cores): the kernel tests run the Triton interpreter one
-# thread each; the engine tests stay in one process (tests/conftest.py: xdist group "engine")
+# thread each; the engine tests stay in one process (tests/conftest.py, pytest_xdist_make_scheduler)
 test: venv
-	$(BIN)/python -m pytest -q -x -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -x -n 2 tests
 
 clean:
 	rm -rf $(VENV) build

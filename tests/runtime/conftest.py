@@ -34,6 +34,14 @@ class Built:
     log: list = field(default_factory=list)
 
 
+def pytest_sessionfinish(session):
+    # in a pytest-xdist worker, whose summary nobody sees: hand the timings to the controlling
+    # process, which prints them (tests/conftest.py)
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None and TIMINGS:
+        out["engine_timings"] = dict(TIMINGS)
+
+
 def pytest_terminal_summary(terminalreporter):
     if TIMINGS:
         terminalreporter.write_line("engine timings (tests/runtime): " + ", ".join(
