@@ -255,6 +255,58 @@ def test_greedy_variant_equals_the_full_program(default_loaded):
         eng.run_step([9], variant="fast")
 
 
+@pytest.mark.parametrize("bucket,kernels", [(4, True), (32, False)],
+                         ids=["bucket4-kernels", "bucket32-references"])
+def test_a_step_reads_no_memory_it_did_not_write(default_loaded, bucket, kernels, monkeypatch):
+    """A captured graph runs in a memory pool that holds whatever the last replay, or another
+    bucket's graph, left there, so no step may depend on memory it did not write. The same step
+    from the same state, run plainly and then with every torch.empty filled (NaN floats, the
+    largest ints: torch's fill_uninitialized_memory), must give the same tokens and state: the
+    full program on greedy and sampled rows (temperature, top-k, top-p), and the greedy variant
+    on greedy rows, each with padded rows in the bucket.
+
+    On the CPU the dspark ops run their references; `kernels` routes them to the Triton
+    launchers instead (in the interpreter), so their outputs and scratch are filled too
+    (~20 s a step at bucket 4; bucket 32, the samplers' 32-row tiles, takes ~140 s there and
+    runs the references). A kernel that reads a buffer it did not zero fails this."""
+    from dspark_compile.kernels import registry
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.step import prefill
+    if kernels:     # registry.dspark_op: the launcher on CUDA tensors, else the reference
+        monkeypatch.setattr(registry, "_on_cuda", lambda args, kwargs: True)
+    eng = default_loaded
+    rng = random.Random(bucket)
+    V = eng.cfg.vocab_size
+    live = list(range(40, 40 + max(2, bucket * 5 // 8)))       # padding fills the rest
+    before = snapshot_state(eng.state)
+    for i, row in enumerate(live):
+        sp = SamplingParams() if i % 2 == 0 else SamplingParams(
+            temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 9]),
+            top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
+        set_row_sampling(eng.state, row, sp)
+        prefill(eng.model, eng.state, row, [rng.randrange(V) for _ in range(rng.randint(1, 20))],
+                eng.cache.max_step_tokens, speculative=True)
+    for variant, rows in (("full", live), ("greedy", live[::2])):
+        snap = snapshot_state(eng.state)
+        runs = []
+        for fill in (False, True):
+            restore_state(eng.state, snap)
+            was = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(fill)
+            try:
+                tokens, num = eng.run_step(rows, bucket=bucket, variant=variant)
+            finally:
+                torch.use_deterministic_algorithms(was)
+            runs.append((tokens, num, {k: v[:eng.trash].clone() for k, v in eng.state.items()}))
+        (t0, n0, s0), (t1, n1, s1) = runs
+        assert torch.equal(t0, t1) and torch.equal(n0, n1), (variant, t0, t1)
+        for k in s0:
+            torch.testing.assert_close(s1[k], s0[k], rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{variant}: state '{k}': {m}")
+    assert torch.utils.deterministic.fill_uninitialized_memory, "the fill was off"
+    restore_state(eng.state, before)
+
+
 def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeypatch):
     """The greedy variant is an optimisation: if its capture fails (here: faked, CPU has no
     graphs), the load warns, keeps the bucket's full graph and runs all-greedy batches on it."""
