@@ -67,12 +67,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """pytest-xdist, in the controlling process: a worker's engine timings (its
-    tests/runtime/conftest.py session hands them over), printed in this process's summary."""
+    """pytest-xdist, in the controlling process: a worker's engine timings."""
     _WORKER_TIMINGS.update(getattr(node, "workeroutput", {}).get("engine_timings", {}))
 
 
-def pytest_terminal_summary(terminalreporter):
-    if _WORKER_TIMINGS:
+def pytest_terminal_summary(terminalreporter, config):
+    """The engine tests' build and load times (tests/runtime/conftest.py measures them), from
+    this process or, under pytest-xdist, from the worker that ran them."""
+    timings = {**getattr(config, "engine_timings", {}), **_WORKER_TIMINGS}
+    if timings:
         terminalreporter.write_line("engine timings (tests/runtime): " + ", ".join(
-            f"{k} {v:.1f}s" for k, v in _WORKER_TIMINGS.items()))
+            f"{k} {v:.1f}s" for k, v in timings.items()))

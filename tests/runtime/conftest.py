@@ -35,17 +35,14 @@ class Built:
 
 
 def pytest_sessionfinish(session):
-    # in a pytest-xdist worker, whose summary nobody sees: hand the timings to the controlling
-    # process, which prints them (tests/conftest.py)
-    out = getattr(session.config, "workeroutput", None)
-    if out is not None and TIMINGS:
-        out["engine_timings"] = dict(TIMINGS)
-
-
-def pytest_terminal_summary(terminalreporter):
+    # tests/conftest.py's summary prints them; under pytest-xdist it runs in the controlling
+    # process (a worker's summary is never shown), so they travel in the worker's output
     if TIMINGS:
-        terminalreporter.write_line("engine timings (tests/runtime): " + ", ".join(
-            f"{k} {v:.1f}s" for k, v in TIMINGS.items()))
+        out = getattr(session.config, "workeroutput", None)
+        if out is not None:
+            out["engine_timings"] = dict(TIMINGS)
+        else:
+            session.config.engine_timings = dict(TIMINGS)
 
 
 @pytest.fixture(scope="session")

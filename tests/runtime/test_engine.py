@@ -272,6 +272,7 @@ def test_a_step_reads_no_memory_it_did_not_write(default_loaded, bucket, kernels
     from dspark_compile.kernels import registry
     from dspark_compile.models.generate import set_row_sampling
     from dspark_compile.models.step import prefill
+    assert torch.utils.deterministic.fill_uninitialized_memory, "torch's fill is off"
     if kernels:     # registry.dspark_op: the launcher on CUDA tensors, else the reference
         monkeypatch.setattr(registry, "_on_cuda", lambda args, kwargs: True)
     eng = default_loaded
@@ -303,7 +304,6 @@ def test_a_step_reads_no_memory_it_did_not_write(default_loaded, bucket, kernels
         for k in s0:
             torch.testing.assert_close(s1[k], s0[k], rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"{variant}: state '{k}': {m}")
-    assert torch.utils.deterministic.fill_uninitialized_memory, "the fill was off"
     restore_state(eng.state, before)
 
 
