@@ -47,7 +47,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .versions import ENV_FIELDS, environment_fields, target_sm
+from dspark_compile.versions import ENV_FIELDS, environment_fields, target_sm
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

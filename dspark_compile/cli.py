@@ -70,7 +70,7 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
 
 @command("synth", "write a synthetic DeepSeek-V4 + DSpark checkpoint", _synth_args)
 def cmd_synth(args: argparse.Namespace) -> int:
-    from .models.synth import synth_checkpoint
+    from dspark_compile.models.synth import synth_checkpoint
 
     device = _device(args.device)
     shard = None
@@ -99,7 +99,7 @@ def _device(name: str):
 
 # ---- entry point ---------------------------------------------------------------------------
 
-from . import cli_engine  # noqa: E402,F401  (registers generate, build, run, inspect)
+from dspark_compile import cli_engine  # noqa: E402,F401  (registers generate, build, run, inspect)
 
 
 def build_parser() -> argparse.ArgumentParser:

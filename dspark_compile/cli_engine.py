@@ -6,7 +6,7 @@ import contextlib
 import json
 import time
 
-from .cli import _device, command
+from dspark_compile.cli import _device, command
 
 PRECISIONS = ("bfloat16", "float32", "float64")
 
@@ -15,7 +15,7 @@ PRECISIONS = ("bfloat16", "float32", "float64")
 def _engine_errors():
     """An engine directory that is missing, not an engine, stale or corrupted is bad input:
     one line naming the file or field (cli.main reports ValueErrors that way), no traceback."""
-    from .artifact import ArtifactError
+    from dspark_compile.artifact import ArtifactError
     try:
         yield
     except ArtifactError as e:
@@ -44,7 +44,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args):
-    from .models.generate import SamplingParams
+    from dspark_compile.models.generate import SamplingParams
     return [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            seed=args.seed + i, max_new_tokens=args.max_new_tokens,
                            stop_ids=tuple(args.stop_ids or ()))
@@ -75,10 +75,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 @command("generate", "decode with the eager reference models (no compilation)", _generate_args)
 def cmd_generate(args) -> int:
-    from .models import load_model
-    from .models.config import Precision
-    from .models.generate import generate
-    from .trace import DTYPES
+    from dspark_compile.models import load_model
+    from dspark_compile.models.config import Precision
+    from dspark_compile.models.generate import generate
+    from dspark_compile.trace import DTYPES
 
     device = _device(args.device)
     params = _params(args)
@@ -105,7 +105,7 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
-    from .trace import DEFAULT_BUCKETS
+    from dspark_compile.trace import DEFAULT_BUCKETS
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True, help="engine directory (written atomically)")
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
@@ -127,7 +127,7 @@ def _build_args(p: argparse.ArgumentParser) -> None:
 
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args)
 def cmd_build(args) -> int:
-    from .trace import BuildConfig, build_engine
+    from dspark_compile.trace import BuildConfig, build_engine
 
     bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows, max_seq_len=args.max_seq_len,
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
@@ -151,7 +151,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 @command("run", "generate with a built engine", _run_args)
 def cmd_run(args) -> int:
-    from .runtime import Engine
+    from dspark_compile.runtime import Engine
 
     if args.check_lossless and args.temperature > 0:
         raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
@@ -166,7 +166,7 @@ def cmd_run(args) -> int:
     res = eng.generate(args.prompt_ids, params)
     _report(res, time.perf_counter() - t, True)
     if args.check_lossless:
-        from .lossless import check_lossless
+        from dspark_compile.lossless import check_lossless
         report = check_lossless(eng.model, args.prompt_ids, params, res.tokens, device=eng.device)
         print(report.line())
         return 0 if report.ok else 3
@@ -182,8 +182,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
 @command("inspect", "print an engine's manifest, buckets and pass table", _inspect_args)
 def cmd_inspect(args) -> int:
-    from .artifact import ArtifactError, load_manifest
-    from .passes import format_stats_table
+    from dspark_compile.artifact import ArtifactError, load_manifest
+    from dspark_compile.passes import format_stats_table
 
     # a stale engine (other toolchain, changed pass or op) is still worth reading: only the
     # checksum, structure and file hashes must hold here; staleness is reported below

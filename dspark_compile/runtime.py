@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .artifact import MANIFEST, load_engine, update_manifest_field
-from .trace import BuildConfig
+from dspark_compile.artifact import MANIFEST, load_engine, update_manifest_field
+from dspark_compile.trace import BuildConfig
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -60,8 +60,8 @@ class StepTimes:
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
                  device: torch.device, use_graphs: bool, greedy_variants: bool = True):
-        from .models.config import ModelConfig
-        from .models.state import allocate_state
+        from dspark_compile.models.config import ModelConfig
+        from dspark_compile.models.state import allocate_state
 
         self.dir, self.manifest, self.device = engine_dir, manifest, device
         self.cfg = ModelConfig.from_dict(manifest["model_config"])
@@ -79,7 +79,7 @@ class Engine:
         # row is greedy (dspark_compile/variants.py); empty when disabled or nothing to switch
         self.greedy_modules = {}
         if greedy_variants:
-            from .variants import sampler_mode_variant
+            from dspark_compile.variants import sampler_mode_variant
             self.greedy_modules = {b: m for b, ep in programs.items()
                                    if (m := sampler_mode_variant(ep)) is not None}
         self.graphs: dict[int, _Graph] = {}
@@ -137,7 +137,7 @@ class Engine:
 
     def _reference_model(self, weights: dict):
         """The eager model for prefill, sharing the engine's weight tensors (no copy)."""
-        from .models.target import DeepseekV4
+        from dspark_compile.models.target import DeepseekV4
         with torch.device(self.device):
             model = DeepseekV4(self.cfg, self.build.precision(),
                                self.build.max_seq_len + self.cfg.dspark_block_size + 2)
@@ -286,9 +286,9 @@ class Engine:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params):
-        from .models.generate import (GenerationResult, SamplingParams, append_committed,
-                                      set_row_sampling, validate_prompts)
-        from .models.step import prefill
+        from dspark_compile.models.generate import (
+            GenerationResult, SamplingParams, append_committed, set_row_sampling, validate_prompts)
+        from dspark_compile.models.step import prefill
 
         cfg = self.cfg
         if isinstance(params, SamplingParams):

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from .artifact import MANIFEST, save_engine
+from dspark_compile.artifact import MANIFEST, save_engine
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -55,11 +55,11 @@ class BuildConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
     def precision(self):
-        from .models.config import Precision
+        from dspark_compile.models.config import Precision
         return Precision(dtype=DTYPES[self.dtype], act_quant=self.act_quant, kv_fp8=self.kv_fp8)
 
     def cache(self, block: int):
-        from .models.config import CacheConfig
+        from dspark_compile.models.config import CacheConfig
         return CacheConfig(max_rows=self.max_rows, max_seq_len=self.max_seq_len,
                            max_step_tokens=max(self.prefill_chunk, block + 1))
 
@@ -75,7 +75,7 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
 
     Node meta is preserved during tracing so that each call of a `@fusable` reference function
     (kernels/region.py) lands in the graph as an annotated region the fusion passes replace."""
-    from .models.step import DraftVerifyStep
+    from dspark_compile.models.step import DraftVerifyStep
     step = DraftVerifyStep(model)
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
         return torch.export.export(step, (torch.arange(bucket, device=state["row.last_pos"].device), state), strict=False)
@@ -84,9 +84,9 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
 def prefilled_state(model, cache, bucket: int, seed: int):
     """A realistic state for `bucket` rows: random prompts prefilled, mixed sampling settings,
     the last row of a multi-row bucket left as padding. Used to verify passes numerically."""
-    from .models.generate import SamplingParams, set_row_sampling
-    from .models.state import allocate_state, trash_row
-    from .models.step import prefill
+    from dspark_compile.models.generate import SamplingParams, set_row_sampling
+    from dspark_compile.models.state import allocate_state, trash_row
+    from dspark_compile.models.step import prefill
 
     rng = random.Random(seed)
     device = next(model.buffers()).device
@@ -109,10 +109,10 @@ def state_input_names(ep) -> list[str]:
 
 def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
                  log: Callable[[str], None] = print) -> dict:
-    from .models import load_model
-    from .models.checkpoint import load_checkpoint
-    from .models.state import allocate_state
-    from .passes import PassConfig, PassManager
+    from dspark_compile.models import load_model
+    from dspark_compile.models.checkpoint import load_checkpoint
+    from dspark_compile.models.state import allocate_state
+    from dspark_compile.passes import PassConfig, PassManager
 
     out = Path(out)
     if out.exists() and (not out.is_dir()
@@ -161,7 +161,7 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
 
     extra = {}
     if bc.arch:
-        from .kernels.sm12x import resource_report
+        from dspark_compile.kernels.sm12x import resource_report
         report = resource_report(bc.arch)
         extra[f"kernels/{bc.arch}/resources.json"] = json.dumps(report, indent=1)
     fields = {

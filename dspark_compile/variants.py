@@ -61,7 +61,7 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
 
     `ExportedProgram.module()` builds a new module around a copy of the graph and the program's
     own weight tensors, so the variant costs a graph, not a second copy of the weights."""
-    from .kernels.markov_sampler import MODES
+    from dspark_compile.kernels.markov_sampler import MODES
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if not markov_nodes(program.graph_module):     # nothing to switch: build no module

@@ -114,20 +114,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .philox import STREAM_DRAFT
-from .registry import add_compile_configs, dspark_op
-from .region import fusable
-from .sampling import (CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES,
-                       argmax_tokens, block_max_floor, check_int32_index, check_pow2,
-                       check_sampling_params, fixed_mass, fold_ids, gated_grid, gated_per_sm,
-                       greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
-                       lane_argmax_update, launch_select_refine, list_row, load_z, mass_scale_bits,
-                       pack_argmax, process_logits, reduce_compile_config, refine_compile_config,
-                       row_degenerate, row_flags, row_list, row_list_p2, row_needed,
-                       row_reduce_kernel, row_t, row_tiling, scale_z, select_compile_config,
-                       threshold_scratch, tile_max, tl_vocab_gumbel, unpack_token, unpack_value)
-from .tl_helpers import (compile_config, interpreting, launch, next_pow2, pdl_available,
-                         pdl_enter, pdl_launch, pdl_mode, pdl_release)
+from dspark_compile.kernels.philox import STREAM_DRAFT
+from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.region import fusable
+from dspark_compile.kernels.sampling import (
+    CAND_CAP, FEW_CANDIDATES, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_tokens,
+    block_max_floor, check_int32_index, check_pow2, check_sampling_params, fixed_mass, fold_ids,
+    gated_grid, gated_per_sm, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
+    lane_argmax_update, launch_select_refine, list_row, load_z, mass_scale_bits, pack_argmax,
+    process_logits, reduce_compile_config, refine_compile_config, row_degenerate, row_flags,
+    row_list, row_list_p2, row_needed, row_reduce_kernel, row_t, row_tiling, scale_z,
+    select_compile_config, threshold_scratch, tile_max, tl_vocab_gumbel, unpack_token, unpack_value)
+from dspark_compile.kernels.tl_helpers import (
+    compile_config, interpreting, launch, next_pow2, pdl_available, pdl_enter, pdl_launch, pdl_mode,
+    pdl_release)
 
 
 def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, seed, start_pos):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .act_quant import swiglu
-from .registry import dspark_op
+from dspark_compile.kernels.act_quant import swiglu
+from dspark_compile.kernels.registry import dspark_op
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MXFP4_BLOCK = 32

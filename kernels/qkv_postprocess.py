@@ -31,11 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import fp8_group_quant, masked_row_write, rmsnorm, rope_last, scale_to_e8m0_byte
-from .registry import add_compile_configs, dspark_op
-from .region import fusable
-from .tl_helpers import (compile_config, exp2_int, fp8e4m3_bits, interpreting, launch, next_pow2,
-                         round_to, ue8m0_exponent)
+from dspark_compile.kernels.common import (
+    fp8_group_quant, masked_row_write, rmsnorm, rope_last, scale_to_e8m0_byte)
+from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.region import fusable
+from dspark_compile.kernels.tl_helpers import (
+    compile_config, exp2_int, fp8e4m3_bits, interpreting, launch, next_pow2, round_to,
+    ue8m0_exponent)
 
 KV_QUANT_GROUP = 64
 

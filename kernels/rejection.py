@@ -41,20 +41,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
-from .registry import add_compile_configs, dspark_op
-from .region import fusable
-from .sampling import (CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_tokens,
-                       check_int32_index, check_sampling_params, fold_ids, gated_grid,
-                       gated_per_sm, greedy_rows, gumbel_argmax, hist_tile, lane_argmax_finish,
-                       lane_argmax_update, launch_select_refine, load_z, logprobs_from_processed,
-                       mass_scale_bits, pack_argmax, probs_from_processed, process_requests,
-                       reduce_compile_config, refine_compile_config, request_probs,
-                       row_degenerate, row_flags, row_list_p2, row_reduce_kernel, row_t,
-                       row_tiling, sample_reference, scale_z, select_compile_config,
-                       threshold_scratch, tile_max, tl_uniform, tl_vocab_gumbel, unpack_token)
-from .tl_helpers import (PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter,
-                         pdl_launch, pdl_mode, pdl_release)
+from dspark_compile.kernels.philox import STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_TARGET, uniform
+from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.region import fusable
+from dspark_compile.kernels.sampling import (
+    CAND_CAP, HIST_BINS, REFINE_EDGES, REFINE_PASSES, argmax_tokens, check_int32_index,
+    check_sampling_params, fold_ids, gated_grid, gated_per_sm, greedy_rows, gumbel_argmax,
+    hist_tile, lane_argmax_finish, lane_argmax_update, launch_select_refine, load_z,
+    logprobs_from_processed, mass_scale_bits, pack_argmax, probs_from_processed, process_requests,
+    reduce_compile_config, refine_compile_config, request_probs, row_degenerate, row_flags,
+    row_list_p2, row_reduce_kernel, row_t, row_tiling, sample_reference, scale_z,
+    select_compile_config, threshold_scratch, tile_max, tl_uniform, tl_vocab_gumbel, unpack_token)
+from dspark_compile.kernels.tl_helpers import (
+    PDL_MODES, compile_config, launch, next_pow2, pdl_available, pdl_enter, pdl_launch, pdl_mode,
+    pdl_release)
 
 
 def check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,

@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .philox import STREAM_TARGET, vocab_gumbel
-from .region import fusable
-from .tl_helpers import (compile_config, launch, multiprocessors, next_pow2, pdl_enter,
-                         pdl_launch, pdl_release)
+from dspark_compile.kernels.philox import STREAM_TARGET, vocab_gumbel
+from dspark_compile.kernels.region import fusable
+from dspark_compile.kernels.tl_helpers import (
+    compile_config, launch, multiprocessors, next_pow2, pdl_enter, pdl_launch, pdl_release)
 
 NEG_INF = float("-inf")
 

@@ -36,7 +36,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from .registry import KERNELS
+from dspark_compile.kernels.registry import KERNELS
 
 ARCHS = {"sm_120": 120, "sm_121": 121}
 SMEM_LIMIT_BYTES = 99 * 1024   # per block, SM120/SM121

@@ -9,10 +9,10 @@ import torch
 def load_model(ckpt: str | Path, prec=None, max_positions: int = 4096, with_draft: bool = True,
                device="cpu", tensors: dict | None = None, cfg=None):
     """Build the reference model from a DeepSeek-native checkpoint directory (or given tensors)."""
-    from .checkpoint import load_checkpoint
-    from .config import Precision
-    from .target import DeepseekV4
-    from .weights import load_native
+    from dspark_compile.models.checkpoint import load_checkpoint
+    from dspark_compile.models.config import Precision
+    from dspark_compile.models.target import DeepseekV4
+    from dspark_compile.models.weights import load_native
 
     prec = prec or Precision()
     if tensors is None:

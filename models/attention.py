@@ -15,17 +15,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_compile.kernels.act_quant import (ACT_QUANT_GROUP, act_quant_reference,
-                                              rmsnorm_quant_reference)
-from dspark_compile.kernels.common import (e8m0_byte_to_scale, fp8_group_dequant, masked_row_write,
-                                           rmsnorm, rope_last)
-from dspark_compile.kernels.qkv_postprocess import (KV_QUANT_GROUP, kv_quant_reference,
-                                                    qkv_postprocess_reference, qkv_rope_reference)
+from dspark_compile.kernels.act_quant import (
+    ACT_QUANT_GROUP, act_quant_reference, rmsnorm_quant_reference)
+from dspark_compile.kernels.common import (
+    e8m0_byte_to_scale, fp8_group_dequant, masked_row_write, rmsnorm, rope_last)
+from dspark_compile.kernels.qkv_postprocess import (
+    KV_QUANT_GROUP, kv_quant_reference, qkv_postprocess_reference, qkv_rope_reference)
 
-from .batch import Batch
-from .compressor import Compressor
-from .config import ModelConfig, Precision
-from .linear import BF16Linear, FP8Linear, RMSNormWeight, acc_dtype
+from dspark_compile.models.batch import Batch
+from dspark_compile.models.compressor import Compressor
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.linear import BF16Linear, FP8Linear, RMSNormWeight, acc_dtype
 
 
 def read_kv(state: dict, prefix: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import norm_and_quant
-from .config import ModelConfig, Precision
-from .linear import RMSNormWeight
-from .mhc import HyperConnection
-from .moe import MoE
+from dspark_compile.models.attention import norm_and_quant
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.linear import RMSNormWeight
+from dspark_compile.models.mhc import HyperConnection
+from dspark_compile.models.moe import MoE
 
 
 class Block(nn.Module):

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
-from .safetensors_writer import ST_DTYPES
-from .schema import TensorSpec, checkpoint_schema
+from dspark_compile.models.config import ModelConfig
+from dspark_compile.models.safetensors_writer import ST_DTYPES
+from dspark_compile.models.schema import TensorSpec, checkpoint_schema
 
 INDEX_NAME = "model.safetensors.index.json"
 _DRAFT_PREFIX = "mtp."

@@ -18,10 +18,10 @@ from torch import nn
 
 from dspark_compile.kernels.common import masked_row_write, rmsnorm, rope_last
 
-from .batch import Batch
-from .config import ModelConfig, Precision
-from .linear import BF16Linear, RMSNormWeight, acc_dtype
-from .state import coff
+from dspark_compile.models.batch import Batch
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.linear import BF16Linear, RMSNormWeight, acc_dtype
+from dspark_compile.models.state import coff
 
 
 class Compressor(nn.Module):

@@ -18,11 +18,11 @@ from torch import nn
 from dspark_compile.kernels.common import rmsnorm
 from dspark_compile.kernels.qkv_postprocess import context_kv_store_reference, qkv_rope_reference
 
-from .attention import Attention, norm_and_quant, sink_attention
-from .block import Block
-from .config import ModelConfig, Precision
-from .linear import FP8Linear, RMSNormWeight, acc_dtype
-from .mhc import HCHead
+from dspark_compile.models.attention import Attention, norm_and_quant, sink_attention
+from dspark_compile.models.block import Block
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.linear import FP8Linear, RMSNormWeight, acc_dtype
+from dspark_compile.models.mhc import HCHead
 
 
 class MarkovHead(nn.Module):

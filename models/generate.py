@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import CacheConfig
-from .state import allocate_state, trash_row
-from .step import DraftVerifyStep, prefill, target_decode_step
+from dspark_compile.models.config import CacheConfig
+from dspark_compile.models.state import allocate_state, trash_row
+from dspark_compile.models.step import DraftVerifyStep, prefill, target_decode_step
 
 
 @dataclass

@@ -12,8 +12,8 @@ from torch import nn
 from dspark_compile.kernels.act_quant import ACT_QUANT_GROUP, act_quant_reference
 from dspark_compile.kernels.common import fp8_group_dequant
 
-from .config import Precision
-from .quant_formats import fp8_block_dequant
+from dspark_compile.models.config import Precision
+from dspark_compile.models.quant_formats import fp8_block_dequant
 
 # E8M0 scales are held as their raw bytes (uint8, exponent + 127), never numerically cast: the
 # checkpoint's float8_e8m0fnu tensors are `.view(torch.uint8)`-ed on load. torch 2.11's export

@@ -11,7 +11,7 @@ from torch import nn
 
 from dspark_compile.kernels.common import upcast
 
-from .config import ModelConfig
+from dspark_compile.models.config import ModelConfig
 
 
 class HyperConnection(nn.Module):

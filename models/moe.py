@@ -14,8 +14,8 @@ from torch import nn
 from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers dspark::moe_experts)
 from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
 
-from .config import ModelConfig, Precision
-from .linear import E8M0_STORAGE, FP8Linear, acc_dtype
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.linear import E8M0_STORAGE, FP8Linear, acc_dtype
 
 
 class Gate(nn.Module):

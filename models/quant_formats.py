@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.common import FP8_MAX, ue8m0_scale
-from ..kernels.moe import E2M1_VALUES, MXFP4_BLOCK, mxfp4_dequant
+from dspark_compile.kernels.common import FP8_MAX, ue8m0_scale
+from dspark_compile.kernels.moe import E2M1_VALUES, MXFP4_BLOCK, mxfp4_dequant
 
 __all__ = ["fp8_block_quant", "fp8_block_dequant", "mxfp4_quant", "mxfp4_dequant",
            "e8m0_from_exponent", "e8m0_to_float", "FP4_MAX"]

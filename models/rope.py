@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .config import RopeSpec
+from dspark_compile.models.config import RopeSpec
 
 
 def rope_frequencies(spec: RopeSpec, rope_dim: int) -> torch.Tensor:

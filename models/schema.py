@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from dspark_compile.models.config import ModelConfig
 
 BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
 F8, E8M0, I8 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8

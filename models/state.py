@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import CacheConfig, ModelConfig, Precision
+from dspark_compile.models.config import CacheConfig, ModelConfig, Precision
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from dspark_compile.kernels.markov_sampler import markov_sample_reference
 from dspark_compile.kernels.rejection import rejection_sample_reference
 from dspark_compile.kernels.sampling import sample_reference
 
-from .batch import Batch
-from .draft import draft_forward, markov_weights, store_context
+from dspark_compile.models.batch import Batch
+from dspark_compile.models.draft import draft_forward, markov_weights, store_context
 
 
 def sampling_of(state: dict, rows: torch.Tensor):

@@ -41,11 +41,11 @@ from typing import Iterator
 
 import torch
 
-from .config import ModelConfig
-from .presets import preset
-from .quant_formats import fp8_block_quant, mxfp4_quant
-from .safetensors_writer import nbytes, write_safetensors
-from .schema import TensorSpec, checkpoint_schema
+from dspark_compile.models.config import ModelConfig
+from dspark_compile.models.presets import preset
+from dspark_compile.models.quant_formats import fp8_block_quant, mxfp4_quant
+from dspark_compile.models.safetensors_writer import nbytes, write_safetensors
+from dspark_compile.models.schema import TensorSpec, checkpoint_schema
 
 # A checkpoint larger than this is sharded even without an explicit shard size.
 DEFAULT_SHARD_BYTES = 4 << 30

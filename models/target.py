@@ -10,13 +10,13 @@ from torch import nn
 
 from dspark_compile.kernels.common import rmsnorm
 
-from .attention import Attention
-from .batch import Batch
-from .block import Block
-from .config import ModelConfig, Precision
-from .linear import RMSNormWeight, acc_dtype
-from .mhc import HCHead
-from .rope import rope_table
+from dspark_compile.models.attention import Attention
+from dspark_compile.models.batch import Batch
+from dspark_compile.models.block import Block
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.linear import RMSNormWeight, acc_dtype
+from dspark_compile.models.mhc import HCHead
+from dspark_compile.models.rope import rope_table
 
 
 class Embedding(nn.Module):
@@ -40,7 +40,7 @@ class DeepseekV4(nn.Module):
             Block(cfg, Attention(cfg, r, prec, comp if r else main), i < cfg.num_hash_layers, prec)
             for i, r in enumerate(cfg.compress_ratios))
         if with_draft and cfg.has_draft:
-            from .draft import DraftStage  # the draft builds on these modules
+            from dspark_compile.models.draft import DraftStage  # the draft builds on these modules
             self.mtp = nn.ModuleList(DraftStage(cfg, i, prec, main) for i in range(cfg.n_mtp_layers))
         else:
             self.mtp = None

@@ -12,7 +12,7 @@ import re
 import torch
 from torch import nn
 
-from .schema import checkpoint_schema
+from dspark_compile.models.schema import checkpoint_schema
 
 _HC = re.compile(r"^(.*)hc_(attn|ffn|head)_(fn|base|scale)$")
 _EXPERT = re.compile(r"^(.*ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")

@@ -6,11 +6,11 @@ with one `@register_pass` line), so a new pass needs no edit here.
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from .base import (STAGES, PassConfig, PassContext, PassContractError, PassError,
+from dspark_compile.passes.base import (STAGES, PassConfig, PassContext, PassContractError, PassError,
                    PassNoMatchWarning, PassPipelineError, PassResult, PassVerificationError)
-from .registry import (REGISTRY, PassRegistry, PassSpec, isolated_registry, register_pass,
+from dspark_compile.passes.registry import (REGISTRY, PassRegistry, PassSpec, isolated_registry, register_pass,
                        source_hash)
-from .manager import PassManager, format_stats_table, sync_output_signature
+from dspark_compile.passes.manager import PassManager, format_stats_table, sync_output_signature
 
 # Infrastructure modules; every other module in this folder is a pass file.
 _INFRA = {"base", "registry", "manager", "verify", "graph_utils", "regions"}
@@ -29,10 +29,11 @@ def load_pass_modules() -> list[str]:
 
 load_pass_modules()
 
-from .dce import eliminate_dead_code  # noqa: E402
-from .lint_host_sync import HostSyncError, find_host_syncs, lint_host_sync  # noqa: E402
-from .state_in_place import (WholeCacheCopyError, assert_no_whole_cache_copy,  # noqa: E402
-                             find_whole_cache_copies)
+from dspark_compile.passes.dce import eliminate_dead_code  # noqa: E402
+from dspark_compile.passes.lint_host_sync import (  # noqa: E402
+    HostSyncError, find_host_syncs, lint_host_sync)
+from dspark_compile.passes.state_in_place import (  # noqa: E402
+    WholeCacheCopyError, assert_no_whole_cache_copy, find_whole_cache_copies)
 
 __all__ = [
     "STAGES", "PassConfig", "PassContext", "PassContractError", "PassError", "PassNoMatchWarning",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import PassResult
-from .graph_utils import has_side_effects
-from .registry import register_pass
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.graph_utils import has_side_effects
+from dspark_compile.passes.registry import register_pass
 
 
 def eliminate_dead_code(graph: torch.fx.Graph) -> int:

@@ -9,9 +9,9 @@ unfused reference for those regions, and carries no annotation into the engine.
 """
 from __future__ import annotations
 
-from .base import PassResult
-from .graph_utils import is_region_marker, region_meta, strip_region_meta
-from .registry import register_pass
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.graph_utils import is_region_marker, region_meta, strip_region_meta
+from dspark_compile.passes.registry import register_pass
 
 
 @register_pass(name="drop_region_markers", stage="fusion",

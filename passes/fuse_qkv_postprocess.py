@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from dspark_compile.kernels import qkv_postprocess as _kernels  # noqa: F401  (registers the ops)
 
-from .base import PassResult
-from .regions import fuse_regions
-from .registry import register_pass
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.regions import fuse_regions
+from dspark_compile.passes.registry import register_pass
 
 OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store")
 

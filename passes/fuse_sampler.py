@@ -36,9 +36,9 @@ from __future__ import annotations
 from dspark_compile.kernels import markov_sampler as _markov  # noqa: F401  (registers the ops)
 from dspark_compile.kernels import rejection as _rejection  # noqa: F401
 
-from .base import PassResult
-from .regions import fuse_regions
-from .registry import register_pass
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.regions import fuse_regions
+from dspark_compile.passes.registry import register_pass
 
 OPS = ("markov_sample", "rejection_sample", "sample")
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PassError, PassResult, graph_module_of
-from .graph_utils import arg_value, is_random, op_name, packet_name, source_location, vals_of
-from .registry import register_pass
+from dspark_compile.passes.base import PassError, PassResult, graph_module_of
+from dspark_compile.passes.graph_utils import (
+    arg_value, is_random, op_name, packet_name, source_location, vals_of)
+from dspark_compile.passes.registry import register_pass
 
 _HOST_READ = {"aten::item", "aten::_local_scalar_dense", "aten::equal", "aten::is_nonzero",
               "aten::allclose"}

@@ -24,10 +24,11 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .base import (PassConfig, PassContext, PassContractError, PassError, PassNoMatchWarning,
-                   PassResult, PassVerificationError, graph_module_of)
-from .registry import REGISTRY, PassRegistry, PassSpec
-from .verify import compare_runs, fresh_inputs, graph_inputs, run_graph
+from dspark_compile.passes.base import (
+    PassConfig, PassContext, PassContractError, PassError, PassNoMatchWarning, PassResult,
+    PassVerificationError, graph_module_of)
+from dspark_compile.passes.registry import REGISTRY, PassRegistry, PassSpec
+from dspark_compile.passes.verify import compare_runs, fresh_inputs, graph_inputs, run_graph
 
 STATS_COLUMNS = ("index", "name", "stage", "time_ms", "nodes_before", "nodes_after", "matches",
                  "verified", "source_hash")

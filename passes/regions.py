@@ -39,9 +39,10 @@ from torch.fx import Node
 
 from dspark_compile.kernels import region as R
 
-from .base import PassResult
-from .dce import eliminate_dead_code
-from .graph_utils import ASSERT_OPS, alias_source, region_meta, strip_region_meta, written_args
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.dce import eliminate_dead_code
+from dspark_compile.passes.graph_utils import (
+    ASSERT_OPS, alias_source, region_meta, strip_region_meta, written_args)
 
 # meta keys copied from the region's last node onto the fused op (readable dumps, lint locations)
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "seq_nr")

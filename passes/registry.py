@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Optional
 
 import networkx as nx
 
-from .base import STAGES, PassConfig, PassPipelineError
+from dspark_compile.passes.base import STAGES, PassConfig, PassPipelineError
 
 
 @dataclass

@@ -19,9 +19,9 @@ the token chain). The comparison nodes feeding removed assertions are left for `
 """
 from __future__ import annotations
 
-from .base import PassResult
-from .graph_utils import ASSERT_OPS, op_name
-from .registry import register_pass
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.graph_utils import ASSERT_OPS, op_name
+from dspark_compile.passes.registry import register_pass
 
 
 @register_pass(name="remove_asserts", stage="cleanup")

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import PassResult
-from .graph_utils import (alias_root, alias_source, arg_value, graph_outputs, is_region_marker,
-                          is_view, op_name, same_layout, schema_of, tensor_val, written_roots)
-from .registry import register_pass
+from dspark_compile.passes.base import PassResult
+from dspark_compile.passes.graph_utils import (
+    alias_root, alias_source, arg_value, graph_outputs, is_region_marker, is_view, op_name,
+    same_layout, schema_of, tensor_val, written_roots)
+from dspark_compile.passes.registry import register_pass
 
 aten = torch.ops.aten
 

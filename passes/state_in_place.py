@@ -23,10 +23,11 @@ from typing import Sequence
 
 import torch
 
-from .base import PassError, PassResult, graph_module_of
-from .graph_utils import (alias_root, is_inplace_alias, is_view, op_name, packet_name, same_shape,
-                          source_location, tensor_val, vals_of)
-from .registry import register_pass
+from dspark_compile.passes.base import PassError, PassResult, graph_module_of
+from dspark_compile.passes.graph_utils import (
+    alias_root, is_inplace_alias, is_view, op_name, packet_name, same_shape, source_location,
+    tensor_val, vals_of)
+from dspark_compile.passes.registry import register_pass
 
 _COPY_PACKETS = {"aten::clone", "aten::_to_copy", "aten::copy", "aten::lift_fresh_copy",
                  "aten::to", "aten::alias_copy", "aten::view_copy", "aten::contiguous"}
