@@ -36,7 +36,7 @@ import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package
 
 from dspark_compile.models.state import restore_state as _restore  # noqa: E402
 from dspark_compile.models.state import snapshot_state as _snapshot  # noqa: E402
-from dspark_compile.trace import DEFAULT_BUCKETS  # noqa: E402
+from dspark_compile.build_config import DEFAULT_BUCKETS  # noqa: E402
 
 NEAR_TIE = 1e-3
 MAX_ROWS = 64
@@ -64,17 +64,9 @@ def _sync(device):
 
 def prefill_rows(eng, seed: int = 0) -> None:
     """Every state row holds a live request: mixed prompt lengths and sampling settings."""
-    from dspark_compile.models.generate import SamplingParams, set_row_sampling
-    from dspark_compile.models.step import prefill
-
-    rng = random.Random(seed)
-    V = eng.cfg.vocab_size
-    for row in range(eng.cache.max_rows):
-        sp = SamplingParams(temperature=rng.choice([0.0, 0.0, 0.8, 1.0]), top_k=rng.choice([0, 7]),
-                            top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
-        set_row_sampling(eng.state, row, sp)
-        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
-        prefill(eng.model, eng.state, row, prompt, eng.cache.max_step_tokens, speculative=True)
+    from dspark_compile.models.random_requests import prefill_random_requests
+    prefill_random_requests(eng.model, eng.state, range(eng.cache.max_rows), seed,
+                            eng.cache.max_step_tokens, max_prompt_len=30)
 
 
 def _all_greedy(eng) -> None:
@@ -190,7 +182,8 @@ def main(argv=None) -> int:
     args = _args(argv)
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
-    from dspark_compile.trace import BuildConfig, build_engine
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.trace import build_engine
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

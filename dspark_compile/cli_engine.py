@@ -78,7 +78,7 @@ def cmd_generate(args) -> int:
     from dspark_compile.models import load_model
     from dspark_compile.models.config import Precision
     from dspark_compile.models.generate import generate
-    from dspark_compile.trace import DTYPES
+    from dspark_compile.build_config import DTYPES
 
     device = _device(args.device)
     params = _params(args)
@@ -105,7 +105,7 @@ def _buckets(text: str) -> tuple[int, ...]:
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
-    from dspark_compile.trace import DEFAULT_BUCKETS
+    from dspark_compile.build_config import DEFAULT_BUCKETS
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True, help="engine directory (written atomically)")
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
@@ -127,7 +127,8 @@ def _build_args(p: argparse.ArgumentParser) -> None:
 
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args)
 def cmd_build(args) -> int:
-    from dspark_compile.trace import BuildConfig, build_engine
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.trace import build_engine
 
     bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows, max_seq_len=args.max_seq_len,
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,

@@ -55,12 +55,13 @@ class LosslessReport:
 def greedy_reference(model, prompt: list[int], n: int, device="cpu", stop_ids=()):
     """Plain target greedy decoding of up to `n` tokens (ending after the first stop id);
     returns (tokens, logits per token)."""
-    from dspark_compile.models.config import CacheConfig
+    from dspark_compile.models.config import CacheConfig, request_positions
     from dspark_compile.models.generate import SamplingParams, set_row_sampling
     from dspark_compile.models.state import allocate_state
     from dspark_compile.models.step import prefill, target_decode_step
 
-    cache = CacheConfig(max_rows=1, max_seq_len=len(prompt) + n + 2, max_step_tokens=64)
+    cache = CacheConfig(max_rows=1, max_seq_len=request_positions(len(prompt), n, 0),
+                        max_step_tokens=64)
     state = allocate_state(model.cfg, cache, model.prec, device)
     set_row_sampling(state, 0, SamplingParams())
     tok, logits = prefill(model, state, 0, prompt, cache.max_step_tokens, speculative=False,

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dspark_compile.artifact import MANIFEST, load_engine, update_manifest_field
-from dspark_compile.trace import BuildConfig
+from dspark_compile.build_config import BuildConfig
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -137,10 +137,11 @@ class Engine:
 
     def _reference_model(self, weights: dict):
         """The eager model for prefill, sharing the engine's weight tensors (no copy)."""
+        from dspark_compile.models.config import rope_positions
         from dspark_compile.models.target import DeepseekV4
         with torch.device(self.device):
             model = DeepseekV4(self.cfg, self.build.precision(),
-                               self.build.max_seq_len + self.cfg.dspark_block_size + 2)
+                               rope_positions(self.build.max_seq_len, self.cfg.dspark_block_size))
         prefix = "model."
         sd = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         persistent = set(model.state_dict())
@@ -286,6 +287,7 @@ class Engine:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params):
+        from dspark_compile.models.config import request_positions
         from dspark_compile.models.generate import (
             GenerationResult, SamplingParams, append_committed, set_row_sampling, validate_prompts)
         from dspark_compile.models.step import prefill
@@ -299,7 +301,7 @@ class Engine:
         N = cfg.dspark_block_size
         for i, (p, sp) in enumerate(zip(prompts, params)):
             sp.validate(cfg.vocab_size)
-            if len(p) + sp.max_new_tokens + N + 2 > self.cache.max_seq_len:
+            if request_positions(len(p), sp.max_new_tokens, N) > self.cache.max_seq_len:
                 raise ValueError(f"prompt {i}: {len(p)} + {sp.max_new_tokens} new tokens exceed the "
                                  f"engine's max_seq_len={self.cache.max_seq_len}")
         res = GenerationResult(tokens=[[] for _ in prompts], accepted_at=[0] * N)

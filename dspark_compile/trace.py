@@ -11,9 +11,7 @@ update into a whole-cache copy, DESIGN §8). Shapes are static per bucket.
 from __future__ import annotations
 
 import json
-import random
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,53 +19,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dspark_compile.artifact import MANIFEST, save_engine
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass
-class BuildConfig:
-    """Everything that decides what the engine computes (recorded in the manifest)."""
-    buckets: tuple = DEFAULT_BUCKETS
-    max_rows: int = 0               # concurrent request rows; 0 = the largest bucket
-    max_seq_len: int = 1024         # positions per request (prompt + generated + one block)
-    prefill_chunk: int = 64         # tokens per eager prefill forward
-    dtype: str = "float32"          # compute dtype of activations
-    act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
-    kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches
-    passes: tuple | None = None     # None = the default pipeline
-    disabled_passes: tuple = ()
-    verify_passes: bool = False
-    dump_dir: str | None = None
-    arch: str | None = None         # e.g. "sm_120": store that arch's kernel resource report
-    device: str = "cpu"
-
-    def __post_init__(self):
-        self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be positive integers, got {self.buckets}")
-        if self.max_rows == 0:
-            self.max_rows = self.buckets[-1]
-        if self.max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    def precision(self):
-        from dspark_compile.models.config import Precision
-        return Precision(dtype=DTYPES[self.dtype], act_quant=self.act_quant, kv_fp8=self.kv_fp8)
-
-    def cache(self, block: int):
-        from dspark_compile.models.config import CacheConfig
-        return CacheConfig(max_rows=self.max_rows, max_seq_len=self.max_seq_len,
-                           max_step_tokens=max(self.prefill_chunk, block + 1))
-
-    def to_manifest(self) -> dict:
-        d = asdict(self)
-        d.pop("dump_dir")
-        d.pop("verify_passes")
-        return d
+from dspark_compile.build_config import BuildConfig
+from dspark_compile.models.config import rope_positions
+from dspark_compile.models.random_requests import prefilled_state
 
 
 def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
@@ -79,27 +33,6 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
     step = DraftVerifyStep(model)
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
         return torch.export.export(step, (torch.arange(bucket, device=state["row.last_pos"].device), state), strict=False)
-
-
-def prefilled_state(model, cache, bucket: int, seed: int):
-    """A realistic state for `bucket` rows: random prompts prefilled, mixed sampling settings,
-    the last row of a multi-row bucket left as padding. Used to verify passes numerically."""
-    from dspark_compile.models.generate import SamplingParams, set_row_sampling
-    from dspark_compile.models.state import allocate_state, trash_row
-    from dspark_compile.models.step import prefill
-
-    rng = random.Random(seed)
-    device = next(model.buffers()).device
-    state = allocate_state(model.cfg, cache, model.prec, device)
-    live = bucket - 1 if bucket > 1 else 1
-    for r in range(live):
-        sp = SamplingParams(temperature=rng.choice([0.0, 0.0, 0.8, 1.0]), top_k=rng.choice([0, 5]),
-                            top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
-        set_row_sampling(state, r, sp)
-        prompt = [rng.randrange(model.cfg.vocab_size) for _ in range(rng.randint(1, 12))]
-        prefill(model, state, r, prompt, cache.max_step_tokens, speculative=True)
-    rows = torch.tensor([r if r < live else trash_row(state) for r in range(bucket)], device=device)
-    return rows, state
 
 
 def state_input_names(ep) -> list[str]:
@@ -128,7 +61,7 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         raise ValueError("config field 'dspark_block_size': the checkpoint has no DSpark draft; "
                          "the engine compiles the draft-plus-verify step")
     prec = bc.precision()
-    model = load_model(None, prec, bc.max_seq_len + cfg.dspark_block_size + 2, True, bc.device,
+    model = load_model(None, prec, rope_positions(bc.max_seq_len, cfg.dspark_block_size), True, bc.device,
                        tensors=tensors, cfg=cfg)
     del tensors
     cache = bc.cache(cfg.dspark_block_size)

@@ -392,6 +392,26 @@ class Precision:
         return cls(dtype=dtype, act_quant=False, kv_fp8=False)
 
 
+def step_lookahead(block: int) -> int:
+    """Positions past a request's prompt + max_new_tokens that its steps may touch.
+
+    A request's last step starts before its budget is full and verifies the anchor plus `block`
+    drafts (block + 1 positions) past its last committed token, writing their KV; the one more
+    position is margin. Non-speculative decoding is block 0."""
+    return block + 2
+
+
+def request_positions(prompt_len: int, max_new_tokens: int, block: int) -> int:
+    """Cache positions a request row needs (compare with CacheConfig.max_seq_len)."""
+    return prompt_len + max_new_tokens + step_lookahead(block)
+
+
+def rope_positions(max_seq_len: int, block: int) -> int:
+    """RoPE table length for caches of `max_seq_len` positions: a step drafts `block` positions
+    past the block it verified, so the tables reach one lookahead beyond the caches."""
+    return max_seq_len + step_lookahead(block)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Per-row capacity of the decode state (fixed shapes: the step never reallocates)."""

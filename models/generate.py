@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_compile.models.config import CacheConfig
+from dspark_compile.models.config import CacheConfig, request_positions
 from dspark_compile.models.state import allocate_state, trash_row
 from dspark_compile.models.step import DraftVerifyStep, prefill, target_decode_step
 
@@ -88,7 +88,7 @@ def append_committed(out: list[int], new: list[int], sp: SamplingParams) -> bool
 
 
 def cache_config_for(prompts, params, block: int, chunk: int = 64) -> CacheConfig:
-    need = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params)) + block + 2
+    need = max(request_positions(len(p), sp.max_new_tokens, block) for p, sp in zip(prompts, params))
     return CacheConfig(max_rows=len(prompts), max_seq_len=need, max_step_tokens=max(chunk, block + 1))
 
 
@@ -110,7 +110,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
     outs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for r, (p, sp) in enumerate(zip(prompts, params)):
-        if len(p) + sp.max_new_tokens + N + 2 > cache.max_seq_len:
+        if request_positions(len(p), sp.max_new_tokens, N) > cache.max_seq_len:
             raise ValueError(f"prompt {r}: {len(p)} + {sp.max_new_tokens} new tokens exceed "
                              f"max_seq_len={cache.max_seq_len}")
         set_row_sampling(state, r, sp)

@@ -29,7 +29,7 @@ if not _HAS_CUDA:
 def pytest_addoption(parser):
     parser.addoption("--gpu-engine-buckets", default="",
                      help="comma-separated buckets the GPU engine tests build (default: all of "
-                          "trace.DEFAULT_BUCKETS); fewer fit a short device run")
+                          "build_config.DEFAULT_BUCKETS); fewer fit a short device run")
 
 
 _WORKER_TIMINGS: dict[str, float] = {}      # the engine tests' timings, from an xdist worker

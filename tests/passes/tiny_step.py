@@ -3,7 +3,7 @@
 Exporting takes 10-40 s on a loaded CI box, so the session exports one program (bucket 2, fp64
 activations, FP8 activation quant and FP8 KV caches simulated, so every fusable region exists)
 and every test works on a deep copy. `run` executes a program on a realistic prefilled state
-(dspark_compile.trace.prefilled_state: random prompts prefilled, mixed sampling settings, the
+(dspark_compile.models.random_requests.prefilled_state: random prompts prefilled, mixed sampling settings, the
 last row padding) and returns the outputs and every state tensor after the step.
 """
 from __future__ import annotations
@@ -24,7 +24,10 @@ from dspark_compile.passes import PassManager
 from dspark_compile.passes.graph_utils import region_meta
 from dspark_compile.passes.regions import find_regions
 from dspark_compile.passes.verify import compare_runs, graph_inputs, run_graph
-from dspark_compile.trace import BuildConfig, export_step, prefilled_state, state_input_names
+from dspark_compile.build_config import BuildConfig
+from dspark_compile.models.config import rope_positions
+from dspark_compile.models.random_requests import prefilled_state
+from dspark_compile.trace import export_step, state_input_names
 
 BUCKET = 2
 CLEANUP = ("remove_asserts", "remove_noops", "dce")
@@ -83,8 +86,9 @@ class TinyStep:
         self.build = BuildConfig(dtype=dtype, buckets=(BUCKET,), max_seq_len=64, device=device)
         self.cfg, tensors = load_checkpoint(self.ckpt, device=device)
         self.prec = self.build.precision()
-        self.model = load_model(None, self.prec, self.build.max_seq_len
-                                + self.cfg.dspark_block_size + 2, True, device=device,
+        self.model = load_model(None, self.prec,
+                                rope_positions(self.build.max_seq_len, self.cfg.dspark_block_size),
+                                True, device=device,
                                 tensors=tensors, cfg=self.cfg)
         self.cache = self.build.cache(self.cfg.dspark_block_size)
         state = allocate_state(self.cfg, self.cache, self.prec, device)

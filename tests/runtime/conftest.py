@@ -55,7 +55,8 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_engine(tiny_ckpt, tmp_path_factory) -> Built:
-    from dspark_compile.trace import DEFAULT_BUCKETS, BuildConfig, build_engine
+    from dspark_compile.build_config import DEFAULT_BUCKETS, BuildConfig
+    from dspark_compile.trace import build_engine
     out = tmp_path_factory.mktemp("rt_default") / "engine"
     lines: list[str] = []
     t = time.perf_counter()
@@ -108,6 +109,6 @@ def ref_model(tiny_ckpt):
     precision (float64, FP8 activation quant and KV simulated)."""
     from dspark_compile.models import load_model
     from dspark_compile.models.config import Precision
-    from dspark_compile.trace import DTYPES
+    from dspark_compile.build_config import DTYPES
     prec = Precision(dtype=DTYPES["float64"], act_quant=True, kv_fp8=True)
     return load_model(tiny_ckpt, prec, max_positions=SEQ + 16, with_draft=True)

@@ -11,7 +11,8 @@ import torch
 
 from dspark_compile.artifact import FORMAT_VERSION, config_hash, program_path
 from dspark_compile.passes import PassManager, assert_no_whole_cache_copy, find_host_syncs
-from dspark_compile.trace import DEFAULT_BUCKETS, state_input_names
+from dspark_compile.build_config import DEFAULT_BUCKETS
+from dspark_compile.trace import state_input_names
 from dspark_compile.versions import environment_fields
 
 BUILD_BUDGET_S = 600   # CI runs everything in < 30 min on 2 cores; this build was ~2.5 min
@@ -114,7 +115,8 @@ def test_manifest_fields(default_engine):
 
 
 def test_build_refuses_a_non_engine_output_before_exporting(tiny_ckpt, tmp_path):
-    from dspark_compile.trace import BuildConfig, build_engine
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.trace import build_engine
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")

@@ -270,23 +270,16 @@ def test_a_step_reads_no_memory_it_did_not_write(default_loaded, bucket, kernels
     (~20 s a step at bucket 4; bucket 32, the samplers' 32-row tiles, takes ~140 s there and
     runs the references). A kernel that reads a buffer it did not zero fails this."""
     from dspark_compile.kernels import registry
-    from dspark_compile.models.generate import set_row_sampling
-    from dspark_compile.models.step import prefill
+    from dspark_compile.models.random_requests import prefill_random_requests
     assert torch.utils.deterministic.fill_uninitialized_memory, "torch's fill is off"
     if kernels:     # registry.dspark_op: the launcher on CUDA tensors, else the reference
         monkeypatch.setattr(registry, "_on_cuda", lambda args, kwargs: True)
     eng = default_loaded
-    rng = random.Random(bucket)
-    V = eng.cfg.vocab_size
     live = list(range(40, 40 + max(2, bucket * 5 // 8)))       # padding fills the rest
     before = snapshot_state(eng.state)
-    for i, row in enumerate(live):
-        sp = SamplingParams() if i % 2 == 0 else SamplingParams(
-            temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 9]),
-            top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
-        set_row_sampling(eng.state, row, sp)
-        prefill(eng.model, eng.state, row, [rng.randrange(V) for _ in range(rng.randint(1, 20))],
-                eng.cache.max_step_tokens, speculative=True)
+    # greedy rows at even positions of `live`: the greedy variant below runs live[::2]
+    prefill_random_requests(eng.model, eng.state, live, bucket, eng.cache.max_step_tokens,
+                            max_prompt_len=20, mix="alternate")
     for variant, rows in (("full", live), ("greedy", live[::2])):
         snap = snapshot_state(eng.state)
         runs = []

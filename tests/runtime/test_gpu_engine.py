@@ -15,7 +15,7 @@ import torch
 
 from dspark_compile.models.state import restore_state as _restore
 from dspark_compile.models.state import snapshot_state as _snapshot
-from dspark_compile.trace import DEFAULT_BUCKETS
+from dspark_compile.build_config import DEFAULT_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,8 @@ def buckets(request):
 def gpu_engine(tmp_path_factory, buckets):
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
-    from dspark_compile.trace import BuildConfig, build_engine
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.trace import build_engine
 
     root = tmp_path_factory.mktemp("gpu_engine")
     ckpt = synth_checkpoint("tiny", root / "ckpt", seed=0)
@@ -63,19 +64,12 @@ def gpu_engine(tmp_path_factory, buckets):
 @pytest.fixture(scope="module")
 def live_rows(gpu_engine):
     """All 64 state rows prefilled with mixed prompts and sampling settings."""
-    from dspark_compile.models.generate import SamplingParams, set_row_sampling
-    from dspark_compile.models.step import prefill
-
+    from dspark_compile.models.random_requests import prefill_random_requests
     eng = gpu_engine
-    rng = random.Random(0)
-    V = eng.cfg.vocab_size
-    for row in range(eng.cache.max_rows):
-        sp = SamplingParams(temperature=rng.choice([0.0, 0.0, 0.8, 1.0]), top_k=rng.choice([0, 7]),
-                            top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 30))
-        set_row_sampling(eng.state, row, sp)
-        prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
-        prefill(eng.model, eng.state, row, prompt, eng.cache.max_step_tokens, speculative=True)
-    return list(range(eng.cache.max_rows))
+    rows = list(range(eng.cache.max_rows))
+    prefill_random_requests(eng.model, eng.state, rows, 0, eng.cache.max_step_tokens,
+                            max_prompt_len=30)
+    return rows
 
 
 def state_differences(a: dict, b: dict, trash: int):

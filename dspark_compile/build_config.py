@@ -1,0 +1,58 @@
+"""The build's configuration: everything that decides what an engine computes.
+
+The builder (dspark_compile/trace.py) consumes it and the manifest records it; the runtime
+(dspark_compile/runtime.py) rebuilds it from the manifest to size the decode state and the eager
+prefill model. It lives apart from the builder so the runtime does not import the builder.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class BuildConfig:
+    """Everything that decides what the engine computes (recorded in the manifest)."""
+    buckets: tuple = DEFAULT_BUCKETS
+    max_rows: int = 0               # concurrent request rows; 0 = the largest bucket
+    max_seq_len: int = 1024         # positions per request (prompt + generated + one block)
+    prefill_chunk: int = 64         # tokens per eager prefill forward
+    dtype: str = "float32"          # compute dtype of activations
+    act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
+    kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches
+    passes: tuple | None = None     # None = the default pipeline
+    disabled_passes: tuple = ()
+    verify_passes: bool = False
+    dump_dir: str | None = None
+    arch: str | None = None         # e.g. "sm_120": store that arch's kernel resource report
+    device: str = "cpu"
+
+    def __post_init__(self):
+        self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"buckets must be positive integers, got {self.buckets}")
+        if self.max_rows == 0:
+            self.max_rows = self.buckets[-1]
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    def precision(self):
+        from dspark_compile.models.config import Precision
+        return Precision(dtype=DTYPES[self.dtype], act_quant=self.act_quant, kv_fp8=self.kv_fp8)
+
+    def cache(self, block: int):
+        from dspark_compile.models.config import CacheConfig
+        return CacheConfig(max_rows=self.max_rows, max_seq_len=self.max_seq_len,
+                           max_step_tokens=max(self.prefill_chunk, block + 1))
+
+    def to_manifest(self) -> dict:
+        d = asdict(self)
+        d.pop("dump_dir")
+        d.pop("verify_passes")
+        return d
