@@ -6,19 +6,20 @@ does. These loops are the reference the compiled engine is compared against.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from dspark_compile.models.config import CacheConfig, request_positions
+from dspark_compile.models.config import CacheConfig, request_positions, rope_positions
 from dspark_compile.models.state import allocate_state, trash_row
 from dspark_compile.models.step import DraftVerifyStep, prefill, target_decode_step
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0     # <= 0: greedy
-    top_k: int = 0               # <= 0: off
+    temperature: float = 0.0     # 0: greedy
+    top_k: int = 0               # 0: off
     top_p: float = 1.0           # >= 1: off
     seed: int = 0
     max_new_tokens: int = 32
@@ -27,10 +28,15 @@ class SamplingParams:
     def validate(self, vocab: int) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:   # NaN fails too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature != self.temperature or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not -(1 << 63) <= self.seed < (1 << 63):   # the state keeps it as int64
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         for s in self.stop_ids:
             if not 0 <= s < vocab:
                 raise ValueError(f"stop id {s} outside [0, {vocab})")
@@ -105,14 +111,24 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
         raise ValueError("speculative decoding needs the DSpark draft (mtp.*) in the checkpoint")
     N = cfg.dspark_block_size if speculative else 0
     cache = cache or cache_config_for(prompts, params, N)
+    # every request has its own row, all admitted up front (host ints: nothing is read back)
+    if cache.max_rows < len(prompts):
+        raise ValueError(f"cache.max_rows={cache.max_rows} < {len(prompts)} prompts (one state "
+                         "row per request)")
+    for r, (p, sp) in enumerate(zip(prompts, params)):
+        if request_positions(len(p), sp.max_new_tokens, N) > cache.max_seq_len:
+            raise ValueError(f"prompt {r}: {len(p)} + {sp.max_new_tokens} new tokens exceed "
+                             f"max_seq_len={cache.max_seq_len}")
+    rope = model.rope_main.shape[0]
+    if rope_positions(cache.max_seq_len, N) > rope:
+        raise ValueError(f"cache.max_seq_len={cache.max_seq_len} needs RoPE tables of "
+                         f"{rope_positions(cache.max_seq_len, N)} positions, the model's hold "
+                         f"{rope} (max_positions)")
     state = allocate_state(cfg, cache, model.prec, device)
     trash = trash_row(state)
     outs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for r, (p, sp) in enumerate(zip(prompts, params)):
-        if request_positions(len(p), sp.max_new_tokens, N) > cache.max_seq_len:
-            raise ValueError(f"prompt {r}: {len(p)} + {sp.max_new_tokens} new tokens exceed "
-                             f"max_seq_len={cache.max_seq_len}")
         set_row_sampling(state, r, sp)
         first = prefill(model, state, r, p, cache.max_step_tokens, speculative)
         done[r] = append_committed(outs[r], [first], sp)

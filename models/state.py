@@ -17,6 +17,7 @@ step rewrites before anyone reads them (reference/dspark_draft.md §4.3).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +84,72 @@ def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[s
     return specs
 
 
+# The CacheConfig each state was allocated with, keyed by id() of its row.last_pos tensor (a
+# state is a plain dict of tensors: torch.export takes it as an input pytree, so it carries no
+# attributes). Entries go when that tensor does.
+_CACHES: dict[int, CacheConfig] = {}
+
+
 def allocate_state(cfg: ModelConfig, cache: CacheConfig, prec: Precision, device="cpu") -> dict:
-    return {name: torch.zeros(s.shape, dtype=s.dtype, device=device)
-            for name, s in state_specs(cfg, cache, prec).items()}
+    state = {name: torch.zeros(s.shape, dtype=s.dtype, device=device)
+             for name, s in state_specs(cfg, cache, prec).items()}
+    key = state["row.last_pos"]
+    _CACHES[id(key)] = cache
+    weakref.finalize(key, _CACHES.pop, id(key), None)
+    return state
+
+
+def state_limits(state: dict, cfg: ModelConfig) -> tuple[int, int | None]:
+    """(max_step_tokens, max_seq_len) of `state`, as host ints from its CacheConfig or, for a
+    state allocate_state did not make, from its shapes (no device read either way).
+
+    From shapes: the SWA ring holds sliding_window + max_step_tokens entries; the compressed
+    caches hold max_seq_len rounded up to their ratio (None when no layer compresses)."""
+    cache = _CACHES.get(id(state["row.last_pos"]))
+    if cache is not None:
+        return cache.max_step_tokens, cache.max_seq_len
+    ring = next(t for k, t in state.items() if k.startswith("layers.0.swa_")).shape[1]
+    held = [state[f"layers.{l}.ckv_{'nope' if f'layers.{l}.ckv_nope' in state else 'kv'}"].shape[1] * r
+            for l, r in enumerate(cfg.compress_ratios) if r]
+    return ring - cfg.sliding_window, (min(held) if held else None)
+
+
+def check_prefill(model, state: dict, row: int, prompt, chunk: int, speculative: bool) -> None:
+    """The host-side checks of one prefill (prompt and lengths are host values): a chunk no
+    larger than the state's max_step_tokens, positions within its max_seq_len and the model's
+    RoPE tables, a real state row, token ids in the vocabulary. Raises ValueError naming the
+    argument and both numbers; without them a forward writes past the caches' capacity and
+    returns wrong logits (no error)."""
+    cfg = model.cfg
+    step_tokens, seq_len = state_limits(state, cfg)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"prefill: chunk must be a positive int, got {chunk!r}")
+    if chunk > step_tokens:
+        raise ValueError(f"prefill: chunk={chunk} exceeds the state's max_step_tokens="
+                         f"{step_tokens} (tokens one forward may write)")
+    rows = trash_row(state)
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < rows:
+        raise ValueError(f"prefill: row={row!r} outside [0, {rows}) (the state's max_rows; row "
+                         f"{rows} is the trash row)")
+    L = len(prompt)
+    if L == 0:
+        raise ValueError("prefill: prompt is empty")
+    bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prefill: prompt token ids {bad[:5]} outside [0, vocab_size="
+                         f"{cfg.vocab_size})")
+    if seq_len is not None and L > seq_len:
+        raise ValueError(f"prefill: prompt of {L} tokens exceeds the state's max_seq_len={seq_len}")
+    if speculative and model.mtp is None:
+        raise ValueError("prefill: speculative=True needs the DSpark draft (mtp.*) in the model")
+    # a speculative prefill also drafts the first block, at positions L .. L + block - 1
+    need = L + (cfg.dspark_block_size if speculative else 0)
+    have = model.rope_main.shape[0]
+    if need > have:
+        raise ValueError(f"prefill: prompt of {L} tokens"
+                         + (f" + a draft block of {cfg.dspark_block_size}" if speculative else "")
+                         + f" needs {need} positions, the model's RoPE tables hold {have} "
+                         "(max_positions)")
 
 
 def trash_row(state: dict) -> int:

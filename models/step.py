@@ -25,6 +25,7 @@ from dspark_compile.kernels.sampling import sample_reference
 
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.draft import draft_forward, markov_weights, store_context
+from dspark_compile.models.state import check_prefill
 
 
 def sampling_of(state: dict, rows: torch.Tensor):
@@ -98,6 +99,7 @@ def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, specula
     seeds the draft context from the prompt's aux states, samples the first token from the
     target, and (speculative) drafts the first block so the step can start verifying.
     """
+    check_prefill(model, state, row, prompt, chunk, speculative)   # host ints only
     cfg = model.cfg
     dev = state["row.last_pos"].device
     trash = state["row.last_pos"].shape[0] - 1

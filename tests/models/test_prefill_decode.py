@@ -64,3 +64,80 @@ def test_padded_rows_are_inert(make_model):
         assert torch.equal(state[k][:2].view(torch.uint8) if v.dtype.itemsize == 1 else state[k][:2],
                            v.view(torch.uint8) if v.dtype.itemsize == 1 else v), k
     assert logits.shape == (2, 6, cfg.vocab_size)
+
+
+# ------------------------------------------------------------------ misuse: checked on the host
+def _state(model, **cache):
+    return allocate_state(model.cfg, CacheConfig(**cache), model.prec)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(chunk=128), r"chunk=128 exceeds the state's max_step_tokens=64"),
+    (dict(chunk=0), r"chunk must be a positive int, got 0"),
+    (dict(prompt_len=300, chunk=64), r"prompt of 300 tokens exceeds the state's max_seq_len=200"),
+    (dict(row=2), r"row=2 outside \[0, 2\) \(the state's max_rows; row 2 is the trash row\)"),
+    (dict(prompt_len=0), r"prompt is empty"),
+    (dict(bad_id=True), r"prompt token ids \[512\] outside \[0, vocab_size=512\)"),
+])
+def test_prefill_refuses_what_the_state_cannot_hold(make_model, kw, match):
+    """Measured before these checks: chunk 128 on a state sized for 64 gave logits off by 0.16;
+    300 tokens on max_seq_len 200, off by 0.20 -- and no error."""
+    from dspark_compile.models.step import prefill
+    model = make_model(with_draft=False, max_positions=512)
+    state = _state(model, max_rows=2, max_seq_len=200, max_step_tokens=64)
+    prompt = [7] * kw.get("prompt_len", 10) + ([512] if kw.get("bad_id") else [])
+    with pytest.raises(ValueError, match=match):
+        prefill(model, state, kw.get("row", 0), prompt, kw.get("chunk", 64), speculative=False)
+
+
+def test_prefill_positions_past_the_rope_tables(make_model):
+    from dspark_compile.models.step import prefill
+    model = make_model(with_draft=True, max_positions=100)
+    state = _state(model, max_rows=1, max_seq_len=256, max_step_tokens=64)
+    with pytest.raises(ValueError, match=r"prompt of 98 tokens \+ a draft block of 5 needs 103 "
+                                         r"positions, the model's RoPE tables hold 100"):
+        prefill(model, state, 0, [3] * 98, 64, speculative=True)
+
+
+def test_state_limits_from_shapes_match_the_cache_config(make_model):
+    """A state allocate_state did not make (a dict of copies) is sized from its shapes."""
+    from dspark_compile.models.state import state_limits
+    model = make_model(with_draft=False, max_positions=512)
+    state = _state(model, max_rows=1, max_seq_len=200, max_step_tokens=48)
+    assert state_limits(state, model.cfg) == (48, 200)
+    copy = {k: v.clone() for k, v in state.items()}
+    # the C4 caches hold 200 // 4 = 50 entries (the C128 ones 2, i.e. 256 positions)
+    assert state_limits(copy, model.cfg) == (48, 200)
+
+
+def test_generate_checks_rows_and_positions_before_any_forward(make_model):
+    from dspark_compile.models.generate import SamplingParams, generate
+    model = make_model(with_draft=True, max_positions=64)
+    sp = [SamplingParams(max_new_tokens=4)] * 3
+    with pytest.raises(ValueError, match=r"cache.max_rows=2 < 3 prompts"):
+        generate(model, [[1, 2]] * 3, sp, True,
+                 cache=CacheConfig(max_rows=2, max_seq_len=32, max_step_tokens=8))
+    with pytest.raises(ValueError, match=r"prompt 0: 30 \+ 4 new tokens exceed max_seq_len=32"):
+        generate(model, [[1] * 30], sp[:1], True,
+                 cache=CacheConfig(max_rows=1, max_seq_len=32, max_step_tokens=8))
+    with pytest.raises(ValueError, match=r"cache.max_seq_len=100 needs RoPE tables of 107 "
+                                         r"positions, the model's hold 64"):
+        generate(model, [[1, 2]], sp[:1], True,
+                 cache=CacheConfig(max_rows=1, max_seq_len=100, max_step_tokens=8))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("temperature", float("inf"), "temperature must be a finite number >= 0"),
+    ("temperature", float("nan"), "temperature must be a finite number >= 0"),
+    ("temperature", -0.5, "temperature must be a finite number >= 0"),
+    ("top_k", -1, r"top_k must be >= 0 \(0 = off\), got -1"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", float("nan"), r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("seed", 1 << 63, "seed must fit in 64 bits"),
+    ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
+])
+def test_sampling_params_refuse_values_the_samplers_cannot_use(field, value, match):
+    from dspark_compile.models.generate import SamplingParams
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value}).validate(512)
