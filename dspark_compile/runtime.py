@@ -121,8 +121,9 @@ class Engine:
         return eng
 
     def _record_load(self) -> None:
-        """Write this load's graph memory and timings into the manifest (DESIGN §3.7). A
-        read-only engine directory is not an error: the engine runs, the record is skipped."""
+        """Write this load's graph memory and timings into the manifest (docs/architecture.md,
+        "Honest artifacts"). A read-only engine directory is not an error: the engine runs, the
+        record is skipped."""
         stats = {"device": torch.cuda.get_device_name(self.device),
                  "torch_version": torch.__version__,
                  "load_seconds": round(self.load_seconds, 3),

@@ -6,7 +6,8 @@
 The program's inputs are `(rows, state)`: `rows` [B] maps batch rows to state rows (the trash
 row for padding) and `state` is the dict of preallocated decode-state tensors, updated in place
 (the program runs on the IR as exported: `run_decompositions()` would functionalise every cache
-update into a whole-cache copy, DESIGN §8). Shapes are static per bucket.
+update into a whole-cache copy: docs/architecture.md, "Toolchain facts"). Shapes are static
+per bucket.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DeepSeek-V4 attention: MQA over one 512-d latent that is both key and value.
 
-Per layer (reference/dsv4_target.md §3): q/kv projections and norms, QKV post-processing
+Per layer (docs/model.md, "Attention"): q/kv projections and norms, QKV post-processing
 (q weightless per-head norm + RoPE, kv RoPE + FP8 quant + SWA insert), then on compressed
 layers the compressor (and on C4 layers the lightning indexer's top-k), then one softmax over
 SWA window ∪ compressed candidates with the sink in the denominator only, inverse RoPE at the

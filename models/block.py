@@ -1,4 +1,4 @@
-"""One decoder block with manifold hyper-connections (reference/dsv4_target.md §2.1).
+"""One decoder block with manifold hyper-connections (docs/model.md, "Decoder block").
 
     (a, post, C) = hc_attn.pre(X);  X = hc_attn.post(attn(norm(a)), X, post, C)
     (f, post, C) = hc_ffn.pre(X);   X = hc_ffn.post(ffn(norm(f)), X, post, C)

@@ -1,4 +1,4 @@
-"""KV compressor of C4 / C128 layers (reference/dsv4_target.md §3.5).
+"""KV compressor of C4 / C128 layers (docs/model.md, "Compressor").
 
 Every token's (k, score) goes into a per-row fp32 ring; when token t closes block
 b = t // ratio ((t+1) % ratio == 0) the block is pooled: a per-channel softmax over its rows

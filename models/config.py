@@ -1,6 +1,6 @@
 """DeepSeek-V4 (+ DSpark draft) configuration parsed from a Hugging Face `config.json`.
 
-Field names are the checkpoint's own (reference/dsv4_target.md §1). `ModelConfig.from_dict`
+Field names are the checkpoint's own (docs/model.md, "Configuration"). `ModelConfig.from_dict`
 accepts the Flash and Flash-0731 layouts: `compress_ratios` longer than `num_hidden_layers`
 (the tail belongs to the MTP/DSpark layers) is truncated; RoPE may be flat
 (`rope_theta`, `compress_rope_theta`, `rope_scaling`) or nested

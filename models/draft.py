@@ -1,4 +1,4 @@
-"""The DSpark draft (reference/dspark_draft.md §1): three SWA-only DSV4 blocks under `mtp.{i}`.
+"""The DSpark draft (docs/model.md, "DSpark draft"): three SWA-only DSV4 blocks under `mtp.{i}`.
 
 Conditioning ("KV injection"): the target's hc-mean hidden states after
 `dspark_target_layer_ids` are concatenated, `main_x = main_norm(main_proj(aux))`, and every draft

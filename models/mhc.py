@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (reference/dsv4_target.md §2.1), all fp32.
+"""Manifold-constrained hyper-connections (docs/model.md, "mHC"), all fp32.
 
 The residual stream X is [T, m, D] (m = hc_mult copies). `pre` collapses it to one layer
 input; `post` writes the layer output back with a Sinkhorn-normalised m x m mixing matrix

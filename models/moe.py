@@ -1,4 +1,4 @@
-"""MoE FFN (reference/dsv4_target.md §4): router, routed MXFP4 experts (one dspark op), shared
+"""MoE FFN (docs/model.md, "MoE"): router, routed MXFP4 experts (one dspark op), shared
 FP8 expert, SwiGLU clamp on both.
 
 Router: fp32 logits, score sqrt(softplus); selection by `tid2eid[token]` on hash layers, else

@@ -31,7 +31,7 @@ FLASH_0731 = {
     "dspark_noise_token_id": 128799,
 }
 
-# Every layer type at toy size (reference/dsv4_target.md §10.2): SWA-only with hash routing,
+# Every layer type at toy size (docs/model.md, "Presets"): SWA-only with hash routing,
 # C4 (overlap + indexer) with hash routing, C128, and bias-routed C4/C128.
 TINY = {
     **copy.deepcopy(FLASH_0731),

@@ -1,9 +1,10 @@
 """The two weight formats of a DeepSeek-V4 checkpoint: quantize (synthetic writer) and dequantize.
 
-- FP8 block-scaled linears (reference/dsv4_target.md §6.1): `float8_e4m3fn [out, in]` plus one
-  UE8M0 scale (`float8_e8m0fnu`) per 128x128 block, `W = Wq * 2^(byte - 127)`.
-- MXFP4 routed experts (§6.2): int8 bytes `[out, in/2]`, two e2m1 codes per byte (low nibble =
-  even element), one E8M0 scale per 32 consecutive input elements. Dequant is the MoE op's own
+- FP8 block-scaled linears (docs/model.md, "FP8 block-scaled weights"): `float8_e4m3fn [out, in]`
+  plus one UE8M0 scale (`float8_e8m0fnu`) per 128x128 block, `W = Wq * 2^(byte - 127)`.
+- MXFP4 routed experts (docs/model.md, "MXFP4 experts"): int8 bytes `[out, in/2]`, two e2m1
+  codes per byte (low nibble = even element), one E8M0 scale per 32 consecutive input elements.
+  Dequant is the MoE op's own
   :func:`dspark_compile.kernels.moe.mxfp4_dequant`, re-exported here.
 
 E8M0 scales are always read through their byte (`.view(torch.uint8)`), never numerically cast:

@@ -1,4 +1,4 @@
-"""RoPE tables (reference/dsv4_target.md §3.3).
+"""RoPE tables (docs/model.md, "RoPE").
 
 Two tables per model: SWA-only layers (and the draft) use `rope_theta` without YaRN; compressed
 layers use `compress_rope_theta` with YaRN for everything in the layer (q, SWA KV, compressor

@@ -1,6 +1,6 @@
 """The checkpoint contract: every tensor name, shape and dtype a DeepSeek-native checkpoint holds.
 
-Names are DeepSeek's own (reference/dsv4_target.md §7, reference/dspark_draft.md §1.7): no
+Names are DeepSeek's own (docs/model.md, "Checkpoint layout"): no
 `model.` prefix, FP8 weights as `<linear>.weight` (float8_e4m3fn) + `<linear>.scale`
 (float8_e8m0fnu, one per 128x128 block), MXFP4 experts as `ffn.experts.E.w{1,2,3}.weight`
 (int8 bytes, two e2m1 per byte) + `.scale` (e8m0 per 32), the draft under `mtp.{0,1,2}.*`.

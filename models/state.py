@@ -7,7 +7,7 @@ the PyTorch references redirect to the trash row's last slot and the Triton kern
 Rings are indexed by absolute position modulo their length. Their lengths leave room for one
 forward's worth of tokens beyond what any reader needs, so rows written for drafts that get
 rejected can never overwrite something still needed: they only hold positions that the next
-step rewrites before anyone reads them (reference/dspark_draft.md §4.3).
+step rewrites before anyone reads them (docs/model.md, "Decode state").
 
     SWA KV ring          sliding_window + max_step_tokens      (fp8_ds_mla style or float)
     compressor ring      coff·ratio + max_step_tokens          (fp32 kv | score)

@@ -1,6 +1,6 @@
 """The draft-plus-verify step over a fixed batch bucket, and the eager prefill that precedes it.
 
-One step for B request rows (reference/dspark_draft.md §5.1), N = dspark_block_size:
+One step for B request rows (docs/model.md, "The step"), N = dspark_block_size:
 
     verify    target forward over [anchor, d1..dN] at last+1 .. last+N+1   -> logits, aux
     reject    greedy / standard rejection                                  -> tokens, num_sampled

@@ -2,8 +2,9 @@
 
 A pass is `fn(gm, ctx) -> PassResult | int | None` over the `torch.fx.GraphModule` of an
 `ExportedProgram` as exported (the non-functional IR: in-place cache updates stay in place, see
-DESIGN §8). `ctx` carries the explicit configuration (never environment variables) and, when the
-manager runs on an `ExportedProgram`, the program itself and the names of its state inputs.
+docs/architecture.md, "Toolchain facts"). `ctx` carries the explicit configuration (never
+environment variables) and, when the manager runs on an `ExportedProgram`, the program itself
+and the names of its state inputs.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Lint: the step graph must never synchronise with the host (DESIGN §3.3).
+"""Lint: the step graph must never synchronise with the host (docs/architecture.md,
+"Capture-safe step").
 
 A CUDA graph replays device work only: a value read on the host during capture is frozen into
 the graph, a data-dependent shape cannot be captured at all, and torch's global RNG advances a

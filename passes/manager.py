@@ -12,8 +12,9 @@ wall time, node count before/after and the match count the pass returns, and can
 - warn (`PassNoMatchWarning`) when a pass declared `expect_match=True` matched nothing.
 
 It also enforces the structural contract that keeps the program serialisable: placeholders are
-untouched, every call node carries `meta["val"]` (torch.export.save fails otherwise, DESIGN §8),
-and the program's output signature follows nodes a pass replaced.
+untouched, every call node carries `meta["val"]` (torch.export.save fails otherwise:
+docs/architecture.md, "Toolchain facts"), and the program's output signature follows nodes a
+pass replaced.
 """
 from __future__ import annotations
 

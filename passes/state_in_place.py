@@ -1,4 +1,5 @@
-"""Check: no op in the final step graph copies a whole state input (DESIGN §3.4, §8).
+"""Check: no op in the final step graph copies a whole state input (docs/architecture.md,
+"In-place state" and "Toolchain facts").
 
 KV caches, compressor state and draft context are user inputs the step updates in place. A
 functionalised update (what `ep.run_decompositions()` produces) turns `cache.index_copy_(...)`

@@ -20,7 +20,7 @@ Top-k ties. The lightning indexer's score is sum_h w_h relu(q_h . k_j) with weig
 sign, so many entries score exactly 0 (every head's dot product negative) and the k-th and
 (k+1)-th best are often an exact tie. torch.topk breaks such ties by an unspecified rule that
 differs between our [.., max_seq_len/4] score rows and HF's [.., n_compressed] rows
-(reference/dsv4_target.md §3.6: "Tie-breaking between the reference and vLLM can differ"), and
+(docs/model.md, "Indexer": tie-breaking among equal scores is implementation-defined), and
 one different pick changes that token's attention output at O(0.1) in the logits.
 :class:`IndexerSync` therefore checks that each of our selections is a valid top-k of HF's
 *own* scores (right count, only visible entries, nothing left out that scores higher beyond a

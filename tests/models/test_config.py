@@ -14,7 +14,7 @@ from dspark_compile.models.schema import checkpoint_schema
 
 
 def flash_base() -> dict:
-    """deepseek-ai/DeepSeek-V4-Flash config.json (reference/dsv4_target.md §1.1): target only,
+    """deepseek-ai/DeepSeek-V4-Flash config.json (docs/model.md, "Configuration"): target only,
     44 compress_ratios (the last one is the nextn-MTP slot), no dspark_* fields."""
     raw = preset("flash-0731")
     for k in [k for k in raw if k.startswith("dspark_")]:

@@ -17,7 +17,7 @@ swapped 5.5, router bias in the expert weights 0.15; indexer without ReLU change
 selection and is caught by the top-k check. So the bound is ~50x the rounding noise and far
 below any real disagreement.
 
-One documented deviation: top-k ties in the C4 lightning indexer (reference/dsv4_target.md §3.6)
+One documented deviation: top-k ties in the C4 lightning indexer (docs/model.md, "Indexer")
 are broken differently by the two implementations; see hf_ref.IndexerSync, which checks our
 selection is a valid top-k of HF's own scores and then makes HF use it.
 
@@ -153,7 +153,7 @@ def test_hf_loads_the_dequantized_native_checkpoint(ref):
                               "heavily_compressed_attention", "compressed_sparse_attention",
                               "heavily_compressed_attention"]
     assert hc.mlp_layer_types == ["hash_moe"] * 3 + ["moe"] * 3
-    # YaRN only on compressed layers, no magnitude scaling (reference/dsv4_target.md §3.3)
+    # YaRN only on compressed layers, no magnitude scaling (docs/model.md, "RoPE")
     assert hc.rope_parameters["main"]["rope_type"] == "default"
     assert hc.rope_parameters["compress"]["rope_type"] == "yarn"
     assert hc.rope_parameters["compress"]["attention_factor"] == 1.0

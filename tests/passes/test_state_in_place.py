@@ -1,5 +1,6 @@
 """assert_no_whole_cache_copy: passes for in-place updates, fails for every whole-state copy,
-including the functionalised update run_decompositions() produces (DESIGN §8)."""
+including the functionalised update run_decompositions() produces (docs/architecture.md,
+"Toolchain facts")."""
 import pytest
 import torch
 
