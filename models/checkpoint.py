@@ -60,7 +60,7 @@ def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
-        raw = json.loads(index.read_text())
+        raw = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index.name}: cannot read the shard index ({e})",
                               file=index.name) from None

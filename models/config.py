@@ -109,11 +109,16 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError("config.json", f"file not found: {path}") from None
         except json.JSONDecodeError as e:
             raise ConfigError("config.json", f"{path} is not valid JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError("config.json", f"{path} is not UTF-8 text (byte {e.start}: "
+                              f"{e.reason})") from None
+        except IsADirectoryError:
+            raise ConfigError("config.json", f"{path} is a directory, not a file") from None
         if not isinstance(raw, dict):
             raise ConfigError("config.json", f"{path} must hold a JSON object")
         return cls.from_dict(raw)

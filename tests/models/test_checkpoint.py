@@ -438,6 +438,14 @@ def test_missing_config_is_config_error(tmp_path, tiny_synth):
         load_checkpoint(root)
 
 
+def test_config_not_utf8_names_the_file(tmp_path, tiny_synth):
+    root = write_checkpoint(tmp_path / "ck", {"model.safetensors": tiny_synth})
+    cfg = root / "config.json"
+    cfg.write_bytes(cfg.read_bytes().replace(b'"deepseek_v4"', b'"deepseek\xe9v4"'))
+    with pytest.raises(ConfigError, match=f"{cfg} is not UTF-8 text"):
+        load_checkpoint(root)
+
+
 @pytest.mark.parametrize("value", [8, -1])
 def test_tid2eid_out_of_range(tmp_path, tiny_synth, value):
     ids = tiny_synth["layers.1.ffn.gate.tid2eid"].clone()

@@ -243,6 +243,15 @@ def test_invalid_json_file(tmp_path):
     assert ei.value.field == "config.json" and "not valid JSON" in str(ei.value)
 
 
+def test_config_that_is_not_utf8_names_the_file(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_bytes(b'{"model_type": "deepseek_v4", "note": "\xff\xfe"}')
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig.from_file(p)
+    assert ei.value.field == "config.json"
+    assert f"{p} is not UTF-8 text (byte 39: invalid start byte)" in str(ei.value)
+
+
 def test_config_not_an_object(tmp_path):
     p = tmp_path / "config.json"
     p.write_text("[1, 2, 3]")
