@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_DIR := build/demo
 
-# torch 2.13.0 (CPU wheel on this machine's disk) expects triton 3.7.1; a bare `triton` takes 3.9.
+# the torch 2.13.0 CPU wheel expects triton 3.7.1; a bare `triton` resolves to 3.9.
 PINS := torch==2.13.0 triton==3.7.1 numpy
 
 $(BIN)/.installed: pyproject.toml

@@ -2,7 +2,7 @@
 for any NVIDIA capability on a machine without a GPU: check what a kernel change costs before
 spending device time timing it.
 
-Why: in session 10, a change to the Markov logits kernel's epilogue measured +50 us at B = 64 on
+Why: on 2026-11-30 a change to the Markov logits kernel's epilogue measured +50 us at B = 64 on
 the H200. The change fused the reductions and skipped a division. Compiled for sm_90 afterwards,
 that configuration had gone from 146 to 198 registers per thread, which at 4 warps is 3 -> 2
 CTAs per SM, so fewer W2 tiles were in flight. This tool would have shown that in a minute on the

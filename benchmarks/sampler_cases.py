@@ -18,7 +18,7 @@ Cases per B (requests):
   cases): the select pass reads every tile (skip_below_bracket=False).
 - `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
   top-p, so it is not a variant here. `ours-nocand` (top-p cases): without the candidate pick,
-  every row's threshold is searched each step (candidate=False, the plan before session 9);
+  every row's threshold is searched each step (candidate=False, the plan before 5b45da0);
   `ours-nopersist`: the searched rows' launches one program per row and chunk instead of
   persistent grids (persistent=False). `ours-refine4` / `ours-refine2`: 4 / 2 threshold
   refinement passes instead of REFINE_PASSES (3); `ours-hist8` / `ours-hist32`: threshold mass
@@ -42,7 +42,7 @@ Cases per B (requests):
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
 logits (fp32, as the draft head produces them) + the W1 rows + for probabilistic rows the
-draft_logits written once (fp32). The byte floor of the brief (~78 us at B = 1) is the W2 part.
+draft_logits written once (fp32). The greedy byte floor (~78 us at B = 1) is the W2 part.
 Rejection = per request the target rows up to the first rejection and its draft row (data
 dependent: counted as 2 target rows + 1 draft row, about what the drafts here produce), plus
 tokens.

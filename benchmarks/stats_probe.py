@@ -2,19 +2,20 @@
 
 kernels/rejection.py's _rows_stats_kernel reads each row once and writes four numbers per
 1024-token block (max, lowest argmax, sum exp(z - max), NaN flag). At B = 64 (384 target rows,
-199 MB) it took 103 us on the H200 against ~47 us for its bytes (s9_2 profile), the draft rows'
+199 MB) it took 103 us on the H200 against ~47 us for its bytes (profile at 5b45da0), the draft rows'
 pass 87 us for 165 MB. Hypothesis: the instructions per token, not the loads -- a correctly
 rounded division (a multi-instruction sequence) even at T = 1, then four block reductions (max,
 argmax, sum, NaN), each a CTA barrier. This probe times, on the same rows:
 - `read`: the loads and a sum only (the pass's floor at this grid);
-- `base`: session 9's kernel (four blocks a program, the next one's load in flight);
+- `base`: the kernel before 73155ea (four blocks a program, the next one's load in flight);
 - `nodiv`: no division where T = 1 (bit-identical there: x / 1 = x);
 - `fused`: nodiv, and the max and its lowest index from one reduction (tl.max return_indices);
 - `greedyarg`: fused, the argmax only for greedy rows (reduce reads it only for those);
 - `sumany`: greedyarg, and the sum and the NaN flag from one reduction (a tuple tl.reduce);
 - `2d-gG-wW`: G blocks loaded as one [G, 1024] tile, each reduction once for all G, W warps;
 - `shipped`: kernels/rejection.py's kernel now (2d-g1-w2's work).
-The first two runs (`s10_2_stats_probe/`) timed the shipped kernel of then as `base`.
+The first two runs (2026-11-30; benchmarks/results/README.md, "Sampler", "History") timed the
+shipped kernel of then as `base`.
 
     python benchmarks/stats_probe.py --out /tmp/stats_probe.json
 
@@ -42,9 +43,9 @@ V = 129280
 def stats_probe(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr, V, NBLK, RPR,
                 stride_lr, BLOCK: tl.constexpr, BPP: tl.constexpr, WORK: tl.constexpr,
                 DIV: tl.constexpr):
-    # BPP blocks a program, the next one's load in flight (session 9's loop). WORK 0: read +
+    # BPP blocks a program, the next one's load in flight (the loop before 73155ea). WORK 0: read +
     # sum; 1: max, argmax, sum, NaN flag as four reductions (with DIV: divided at T = 1 too,
-    # session 9's kernel); 2: max and argmax as one; 3: and the argmax for greedy rows only;
+    # the kernel before 73155ea); 2: max and argmax as one; 3: and the argmax for greedy rows only;
     # 4: and the sum and NaN flag as one
     r = tl.program_id(0)
     b0 = tl.program_id(1) * BPP
@@ -158,7 +159,7 @@ def main():
             return run(stats_probe, (R, triton.cdiv(NBLK, bpp)), BPP=bpp, WORK=work, DIV=div,
                        num_warps=warps)
 
-        bpp0 = 4 if R * NBLK >= 4096 else 1     # session 9's blocks per program
+        bpp0 = 4 if R * NBLK >= 4096 else 1     # blocks per program before 73155ea
         variants = {"base": probe(1, bpp0, 4, div=True), "read": probe(0, bpp0, 4),
                     "nodiv": probe(1, bpp0, 4), "fused": probe(2, bpp0, 4),
                     "greedyarg": probe(3, bpp0, 4), "sumany": probe(4, bpp0, 4),

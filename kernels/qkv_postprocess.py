@@ -255,7 +255,8 @@ def _context_kv_store_kernel(kv_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, S, ma
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
-# q elements per program: 4 heads of 512. Measured on the H200 (benchmarks/results/h200_kernels):
+# q elements per program: 4 heads of 512. Measured on the H200
+# (benchmarks/results/h200_qkv_act_quant_2026-11-29/, benchmarks/results/README.md):
 # 4 heads beat 2 at every B (B=64: 15.8 vs 26.0 us, 76 % vs 46 % of copy bandwidth).
 Q_TILE_ELEMS = 2048
 NUM_WARPS = 4

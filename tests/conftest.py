@@ -38,7 +38,7 @@ _WORKER_TIMINGS: dict[str, float] = {}      # the engine tests' timings, from an
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the borrowed H200; none here)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

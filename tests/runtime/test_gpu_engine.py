@@ -1,4 +1,4 @@
-"""The engine on a GPU (runs on the borrowed H200; skips elsewhere): CUDA-graph replay equals the
+"""The engine on a CUDA GPU (skips without one): CUDA-graph replay equals the
 uncaptured program for every bucket with padded batches, capture time and graph memory are
 recorded in the manifest, and greedy decoding through the graphs is lossless.
 
