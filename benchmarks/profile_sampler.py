@@ -24,20 +24,21 @@ import sampler_cases as sc  # noqa: E402
 
 
 def _ops(kw=None):
-    """op name -> (inputs maker per B, call). `kw`: launcher keyword arguments (tuning knobs,
-    an A/B's variant): the calls then go to the launchers instead of the registered ops."""
-    from dspark_compile.kernels import markov_sampler as ms
-    from dspark_compile.kernels import rejection as rj
+    """op name -> (inputs maker per B, call). `kw`: SamplerPlan fields (an A/B's variant): the
+    calls then go to the launchers, under PLAN with those fields, instead of the registered ops."""
+    from dspark_compile.kernels.sampling import markov as ms
+    from dspark_compile.kernels.sampling import rejection as rj
+    from dspark_compile.kernels.sampling.plan import PLAN
     kw = kw or {}
 
     def markov(mode="full"):
         if kw:
-            return lambda d: ms.markov_sample_launch(**d, mode=mode, **kw)
+            return lambda d: ms.markov_sample_launch(**d, plan=PLAN.replace(mode=mode, **kw))
         return lambda d: torch.ops.dspark.markov_sample(**d, mode=mode)
 
     def rejection(mode="full"):
         if kw:
-            return lambda d: rj.rejection_sample_launch(**d, mode=mode, **kw)
+            return lambda d: rj.rejection_sample_launch(**d, plan=PLAN.replace(mode=mode, **kw))
         return lambda d: torch.ops.dspark.rejection_sample(**d, mode=mode)
 
     mk = sc._markov_inputs
@@ -104,7 +105,7 @@ def main(argv=None):
     p.add_argument("--git-commit", default=None)
     p.add_argument("--sequence", action="store_true", help="also print the last call's launches "
                    "in order (always in the json)")
-    p.add_argument("--launch-kw", default="", help='launcher keyword arguments as JSON, e.g. '
+    p.add_argument("--launch-kw", default="", help='SamplerPlan fields as JSON, e.g. '
                    '\'{"greedy_config": [64, 4, 3, 2], "pdl": false}\' (an A/B variant)')
     a = p.parse_args(argv)
     kw = _launch_kw(a.launch_kw)
@@ -112,8 +113,7 @@ def main(argv=None):
     unknown = sorted(set(a.ops.split(",")) - set(ops))
     if unknown:
         raise SystemExit(f"--ops: unknown {unknown}; known: {sorted(ops)}")
-    import dspark_compile.kernels.markov_sampler  # noqa: F401  (registers the ops)
-    import dspark_compile.kernels.rejection  # noqa: F401
+    import dspark_compile.kernels.sampling  # noqa: F401  (registers the ops)
     res = {"environment": harness.environment(a.git_commit), "calls": a.calls,
            "launch_kw": {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()},
            "cases": []}

@@ -1,7 +1,7 @@
 """Why are the sampler's row passes ~10x their bytes? A probe of the loop structure alone.
 
-The threshold search's row passes (kernels/sampling.py: reduce, select, refine; the samplers'
-final passes) each read a [rows, V] fp32 buffer once, yet at B = 64 they took 40-100 us per pass
+The threshold search's row passes (kernels/sampling/row_passes.py and refine.py: reduce,
+select, refine; the samplers' final passes) each read a [rows, V] fp32 buffer once, yet at B = 64 they took 40-100 us per pass
 on the H200 against ~8 us for their bytes. Hypothesis: latency, not arithmetic. Each program
 iteration loads one small tile (the histogram passes: 256 tokens = 1 KB per CTA, because their
 per-lane [TILE, NB] histograms live in registers) and, in select/refine/final, first loads the
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.sampling import hist_add_z
+from dspark_compile.kernels.sampling.device import hist_add_z
 
 V = 129280
 

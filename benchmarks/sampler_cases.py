@@ -16,8 +16,7 @@ Cases per B (requests):
   tokens on most rows, hundreds to ~1400 on the least lifted ones). The plain cases' Gaussian
   rows (std 3) are the stress case: top-p 0.95 keeps ~10^4 tokens there. `ours-noskip` (top-p
   cases): the select pass reads every tile (skip_below_bracket=False).
-- `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-mode-plain` would ignore
-  top-p, so it is not a variant here. `ours-nocand` (top-p cases): without the candidate pick,
+- `markov_topp`: T = 1.0, top-p 0.95 (the deployed setting). `ours-nocand` (top-p cases): without the candidate pick,
   every row's threshold is searched each step (candidate=False, the plan before 5b45da0);
   `ours-nopersist`: the searched rows' launches one program per row and chunk instead of
   persistent grids (persistent=False). `ours-refine4` / `ours-refine2`: 4 / 2 threshold
@@ -33,7 +32,7 @@ Cases per B (requests):
   searched; `ours-serial`: the draft rows' statistics pass and search after the target
   rows', on one stream (overlap=False; the default runs them beside the target rows' on a
   side stream); `ours-persist`: the searches in persistent grids of about one wave
-  (persistent=True; the default launches one program per row and chunk);
+  (rejection_persistent=True; the default launches one program per row and chunk);
   `ours-nopdl` / `ours-pdl-early` / `ours-pdl-late`: the launches after the statistics pass
   without programmatic dependent launch / with each trigger point; `ours-chunk<n>`: n tokens
   per row-pass program instead of row_tiling's (the searches run on the few rows the walk
@@ -52,9 +51,20 @@ from __future__ import annotations
 import torch
 from harness import Case, compare
 
-from dspark_compile.kernels import markov_sampler as ms
-from dspark_compile.kernels import rejection as rj
-from dspark_compile.kernels import sampling
+from dspark_compile.kernels.sampling import markov as ms
+from dspark_compile.kernels.sampling import reference as sampling
+from dspark_compile.kernels.sampling import rejection as rj
+from dspark_compile.kernels.sampling.plan import PLAN
+
+
+def _markov(d, **plan):
+    """The Markov launcher on case data d under PLAN with `plan`'s fields changed."""
+    return _markov(d, plan=PLAN.replace(**plan))
+
+
+def _rejection(d, **plan):
+    """The rejection launcher on case data d under PLAN with `plan`'s fields changed."""
+    return _rejection(d, plan=PLAN.replace(**plan))
 
 V, R, N = 129280, 256, 5
 TOP_P = 0.95
@@ -117,7 +127,7 @@ def _markov_check(make, greedy):
     def check(device):
         d = make(device, 123)
         got_d, got_p = torch.ops.dspark.markov_sample(**d)
-        want_d, want_p = ms.markov_sample_reference(**d)
+        want_d, want_p = sampling.markov_sample_reference(**d)
         same = (got_d == want_d).all(1)
         msgs = [_rows_differ(same)]      # bias sums differ in order: a near-tie may flip a row
         if not greedy and same.any():
@@ -135,7 +145,7 @@ def _markov_bytes(B, probabilistic):
 
 
 # greedy step-kernel tilings (BLOCK_V, num_warps, STAGES, PROGS_PER_SM) per batch tile (see
-# ms.GREEDY_CONFIGS; PROGS_PER_SM 0 = one program per vocab block). Tuning data only.
+# plan.GREEDY_CONFIGS; PROGS_PER_SM 0 = one program per vocab block). Tuning data only.
 GREEDY_TILINGS = {
     16: [(32, 4, 3, 4), (32, 4, 3, 2), (64, 4, 1, 0), (64, 4, 2, 4)],
     32: [(32, 4, 3, 3), (32, 4, 3, 2)],
@@ -146,9 +156,9 @@ GREEDY_TILINGS = {
 def _greedy_variants(B):
     """Mode "greedy" knobs: `ours-nopdl` without programmatic dependent launch between the
     steps; `ours-g*` step-kernel tilings (BLOCK_V, warps, STAGES, PROGS_PER_SM)."""
-    out = {"ours-nopdl": lambda d: ms.markov_sample_launch(**d, mode="greedy", pdl=False)}
+    out = {"ours-nopdl": lambda d: _markov(d, mode="greedy", pdl=False)}
     out.update({f"ours-g{'x'.join(map(str, c))}":
-                (lambda d, c=c: ms.markov_sample_launch(**d, mode="greedy", greedy_config=c))
+                (lambda d, c=c: _markov(d, mode="greedy", greedy_config=c))
                 for c in GREEDY_TILINGS[ms._batch_tile(B)]})
     return out
 
@@ -162,33 +172,33 @@ def _skip_variants():
     / pairwise up to 64 candidates (few_candidates; FEW_CANDIDATES is 32); `ours-nopersist`:
     the searched rows' launches one program per row and chunk (persistent=False); `ours-nocand`:
     every row searched and sampled by final (candidate=False)."""
-    return {"ours-nocand": lambda d: ms.markov_sample_launch(**d, candidate=False),
-            "ours-nopersist": lambda d: ms.markov_sample_launch(**d, persistent=False),
-            "ours-noskip": lambda d: ms.markov_sample_launch(**d, skip_below_bracket=False),
-            "ours-nofloor": lambda d: ms.markov_sample_launch(**d, block_floor=False),
-            "ours-nopdl": lambda d: ms.markov_sample_launch(**d, pdl=False),
-            "ours-pdl-early": lambda d: ms.markov_sample_launch(**d, pdl="early"),
-            "ours-pdl-late": lambda d: ms.markov_sample_launch(**d, pdl="late"),
-            "ours-few0": lambda d: ms.markov_sample_launch(**d, few_candidates=0),
-            "ours-few64": lambda d: ms.markov_sample_launch(**d, few_candidates=64)}
+    return {"ours-nocand": lambda d: _markov(d, candidate=False),
+            "ours-nopersist": lambda d: _markov(d, persistent=False),
+            "ours-noskip": lambda d: _markov(d, skip_below_bracket=False),
+            "ours-nofloor": lambda d: _markov(d, block_floor=False),
+            "ours-nopdl": lambda d: _markov(d, pdl=False),
+            "ours-pdl-early": lambda d: _markov(d, pdl="early"),
+            "ours-pdl-late": lambda d: _markov(d, pdl="late"),
+            "ours-few0": lambda d: _markov(d, few_candidates=0),
+            "ours-few64": lambda d: _markov(d, few_candidates=64)}
 
 
 def _threshold_variants():
-    """Threshold search knobs (kernels/sampling.py): refinement launches per step (each one more
+    """Threshold search knobs (kernels/sampling/): refinement launches per step (each one more
     launch, near-empty for rows already resolved), mass-histogram bins (cost per token grows
     with them, brackets narrow faster) and the candidate cap (the resolving program bisects over
     that many registers; a smaller cap overflows into one more refinement pass more often)."""
-    out = {"ours-forward": lambda d: ms.markov_sample_launch(**d, reverse_odd_steps=False),
+    out = {"ours-forward": lambda d: _markov(d, reverse_odd_steps=False),
            **_skip_variants(),
-           "ours-refine4": lambda d: ms.markov_sample_launch(**d, refine_passes=4),
-           "ours-refine2": lambda d: ms.markov_sample_launch(**d, refine_passes=2)}
-    out.update({f"ours-hist{n}": (lambda d, n=n: ms.markov_sample_launch(**d, hist_bins=n))
+           "ours-refine4": lambda d: _markov(d, refine_passes=4),
+           "ours-refine2": lambda d: _markov(d, refine_passes=2)}
+    out.update({f"ours-hist{n}": (lambda d, n=n: _markov(d, hist_bins=n))
                 for n in (8, 32)})
-    out.update({f"ours-cap{n}": (lambda d, n=n: ms.markov_sample_launch(**d, cap=n))
+    out.update({f"ours-cap{n}": (lambda d, n=n: _markov(d, cap=n))
                 for n in (1024, 4096)})
-    out.update({f"ours-edges{n}": (lambda d, n=n: ms.markov_sample_launch(**d, refine_edges=n))
+    out.update({f"ours-edges{n}": (lambda d, n=n: _markov(d, refine_edges=n))
                 for n in (32, 64)})
-    out["ours-hist8-edges64"] = lambda d: ms.markov_sample_launch(**d, hist_bins=8,
+    out["ours-hist8-edges64"] = lambda d: _markov(d, hist_bins=8,
                                                                   refine_edges=64)
     out.update(_chunk_variants())
     return out
@@ -198,7 +208,7 @@ def _chunk_variants():
     """`ours-chunk<n>`: n tokens per row-pass program (row_tiling's default: 2048 / 4096 / 8192
     for <= 4 / <= 16 / more rows): more, shorter programs per row against more partials to
     combine."""
-    return {f"ours-chunk{n}": (lambda d, n=n: ms.markov_sample_launch(**d, chunk=n))
+    return {f"ours-chunk{n}": (lambda d, n=n: _markov(d, chunk=n))
             for n in (512, 1024, 4096, 16384)}
 
 
@@ -208,22 +218,22 @@ def markov_cases(batches):
         make = _markov_inputs(B, 0.0, 1.0)
         extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.markov_sample(**d, mode="greedy"),
                  # every step walks W2 in the same order (no L2 reuse across steps)
-                 "ours-mode-greedy-forward": lambda d: ms.markov_sample_launch(
-                     **d, mode="greedy", reverse_odd_steps=False)}
+                 "ours-mode-greedy-forward": lambda d: _markov(
+                     d, mode="greedy", reverse_odd_steps=False)}
         extra.update(_greedy_variants(B))                    # the greedy graph's knobs
         out.append(Case("sampler", "markov_greedy", {"B": B, "N": N}, make,
-                        lambda d: ms.markov_sample_reference(**d),
+                        lambda d: sampling.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, False), check=_markov_check(make, True), extra=extra))
         make = _markov_inputs(B, 1.0, TOP_P)
         out.append(Case("sampler", "markov_topp", {"B": B, "N": N}, make,
-                        lambda d: ms.markov_sample_reference(**d),
+                        lambda d: sampling.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
                         extra=_threshold_variants()))
         make = _markov_inputs(B, 1.0, TOP_P, peaked=True)
         out.append(Case("sampler", "markov_topp_peaked", {"B": B, "N": N}, make,
-                        lambda d: ms.markov_sample_reference(**d),
+                        lambda d: sampling.markov_sample_reference(**d),
                         lambda d: torch.ops.dspark.markov_sample(**d),
                         _markov_bytes(B, True), check=_markov_check(make, False),
                         extra={**_skip_variants(), **_chunk_variants()}))
@@ -251,7 +261,7 @@ def _rejection_check(make):
     def check(device):
         d = make(device, 321)
         got = torch.ops.dspark.rejection_sample(**d)
-        want = rj.rejection_sample_reference(**d)
+        want = sampling.rejection_sample_reference(**d)
         same = (got[0] == want[0]).all(1) & (got[1] == want[1])
         return _rows_differ(same)
     return check
@@ -268,18 +278,17 @@ def rejection_cases(batches):
             make = _rejection_inputs(B, T, top_p, greedy, peaked)
             extra = {"ours-mode-greedy": lambda d: torch.ops.dspark.rejection_sample(
                 **d, mode="greedy")} if greedy else {
-                "ours-noskip": lambda d: rj.rejection_sample_launch(**d,
-                                                                    skip_below_bracket=False),
-                "ours-nobounds": lambda d: rj.rejection_sample_launch(**d, bounds=False),
-                "ours-serial": lambda d: rj.rejection_sample_launch(**d, overlap=False),
-                "ours-persist": lambda d: rj.rejection_sample_launch(**d, persistent=True),
-                **{f"ours-chunk{n}": (lambda n: lambda d: rj.rejection_sample_launch(
-                    **d, chunk=n))(n) for n in (2048, 4096)},
-                **{f"ours-{n}": (lambda m: lambda d: rj.rejection_sample_launch(**d, pdl=m))(m)
+                "ours-noskip": lambda d: _rejection(d, skip_below_bracket=False),
+                "ours-nobounds": lambda d: _rejection(d, bounds=False),
+                "ours-serial": lambda d: _rejection(d, overlap=False),
+                "ours-persist": lambda d: _rejection(d, rejection_persistent=True),
+                **{f"ours-chunk{n}": (lambda n: lambda d: _rejection(
+                    d, chunk=n))(n) for n in (2048, 4096)},
+                **{f"ours-{n}": (lambda m: lambda d: _rejection(d, pdl=m))(m)
                    for n, m in (("nopdl", False), ("pdl-early", "early"),
                                 ("pdl-late", "late"))}}
             out.append(Case("sampler", name, {"B": B, "N": N}, make,
-                            lambda d: rj.rejection_sample_reference(**d),
+                            lambda d: sampling.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),
                             nbytes, check=_rejection_check(make), extra=extra))
     return out

@@ -1,7 +1,7 @@
 """Why does rejection's statistics pass run at ~2x its bytes? A probe of its per-token work.
 
-kernels/rejection.py's _rows_stats_kernel reads each row once and writes four numbers per
-1024-token block (max, lowest argmax, sum exp(z - max), NaN flag). At B = 64 (384 target rows,
+kernels/sampling/rejection_kernels.py's _rows_stats_kernel reads each row once and writes four
+numbers per 1024-token block (max, lowest argmax, sum exp(z - max), NaN flag). At B = 64 (384 target rows,
 199 MB) it took 103 us on the H200 against ~47 us for its bytes (profile at 5b45da0), the draft rows'
 pass 87 us for 165 MB. Hypothesis: the instructions per token, not the loads -- a correctly
 rounded division (a multi-instruction sequence) even at T = 1, then four block reductions (max,
@@ -13,7 +13,7 @@ argmax, sum, NaN), each a CTA barrier. This probe times, on the same rows:
 - `greedyarg`: fused, the argmax only for greedy rows (reduce reads it only for those);
 - `sumany`: greedyarg, and the sum and the NaN flag from one reduction (a tuple tl.reduce);
 - `2d-gG-wW`: G blocks loaded as one [G, 1024] tile, each reduction once for all G, W warps;
-- `shipped`: kernels/rejection.py's kernel now (2d-g1-w2's work).
+- `shipped`: kernels/sampling/rejection_kernels.py's kernel now (2d-g1-w2's work).
 The first two runs (2026-11-30; benchmarks/results/README.md, "Sampler", "History") timed the
 shipped kernel of then as `base`.
 
@@ -34,7 +34,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  (benchmarks/ is a folder of scripts)
-from dspark_compile.kernels.rejection import _rows_stats_kernel  # noqa: E402
+from dspark_compile.kernels.sampling.rejection_kernels import _rows_stats_kernel  # noqa: E402
 
 V = 129280
 

@@ -3,13 +3,13 @@ knows, sharing the program's weights.
 
 The build exports one program per bucket with the Markov draft sampler in its general launch
 plan (mode "full": per-row temperature, top-k, top-p). When every live row of a step is greedy,
-the sampler can run its greedy plan instead (kernels/markov_sampler.py: one launch per Markov
+the sampler can run its greedy plan instead (kernels/sampling/markov.py: one launch per Markov
 step instead of ~7; 90 vs 170 us at B = 1 and 139 vs 391 us at B = 64 on the H200 at Flash
 dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each
 bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py).
-Rejection switches too: its greedy plan (kernels/rejection.py) reads each target row once for
-its argmax, where the general plan runs the top-k/top-p passes over every row, and it never
-reads the draft logits, which the Markov greedy plan neither computes nor stores.
+Rejection switches too: its greedy plan (kernels/sampling/rejection.py) reads each target row
+once for its argmax, where the general plan runs the top-k/top-p passes over every row, and it
+never reads the draft logits, which the Markov greedy plan neither computes nor stores.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
 
     `ExportedProgram.module()` builds a new module around a copy of the graph and the program's
     own weight tensors, so the variant costs a graph, not a second copy of the weights."""
-    from dspark_compile.kernels.markov_sampler import MODES
+    from dspark_compile.kernels.sampling.plan import MODES
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if not markov_nodes(program.graph_module):     # nothing to switch: build no module

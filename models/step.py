@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_compile.kernels.markov_sampler import markov_sample_reference
-from dspark_compile.kernels.rejection import rejection_sample_reference
-from dspark_compile.kernels.sampling import sample_reference
+from dspark_compile.kernels.sampling.reference import (fold_ids, markov_sample_reference,
+                                                       rejection_sample_reference,
+                                                       sample_reference)
 
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.draft import draft_forward, markov_weights, store_context
@@ -31,11 +31,6 @@ from dspark_compile.models.state import check_prefill
 def sampling_of(state: dict, rows: torch.Tensor):
     return (state["row.temperature"][rows], state["row.top_k"][rows], state["row.top_p"][rows],
             state["row.seed"][rows])
-
-
-def bound_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Fold ids outside [0, vocab) to 0 before they reach any embedding or table gather."""
-    return torch.where((ids >= 0) & (ids < vocab), ids, torch.zeros_like(ids))
 
 
 def draft_block(model, state: dict, rows: torch.Tensor, anchor: torch.Tensor, last: torch.Tensor):
@@ -79,7 +74,7 @@ class DraftVerifyStep(nn.Module):
         slots = batch.ring_slots(ring, write=ar[None, :] < num[:, None])
         store_context(model, aux.reshape(batch.B * (N + 1), -1), batch.flat_pos(), slots, state)
 
-        anchor = bound_ids(tokens.gather(1, (num - 1).clamp_min(0)[:, None]).squeeze(1), V)
+        anchor = fold_ids(tokens.gather(1, (num - 1).clamp_min(0)[:, None]).squeeze(1), V)
         new_last = last + num
         drafts, draft_logits = draft_block(model, state, rows, anchor, new_last)
 
@@ -116,7 +111,7 @@ def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, specula
             ring = state["mtp.0.ctx"].shape[1]
             store_context(model, aux.reshape(end - start, -1), batch.flat_pos(), batch.ring_slots(ring), state)
     first = sample_reference(logits[:, -1], *sampling_of(state, rows), torch.tensor([L], device=dev))
-    first = bound_ids(first, cfg.vocab_size)
+    first = fold_ids(first, cfg.vocab_size)
     last = torch.tensor([L - 1], device=dev)
     state["row.last_pos"][row] = L - 1
     if speculative:
@@ -134,6 +129,6 @@ def target_decode_step(model, state: dict, rows: torch.Tensor, tokens: torch.Ten
     last = state["row.last_pos"][rows]
     batch = Batch.make(rows, (last + 1)[:, None], tokens[:, None], trash, cfg.vocab_size)
     logits, _ = model(batch, state)
-    nxt = bound_ids(sample_reference(logits[:, 0], *sampling_of(state, rows), last + 2), cfg.vocab_size)
+    nxt = fold_ids(sample_reference(logits[:, 0], *sampling_of(state, rows), last + 2), cfg.vocab_size)
     state["row.last_pos"].index_put_((rows,), torch.where(batch.valid, last + 1, last))
     return nxt, logits[:, 0]

@@ -1,5 +1,5 @@
 """Fuse the samplers: the Markov draft sampler, rejection sampling and plain sampling regions
-become one `dspark::` op call each (kernels/markov_sampler.py, rejection.py, sampling.py).
+become one `dspark::` op call each (kernels/sampling/: markov.py, rejection.py, sample.py).
 
 Unfused, `markov_sample_reference` over N = 5 steps (~650 aten nodes in the tiny step):
 
@@ -33,8 +33,7 @@ bit-exactly like the references, so fusing changes no token.
 """
 from __future__ import annotations
 
-from dspark_compile.kernels import markov_sampler as _markov  # noqa: F401  (registers the ops)
-from dspark_compile.kernels import rejection as _rejection  # noqa: F401
+from dspark_compile.kernels import sampling as _sampling  # noqa: F401  (registers the ops)
 
 from dspark_compile.passes.base import PassResult
 from dspark_compile.passes.regions import fuse_regions

@@ -3,14 +3,15 @@ shapes) against it, the draft distribution (chi-square), degenerate/padded rows,
 import pytest
 import torch
 
-from dspark_compile.kernels.markov_sampler import (PERSIST_FROM_ROWS, markov_bias,
-                                                   markov_sample_launch,
-                                                   markov_sample_mode_reference,
-                                                   markov_sample_reference)
 from dspark_compile.kernels.philox import STREAM_DRAFT
-from dspark_compile.kernels.sampling import (HIST_BINS, check_int32_index, gumbel_noise,
-                                             probs_from_processed, process_logits,
-                                             request_probs)
+from dspark_compile.kernels.sampling.markov import (markov_sample_launch,
+                                                    markov_sample_mode_reference)
+from dspark_compile.kernels.sampling.plan import HIST_BINS, PERSIST_FROM_ROWS, SamplerPlan
+from dspark_compile.kernels.sampling.reference import (gumbel_noise, markov_bias,
+                                                       markov_sample_reference,
+                                                       probs_from_processed, process_logits,
+                                                       request_probs)
+from dspark_compile.kernels.sampling.row_launch import check_int32_index
 from stats_utils import chi2_pvalue
 
 V, R, N = 137, 16, 5
@@ -19,6 +20,14 @@ NINF = float("-inf")
 # one program per row pass (fast under the interpreter); MULTI splits rows over programs
 ONE = dict(tile=256, chunk=256, cap=256)
 MULTI = dict(tile=32, chunk=64, cap=64)
+
+
+def launch(*args, **plan):
+    """markov_sample_launch of the 9 data tensors under SamplerPlan().replace(**plan) (plan
+    fields and test hooks); a 10th positional argument is the plan's mode."""
+    if len(args) > 9:
+        plan["mode"] = args[9]
+    return markov_sample_launch(*args[:9], plan=SamplerPlan().replace(**plan))
 
 
 
@@ -31,8 +40,6 @@ def ref(*args):
     T, k, p = args[4:7]
     if mode == "greedy":
         return d, torch.zeros_like(lg)
-    if mode == "plain":
-        k, p = torch.zeros_like(k), torch.ones_like(p)
     q = request_probs(lg, T, k, p)
     return d, torch.where((T <= 0)[:, None, None], torch.zeros_like(q), q)
 
@@ -44,8 +51,8 @@ def fused(*args, **kw):
     exp(z - m) / kept mass where z >= tau."""
     mode = kw.get("mode", args[9] if len(args) > 9 else "full")
     th = []
-    d, lg = markov_sample_launch(*args, candidate=False, thresholds=th, **kw)
-    dc, lgc = markov_sample_launch(*args, **kw)
+    d, lg = launch(*args, candidate=False, thresholds=th, **kw)
+    dc, lgc = launch(*args, **kw)
     assert torch.equal(dc, d), "candidate pick and exact path disagree"
     if mode == "greedy":
         return d, torch.zeros_like(lg)
@@ -119,7 +126,7 @@ def test_markov_chaining(use_fused):
     assert drafts.tolist() == [[2, 3, 4, 5, 6]] * 2
     torch.testing.assert_close(probs[1].sum(-1), torch.ones(N))
     if use_fused:           # every row's draft logits, the greedy row's included
-        _, lg = markov_sample_launch(*args, **ONE)
+        _, lg = launch(*args, **ONE)
         torch.testing.assert_close(lg, markov_sample_reference(*args)[1])
 
 
@@ -179,7 +186,7 @@ def test_fused_equals_reference_probabilistic_and_greedy():
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     # the op's draft_logits: every row, greedy ones included (fully specified outputs)
-    _, got_lg = markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
+    _, got_lg = launch(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
     _, want_lg = markov_sample_reference(base, anchor, w1, w2, T, k, p, seed, sp)
     torch.testing.assert_close(got_lg, want_lg, rtol=1e-5, atol=1e-5)
     ng = T > 0
@@ -201,7 +208,7 @@ def test_fused_equals_reference_on_many_seeds():
     seed = torch.randint(0, 2 ** 62, (B,), generator=torch.Generator().manual_seed(9))
     sp = torch.arange(B) * 11
     want, _ = ref(base, anchor, w1, w2, T, k, p, seed, sp)
-    got, _ = fused(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain", **ONE)
+    got, _ = fused(base, anchor, w1, w2, T, k, p, seed, sp, **ONE)
     assert torch.equal(got, want)
     # the same seeds again: the same tokens; other seeds: other tokens
     again, _ = ref(base, anchor, w1, w2, T, k, p, seed, sp)
@@ -233,7 +240,7 @@ def test_candidate_pick_keeps_kept_candidates_and_searches_the_rest(persistent):
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
     want_d, _ = markov_sample_reference(*args)
     needs = []
-    got_d, _ = markov_sample_launch(*args, needs=needs, persistent=persistent, **MULTI)
+    got_d, _ = launch(*args, needs=needs, persistent=persistent, **MULTI)
     assert torch.equal(got_d, want_d)
     # pick's own flags: both paths taken (the top-k row always searched)
     need = torch.stack(needs, 1).bool()
@@ -271,8 +278,8 @@ def test_fused_more_rows_than_a_batch_tile():
     k, p = torch.zeros(B, dtype=torch.int64), torch.ones(B)
     seed, sp = torch.arange(B) + 77, torch.arange(B)
     want_d, want_p = ref(base, anchor, w1, w2, T, k, p, seed, sp)
-    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp, mode="plain",
-                                        logits_config=(16, 128, 16, 4, 1), **ONE)
+    got_d, got_p = fused(base, anchor, w1, w2, T, k, p, seed, sp,
+                         logits_config=(16, 128, 16, 4, 1), **ONE)
     assert torch.equal(got_d, want_d)
     ng = T > 0
     assert_probs_match(got_p[ng], want_p[ng])
@@ -398,18 +405,15 @@ def test_modes_and_op_dispatch():
     T, k, p = torch.tensor([1.0, 0.0]), torch.tensor([5, 0]), torch.tensor([0.9, 1.0])
     seed, sp = torch.tensor([1, 2]), torch.tensor([3, 4])
     args = (base, anchor, w1, w2, T, k, p, seed, sp)
-    for mode in ("greedy", "plain"):
-        want_d, want_q = ref(*args, mode)
-        got_d, got_q = fused(*args, mode, **ONE)
-        assert torch.equal(got_d, want_d), mode
-        if mode == "plain":
-            torch.testing.assert_close(got_q[0], want_q[0], rtol=1e-5, atol=1e-6)
+    want_d, want_q = ref(*args, "greedy")
+    got_d, got_q = fused(*args, "greedy", **ONE)
+    assert torch.equal(got_d, want_d)
     # the registered op runs the reference on CPU tensors
     d, q = torch.ops.dspark.markov_sample(*args)
     want_d, want_q = markov_sample_reference(*args)
     assert torch.equal(d, want_d) and torch.equal(q, want_q)
     with pytest.raises(ValueError, match="mode"):
-        markov_sample_launch(*args, "fast")
+        launch(*args, "fast")
     with pytest.raises(ValueError, match="w2"):
         markov_sample_reference(base, anchor, w1, w2[:, :8], T, k, p, seed, sp)
     # 2^31 elements (expanded: no memory) would wrap the kernels' int32 indexing
@@ -419,7 +423,7 @@ def test_modes_and_op_dispatch():
     Tb, kb, pb = params(B2, 0.0)
     ib = torch.zeros(B2, dtype=torch.int64)
     with pytest.raises(ValueError, match="base_logits spans 2147483648 elements"):
-        markov_sample_launch(big, ib, wb, wb, Tb, kb, pb, ib, ib, "greedy")
+        launch(big, ib, wb, wb, Tb, kb, pb, ib, ib, "greedy")
     # a strided view whose largest offset passes 2^31: 8 elements, far apart (no storage)
     far = torch.empty(2 ** 31 + 8, device="meta").as_strided((2, 2, 2), (2 ** 31, 1, 1))
     with pytest.raises(ValueError, match="base_logits spans 2147483651 elements"):
@@ -428,14 +432,14 @@ def test_modes_and_op_dispatch():
     for bad in ((32, 4, 3), (8, 4, 3, 2), (32, 4, -1, 2), (32.0, 4, 3, 2), (48, 4, 3, 2),
                 (32, 3, 3, 2), (32, 4, 0, 2), ()):
         with pytest.raises(ValueError, match="greedy config"):
-            markov_sample_launch(*args, "greedy", greedy_config=bad)
+            launch(*args, "greedy", greedy_config=bad)
     with pytest.raises(ValueError, match="V >= 1"):
-        markov_sample_launch(base[:, :, :0], anchor, w1[:0], w2[:0], T, k, p, seed, sp)
+        launch(base[:, :, :0], anchor, w1[:0], w2[:0], T, k, p, seed, sp)
     for mode in ("greedy", "full"):
         with pytest.raises(ValueError, match="pdl must be"):
-            markov_sample_launch(*args, mode, pdl="sometimes")
+            launch(*args, mode, pdl="sometimes")
     with pytest.raises(ValueError, match="persistent must be"):
-        markov_sample_launch(*args, persistent="yes")
+        launch(*args, persistent="yes")
 
 
 # ------------------------------------------------------------------------------------------
@@ -495,18 +499,18 @@ def test_gpu_full_plan_pdl_modes_equal_plain_launches(B):
     seed = torch.arange(B, device=dev) + 3
     sp = torch.arange(B, device=dev) * 7
     args = [base, anchor, w1, w2, T, k, p, seed, sp]
-    want_d, want_p = markov_sample_launch(*args, pdl=False)
+    want_d, want_p = launch(*args, pdl=False)
     for mode in ("early", "late"):
-        got_d, got_p = markov_sample_launch(*args, pdl=mode)
+        got_d, got_p = launch(*args, pdl=mode)
         assert torch.equal(got_d, want_d), mode
         assert torch.equal(got_p, want_p), mode
         # the searched rows' launches the other way (persistent grids or one program per item)
-        got_d, got_p = markov_sample_launch(*args, pdl=mode, persistent=B < PERSIST_FROM_ROWS)
+        got_d, got_p = launch(*args, pdl=mode, persistent=B < PERSIST_FROM_ROWS)
         assert torch.equal(got_d, want_d), mode
         assert torch.equal(got_p, want_p), mode
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out_d, out_p = markov_sample_launch(*args, pdl=mode)
+            out_d, out_p = launch(*args, pdl=mode)
         out_d.fill_(-1)
         out_p.fill_(float("nan"))
         graph.replay()
@@ -588,7 +592,7 @@ def _gpu_greedy_case(B, **kw):
     seed, sp = torch.arange(B, device=dev), torch.arange(B, device=dev)
     args = [base, anchor, w1, w2, T, k, p, seed, sp]
     want, _ = ref(*args)
-    run = (lambda *a: markov_sample_launch(*a, "greedy", **kw)) if kw else \
+    run = (lambda *a: launch(*a, "greedy", **kw)) if kw else \
         (lambda *a: torch.ops.dspark.markov_sample(*a, mode="greedy"))
     got, _ = run(*args)
     assert_only_near_ties_differ(got, want, base, anchor, w1, w2)
@@ -653,7 +657,7 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
         assert torch.equal(got_d, want_d[rows])
         assert_probs_match(got_p, want_p[rows])
         # the searched rows' refinement in persistent grids (several items a program)
-        got_d, _ = markov_sample_launch(*args, tile=256, chunk=512, cap=64,
+        got_d, _ = launch(*args, tile=256, chunk=512, cap=64,
                                         scan_fallback=scan, persistent=True)
         assert torch.equal(got_d, want_d[rows])
 
@@ -733,7 +737,7 @@ def test_thresholds_pairwise_and_by_bisection_agree(few):
     assert_probs_match(got_p, want_p)
     for bad in (12, 128, -1):        # not a power of two; a [128, 128] matrix per program
         with pytest.raises(ValueError, match="few"):
-            markov_sample_launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
+            launch(base, anchor, w1, w2, T, k, p, seed, sp, **MULTI,
                                  few_candidates=bad)
 
 
@@ -766,7 +770,7 @@ def test_threshold_histogram_bins_are_a_tuning_knob(hist_bins):
     assert torch.equal(got_d, want_d)
     assert_probs_match(got_p, want_p)
     with pytest.raises(ValueError, match="hist_bins"):
-        markov_sample_launch(*args, hist_bins=hist_bins + 1)
+        launch(*args, hist_bins=hist_bins + 1)
 
 
 def test_fused_threshold_refinement_exact_ties_beyond_cap():

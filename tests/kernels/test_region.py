@@ -5,8 +5,7 @@ import inspect
 import torch
 
 from dspark_compile.kernels import act_quant as aq
-from dspark_compile.kernels import (markov_sampler, qkv_postprocess, rejection,  # noqa: F401
-                                    sampling)
+from dspark_compile.kernels import qkv_postprocess, sampling  # noqa: F401
 from dspark_compile.kernels import region as R
 
 ALL = {"qkv_postprocess", "qkv_rope", "context_kv_store", "act_quant", "swiglu_quant",

@@ -6,14 +6,26 @@ import pytest
 import torch
 
 from dspark_compile.kernels.philox import STREAM_DRAFT
-from dspark_compile.kernels.rejection import (rejection_sample_launch,
-                                              rejection_sample_mode_reference,
-                                              rejection_sample_reference)
-from dspark_compile.kernels.sampling import (gumbel_argmax, probs_from_processed, process_logits,
-                                             request_probs)
+from dspark_compile.kernels.sampling.plan import SamplerPlan
+from dspark_compile.kernels.sampling.reference import (gumbel_argmax, probs_from_processed,
+                                                       process_logits, rejection_sample_reference,
+                                                       request_probs)
+from dspark_compile.kernels.sampling.rejection import (rejection_sample_launch,
+                                                       rejection_sample_mode_reference)
 from stats_utils import chi2_pvalue
 
 NINF = float("-inf")
+
+
+def launch(*args, persistent=None, **plan):
+    """rejection_sample_launch of the 8 data tensors under SamplerPlan().replace(**plan) (plan
+    fields and test hooks; `persistent`: plan.rejection_persistent); a 9th positional argument
+    is the plan's mode."""
+    if len(args) > 8:
+        plan["mode"] = args[8]
+    if persistent is not None:
+        plan["rejection_persistent"] = persistent
+    return rejection_sample_launch(*args[:8], plan=SamplerPlan().replace(**plan))
 
 
 
@@ -31,8 +43,8 @@ def onehot_logits(ids, V, hi=5.0):
 def _fn(fused):
     """The reference, the fused sampler, or (fused == "greedy-mode") its all-greedy plan."""
     if fused == "greedy-mode":
-        return lambda *a, **kw: rejection_sample_launch(*a, "greedy", **kw)
-    return rejection_sample_launch if fused else rejection_sample_reference
+        return lambda *a, **kw: launch(*a, "greedy", **kw)
+    return launch if fused else rejection_sample_reference
 
 
 IMPLS = [False, True]
@@ -69,7 +81,7 @@ def test_out_of_range_drafts_are_rejected(fused):
     assert num.tolist() == [2, 1, 3]
     assert tokens[:, :num.max()].tolist() == [[2, 0, -1], [0, -1, -1], [2, 3, 0]]
     if fused:   # the all-greedy plan, whatever the rows' temperatures say
-        tokens, num = rejection_sample_launch(logits, drafts, q, *meta(3, T=1.0),
+        tokens, num = launch(logits, drafts, q, *meta(3, T=1.0),
                                               torch.arange(3), zero, "greedy")
         assert num.tolist() == [2, 1, 3]
         assert tokens[:, :num.max()].tolist() == [[2, 0, -1], [0, -1, -1], [2, 3, 0]]
@@ -181,11 +193,11 @@ def test_fused_equals_reference_mixed_rows():
         seed = torch.arange(8) * 7 + 1000 * s
         pos = torch.arange(8) + 3 * s
         want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
-        got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos,
+        got = launch(logits, drafts, q, T, k, p, seed, pos,
                                       tile=64, chunk=64 if s else None, cap=64)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), s
     # the exact-threshold fallback (2 candidates) decides the same
-    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=256,
+    got = launch(logits, drafts, q, T, k, p, seed, pos, tile=256,
                                   cap=2)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -204,14 +216,14 @@ def test_no_drafts_samples_the_bonus_only(T):
     assert torch.equal(want[1], torch.ones(B, dtype=torch.int64))
     if T == 0.0:
         assert torch.equal(want[0][:, 0], logits[:, 0].argmax(-1))
-    got = rejection_sample_launch(logits, drafts, q, T_, k, p, seed, pos, tile=32, cap=8)
+    got = launch(logits, drafts, q, T_, k, p, seed, pos, tile=32, cap=8)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_fused_degenerate_and_padded_rows():
     logits, drafts, q, T, k, p = _mixed_case(1, B=4)
     seed, pos = torch.arange(4), torch.arange(4) * 5
-    alone = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=256)
+    alone = launch(logits, drafts, q, T, k, p, seed, pos, tile=256)
     N, V = drafts.shape[1], logits.shape[-1]
     pl = torch.randn(3, N + 1, V)
     pl[0] = float("nan")
@@ -227,7 +239,7 @@ def test_fused_degenerate_and_padded_rows():
     p2 = torch.cat((p, torch.tensor([float("nan"), 0.0, 0.5])))
     s2 = torch.cat((seed, torch.tensor([-5, 1 << 62, 0])))
     pos2 = torch.cat((pos, torch.tensor([-1, 1 << 40, 7])))
-    tokens, num = rejection_sample_launch(L, D, Q, T2, k2, p2, s2, pos2, tile=256)
+    tokens, num = launch(L, D, Q, T2, k2, p2, s2, pos2, tile=256)
     assert torch.equal(tokens[:4], alone[0]) and torch.equal(num[:4], alone[1])
     assert ((num >= 1) & (num <= N + 1)).all()
     committed = torch.arange(N + 1)[None] < num[:, None]
@@ -265,7 +277,7 @@ def test_greedy_mode_equals_reference_on_random_degenerate_and_padded_rows(B, N,
     seed, pos = torch.arange(B), torch.arange(B) * 7
     args = (logits, drafts, q, T, k, p, seed, pos)
     want = rejection_sample_mode_reference(*args, "greedy")
-    got = rejection_sample_launch(*args, "greedy", tile=tile, chunk=chunk)
+    got = launch(*args, "greedy", tile=tile, chunk=chunk)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     if B >= 5:
         assert got[0][3, 0] == 0 and (N == 0 or got[1][4] == 1)
@@ -274,7 +286,7 @@ def test_greedy_mode_equals_reference_on_random_degenerate_and_padded_rows(B, N,
     # the same on bf16 target logits, and the registered op (CPU: the mode's reference)
     args16 = (logits.bfloat16(), *args[1:])
     want16 = rejection_sample_mode_reference(*args16, "greedy")
-    got16 = rejection_sample_launch(*args16, "greedy", tile=tile, chunk=chunk)
+    got16 = launch(*args16, "greedy", tile=tile, chunk=chunk)
     assert torch.equal(got16[0], want16[0]) and torch.equal(got16[1], want16[1])
     op = torch.ops.dspark.rejection_sample(*args, "greedy")
     assert torch.equal(op[0], want[0]) and torch.equal(op[1], want[1])
@@ -291,13 +303,13 @@ def test_op_dispatch_and_errors():
     with pytest.raises(ValueError, match="draft_tokens"):
         rejection_sample_reference(logits, drafts[:, :2], q, T, k, p, seed, pos)
     with pytest.raises(ValueError, match="mode"):
-        rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, "fast")
+        launch(logits, drafts, q, T, k, p, seed, pos, "fast")
     # 2^31 elements (expanded: no memory) would wrap the kernels' int32 indexing
     B2, V2 = 2 ** 16, 2 ** 14
     big = torch.zeros(1, 1, 1).expand(B2, 2, V2)
     z2 = torch.zeros(B2, dtype=torch.int64)
     with pytest.raises(ValueError, match="target_logits spans 2147483648 elements"):
-        rejection_sample_launch(big, z2[:, None], big[:, :1], torch.zeros(B2), z2,
+        launch(big, z2[:, None], big[:, :1], torch.zeros(B2), z2,
                                 torch.ones(B2), z2, z2, "greedy")
     with pytest.raises(ValueError, match="mode"):
         torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos, "fast")
@@ -371,7 +383,7 @@ def test_fused_threshold_refinement_on_near_flat_rows():
     seed, sp = torch.tensor([5, 6, 7]), torch.tensor([0, 3, 9])
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, sp)
     for persistent in (False, True):        # the searches' refinement in persistent grids too
-        got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, sp, tile=256,
+        got = launch(logits, drafts, q, T, k, p, seed, sp, tile=256,
                                       chunk=512, cap=64, persistent=persistent)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), persistent
 
@@ -394,7 +406,7 @@ def _confident_case(seed, B, N, V):
 def _walk(logits, drafts, dl, T, k, p, seed, pos, tile):
     """The statistics passes and the bound walk alone: (need [B, N+1], dneed [B, N],
     dec [B, N]) for target logits [B, N+1, V] and draft logits dl [B, N, V]."""
-    from dspark_compile.kernels import rejection as rj
+    from dspark_compile.kernels.sampling import rejection as rj
     B, N1, V = logits.shape
     logits, dl = logits.contiguous(), dl.contiguous()
     st, dst = rj._stats(logits, T, tile), rj._stats(dl, T, tile)
@@ -407,7 +419,7 @@ def _walk(logits, drafts, dl, T, k, p, seed, pos, tile):
 
 def _exact_accepts(logits, drafts, dl, T, k, p, seed, pos):
     """Each draft's acceptance test as the reference decides it (as if the earlier ones passed)."""
-    from dspark_compile.kernels.rejection import sampled_accepts
+    from dspark_compile.kernels.sampling.reference import sampled_accepts
     return sampled_accepts(request_probs(logits, T, k, p), drafts, request_probs(dl, T, k, p),
                            seed, pos)
 
@@ -498,13 +510,13 @@ def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
     # the searches one program per row and chunk (the default), or persistent grids (on the
     # CPU one program per "SM", which takes every flagged row's items in turn)
     for bounds, persistent in ((True, False), (False, False), (True, True)):
-        got = rejection_sample_launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
+        got = launch(logits, drafts, q, T, k, p, sd, pos, tile=32, chunk=128,
                                       bounds=bounds, persistent=persistent)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), bounds
     # bf16 target and draft logits: every pass reads and scales them itself (no fp32 copy)
     l16, q16 = logits.bfloat16(), q.bfloat16()
     want = rejection_sample_reference(l16, drafts, q16, T, k, p, sd, pos)
-    got = rejection_sample_launch(l16, drafts, q16, T, k, p, sd, pos, tile=32, chunk=128)
+    got = launch(l16, drafts, q16, T, k, p, sd, pos, tile=32, chunk=128)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -513,9 +525,9 @@ def test_pdl_knob_is_checked():
     args = (logits, drafts, q, *meta(2, 1.0, 0, 0.9), torch.arange(2), torch.arange(2))
     for mode in ("full", "greedy"):
         with pytest.raises(ValueError, match="pdl must be"):
-            rejection_sample_launch(*args, mode, pdl="sometimes")
+            launch(*args, mode, pdl="sometimes")
         with pytest.raises(ValueError, match="persistent must be"):
-            rejection_sample_launch(*args, mode, persistent=1)
+            launch(*args, mode, persistent=1)
 
 
 def _gpu_confident_case(B, dev):
@@ -556,11 +568,11 @@ def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
     for bounds in (True, False):
         for pdl in (False, "early", "late"):
             for overlap in (True, False):
-                got = rejection_sample_launch(*args, bounds=bounds, pdl=pdl, overlap=overlap)
+                got = launch(*args, bounds=bounds, pdl=pdl, overlap=overlap)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
                     (bounds, pdl, overlap)
     for pdl in (False, "early", "late"):        # the searches in persistent grids
-        got = rejection_sample_launch(*args, pdl=pdl, persistent=True)
+        got = launch(*args, pdl=pdl, persistent=True)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), pdl
     new = _gpu_confident_case(B + 1, "cuda")
     new = [n[:B] for n in new]
@@ -568,7 +580,7 @@ def test_gpu_bound_walk_and_pdl_modes_equal_reference_eager_and_replayed(B):
     for overlap in (True, False):
         # the op itself (overlap, its default), and the launcher without it
         run = torch.ops.dspark.rejection_sample if overlap else \
-            (lambda *a: rejection_sample_launch(*a, overlap=False))
+            (lambda *a: launch(*a, overlap=False))
         static = [a.clone() for a in args]
         run(*static)
         graph = torch.cuda.CUDAGraph()
@@ -584,7 +596,7 @@ def test_statistics_pass_per_block():
     """The statistics pass gives every block's max, lowest-id argmax, sum exp(z - max) and NaN
     flag of z = logits / T (greedy rows at T = 1), the ragged last block included, and writes
     nothing past its rows' blocks."""
-    from dspark_compile.kernels import rejection as rj
+    from dspark_compile.kernels.sampling import rejection as rj
     g = torch.Generator().manual_seed(5)
     B, N1, V, tile = 4, 2, 1000, 64
     logits = torch.randn(B, N1, V, generator=g) * 3
@@ -660,7 +672,7 @@ def test_bound_walk_edge_decisions():
     assert dec[1, 0] == 0 and dec[2, 0] == 0 and (need[1:, 0] == 1).all()
     assert (dneed[1:, 0] == 1).all()
     want = rejection_sample_reference(logits, drafts, q, T, k, p, seed, pos)
-    got = rejection_sample_launch(logits, drafts, q, T, k, p, seed, pos, tile=32)
+    got = launch(logits, drafts, q, T, k, p, seed, pos, tile=32)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -698,6 +710,6 @@ def test_bound_walk_uses_the_draft_rows_kept_mass_bounds():
     assert not exact[0, 0]
     assert dec[0, 0] == 0 and need[0, 0] == 1 and dneed[0, 0] == 1
     want = rejection_sample_reference(logits, drafts, dl, T, k, p, seed, pos)
-    got = rejection_sample_launch(logits, drafts, dl, T, k, p, seed, pos, tile=32)
+    got = launch(logits, drafts, dl, T, k, p, seed, pos, tile=32)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert want[1][0] == 1

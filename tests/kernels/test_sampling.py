@@ -10,12 +10,14 @@ import triton.language as tl
 
 from dspark_compile.kernels.philox import (STREAM_TARGET, bits_to_uniform, philox,
                                            vocab_uniform)
-from dspark_compile.kernels.rejection import sample_launch
-from dspark_compile.kernels.sampling import (argmax_tokens, block_max_floor, f32_key, fold_ids,
-                                             gather_candidates, gumbel_argmax, gumbel_noise,
-                                             probs_from_processed, process_logits,
-                                             sample_reference, spill, sum_hists, tl_vocab_gumbel,
-                                             tl_vocab_uniform)
+from dspark_compile.kernels.sampling.device import (block_max_floor, f32_key, gather_candidates,
+                                                    spill, sum_hists, tl_vocab_gumbel,
+                                                    tl_vocab_uniform)
+from dspark_compile.kernels.sampling.plan import SamplerPlan
+from dspark_compile.kernels.sampling.reference import (argmax_tokens, fold_ids, gumbel_argmax,
+                                                       gumbel_noise, probs_from_processed,
+                                                       process_logits, sample_reference)
+from dspark_compile.kernels.sampling.sample import sample_launch
 from stats_utils import chi2_pvalue
 
 NINF = float("-inf")
@@ -193,7 +195,7 @@ def test_fused_sample_equals_reference():
     seed = torch.arange(B) * 13 + 1
     pos = torch.arange(B) + 100
     want = sample_reference(logits, T, k, p, seed, pos)
-    got = sample_launch(logits, T, k, p, seed, pos, tile=128, cap=64)
+    got = sample_launch(logits, T, k, p, seed, pos, SamplerPlan().replace(tile=128, cap=64))
     assert torch.equal(got, want)
     assert got[2] == 0 and got[5] == 0
 
@@ -252,7 +254,7 @@ def test_vocab_gumbel_is_standard_gumbel_in_every_word():
 
 
 # ------------------------------------------------------------------------------------------
-# the threshold search's two ways of collecting tokens (kernels/sampling.py): `spill` into a
+# the threshold search's two ways of collecting tokens (kernels/sampling/): `spill` into a
 # chunk program's own region, `gather_candidates` into a row's shared, capped list
 
 @triton.jit
@@ -312,7 +314,7 @@ def test_spill_and_gather_collect_exactly_the_selected_tokens(cap):
 
 
 # ------------------------------------------------------------------------------------------
-# the top-p floor from block maxima (sampling.block_max_floor): the threshold search of reduce
+# the top-p floor from block maxima (device.block_max_floor): the threshold search of reduce
 # and select leaves out the tokens below it
 
 @triton.jit

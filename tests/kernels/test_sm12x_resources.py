@@ -75,8 +75,7 @@ def test_resources_fit_sm12x(arch, all_kernels):
 
 
 def _persistent_per_sm():
-    from dspark_compile.kernels.markov_sampler import FINAL_PER_SM
-    from dspark_compile.kernels.sampling import GATED_PER_SM
+    from dspark_compile.kernels.sampling.plan import FINAL_PER_SM, GATED_PER_SM
     sm12 = GATED_PER_SM[12]     # SM12x's row of the table (sm_90's: kernel_resources.py)
     return {"row_reduce_kernel": sm12["reduce"], "row_select_kernel": sm12["select"],
             "row_refine_kernel": sm12["refine"], "_markov_gumbel_kernel": FINAL_PER_SM}

@@ -7,7 +7,7 @@ from dspark_compile.models.mhc import HyperConnection
 from dspark_compile.models.moe import Gate
 from dspark_compile.models.presets import preset
 from dspark_compile.models.rope import rope_frequencies
-from dspark_compile.models.step import bound_ids
+from dspark_compile.kernels.sampling.reference import fold_ids
 
 
 def tiny_cfg():
@@ -88,7 +88,7 @@ def test_bias_routing_selects_with_bias_but_weights_without():
 def test_out_of_range_ids_never_reach_a_gather():
     V = 512
     ids = torch.tensor([[-1, 0, V - 1, V, 10 ** 9]])
-    assert bound_ids(ids, V).tolist() == [[0, 0, V - 1, 0, 0]]
+    assert fold_ids(ids, V).tolist() == [[0, 0, V - 1, 0, 0]]
     b = Batch.make(torch.tensor([0]), torch.arange(5)[None], ids, trash=1, vocab=V)
     assert b.tokens.min() >= 0 and b.tokens.max() < V
 

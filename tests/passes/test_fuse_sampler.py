@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from dspark_compile.kernels.sampling import sample_reference
+from dspark_compile.kernels.sampling.reference import sample_reference
 from dspark_compile.passes import PassManager, PassNoMatchWarning
 
 OPS = ("markov_sample", "rejection_sample", "sample")
