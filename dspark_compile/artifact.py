@@ -22,7 +22,9 @@ uint8 view and viewed back on load (the manifest records the real dtype).
 Atomic write. The build writes a temporary directory next to the destination and renames it
 into place only when everything, manifest last, is written and fsync'd. An existing engine is
 moved aside just before that rename and deleted after it, so a failed build leaves the previous
-engine as it was and no partial directory behind.
+engine as it was and no partial directory behind. A build killed before its cleanup (SIGKILL)
+leaves its temporary, named for its pid; the next build of the same destination removes it
+once that process is gone (dspark_compile/atomic_dir.py).
 
 Validated load. `load_manifest` checks the manifest checksum, format version, toolchain
 versions, target SM, pass source hashes, the schemas of the `dspark::` ops the programs call,
@@ -39,7 +41,6 @@ import json
 import os
 import pkgutil
 import shutil
-import tempfile
 import uuid
 import warnings
 from pathlib import Path
@@ -47,6 +48,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from dspark_compile.atomic_dir import remove_stale_temps, replace_refusal, temp_dir
 from dspark_compile.versions import ENV_FIELDS, environment_fields, target_sm
 
 FORMAT_VERSION = 1
@@ -330,14 +332,22 @@ def _file_table(root: Path) -> dict:
     return table
 
 
+def not_an_engine(dest: Path) -> Optional[str]:
+    """Why replacing `dest` would delete something save_engine did not write (None: it may go;
+    the hidden files are _write_json_atomic's temporaries)."""
+    return replace_refusal(dest, "an engine", MANIFEST, {PROGRAM_DIR, WEIGHTS_FILE, KERNELS_DIR},
+                           (rf"\.{MANIFEST}\.\d+\.[0-9a-f]{{8}}\.tmp",))
+
+
 def _swap_into_place(tmp: Path, dest: Path) -> None:
     if not dest.exists():
         os.rename(tmp, dest)
         return
-    if not dest.is_dir() or (any(dest.iterdir()) and not (dest / MANIFEST).exists()):
-        raise ArtifactError(f"refusing to replace {dest}: it exists and is not an engine "
-                            f"directory (no {MANIFEST})", path=str(dest))
-    old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+    why = not_an_engine(dest)
+    if why:
+        raise ArtifactError(f"refusing to replace {dest}: {why}", path=str(dest))
+    parked = temp_dir(dest, "old")
+    old = parked / "engine"
     os.rename(dest, old)
     try:
         os.rename(tmp, dest)
@@ -345,7 +355,7 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
         os.rename(old, dest)
         raise
     _fsync_dir(dest.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(parked, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- save
@@ -391,7 +401,8 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                                 path=rel)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
+    tmp = temp_dir(out_dir)
     try:
         store, shared = _plan_weights(programs, weights)
         (tmp / PROGRAM_DIR).mkdir()
@@ -441,7 +452,11 @@ def _read_manifest(engine_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{MANIFEST} is corrupted (not valid JSON: {e})", path=MANIFEST) from e
-    if not isinstance(manifest, dict) or manifest.get("checksum") != _checksum(manifest):
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{MANIFEST} is corrupted (not a JSON object)", path=MANIFEST)
+    if "checksum" not in manifest:
+        raise ArtifactError(f"{MANIFEST} is corrupted (no 'checksum' field)", path=MANIFEST)
+    if manifest["checksum"] != _checksum(manifest):
         raise ArtifactError(f"{MANIFEST} is corrupted (checksum mismatch)", path=MANIFEST)
     return manifest
 

@@ -1,8 +1,8 @@
 """`dspark-compile` command line.
 
-Each subcommand is one function registered in :data:`COMMANDS` with :func:`command`, which
-also names the function that adds its arguments. `main` builds the parser from that table, so
-adding a subcommand touches nothing else:
+Each subcommand is one function registered in :data:`COMMANDS` with :func:`command`
+(dspark_compile/cli_common.py), which also names the function that adds its arguments. `main`
+builds the parser from that table, so adding a subcommand touches nothing else:
 
     def _generate_args(p): p.add_argument(...)
 
@@ -10,51 +10,30 @@ adding a subcommand touches nothing else:
     def cmd_generate(args) -> int: ...
 
 User errors (bad config, bad checkpoint, bad argument values, files that cannot be written)
-end the process with exit status 1 and one line on stderr, no traceback; argparse's own usage
-errors exit with 2.
+end the process with exit status 1 and one line on stderr naming the flag, field or file, no
+traceback; argparse's own usage errors exit with 2; SIGTERM exits with 143 after the atomic
+writers have removed their temporary directories.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
-from typing import Callable
 
-PROG = "dspark-compile"
+from dspark_compile import cli_engine  # noqa: F401  (registers generate, build, run, inspect)
+from dspark_compile.cli_common import (COMMANDS, PROG, USER_ERRORS, Command, Terminated,  # noqa: F401
+                                       command, device, sigterm_raises, to_flags)
 
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
-    """Register the decorated `fn(args) -> exit status` as subcommand `name`."""
-
-    def deco(fn: Callable[[argparse.Namespace], int]):
-        if name in COMMANDS:
-            raise RuntimeError(f"subcommand {name!r} registered twice")
-        COMMANDS[name] = Command(name, help, add_arguments, fn)
-        return fn
-
-    return deco
-
-
-# Bad input, reported as one line. ConfigError and CheckpointError are ValueErrors; OSError
-# covers paths that cannot be read or written. Anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
-
+# One intra-op thread per process unless --threads says otherwise: the CLI runs as one of
+# several processes on a shared machine (benchmarks, tests, several engines per host), and
+# there `generate` on the tiny model ran 2.8x slower with torch's default (one thread per core,
+# every process contending for all cores) than with one thread per process.
+DEFAULT_THREADS = 1
 
 # ---- synth ---------------------------------------------------------------------------------
 
 # flash-0731 (167 GB) is left out on purpose: nothing here needs a full-size random checkpoint.
 SYNTH_PRESETS = ("tiny", "flash-slice")
+
 
 def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, choices=SYNTH_PRESETS,
@@ -65,64 +44,97 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
                    help="shard the safetensors at this many MB (default: one file up to 4 GiB)")
     p.add_argument("--device", default="cpu",
                    help="device that generates the values (e.g. cuda for flash-slice; default cpu)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out that holds a checkpoint (config.json + "
+                        "safetensors only)")
 
 
-@command("synth", "write a synthetic DeepSeek-V4 + DSpark checkpoint", _synth_args)
+@command("synth", "write a synthetic DeepSeek-V4 + DSpark checkpoint", _synth_args,
+         flags={"overwrite=True": "--overwrite", "shard_size_bytes": "--shard-size"})
 def cmd_synth(args: argparse.Namespace) -> int:
     from dspark_compile.models.synth import synth_checkpoint
 
-    device = _device(args.device)
+    dev = device(args.device)
     shard = None
     if args.shard_size is not None:
-        if not args.shard_size > 0:
+        if not 0 < args.shard_size < float("inf"):
             raise ValueError(f"--shard-size must be a positive number of MB, got {args.shard_size}")
         shard = int(args.shard_size * (1 << 20))
     out = synth_checkpoint(args.preset, args.out, seed=args.seed, shard_size_bytes=shard,
-                           device=device, overwrite=args.overwrite)
+                           device=dev, overwrite=args.overwrite)
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote {args.preset} checkpoint (seed {args.seed}) to {out}: {', '.join(files)}")
     return 0
 
 
-def _device(name: str):
-    import torch
-
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name!r}: CUDA is not available on this machine")
-    return dev
-
-
 # ---- entry point ---------------------------------------------------------------------------
 
-from dspark_compile import cli_engine  # noqa: E402,F401  (registers generate, build, run, inspect)
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _version() -> str:
+    import torch
+
+    from dspark_compile.versions import package_version, triton_version
+    return (f"{PROG} {package_version()} (torch {torch.__version__}, "
+            f"triton {triton_version() or 'not installed'})")
+
+
+class _VersionAction(argparse.Action):
+    """--version, with the versions read only when asked (importing torch takes seconds)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Ahead-of-time compiler for "
                                      "DeepSeek-V4 speculative decoding with the DSpark draft.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the dspark-compile, torch and triton versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
+        p.add_argument("--threads", type=_threads, default=DEFAULT_THREADS, metavar="N",
+                       help=f"torch CPU threads (default {DEFAULT_THREADS}: one per process)")
         p.set_defaults(_run=cmd.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     args = build_parser().parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
     try:
-        return int(args._run(args) or 0)
+        with sigterm_raises():
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"{PROG} {args.command}: terminated", file=sys.stderr)
+        return 143
     except USER_ERRORS as e:
-        print(f"{PROG} {args.command}: error: {e}".replace("\n", " "), file=sys.stderr)
+        msg = to_flags(str(e), COMMANDS[args.command].flags)
+        print(f"{PROG} {args.command}: error: {msg}".replace("\n", " "), file=sys.stderr)
         return 1
+    finally:
+        # an in-process caller (tests, notebooks) keeps its own thread count
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,26 @@
-"""`generate`, `build`, `run` and `inspect` subcommands (registered into cli.COMMANDS on import)."""
+"""`generate`, `build`, `run` and `inspect` subcommands (registered into cli_common.COMMANDS
+on import; cli.py imports this module).
+
+Everything a command can be refused for without its expensive part is checked first, with the
+flag named: sampling flags before anything, prompts against the checkpoint's config.json or
+the engine's manifest before the weights are loaded, build options before the checkpoint is
+loaded and exported (dspark_compile/build_checks.py)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import sys
 import time
+from pathlib import Path
 
-from dspark_compile.cli import _device, command
+from dspark_compile.cli_common import command, device, engine_errors
 
 PRECISIONS = ("bfloat16", "float32", "float64")
 
-
-@contextlib.contextmanager
-def _engine_errors():
-    """An engine directory that is missing, not an engine, stale or corrupted is bad input:
-    one line naming the file or field (cli.main reports ValueErrors that way), no traceback."""
-    from dspark_compile.artifact import ArtifactError
-    try:
-        yield
-    except ArtifactError as e:
-        raise ValueError(str(e)) from e
+# SamplingParams' names as its messages spell them -> the flags that set them
+SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                  "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                  "stop id": "--stop-ids: id"}
 
 
 def _ids(text: str) -> list[int]:
@@ -36,19 +37,43 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", type=_ids, required=True, action="append",
                    help="comma-separated prompt token ids (repeat for a batch of prompts)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); finite, >= 0")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default); >= 0")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     p.add_argument("--stop-ids", type=_ids, default=None, help="comma-separated stop token ids")
 
 
 def _params(args):
+    """One SamplingParams per prompt, checked (their messages name SamplingParams' fields, the
+    command's `flags` turn them into these flags); stop ids are checked against the vocabulary
+    in _check_requests."""
     from dspark_compile.models.generate import SamplingParams
-    return [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           seed=args.seed + i, max_new_tokens=args.max_new_tokens,
-                           stop_ids=tuple(args.stop_ids or ()))
-            for i in range(len(args.prompt_ids))]
+    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             seed=args.seed + i, max_new_tokens=args.max_new_tokens,
+                             stop_ids=tuple(args.stop_ids or ()))
+              for i in range(len(args.prompt_ids))]
+    for sp in params:
+        sp.validate(sys.maxsize)
+    return params
+
+
+def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, block: int = 0):
+    """Prompt ids in the vocabulary and, for an engine, every request within its max_seq_len."""
+    from dspark_compile.models.config import request_positions
+    for i, p in enumerate(args.prompt_ids):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"--prompt-ids (prompt {i}): token ids {bad[:5]} outside [0, {vocab}) "
+                             "(the model's vocab_size)")
+        need = request_positions(len(p), args.max_new_tokens, block)
+        if max_seq_len is not None and need > max_seq_len:
+            raise ValueError(f"--prompt-ids (prompt {i}): {len(p)} tokens + --max-new-tokens "
+                             f"{args.max_new_tokens} need {need} positions (with the draft "
+                             f"block of {block} and its lookahead); the engine holds "
+                             f"max_seq_len={max_seq_len} (build --max-seq-len)")
+    for sp in params:
+        sp.validate(vocab)
 
 
 def _report(res, seconds: float, speculative: bool) -> None:
@@ -73,21 +98,32 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-@command("generate", "decode with the eager reference models (no compilation)", _generate_args)
+@command("generate", "decode with the eager reference models (no compilation)", _generate_args,
+         flags={**SAMPLING_FLAGS, "include_draft=False": "--no-speculation"})
 def cmd_generate(args) -> int:
-    from dspark_compile.models import load_model
-    from dspark_compile.models.config import Precision
-    from dspark_compile.models.generate import generate
     from dspark_compile.build_config import DTYPES
+    from dspark_compile.models import load_model
+    from dspark_compile.models.checkpoint import CheckpointError
+    from dspark_compile.models.config import ModelConfig, Precision, rope_positions
+    from dspark_compile.models.generate import cache_config_for, generate
 
-    device = _device(args.device)
     params = _params(args)
+    dev = device(args.device)
+    root = Path(args.checkpoint)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {root}")
+    cfg = ModelConfig.from_file(root / "config.json")
     spec = not args.no_speculation
-    max_pos = max(len(p) for p in args.prompt_ids) + args.max_new_tokens + 64
-    model = load_model(args.checkpoint, Precision(dtype=DTYPES[args.dtype]), max_pos, with_draft=spec,
-                       device=device)
+    if spec and not cfg.has_draft:
+        raise ValueError("the checkpoint has no DSpark draft (config field 'dspark_block_size'): "
+                         "pass --no-speculation")
+    _check_requests(args, params, cfg.vocab_size)
+    N = cfg.dspark_block_size if spec else 0
+    cache = cache_config_for(args.prompt_ids, params, N)
+    model = load_model(root, Precision(dtype=DTYPES[args.dtype]),
+                       rope_positions(cache.max_seq_len, N), with_draft=spec, device=dev)
     t = time.perf_counter()
-    res = generate(model, args.prompt_ids, params, speculative=spec, device=device)
+    res = generate(model, args.prompt_ids, params, speculative=spec, cache=cache, device=dev)
     _report(res, time.perf_counter() - t, spec)
     return 0
 
@@ -108,10 +144,13 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     from dspark_compile.build_config import DEFAULT_BUCKETS
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True, help="engine directory (written atomically)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing engine at --out (only an engine directory)")
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
                    help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
     p.add_argument("--max-rows", type=int, default=0, help="concurrent requests (default: largest bucket)")
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--max-seq-len", type=int, default=1024,
+                   help="positions per request: prompt + new tokens + the draft block + 2")
     p.add_argument("--dtype", choices=PRECISIONS, default="float32")
     p.add_argument("--no-act-quant", action="store_true", help="do not simulate FP8 activation quant")
     p.add_argument("--no-kv-fp8", action="store_true", help="keep KV caches in the compute dtype")
@@ -125,17 +164,23 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="device the programs are built for")
 
 
-@command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args)
+@command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args,
+         flags={"max_seq_len": "--max-seq-len", "max_rows": "--max-rows", "buckets": "--buckets",
+                "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs"})
 def cmd_build(args) -> int:
+    from dspark_compile.artifact import MANIFEST
     from dspark_compile.build_config import BuildConfig
     from dspark_compile.trace import build_engine
 
     bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows, max_seq_len=args.max_seq_len,
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
                      disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
-                     dump_dir=args.dump_graphs, arch=args.arch, device=str(_device(args.device)))
-    with _engine_errors():   # e.g. --out names a directory that is not an engine
-        build_engine(args.checkpoint, args.out, bc, log=lambda s: print(s, flush=True))
+                     dump_dir=args.dump_graphs, arch=args.arch, device=str(device(args.device)))
+    out = Path(args.out)
+    if (out / MANIFEST).is_file() and not args.overwrite:
+        raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")
+    with engine_errors():   # e.g. --out names a directory that is not an engine
+        build_engine(args.checkpoint, out, bc, log=lambda s: print(s, flush=True))
     return 0
 
 
@@ -150,19 +195,25 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
 
 
-@command("run", "generate with a built engine", _run_args)
+@command("run", "generate with a built engine", _run_args, flags=SAMPLING_FLAGS)
 def cmd_run(args) -> int:
+    from dspark_compile.artifact import load_manifest
+    from dspark_compile.engine_fields import engine_configs
     from dspark_compile.runtime import Engine
 
+    params = _params(args)
     if args.check_lossless and args.temperature > 0:
         raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
-    device = _device(args.device) if args.device else None
+    dev = device(args.device) if args.device else None
+    # the manifest alone decides whether these requests fit: read it before the programs
+    with engine_errors():
+        cfg, build = engine_configs(load_manifest(args.engine, check_files=False, device=dev))
+    _check_requests(args, params, cfg.vocab_size, build.max_seq_len, cfg.dspark_block_size)
     t = time.perf_counter()
-    with _engine_errors():
-        eng = Engine.load(args.engine, device=device, use_graphs=False if args.no_graphs else None)
+    with engine_errors():
+        eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
           + (f" (graphs captured: {sorted(eng.graphs)})" if eng.graphs else ""))
-    params = _params(args)
     t = time.perf_counter()
     res = eng.generate(args.prompt_ids, params)
     _report(res, time.perf_counter() - t, True)
@@ -188,7 +239,7 @@ def cmd_inspect(args) -> int:
 
     # a stale engine (other toolchain, changed pass or op) is still worth reading: only the
     # checksum, structure and file hashes must hold here; staleness is reported below
-    with _engine_errors():
+    with engine_errors():
         m = load_manifest(args.engine, skip=("torch_version", "triton_version", "cuda_version",
                                              "target_sm", "dspark_compile_version", "passes",
                                              "dspark_ops"))

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from dspark_compile.artifact import MANIFEST, load_engine, update_manifest_field
-from dspark_compile.build_config import BuildConfig
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -60,14 +59,11 @@ class StepTimes:
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
                  device: torch.device, use_graphs: bool, greedy_variants: bool = True):
-        from dspark_compile.models.config import ModelConfig
+        from dspark_compile.engine_fields import engine_configs
         from dspark_compile.models.state import allocate_state
 
         self.dir, self.manifest, self.device = engine_dir, manifest, device
-        self.cfg = ModelConfig.from_dict(manifest["model_config"])
-        bc = dict(manifest["build_config"])
-        bc["buckets"] = tuple(bc["buckets"])
-        self.build = BuildConfig(**bc)
+        self.cfg, self.build = engine_configs(manifest)   # names a missing or broken field
         self.buckets = sorted(int(b) for b in manifest["buckets"])
         self.model = self._reference_model(weights)
         self.cache = self.build.cache(self.cfg.dspark_block_size)

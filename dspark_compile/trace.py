@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.artifact import MANIFEST, save_engine
+from dspark_compile.artifact import save_engine
 from dspark_compile.build_config import BuildConfig
 from dspark_compile.models.config import rope_positions
 from dspark_compile.models.random_requests import prefilled_state
@@ -43,21 +43,19 @@ def state_input_names(ep) -> list[str]:
 
 def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
                  log: Callable[[str], None] = print) -> dict:
+    from dspark_compile.build_checks import check_build
     from dspark_compile.models import load_model
     from dspark_compile.models.checkpoint import load_checkpoint
     from dspark_compile.models.state import allocate_state
     from dspark_compile.passes import PassConfig, PassManager
 
     out = Path(out)
-    if out.exists() and (not out.is_dir()
-                         or (any(out.iterdir()) and not (out / MANIFEST).exists())):
-        # save_engine refuses too, but only after every bucket has been exported
-        raise ValueError(f"output {out} exists and is not an engine directory (no {MANIFEST}); "
-                         "refusing to replace it")
+    # options, output and config.json first: loading and exporting take minutes
+    check_build(ckpt, out, bc)
     t0 = time.perf_counter()
     log(f"[load] checkpoint {ckpt}")
     cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
-    raw_config = json.loads((Path(ckpt) / "config.json").read_text())
+    raw_config = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
     if not cfg.has_draft:
         raise ValueError("config field 'dspark_block_size': the checkpoint has no DSpark draft; "
                          "the engine compiles the draft-plus-verify step")

@@ -34,13 +34,13 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from dspark_compile.atomic_dir import remove_stale_temps, replace_refusal, temp_dir
 from dspark_compile.models.config import ModelConfig
 from dspark_compile.models.presets import preset
 from dspark_compile.models.quant_formats import fp8_block_quant, mxfp4_quant
@@ -350,15 +350,20 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
         raw = {k: v for k, v in raw.items() if not k.startswith("dspark_")}
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"output directory {out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
+        raise FileExistsError(f"output directory {out} exists and is not empty (pass "
+                              "overwrite=True to replace it)")
+    why = _not_a_checkpoint(out)
+    if why:   # overwrite replaces a checkpoint, never a directory of other files
+        raise FileExistsError(f"refusing to replace {out}: {why}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)     # of earlier writes of out that were killed
 
     schema = synth_schema(cfg, include_draft)
     units = _units(schema)
     shards = _plan_shards(units, schema, shard_size_bytes)
     sc = scales or SynthScales()
     dev = torch.device(device)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir(out)
     try:
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         weight_map, total = {}, 0
@@ -378,12 +383,18 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
     return out
 
 
+def _not_a_checkpoint(out: Path) -> str | None:
+    """Why replacing `out` could delete files that are not a checkpoint: it must hold a
+    config.json and otherwise only safetensors and their index."""
+    return replace_refusal(out, "a checkpoint", "config.json", {INDEX_NAME}, (r".+\.safetensors",))
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     if out.exists():
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         else:  # overwrite: park the old one, swap, then delete it
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            trash = temp_dir(out, "old")
             os.replace(out, trash / "old")
             os.replace(tmp, out)
             shutil.rmtree(trash, ignore_errors=True)

@@ -248,6 +248,13 @@ def test_synth_refuses_non_empty_out_and_overwrites_on_request(tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         synth_checkpoint("tiny", out)
     assert os.listdir(out) == ["keep.txt"]
+    # overwrite replaces a checkpoint, never a directory of other files
+    with pytest.raises(FileExistsError, match=f"refusing to replace {out}: it is not a "
+                                              r"checkpoint directory \(no config.json\)"):
+        synth_checkpoint("tiny", out, overwrite=True)
+    assert os.listdir(out) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    synth_checkpoint("tiny", out, seed=1)
     synth_checkpoint("tiny", out, overwrite=True)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp or trash directory left behind

@@ -475,3 +475,102 @@ def test_model_config_is_hashed(built, tmp_path):
     m = save_engine(tmp_path / "e", {1: ep}, manifest_fields={**f, "model_config": {"a": 1}})
     assert m["model_config_hash"] == artifact.config_hash({"a": 1})
     assert m["model_config"] == {"a": 1}
+
+
+# ------------------------------------------------------------------ misuse and killed builds
+def test_manifest_without_checksum_is_corrupted(engine):
+    m = json.loads((engine / "manifest.json").read_text())
+    del m["checksum"]
+    (engine / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"manifest.json is corrupted \(no 'checksum' field\)"):
+        load_manifest(engine)
+
+
+def _rewrite_manifest(engine, edit):
+    m = json.loads((engine / "manifest.json").read_text())
+    edit(m)
+    m["checksum"] = artifact._checksum(m)
+    (engine / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("field", ["model_config", "build_config"])
+def test_run_names_a_missing_engine_field(engine, capsys, field):
+    """A consistent manifest without the fields the runtime needs: one line, no KeyError."""
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.cli import main
+    from dspark_compile.models.presets import preset
+
+    def edit(m):
+        m["model_config"] = preset("tiny")
+        m["build_config"] = BuildConfig(buckets=BUCKETS).to_manifest()
+        del m[field]
+    _rewrite_manifest(engine, edit)
+    assert main(["run", str(engine), "--prompt-ids", "1,2"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"dspark-compile run: error: manifest field '{field}' is missing (not an "
+                   "engine that `dspark-compile build` wrote) — rebuild")
+
+
+def test_engine_fields_name_a_missing_or_unknown_build_option(engine):
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.engine_fields import engine_configs
+    from dspark_compile.models.presets import preset
+    m = {"model_config": preset("tiny"), "build_config": BuildConfig(buckets=BUCKETS).to_manifest()}
+    cfg, bc = engine_configs(m)
+    assert (cfg.dspark_block_size, bc.buckets) == (5, BUCKETS)
+    del m["build_config"]["max_seq_len"]
+    with pytest.raises(ArtifactError, match=r"'build_config' lacks \['max_seq_len'\]") as e:
+        engine_configs(m)
+    assert e.value.field == "build_config.max_seq_len"
+    m["build_config"].update(max_seq_len=64, nosuch=1)
+    with pytest.raises(ArtifactError, match=r"'build_config' has unknown \['nosuch'\]"):
+        engine_configs(m)
+    m["model_config"] = {**preset("tiny"), "hidden_size": "big"}
+    with pytest.raises(ArtifactError, match="manifest field 'model_config': config field 'hidden_size'"):
+        engine_configs(m)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_next_build_removes_temporaries_of_dead_builds_only(built, tmp_path):
+    """SIGKILL skips every cleanup: the next build of the same output removes what the killed
+    one left; a temporary of a live process (a concurrent build) stays."""
+    from dspark_compile.atomic_dir import temp_dir
+    model, _, _, passes, stats = built
+    out = tmp_path / "engine"
+    killed = []
+    for kind in ("tmp", "old"):
+        t = temp_dir(out, kind)
+        (t / "weights.safetensors").write_bytes(b"\0" * 1024)
+        killed.append(t.rename(t.with_name(t.name.replace(f"-{os.getpid()}-",
+                                                            f"-{_dead_pid()}-"))))
+    live = temp_dir(out)   # this process is alive: stands for a concurrent build
+    other = tmp_path / ".other.tmp-1-abc"   # another destination's: not ours to judge
+    other.mkdir()
+    programs, _, _ = build_programs(model)
+    save_engine(out, programs, manifest_fields=fields(passes, stats))
+    assert not any(p.exists() for p in killed)
+    assert live.is_dir() and other.is_dir()
+    load_manifest(out)
+
+
+def test_sigterm_during_a_build_removes_its_temporary(built, tmp_path, monkeypatch):
+    import signal
+    import time
+
+    from dspark_compile.cli_common import Terminated, sigterm_raises
+    model, _, _, passes, stats = built
+    programs, _, _ = build_programs(model)
+
+    def killed(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    monkeypatch.setattr(artifact, "_save_weights", killed)
+    with sigterm_raises(), pytest.raises(Terminated):
+        save_engine(tmp_path / "engine", programs, manifest_fields=fields(passes, stats))
+    assert sorted(os.listdir(tmp_path)) == []

@@ -1,0 +1,103 @@
+"""What every `dspark-compile` subcommand module shares: the subcommand table, the errors that
+are reported as one line, and the helpers that turn library names into CLI flags.
+
+cli.py builds the parser from :data:`COMMANDS` and imports the subcommand modules
+(cli_engine.py); those import only this module, so there is no import cycle.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+PROG = "dspark-compile"
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    # library parameter name (as a message spells it) -> the flag that sets it
+    flags: dict = field(default_factory=dict)
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+            flags: dict | None = None):
+    """Register the decorated `fn(args) -> exit status` as subcommand `name`. `flags` maps the
+    library's parameter names to this command's flags, for messages that reach the CLI."""
+
+    def deco(fn: Callable[[argparse.Namespace], int]):
+        if name in COMMANDS:
+            raise RuntimeError(f"subcommand {name!r} registered twice")
+        COMMANDS[name] = Command(name, help, add_arguments, fn, dict(flags or {}))
+        return fn
+
+    return deco
+
+
+# Bad input, reported as one line. ConfigError and CheckpointError are ValueErrors; OSError
+# covers paths that cannot be read or written. Anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+def to_flags(message: str, flags: dict) -> str:
+    """`message` with each library parameter name in `flags` replaced by its CLI flag. Names
+    inside quotes ("config field 'top_k'") are a file's own field names and stay."""
+    for name in sorted(flags, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w'\"-]){re.escape(name)}(?![\w'\"])", flags[name], message)
+    return message
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that `finally` / `except BaseException` blocks
+    (the atomic writers' temporary-directory cleanup) run before the process exits."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """While active, SIGTERM raises :class:`Terminated` (a no-op outside the main thread,
+    where Python cannot install signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"terminated by signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def device(name: str):
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: CUDA is not available on this machine")
+    return dev
+
+
+@contextlib.contextmanager
+def engine_errors():
+    """An engine directory that is missing, not an engine, stale or corrupted is bad input:
+    one line naming the file or field (cli.main reports ValueErrors that way), no traceback."""
+    from dspark_compile.artifact import ArtifactError
+    try:
+        yield
+    except ArtifactError as e:
+        raise ValueError(str(e)) from e
