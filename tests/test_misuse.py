@@ -216,3 +216,14 @@ def test_cli_modules_do_not_import_each_other():
                         "print('dspark_compile.cli' in sys.modules)"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+def test_generate_hint_names_the_flag_not_the_python_argument(tmp_path, capsys):
+    """A config with the draft over weights without it: the loader's hint says
+    include_draft=False; at the CLI that is --no-speculation."""
+    from dspark_compile.models.synth import synth_checkpoint
+    ck = synth_checkpoint("tiny", tmp_path / "ck", include_draft=False)
+    (ck / "config.json").write_text(json.dumps(preset("tiny")))
+    assert cli.main(["generate", str(ck), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
+    line = _one_line(capsys, "generate")
+    assert "--no-speculation" in line and "include_draft" not in line

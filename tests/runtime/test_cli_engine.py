@@ -144,3 +144,38 @@ def test_run_check_lossless_needs_greedy(small_engine, capsys):
     assert rc == 1
     assert "--check-lossless compares greedy decoding" in _one_line_error(
         capsys.readouterr().err, "run")
+
+
+def test_run_checks_prompts_against_the_manifest_before_loading(small_engine, capsys):
+    """The engine's max_seq_len (160) and vocabulary (512) decide these; nothing is loaded."""
+    long = ",".join(["3"] * 150)
+    assert main(["run", str(small_engine.path), "--prompt-ids", "1,2", "--prompt-ids", long,
+                 "--max-new-tokens", "8", "--device", "cpu"]) == 1
+    cap = capsys.readouterr()
+    assert "loaded " not in cap.out
+    line = _one_line_error(cap.err, "run")
+    assert ("--prompt-ids (prompt 1): 150 tokens + --max-new-tokens 8 need 165 positions (with "
+            "the draft block of 5 and its lookahead); the engine holds max_seq_len=160 "
+            "(build --max-seq-len)") in line
+    assert main(["run", str(small_engine.path), "--prompt-ids", "1,512", "--device", "cpu"]) == 1
+    cap = capsys.readouterr()
+    assert "loaded " not in cap.out
+    assert "--prompt-ids (prompt 0): token ids [512] outside [0, 512)" in _one_line_error(
+        cap.err, "run")
+
+
+@pytest.mark.parametrize("field", ["model_config", "build_config"])
+def test_engine_load_names_a_missing_manifest_field(small_engine, tmp_path, field):
+    import json
+
+    from dspark_compile.artifact import ArtifactError, _checksum
+    from dspark_compile.runtime import Engine
+    eng = tmp_path / "engine"
+    shutil.copytree(small_engine.path, eng)
+    m = json.loads((eng / "manifest.json").read_text())
+    del m[field]
+    m["checksum"] = _checksum(m)
+    (eng / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=f"manifest field '{field}' is missing") as e:
+        Engine.load(eng, device="cpu")
+    assert e.value.field == field
