@@ -23,10 +23,10 @@ from dspark_compile import cli_engine  # noqa: F401  (registers generate, build,
 from dspark_compile.cli_common import (COMMANDS, PROG, USER_ERRORS, Command, Terminated,  # noqa: F401
                                        command, device, sigterm_raises, to_flags)
 
-# One intra-op thread per process unless --threads says otherwise: the CLI runs as one of
-# several processes on a shared machine (benchmarks, tests, several engines per host), and
-# there `generate` on the tiny model ran 2.8x slower with torch's default (one thread per core,
-# every process contending for all cores) than with one thread per process.
+# One intra-op thread per process unless --threads says otherwise: the CLI often runs as one
+# of several processes on a shared machine (tests, benchmarks, engines side by side), and under
+# such load `generate` ran 2.8x slower with torch's default (a thread per core in every
+# process, all contending for the same cores) than with one thread per process.
 DEFAULT_THREADS = 1
 
 # ---- synth ---------------------------------------------------------------------------------
