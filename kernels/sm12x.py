@@ -126,8 +126,43 @@ def _split_signature(jit: JITFunction, signature: dict):
     return plain, attrs
 
 
+def interpreter_patches() -> list[str]:
+    """The triton.language attributes that currently hold objects made by Triton's interpreter.
+
+    The interpreter swaps language functions for wrappers that force its own (numpy) semantic
+    while it runs a kernel and is meant to put them back afterwards. One left behind makes real
+    compilation feed IR values to the interpreter ("'ir.block_argument' object has no attribute
+    'dtype'", far from the cause), so compile_entry checks first and names them."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return []
+    import triton.language as tl
+    src = interpreter.__file__
+
+    def made_there(v):
+        if isinstance(v, functools.partial):
+            v = v.func
+        elif isinstance(v, property):
+            v = v.fget
+        return getattr(getattr(v, "__code__", None), "co_filename", None) == src
+
+    spaces = {"triton.language": tl, "triton.language.core": tl.core,
+              "triton.language.math": tl.math, "tl.tensor": tl.tensor, "tl.dtype": tl.dtype,
+              "tl.tensor_descriptor_base": tl.core.tensor_descriptor_base}
+    return [f"{where}.{name}" for where, ns in spaces.items()
+            for name, v in list(vars(ns).items()) if made_there(v)]
+
+
 def compile_entry(entry, capability: int):
     """Compile one (kernel, signature, constexprs, num_warps) entry for sm_<capability>."""
+    leaked = interpreter_patches()
+    if leaked:
+        raise RuntimeError(
+            f"Triton's interpreter left {len(leaked)} triton.language attributes patched "
+            f"({', '.join(leaked[:6])}, ...): real compilation in this process would run its "
+            "semantic on IR. Some interpreted call path did not restore them (jit functions "
+            "called from interpreted kernels restore theirs once tl_helpers is imported).")
     kernel, signature, constexprs, num_warps = entry
     jit = as_jit(kernel)
     plain, attrs = _split_signature(jit, signature)

@@ -31,6 +31,52 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.jit import JITFunction
 
 
+def _device_calls_restore_language() -> None:
+    """Make Triton's interpreter undo, when a jit function called from a kernel returns, the
+    patches it applied to triton.language for that call.
+
+    An interpreted launch (GridExecutor.__call__) patches the language modules found in the
+    kernel's globals (`tl`: its builtins, tl.tensor, tl.math, tl.dtype.to_ir, ...) and restores
+    them in a `finally`. A jit function *called* from the kernel (InterpretedFunction.__call__)
+    patches the modules in its own globals the same way but drops the restore scope
+    `_patch_lang` returns (triton 3.7.1). The launch's restore covers only what it patched
+    itself, so a call into Triton's @jit standard library (tl.max, tl.sum, tl.argmax, ... in
+    triton/language/standard.py, whose globals hold `triton.language.core`; tl.randint and co.
+    in random.py, `core as tl`) leaves ~60 module functions of triton.language.core (add, load,
+    arange, where, ...) as interpreter wrappers for the rest of the process. Real compilation
+    reaches them through core's own globals (tensor.__add__ calls core's `add`), and the wrapper
+    forces the interpreter's semantic onto IR values: every later triton.compile in the process
+    fails ("'ir.block_argument' object has no attribute 'dtype'"), e.g. sm12x's cross-compile
+    after any interpreted kernel test. This is that call with the restore; installed on import,
+    before any of our kernels can run in the interpreter. A no-op for Triton builds without the
+    restore scope."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    cls = getattr(interpreter, "InterpretedFunction", None)
+    if cls is None or not hasattr(interpreter, "_LangPatchScope") or \
+            getattr(cls.__call__, "_restores_language", False):
+        return
+
+    def __call__(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()     # back to the caller's (the launch's) patched state
+
+    __call__._restores_language = True
+    cls.__call__ = __call__
+
+
+_device_calls_restore_language()
+
+
 def interpreting(kernel) -> bool:
     """True when `kernel` runs in Triton's CPU interpreter (TRITON_INTERPRET=1 at decoration)."""
     return not isinstance(kernel, JITFunction)

@@ -5,6 +5,7 @@ dspark_compile.kernels module is imported: on a machine without CUDA every Trito
 runs the kernel itself in Triton's CPU interpreter.
 """
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -30,12 +31,23 @@ def pytest_addoption(parser):
     parser.addoption("--gpu-engine-buckets", default="",
                      help="comma-separated buckets the GPU engine tests build (default: all of "
                           "build_config.DEFAULT_BUCKETS); fewer fit a short device run")
+    parser.addoption("--shuffle-seed", type=int, default=None, metavar="N",
+                     help="run the collected tests in an order shuffled by random.Random(N) "
+                          "(the same N gives the same order), to find tests that depend on "
+                          "what ran before them in the process")
 
 
 _WORKER_TIMINGS: dict[str, float] = {}      # the engine tests' timings, from an xdist worker
 
 
+@pytest.hookimpl(trylast=True)     # after pytest's own reordering (by fixture scope)
 def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("shuffle_seed")
+    if seed is not None:
+        # Every xdist worker collects and shuffles with the same seed, so all report the same
+        # order, as xdist requires; the scheduler below then still sends tests/runtime/ to one
+        # worker as one unit (in the shuffled order within it), the other tests one by one.
+        random.Random(seed).shuffle(items)
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -69,6 +81,11 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_testnodedown(node, error):
     """pytest-xdist, in the controlling process: a worker's engine timings."""
     _WORKER_TIMINGS.update(getattr(node, "workeroutput", {}).get("engine_timings", {}))
+
+
+def pytest_report_header(config):
+    seed = config.getoption("shuffle_seed")
+    return None if seed is None else f"test order shuffled: --shuffle-seed {seed}"
 
 
 def pytest_terminal_summary(terminalreporter, config):

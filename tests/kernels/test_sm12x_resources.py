@@ -38,11 +38,11 @@ def test_every_kernel_module_is_imported(all_kernels):
 
 
 def _report_in_fresh_process(arch: str) -> list:
-    """The report as a build machine computes it: a fresh interpreter without TRITON_INTERPRET.
-
-    In-process, earlier interpreter-mode tests leave Triton's language objects patched by the
-    interpreter, which real compilation then trips over; `dspark-compile build --arch` never runs
-    under the interpreter."""
+    """The report as a build machine computes it: a fresh interpreter without TRITON_INTERPRET
+    (`dspark-compile build --arch` never runs under the interpreter), so every kernel compiles
+    as the real JITFunction its module defines rather than through sm12x's rebuild of an
+    interpreted one (test_compiles_under_the_interpreter and test_interpreter_state.py cover
+    compiling in a process that has run interpreted kernels)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json, sys; from dspark_compile.kernels import sm12x; "
             f"json.dump(sm12x.resource_report({arch!r}), sys.stdout)")
