@@ -221,11 +221,11 @@ def store_hist(hist_ptr, o, cnt, mass, NB: tl.constexpr):
 
 @triton.jit
 def sum_hists(hist_ptr, o, C, NB: tl.constexpr, C_P2: tl.constexpr):
-    """(counts, masses) summed over the C program histograms from hist[o] on, in a fixed order
-    (read past L1: other programs wrote them). Up to 1024 / NB programs' histograms (64 at the
-    default 16 bins) are requested at once, in slabs beyond that (chunk and bin knobs), so the
-    registers stay bounded. A loop over the C = 16-64 programs waited on one round trip each:
-    23 us per call at B = 1 on the H200."""
+    """(counts, masses) summed over the C program histograms from hist[o] on, in a fixed order (read
+    past L1: other programs wrote them). Up to 1024 / NB programs' histograms (64 at the default
+    16 bins) are requested at once, in slabs beyond that (plan.chunk, plan.hist_bins), so the
+    registers stay bounded. A loop over the C = 16-64 programs waited on one round trip each: 23
+    us per call at B = 1 on the H200."""
     SLAB: tl.constexpr = min(C_P2, max(1024 // NB, 1))
     cc = tl.arange(0, SLAB)
     idx = tl.arange(0, NB)

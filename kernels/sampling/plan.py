@@ -76,7 +76,7 @@ GATED_PER_SM = {9: {"reduce": 3, "select": 2, "refine": 1},
 @dataclass(frozen=True)
 class SamplerTestHooks:
     """What tests set to reach paths toy vocabularies do not: never set in production."""
-    tile: Optional[int] = None          # row tile (a power of two >= 16): multi-tile rows at V ~ 100
+    tile: Optional[int] = None          # row tile (a power of two >= 16): several at V ~ 100
     scan_fallback: bool = True          # False: rows the brackets cannot resolve come out NaN
     thresholds: Optional[list] = None   # Markov: per step (rowf, rowi) copies after final
     needs: Optional[list] = None        # Markov: per step pick's need flags (candidate plan)

@@ -117,9 +117,10 @@ def reduce_compile_config(TILE: int, CHUNK: int, C: int, BLOCK_V: int, V: int, p
                           gate: bool = False, scaled: bool = False, zin: bool = False,
                           rows: int = 1, persist: bool = False):
     """row_reduce_kernel's compile entry for a launch at row tile TILE, C chunk programs of CHUNK
-    tokens, statistics blocks of BLOCK_V, vocabulary V (with the top-p floor); `gate`, `scaled`, `zin`: only rows need flags mark (of `rows`),
-    unscaled logits read, Z given (the rejection plan and the Markov candidate plan); `persist`
-    (with `gate`): the persistent build (PERSIST), whose need-flag vector `rows` sizes."""
+    tokens, statistics blocks of BLOCK_V, vocabulary V (with the top-p floor); `gate`, `scaled`,
+    `zin`: only rows need flags mark (of `rows`), unscaled logits read, Z given (the rejection
+    plan and the Markov candidate plan); `persist` (with `gate`): the persistent build
+    (PERSIST), whose need-flag vector `rows` sizes."""
     d16 = "i32:16"
     return compile_config(row_reduce_kernel, dict(
         bmax_ptr="*fp32", barg_ptr="*i32", bsum_ptr="*fp32", bnan_ptr="*i32", temp_ptr="*fp32",
@@ -183,18 +184,18 @@ def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, 
                          bmax, BLOCK_V: int, skip: bool = True,
                          few: int = FEW_CANDIDATES, pdl: int = 0, need=None,
                          scaled: bool = False, persist: bool = False) -> None:
-    """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already
-    resolved exit at once). select_offs / refine_offs: (candidate counter, ticket counter)
-    offsets into `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the
-    block maxima of z over blocks of BLOCK_V tokens, from which select skips the tiles below
-    the bracket (`skip`, plan.skip_below_bracket). `few` (0 or a power of two): up to this many gathered
-    candidates are resolved pairwise, more by bisection (plan.few_candidates). `pdl`: the
-    kernels' PDL mode (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller
-    checked pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
-    nonzero; the refine passes take the same rows (a row select skips keeps state 0).
-    `persist` (with `need`): the passes run as grids of about one wave whose programs take the
-    flagged rows' (row, chunk) items in turn (gated_grid, row_list), not one program per item.
-    `scaled`: z holds unscaled logits, each row's divided by its temperature (scale_z)."""
+    """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already resolved
+    exit at once). select_offs / refine_offs: (candidate counter, ticket counter) offsets into
+    `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the block maxima of z
+    over blocks of BLOCK_V tokens, from which select skips the tiles below the bracket (`skip`,
+    plan.skip_below_bracket). `few` (0 or a power of two): up to this many gathered candidates
+    are resolved pairwise, more by bisection (plan.few_candidates). `pdl`: the kernels' PDL mode
+    (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller checked
+    pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
+    nonzero; the refine passes take the same rows (a row select skips keeps state 0). `persist`
+    (with `need`): the passes run as grids of about one wave whose programs take the flagged
+    rows' (row, chunk) items in turn (gated_grid, row_list), not one program per item. `scaled`:
+    z holds unscaled logits, each row's divided by its temperature (scale_z)."""
     few = min(few, cap)
     s = scratch
     scale = float(2 ** mass_scale_bits(V))
