@@ -149,7 +149,7 @@ def pdl_release(PDL: tl.constexpr):
     exits first counts as having got here). Programs the next launch starts early hold SM slots
     while they wait and are placed wherever slots were free: a kernel that triggers at its start
     may crowd its successor onto a few SMs (the likely reason PDL 1 measured slower than PDL 2
-    at 4 rows on the H200, markov_sampler.PDL_BY_TILE; not measured directly)."""
+    at 4 rows on the H200, sampling.plan.PDL_BY_TILE; not measured directly)."""
     if PDL == 2:
         gdc_launch_dependents()
 
