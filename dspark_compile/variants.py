@@ -5,7 +5,7 @@ The build exports one program per bucket with the Markov draft sampler in its ge
 plan (mode "full": per-row temperature, top-k, top-p). When every live row of a step is greedy,
 the sampler can run its greedy plan instead (kernels/sampling/markov.py: one launch per Markov
 step instead of ~7; 90 vs 170 us at B = 1 and 139 vs 391 us at B = 64 on the H200 at Flash
-dims, benchmarks/results/h200_sampler_2026-11-29/). The runtime keeps both variants of each
+dims, benchmarks/results/README.md, "Sampler"). The runtime keeps both variants of each
 bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py).
 Rejection switches too: its greedy plan (kernels/sampling/rejection.py) reads each target row
 once for its argmax, where the general plan runs the top-k/top-p passes over every row, and it

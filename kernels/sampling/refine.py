@@ -92,6 +92,108 @@ def resolve_one_key(key, n, am, ac, m, Zf, k, top_p, K_ON, P_ON, SCALE: tl.const
 
 
 @triton.jit
+def _refine_partials(b, c, state, klo, khi, m, te, spill_ptr, spn_ptr, above_m_ptr, above_c_ptr,
+                     hist_ptr, kext_ptr, ckey_ptr, cmass_ptr, ccount_ptr, C, CHUNK,
+                     TILE: tl.constexpr, NB: tl.constexpr, CAP: tl.constexpr,
+                     SCALE: tl.constexpr, PDL: tl.constexpr):
+    """One pass over chunk c's spill region (the select bracket's tokens of its chunk: every
+    token of the current bracket, and those the earlier passes narrowed away): the exact fixed
+    mass / count above khi; in HIST state the edge histogram and the bracket's actual key
+    range, in GATHER state the candidates gathered. Stores this program's partials."""
+    pc = (b * C + c).to(tl.int64)
+    n_c = tl.load(spn_ptr + pc)
+    src = spill_ptr + pc * CHUNK
+    ar = tl.arange(0, TILE)
+    # per-lane partials over the region, reduced once at the end (no per-tile barriers)
+    am_v = tl.zeros((TILE,), tl.int64)                 # exact fixed mass above khi
+    ac_v = tl.zeros((TILE,), tl.int32)
+    kmin_v = tl.full((TILE,), 2147483647, tl.int32)    # actual key range inside the bracket
+    kmax_v = tl.full((TILE,), -2147483648, tl.int32)
+    cg2 = tl.zeros((TILE, NB), tl.int32)               # bracket tokens above each edge
+    mg2 = tl.zeros((TILE, NB), tl.float32)
+    zn = tl.load(src + ar, mask=ar < n_c, other=float("-inf"))
+    for v0 in range(0, n_c, TILE):
+        z = zn
+        zn = tl.load(src + v0 + TILE + ar, mask=v0 + TILE + ar < n_c, other=float("-inf"))
+        fin = z > float("-inf")
+        key = f32_key(z)
+        above = fin & (key > khi)
+        inb = fin & (key >= klo) & (key <= khi)
+        e = tl.where(fin, tl.exp(z - m), 0.0)
+        w = fixed_of(e, SCALE)
+        am_v += tl.where(above, w, 0)
+        ac_v += above.to(tl.int32)
+        if state == 1:
+            hit = (z[:, None] > te[None, :]) & inb[:, None]
+            cg2, mg2 = lane_hist_add(cg2, mg2, hit, e)
+            kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
+            kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
+        else:
+            gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, inb, key, w, CAP)
+    pdl_release(PDL)
+    tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
+    tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
+    if state == 1:
+        store_hist(hist_ptr, (b * C + c) * 2 * NB, tl.sum(cg2, axis=0), tl.sum(mg2, axis=0),
+                   NB)
+        tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
+        tl.store(kext_ptr + (b * C + c) * 2 + 1, tl.max(kmax_v, axis=0))
+
+
+@triton.jit
+def _refine_finish(b, state, klo, khi, m, Z, t, te, k, p, k_on, p_on, zrow, V, C, LAST,
+                   above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr, ckey_ptr, cmass_ptr,
+                   ccount_ptr, rst_ptr, rowf_ptr, TILE: tl.constexpr, NB: tl.constexpr,
+                   CAP: tl.constexpr, SCALE: tl.constexpr, C_P2: tl.constexpr,
+                   FEW: tl.constexpr, SCAN: tl.constexpr):
+    """The row's last program: sums the partials; in HIST state narrows the bracket to the
+    edge interval(s) holding tau (resolving it at once when the bracket is one key), in GATHER
+    state resolves the gathered candidates; the exact scan where neither decides. A finished
+    row stores its threshold and leaves state 0."""
+    am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
+    am += tl.load(rowa_ptr + b * 2)          # the tokens above the select bracket
+    ac += tl.load(rowa_ptr + b * 2 + 1)
+    finish = (state != 1) | (LAST != 0)
+    tau = tl.zeros((), tl.float32)
+    kept = tl.zeros((), tl.int64)
+    if state == 1:
+        tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB, C_P2)
+        kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
+        nklo, nkhi, n = edge_bracket(tot, tm, te, klo, khi, am, ac, Z, k, p, k_on, p_on,
+                                     NB, SCALE)
+        # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
+        nklo = tl.maximum(nklo, kmin)
+        nkhi = tl.minimum(nkhi, kmax)
+        tl.store(rst_ptr + b * 4 + 1, nklo.to(tl.int32))
+        tl.store(rst_ptr + b * 4 + 2, nkhi.to(tl.int32))
+        tl.store(rst_ptr + b * 4, tl.where((n <= CAP) | (nklo == nkhi), 2, 1))
+        if kmin == kmax:
+            # the whole bracket is one value (exact ties): resolved here, exactly
+            finish = kmin == kmax
+            tau, kept, ok = resolve_one_key(kmin, tl.max(tot, axis=0).to(tl.int64), am,
+                                            ac, m, Z, k, p, k_on, p_on, SCALE)
+            if ~ok:
+                tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE,
+                                           SCAN)
+        elif LAST != 0:
+            tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE,
+                                       SCALE, SCAN)
+    else:
+        tau, kept, ok, n = resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac,
+                                              Z, k, p, k_on, p_on, CAP, SCALE, FEW)
+        if n > CAP:
+            tau, kept, ok = resolve_one_key(klo, n, am, ac, m, Z, k, p, k_on, p_on,
+                                            SCALE)
+            ok = ok & (klo == khi)
+        if ~ok:
+            tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE,
+                                       SCALE, SCAN)
+    if finish:
+        tl.store(rst_ptr + b * 4, 0)
+        store_threshold(rowf_ptr, b, tau, kept, SCALE)
+
+
+@triton.jit
 def _refine_item(b, c, args, K: tl.constexpr):
     """row_refine_kernel's work item: chunk c of row b (its spill region)."""
     (temp_ptr, topk_ptr, topp_ptr, z_ptr, rowf_ptr, rowi_ptr, rst_ptr, above_m_ptr, above_c_ptr,
@@ -117,89 +219,15 @@ def _refine_item(b, c, args, K: tl.constexpr):
         zrow = z_ptr + b.to(tl.int64) * stride_zb
         t = row_t(temp_ptr, b // RPR, SCALED)
         te = refine_edges(klo, khi, NB)
-        # this program's spill region: the select bracket's tokens of its chunk (every token
-        # of the current bracket, and those the earlier passes narrowed away)
-        pc = (b * C + c).to(tl.int64)
-        n_c = tl.load(spn_ptr + pc)
-        src = spill_ptr + pc * CHUNK
-        ar = tl.arange(0, TILE)
-        # per-lane partials over the region, reduced once at the end (no per-tile barriers)
-        am_v = tl.zeros((TILE,), tl.int64)                 # exact fixed mass above khi
-        ac_v = tl.zeros((TILE,), tl.int32)
-        kmin_v = tl.full((TILE,), 2147483647, tl.int32)    # actual key range inside the bracket
-        kmax_v = tl.full((TILE,), -2147483648, tl.int32)
-        cg2 = tl.zeros((TILE, NB), tl.int32)               # bracket tokens above each edge
-        mg2 = tl.zeros((TILE, NB), tl.float32)
-        zn = tl.load(src + ar, mask=ar < n_c, other=float("-inf"))
-        for v0 in range(0, n_c, TILE):
-            z = zn
-            zn = tl.load(src + v0 + TILE + ar, mask=v0 + TILE + ar < n_c, other=float("-inf"))
-            fin = z > float("-inf")
-            key = f32_key(z)
-            above = fin & (key > khi)
-            inb = fin & (key >= klo) & (key <= khi)
-            e = tl.where(fin, tl.exp(z - m), 0.0)
-            w = fixed_of(e, SCALE)
-            am_v += tl.where(above, w, 0)
-            ac_v += above.to(tl.int32)
-            if state == 1:
-                hit = (z[:, None] > te[None, :]) & inb[:, None]
-                cg2, mg2 = lane_hist_add(cg2, mg2, hit, e)
-                kmin_v = tl.minimum(kmin_v, tl.where(inb, key, 2147483647))
-                kmax_v = tl.maximum(kmax_v, tl.where(inb, key, -2147483648))
-            else:
-                gather_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, inb, key, w, CAP)
-        pdl_release(PDL)
-        tl.store(above_m_ptr + b * C + c, tl.sum(am_v, axis=0))
-        tl.store(above_c_ptr + b * C + c, tl.sum(ac_v.to(tl.int64), axis=0))
-        if state == 1:
-            store_hist(hist_ptr, (b * C + c) * 2 * NB, tl.sum(cg2, axis=0), tl.sum(mg2, axis=0),
-                       NB)
-            tl.store(kext_ptr + (b * C + c) * 2, tl.min(kmin_v, axis=0))
-            tl.store(kext_ptr + (b * C + c) * 2 + 1, tl.max(kmax_v, axis=0))
+        _refine_partials(b, c, state, klo, khi, m, te, spill_ptr, spn_ptr, above_m_ptr,
+                         above_c_ptr, hist_ptr, kext_ptr, ckey_ptr, cmass_ptr, ccount_ptr, C,
+                         CHUNK, TILE, NB, CAP, SCALE, PDL)
         tl.debug_barrier()
         if tl.atomic_add(done_ptr + b, 1, sem="acq_rel") == C - 1:
-            am, ac = sum_above(above_m_ptr, above_c_ptr, b, C, C_P2)
-            am += tl.load(rowa_ptr + b * 2)          # the tokens above the select bracket
-            ac += tl.load(rowa_ptr + b * 2 + 1)
-            finish = (state != 1) | (LAST != 0)
-            tau = tl.zeros((), tl.float32)
-            kept = tl.zeros((), tl.int64)
-            if state == 1:
-                tot, tm = sum_hists(hist_ptr, b * C * 2 * NB, C, NB, C_P2)
-                kmin, kmax = key_extent(kext_ptr, b, C, C_P2)
-                nklo, nkhi, n = edge_bracket(tot, tm, te, klo, khi, am, ac, Z, k, p, k_on, p_on,
-                                             NB, SCALE)
-                # no token of the bracket lies outside [kmin, kmax]: the same set, fewer keys
-                nklo = tl.maximum(nklo, kmin)
-                nkhi = tl.minimum(nkhi, kmax)
-                tl.store(rst_ptr + b * 4 + 1, nklo.to(tl.int32))
-                tl.store(rst_ptr + b * 4 + 2, nkhi.to(tl.int32))
-                tl.store(rst_ptr + b * 4, tl.where((n <= CAP) | (nklo == nkhi), 2, 1))
-                if kmin == kmax:
-                    # the whole bracket is one value (exact ties): resolved here, exactly
-                    finish = kmin == kmax
-                    tau, kept, ok = resolve_one_key(kmin, tl.max(tot, axis=0).to(tl.int64), am,
-                                                    ac, m, Z, k, p, k_on, p_on, SCALE)
-                    if ~ok:
-                        tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE, SCALE,
-                                                   SCAN)
-                elif LAST != 0:
-                    tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE,
-                                               SCALE, SCAN)
-            else:
-                tau, kept, ok, n = resolve_candidates(ccount_ptr, ckey_ptr, cmass_ptr, b, am, ac,
-                                                      Z, k, p, k_on, p_on, CAP, SCALE, FEW)
-                if n > CAP:
-                    tau, kept, ok = resolve_one_key(klo, n, am, ac, m, Z, k, p, k_on, p_on,
-                                                    SCALE)
-                    ok = ok & (klo == khi)
-                if ~ok:
-                    tau, kept = scan_threshold(zrow, V, m, t, Z, k, p, k_on, p_on, TILE,
-                                               SCALE, SCAN)
-            if finish:
-                tl.store(rst_ptr + b * 4, 0)
-                store_threshold(rowf_ptr, b, tau, kept, SCALE)
+            _refine_finish(b, state, klo, khi, m, Z, t, te, k, p, k_on, p_on, zrow, V, C, LAST,
+                           above_m_ptr, above_c_ptr, rowa_ptr, hist_ptr, kext_ptr, ckey_ptr,
+                           cmass_ptr, ccount_ptr, rst_ptr, rowf_ptr, TILE, NB, CAP, SCALE, C_P2,
+                           FEW, SCAN)
 
 
 @triton.jit

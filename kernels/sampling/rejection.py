@@ -228,7 +228,7 @@ def _parallel(plan, stream, pdl, logits, drafts, dlogits, N, temperature, top_k,
     # request (the resampled or bonus target row and its draft row; the undecided tests' few
     # more), so shorter chunks at small B (`ours-chunk*`: B = 1 -7 / -12 us, B = 4 -21 / -28 us
     # peaked / Gaussian; B = 16 and 64 keep 8192-token chunks, measured best there;
-    # benchmarks/results/h200_sampler_2026-11-29/s9_4_f123448/)
+    # benchmarks/results/README.md, rejection tiling, 5af8e48)
     bounds = plan.bounds and N > 0
     TILE, CHUNK, C = tiling = row_tiling(2 * B if bounds else R, V, plan.test_hooks.tile,
                                          plan.chunk)

@@ -43,7 +43,7 @@ def _rows_stats_kernel(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_
     what the later passes compute), the max and its lowest index from one reduction, the sum
     and the NaN flag from another, and one block per program of 2 warps (67 us in the probe;
     4 warps 85 us, 8 warps 127 us). In the op at B = 64: 103 + 87 -> 61 + 61 us for the target
-    and draft rows (benchmarks/results/h200_sampler_2026-11-29/s10_3_6fb66fe-dirty/)."""
+    and draft rows (benchmarks/results/README.md, statistics pass, 73155ea)."""
     r = tl.program_id(0)
     blk = tl.program_id(1)
     temp = tl.load(temp_ptr + r // RPR).to(tl.float32)
@@ -216,7 +216,7 @@ def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, 
     # every row's test at once from [rows, blocks] statistics, requested (with the drafts)
     # before anything waits on them, the row flags included (a greedy or top-k request reads
     # them for nothing: ~17 KB): 7.7 -> 8.0 us at B = 1, 9.8 -> 9.0 at B = 64 on the H200
-    # (benchmarks/results/h200_sampler_2026-11-29/s10_5_fdcdb5c/)
+    # (benchmarks/results/README.md, overlap, fdcdb5c)
     d = tl.load(drafts_ptr + b * stride_db + i, mask=iv, other=-1).to(tl.int64)
     pbm, pbs, pbn = _block_stats(bmax_ptr, bsum_ptr, bnan_ptr, r, iv, NBLK, NBLK_P2)
     qbm, qbs, qbn = _block_stats(dbmax_ptr, dbsum_ptr, dbnan_ptr, rd, iv, NBLK, NBLK_P2)

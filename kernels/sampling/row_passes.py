@@ -34,7 +34,7 @@ from dspark_compile.kernels.tl_helpers import pdl_enter, pdl_release
 # A gated pass works on the rows a need vector flags (the rejection plan's bound walk, the
 # Markov candidate plan's pick). Launched one program per (row, chunk) item, most programs may
 # only read their row's flag and exit: at B = 64 with no row flagged the Markov plan's gated
-# launches took ~34 us a step (benchmarks/results/h200_sampler_2026-11-29/s11_1_abbef14/). A
+# launches took ~34 us a step (benchmarks/results/README.md, PERSIST_FROM_ROWS, abbef14). A
 # persistent pass (PERSIST) instead runs a grid of about one wave (row_launch.gated_grid) whose
 # programs take the flagged rows' items in turn, each ranking the flagged rows itself (a prefix
 # sum over the flags). The loop costs registers (plan.GATED_PER_SM), so a pass over many rows
