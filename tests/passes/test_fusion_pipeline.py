@@ -163,7 +163,7 @@ def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp
         # bias sums in another order: ~1e-7 relative)
         torch.testing.assert_close(got.state["state_row_draft_logits"][:-1],
                                    ref.state["state_row_draft_logits"][:-1], rtol=1e-5,
-                                   atol=1e-5, msg=f"seed {seed}")
+                                   atol=1e-5, msg=lambda m: f"seed {seed}: {m}")
         for k, v in got.state.items():
             if not v.dtype.is_floating_point:
                 continue
