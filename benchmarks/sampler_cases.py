@@ -59,12 +59,12 @@ from dspark_compile.kernels.sampling.plan import PLAN
 
 def _markov(d, **plan):
     """The Markov launcher on case data d under PLAN with `plan`'s fields changed."""
-    return _markov(d, plan=PLAN.replace(**plan))
+    return ms.markov_sample_launch(**d, plan=PLAN.replace(**plan))
 
 
 def _rejection(d, **plan):
     """The rejection launcher on case data d under PLAN with `plan`'s fields changed."""
-    return _rejection(d, plan=PLAN.replace(**plan))
+    return rj.rejection_sample_launch(**d, plan=PLAN.replace(**plan))
 
 V, R, N = 129280, 256, 5
 TOP_P = 0.95

@@ -24,7 +24,7 @@ into place only when everything, manifest last, is written and fsync'd. An exist
 moved aside just before that rename and deleted after it, so a failed build leaves the previous
 engine as it was and no partial directory behind. A build killed before its cleanup (SIGKILL)
 leaves its temporary, named for its pid; the next build of the same destination removes it
-once that process is gone (dspark_compile/atomic_dir.py).
+once that process is gone (models/atomic_dir.py).
 
 Validated load. `load_manifest` checks the manifest checksum, format version, toolchain
 versions, target SM, pass source hashes, the schemas of the `dspark::` ops the programs call,
@@ -48,7 +48,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from dspark_compile.atomic_dir import remove_stale_temps, replace_refusal, temp_dir
+from dspark_compile.models.atomic_dir import (
+    fsync_dir, move_into_place, remove_stale_temps, replace_refusal, temp_dir)
 from dspark_compile.versions import ENV_FIELDS, environment_fields, target_sm
 
 FORMAT_VERSION = 1
@@ -295,17 +296,6 @@ def _fsync_file(path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -318,7 +308,7 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _file_table(root: Path) -> dict:
@@ -340,22 +330,10 @@ def not_an_engine(dest: Path) -> Optional[str]:
 
 
 def _swap_into_place(tmp: Path, dest: Path) -> None:
-    if not dest.exists():
-        os.rename(tmp, dest)
-        return
     why = not_an_engine(dest)
     if why:
         raise ArtifactError(f"refusing to replace {dest}: {why}", path=str(dest))
-    parked = temp_dir(dest, "old")
-    old = parked / "engine"
-    os.rename(dest, old)
-    try:
-        os.rename(tmp, dest)
-    except BaseException:
-        os.rename(old, dest)
-        raise
-    _fsync_dir(dest.parent)
-    shutil.rmtree(parked, ignore_errors=True)
+    move_into_place(tmp, dest)
 
 
 # --------------------------------------------------------------------------- save
@@ -433,7 +411,7 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         manifest["files"] = _file_table(tmp)
         manifest["checksum"] = _checksum(manifest)
         _write_json_atomic(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

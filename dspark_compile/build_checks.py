@@ -55,8 +55,8 @@ def check_build(ckpt, out, bc):
     out = Path(out)
     why = not_an_engine(out)
     if why:
-        raise ValueError(f"output {out}: {why}; refusing to replace it")
-    _writable_place(out.parent, "output directory")
+        raise ValueError(f"out_dir {out}: {why}; refusing to replace it")
+    _writable_place(out.parent, "out_dir")
     root = Path(ckpt)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {root}")

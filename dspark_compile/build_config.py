@@ -19,7 +19,7 @@ class BuildConfig:
     """Everything that decides what the engine computes (recorded in the manifest)."""
     buckets: tuple = DEFAULT_BUCKETS
     max_rows: int = 0               # concurrent request rows; 0 = the largest bucket
-    max_seq_len: int = 1024         # positions per request (prompt + generated + one block)
+    max_seq_len: int = 1024         # positions per request (models/config.py request_positions)
     prefill_chunk: int = 64         # tokens per eager prefill forward
     dtype: str = "float32"          # compute dtype of activations
     act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
@@ -39,6 +39,11 @@ class BuildConfig:
             self.max_rows = self.buckets[-1]
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
+        if self.max_rows < self.buckets[-1]:
+            # a bucket's program runs that many state rows at once: a state of fewer rows cannot
+            # fill it (export itself traces rows 0..B-1)
+            raise ValueError(f"max_rows must be >= the largest bucket ({self.buckets[-1]}), got "
+                             f"{self.max_rows}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 

@@ -51,9 +51,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 
 def to_flags(message: str, flags: dict) -> str:
     """`message` with each library parameter name in `flags` replaced by its CLI flag. Names
-    inside quotes ("config field 'top_k'") are a file's own field names and stay."""
+    inside quotes ("config field 'top_k'") are a file's own field names and stay, and so do
+    parts of paths and file names (`/data/seed/ckpt`, `buckets.json`)."""
     for name in sorted(flags, key=len, reverse=True):
-        message = re.sub(rf"(?<![\w'\"-]){re.escape(name)}(?![\w'\"])", flags[name], message)
+        message = re.sub(rf"(?<![\w'\"./\\-]){re.escape(name)}(?![\w'\"./\\])", flags[name],
+                         message)
     return message
 
 

@@ -150,7 +150,8 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                    help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
     p.add_argument("--max-rows", type=int, default=0, help="concurrent requests (default: largest bucket)")
     p.add_argument("--max-seq-len", type=int, default=1024,
-                   help="positions per request: prompt + new tokens + the draft block + 2")
+                   help="positions per request: prompt + new tokens + the step's lookahead "
+                        "(the draft block + 2)")
     p.add_argument("--dtype", choices=PRECISIONS, default="float32")
     p.add_argument("--no-act-quant", action="store_true", help="do not simulate FP8 activation quant")
     p.add_argument("--no-kv-fp8", action="store_true", help="keep KV caches in the compute dtype")
@@ -166,6 +167,7 @@ def _build_args(p: argparse.ArgumentParser) -> None:
 
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args,
          flags={"max_seq_len": "--max-seq-len", "max_rows": "--max-rows", "buckets": "--buckets",
+                "out_dir": "--out",
                 "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs"})
 def cmd_build(args) -> int:
     from dspark_compile.artifact import MANIFEST

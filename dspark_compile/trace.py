@@ -56,9 +56,6 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     log(f"[load] checkpoint {ckpt}")
     cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
     raw_config = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
-    if not cfg.has_draft:
-        raise ValueError("config field 'dspark_block_size': the checkpoint has no DSpark draft; "
-                         "the engine compiles the draft-plus-verify step")
     prec = bc.precision()
     model = load_model(None, prec, rope_positions(bc.max_seq_len, cfg.dspark_block_size), True, bc.device,
                        tensors=tensors, cfg=cfg)

@@ -44,13 +44,13 @@ WARP_SIZE = 32
 
 
 def import_all_kernel_modules() -> list[str]:
-    """Import every module of dspark_compile.kernels so that all ops and configs are registered."""
+    """Import every module of dspark_compile.kernels, subpackages included, so that all ops and
+    configs are registered."""
     pkg = importlib.import_module(__package__)
     names = []
-    for info in pkgutil.iter_modules(pkg.__path__):
-        name = f"{__package__}.{info.name}"
-        importlib.import_module(name)
-        names.append(name)
+    for info in pkgutil.walk_packages(pkg.__path__, f"{__package__}."):
+        importlib.import_module(info.name)
+        names.append(info.name)
     return names
 
 

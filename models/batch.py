@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_compile.kernels.sampling.reference import fold_ids
+
 
 @dataclass
 class Batch:
@@ -21,7 +23,7 @@ class Batch:
     @classmethod
     def make(cls, rows, pos, tokens, trash: int, vocab: int) -> "Batch":
         valid = rows < trash
-        tokens = torch.where((tokens >= 0) & (tokens < vocab), tokens, torch.zeros_like(tokens))
+        tokens = fold_ids(tokens, vocab)
         return cls(rows=rows, pos=pos, tokens=tokens, valid=valid)
 
     @property

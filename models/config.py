@@ -421,5 +421,5 @@ def rope_positions(max_seq_len: int, block: int) -> int:
 class CacheConfig:
     """Per-row capacity of the decode state (fixed shapes: the step never reallocates)."""
     max_rows: int = 8           # concurrent request rows (the state has one extra trash row)
-    max_seq_len: int = 512      # positions per request row (prompt + generated)
+    max_seq_len: int = 512      # positions per request row (request_positions)
     max_step_tokens: int = 64   # tokens per row in one forward (prefill chunk; >= N + 1)

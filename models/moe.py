@@ -13,6 +13,7 @@ from torch import nn
 
 from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers dspark::moe_experts)
 from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
+from dspark_compile.kernels.sampling.reference import fold_ids
 
 from dspark_compile.models.config import ModelConfig, Precision
 from dspark_compile.models.linear import E8M0_STORAGE, FP8Linear, acc_dtype
@@ -35,8 +36,9 @@ class Gate(nn.Module):
         logits = x.to(acc) @ self.weight.to(acc).T
         score = torch.sqrt(F.softplus(logits))
         if self.hash_layer:
-            # tokens are bounded by Batch.make; the clamp keeps the gather addressable regardless
-            idx = self.tid2eid[tokens.clamp(0, cfg.vocab_size - 1)]
+            # tokens are folded into [0, vocab) by Batch.make already; folding here as well keeps
+            # the gather addressable for any caller
+            idx = self.tid2eid[fold_ids(tokens, cfg.vocab_size)]
         else:
             idx = (score + self.bias.to(acc)).topk(cfg.num_experts_per_tok, dim=-1).indices
         w = score.gather(-1, idx)

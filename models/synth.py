@@ -40,7 +40,8 @@ from typing import Iterator
 
 import torch
 
-from dspark_compile.atomic_dir import remove_stale_temps, replace_refusal, temp_dir
+from dspark_compile.models.atomic_dir import (
+    move_into_place, remove_stale_temps, replace_refusal, temp_dir)
 from dspark_compile.models.config import ModelConfig
 from dspark_compile.models.presets import preset
 from dspark_compile.models.quant_formats import fp8_block_quant, mxfp4_quant
@@ -376,7 +377,7 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
             index = {"metadata": {"total_size": total},
                      "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -389,14 +390,3 @@ def _not_a_checkpoint(out: Path) -> str | None:
     return replace_refusal(out, "a checkpoint", "config.json", {INDEX_NAME}, (r".+\.safetensors",))
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        else:  # overwrite: park the old one, swap, then delete it
-            trash = temp_dir(out, "old")
-            os.replace(out, trash / "old")
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-            return
-    os.replace(tmp, out)

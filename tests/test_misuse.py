@@ -17,7 +17,10 @@ from dspark_compile.models.presets import preset
 
 
 def _one_line(capsys, command: str) -> str:
-    err = capsys.readouterr().err
+    return _error_line(capsys.readouterr().err, command)
+
+
+def _error_line(err: str, command: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"dspark-compile {command}: error: "), err
@@ -78,13 +81,14 @@ def test_generate_without_a_draft_names_no_speculation(config_only, capsys):
     (["--disable-pass", "nosuch"], "--disable-pass: unknown pass 'nosuch'; known passes: "),
     (["--arch", "sm_999"], "--arch must be one of "),
     (["--max-rows", "-2"], "--max-rows must be >= 1, got -2"),
+    (["--max-rows", "3", "--buckets", "1,4"], "--max-rows must be >= the largest bucket (4), got 3"),
 ])
 def test_bad_build_options_are_named_before_loading(config_only, tmp_path, capsys, flags, says):
     out = tmp_path / "engine"
     assert cli.main(["build", str(config_only), "--out", str(out)] + flags) == 1
-    line = _one_line(capsys, "build")
-    assert says in line
-    assert "[load]" not in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert says in _error_line(captured.err, "build")
+    assert "[load]" not in captured.out          # refused before the checkpoint was loaded
     assert not out.exists()
 
 
@@ -150,7 +154,7 @@ def test_synth_overwrite_replaces_a_checkpoint(tmp_path, capsys):
 
 
 def test_synth_removes_a_dead_writers_temporary(tmp_path, capsys):
-    from dspark_compile.atomic_dir import temp_dir
+    from dspark_compile.models.atomic_dir import temp_dir
     out = tmp_path / "ck"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

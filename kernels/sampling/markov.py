@@ -270,12 +270,10 @@ def _search_step(k, plan, TILE, CHUNK, C, BLOCK_V, flags, out, drafts, bufs, pdl
         GATE=need is not None, SCALED=True, ZIN=plan.candidate, ROWS_P2=row_list_p2(B, persist),
         PERSIST=persist, PDL=pdl, num_warps=4, **pdl_launch(pdl > 0))
     launch_select_refine(
-        flags, out, zo, sz, bufs["rowf"], bufs["rowi"], bufs["rst"], thr, bufs["counters"],
+        plan, flags, out, zo, sz, bufs["rowf"], bufs["rowi"], bufs["rst"], thr, bufs["counters"],
         (cnt[1], cnt[2]), [(cnt[4 + 2 * r], cnt[5 + 2 * r]) for r in range(plan.refine_passes)],
-        V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, NB=plan.hist_bins, edges=plan.refine_edges,
-        cap=plan.cap, scan=plan.test_hooks.scan_fallback, bmax=bufs["bmax"], BLOCK_V=BLOCK_V,
-        skip=plan.skip_below_bracket, few=plan.few_candidates, pdl=pdl, need=need, scaled=True,
-        persist=persist)
+        bufs["bmax"], V=V, C=C, CHUNK=CHUNK, RPR=1, TILE=TILE, BLOCK_V=BLOCK_V, pdl=pdl,
+        need=need, scaled=True, persist=persist)
 
 
 def _final_step(k, plan, TILE, CHUNK, C, BLOCK_V, flags, seed, start_pos, out, drafts, bufs,

@@ -92,7 +92,7 @@ class SamplerPlan:
     # tl_helpers.PDL_MODES key; -2 to -6 us a rejection call (RESULTS, 8569b15)
     pdl: Union[bool, str] = True
     # tokens per row-pass program; None: row_launch.row_tiling's choice (2048 / 4096 / 8192
-    # by rows: rejection at B = 1 -7 / -12 us with 2048, RESULTS, f123448)
+    # by rows: rejection at B = 1 -7 / -12 us with 2048, RESULTS, 5af8e48)
     chunk: Optional[int] = None
     cap: int = CAND_CAP
     few_candidates: int = FEW_CANDIDATES
@@ -150,6 +150,17 @@ class SamplerPlan:
         if hooks:
             changes["test_hooks"] = dataclasses.replace(self.test_hooks, **hooks)
         return dataclasses.replace(self, **changes)
+
+    def check_rejection(self) -> None:
+        """Rejection and plain sampling run the search with the module's HIST_BINS,
+        REFINE_EDGES and REFINE_PASSES (their declared builds): a plan asking them for other
+        Markov-only choices is refused, not silently ignored."""
+        markov_only = ("hist_bins", "refine_edges", "refine_passes", "logits_config",
+                       "greedy_config", "reverse_odd_steps", "block_floor", "candidate",
+                       "persistent")
+        changed = [f for f in markov_only if getattr(self, f) != getattr(PLAN, f)]
+        if changed:
+            raise ValueError(f"plan fields {changed} apply to the Markov sampler only")
 
     def markov_persist(self, B: int) -> bool:
         """Whether the Markov candidate plan's gated launches run persistent grids for B rows."""

@@ -62,6 +62,7 @@ def launch_rejection(plan, stream, target_logits, draft_tokens, draft_logits, te
                      top_k, top_p, seed, start_pos):
     """rejection_sample_launch with the residual / bonus noise keyed by `stream`
     (STREAM_TARGET: plain target sampling, sample.py)."""
+    plan.check_rejection()
     check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
                            seed, start_pos)
     check_int32_index(target_logits=target_logits, draft_logits=draft_logits)
@@ -173,12 +174,10 @@ def _search(plan, z, st, flags, rowf, rowi, rst, thr, counters, need, tiling, pd
         **pdl_launch(pdl))
     # exact thresholds; rows whose bracket overflowed CAP take the refinement passes
     launch_select_refine(
-        flags, z, 0, z.stride(1), rowf, rowi, rst, thr, counters, (R, 2 * R),
+        plan, flags, z, 0, z.stride(1), rowf, rowi, rst, thr, counters, (R, 2 * R),
         [(3 * R + 2 * r * R, 3 * R + (2 * r + 1) * R) for r in range(REFINE_PASSES)],
-        V=V, C=C, CHUNK=CHUNK, RPR=n, TILE=TILE, NB=HIST_BINS, edges=REFINE_EDGES, cap=plan.cap,
-        scan=plan.test_hooks.scan_fallback, bmax=st["bmax"], BLOCK_V=TILE,
-        skip=plan.skip_below_bracket, few=plan.few_candidates, need=need, pdl=pdl, scaled=True,
-        persist=persist)
+        st["bmax"], V=V, C=C, CHUNK=CHUNK, RPR=n, TILE=TILE, BLOCK_V=TILE, need=need, pdl=pdl,
+        scaled=True, persist=persist)
     return targ
 
 

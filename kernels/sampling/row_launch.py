@@ -178,25 +178,26 @@ def refine_compile_config(TILE: int, C: int, V: int, pdl: int = 0, scaled: bool 
         SELECT_WARPS)
 
 
-def launch_select_refine(flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
-                         counters, select_offs, refine_offs, *, V: int, C: int, CHUNK: int,
-                         RPR: int, TILE: int, NB: int, edges: int, cap: int, scan: bool,
-                         bmax, BLOCK_V: int, skip: bool = True,
-                         few: int = FEW_CANDIDATES, pdl: int = 0, need=None,
+def launch_select_refine(plan, flags, z, z_off: int, stride_zb: int, rowf, rowi, rst, scratch,
+                         counters, select_offs, refine_offs, bmax, *, V: int, C: int, CHUNK: int,
+                         RPR: int, TILE: int, BLOCK_V: int, pdl: int = 0, need=None,
                          scaled: bool = False, persist: bool = False) -> None:
     """row_select_kernel, then one row_refine_kernel per entry of refine_offs (rows already resolved
-    exit at once). select_offs / refine_offs: (candidate counter, ticket counter) offsets into
-    `counters` for each launch (zeroed by the caller). bmax [rows, NBLK]: the block maxima of z
-    over blocks of BLOCK_V tokens, from which select skips the tiles below the bracket (`skip`,
-    plan.skip_below_bracket). `few` (0 or a power of two): up to this many gathered candidates
-    are resolved pairwise, more by bisection (plan.few_candidates). `pdl`: the kernels' PDL mode
+    exit at once), with the search choices of `plan` (hist_bins, refine_edges, cap,
+    few_candidates, skip_below_bracket, the scan_fallback hook). select_offs / refine_offs:
+    (candidate counter, ticket counter) offsets into `counters` for each launch (zeroed by the
+    caller). bmax [rows, NBLK]: the block maxima of z over blocks of BLOCK_V tokens, from which
+    select skips the tiles below the bracket. V, C, CHUNK, RPR (rows per request), TILE: the
+    row tiling (row_tiling). `pdl`: the kernels' PDL mode
     (tl_helpers.PDL_MODES; > 0: programmatic dependent launch, the caller checked
     pdl_available). `need` (int32 [rows] or None): select searches only the rows flagged
     nonzero; the refine passes take the same rows (a row select skips keeps state 0). `persist`
     (with `need`): the passes run as grids of about one wave whose programs take the flagged
     rows' (row, chunk) items in turn (gated_grid, row_list), not one program per item. `scaled`:
     z holds unscaled logits, each row's divided by its temperature (scale_z)."""
-    few = min(few, cap)
+    NB, edges, cap = plan.hist_bins, plan.refine_edges, plan.cap
+    scan = plan.test_hooks.scan_fallback
+    skip, few = plan.skip_below_bracket, min(plan.few_candidates, plan.cap)
     s = scratch
     scale = float(2 ** mass_scale_bits(V))
     C_P2 = next_pow2(C)

@@ -21,6 +21,8 @@ from dspark_compile.kernels.sampling.rejection import _parallel_configs, launch_
 def sample_launch(logits, temperature, top_k, top_p, seed, position,
                   plan: SamplerPlan = PLAN) -> torch.Tensor:
     """Fused plain target sampling under `plan` (mode "full"): tokens [B] int64."""
+    if plan.mode != "full":
+        raise ValueError(f"plain sampling has mode 'full' only, got plan.mode={plan.mode!r}")
     if logits.dim() != 2:
         raise ValueError(f"logits must be a float [B, V] tensor, got {logits.dtype} "
                          f"{tuple(logits.shape)}")

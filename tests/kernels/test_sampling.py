@@ -408,3 +408,22 @@ def test_sum_hists_sums_every_program_histogram(C, NB):
     _sum_hists_kernel[(1,)](hist, tot, tm, C, NB=NB, C_P2=triton.next_power_of_2(C))
     assert torch.equal(tot, cnt.sum(0))
     torch.testing.assert_close(tm, mass.sum(0), rtol=1e-6, atol=1e-5)
+
+
+def test_rejection_and_sample_refuse_plan_choices_they_do_not_take():
+    """Markov-only plan fields (and a greedy plan for plain sampling) are refused by name, not
+    silently ignored."""
+    from dspark_compile.kernels.sampling.plan import SamplerPlan
+    from dspark_compile.kernels.sampling.rejection import rejection_sample_launch
+    from dspark_compile.kernels.sampling.sample import sample_launch
+    B, N, V = 2, 3, 40
+    args = (torch.randn(B, N + 1, V), torch.zeros(B, N, dtype=torch.int64), torch.randn(B, N, V),
+            torch.ones(B), torch.zeros(B, dtype=torch.int64), torch.ones(B),
+            torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64))
+    for field, value in (("hist_bins", 8), ("refine_passes", 2), ("candidate", False)):
+        with pytest.raises(ValueError, match=f"'{field}'.*Markov sampler only"):
+            rejection_sample_launch(*args, plan=SamplerPlan().replace(**{field: value}))
+    with pytest.raises(ValueError, match="plan.mode='greedy'"):
+        sample_launch(torch.randn(B, V), torch.ones(B), torch.zeros(B, dtype=torch.int64),
+                      torch.ones(B), torch.zeros(B, dtype=torch.int64),
+                      torch.zeros(B, dtype=torch.int64), plan=SamplerPlan(mode="greedy"))

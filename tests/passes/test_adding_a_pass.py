@@ -28,7 +28,7 @@ def test_doc_has_one_pass_file_and_its_test():
 def test_doc_example_pass_and_its_test_run():
     blocks = code_blocks()
     with isolated_registry() as reg:
-        # executed as if it were the module dspark_compile.passes.fuse_silu (relative imports)
+        # executed as if it were the module dspark_compile.passes.fuse_silu
         pass_ns = {"__name__": "dspark_compile.passes.fuse_silu",
                    "__package__": "dspark_compile.passes"}
         exec(compile(blocks["passes/fuse_silu.py"], "passes/fuse_silu.py", "exec"), pass_ns)

@@ -543,7 +543,7 @@ def _dead_pid() -> int:
 def test_next_build_removes_temporaries_of_dead_builds_only(built, tmp_path):
     """SIGKILL skips every cleanup: the next build of the same output removes what the killed
     one left; a temporary of a live process (a concurrent build) stays."""
-    from dspark_compile.atomic_dir import temp_dir
+    from dspark_compile.models.atomic_dir import temp_dir
     model, _, _, passes, stats = built
     out = tmp_path / "engine"
     killed = []
@@ -560,6 +560,24 @@ def test_next_build_removes_temporaries_of_dead_builds_only(built, tmp_path):
     assert not any(p.exists() for p in killed)
     assert live.is_dir() and other.is_dir()
     load_manifest(out)
+
+
+def test_a_build_killed_while_swapping_gives_the_previous_engine_back(engine, tmp_path):
+    """SIGKILL between parking the previous engine and renaming the new one into place leaves no
+    engine at the destination: the next write's cleanup puts the parked one back, not away."""
+    from dspark_compile.models.atomic_dir import PARKED, remove_stale_temps, temp_dir
+    before = load_manifest(engine)
+    parked = temp_dir(engine, "old")
+    os.rename(engine, parked / PARKED)
+    finished = temp_dir(engine)                     # the killed build's complete engine
+    (finished / "weights.safetensors").write_bytes(b"\0" * 1024)
+    dead = _dead_pid()
+    for t in (parked, finished):
+        t.rename(t.with_name(t.name.replace(f"-{os.getpid()}-", f"-{dead}-")))
+    assert not engine.exists()
+    assert len(remove_stale_temps(engine)) == 2
+    assert load_manifest(engine) == before
+    assert sorted(os.listdir(tmp_path)) == [engine.name]
 
 
 def test_sigterm_during_a_build_removes_its_temporary(built, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 KINDS = ("tmp", "old")
+PARKED = "previous"     # the replaced directory, inside its `.old-` temporary
 
 
 def _host_tag() -> str:
@@ -63,11 +64,53 @@ def stale_temps(dest: Path) -> list[Path]:
 
 
 def remove_stale_temps(dest: Path) -> list[Path]:
-    """Remove :func:`stale_temps` of `dest`; returns what was removed."""
+    """Remove :func:`stale_temps` of `dest`; returns what was removed. A writer killed between
+    parking the previous `dest` and renaming its own into place left no `dest`: the parked
+    directory goes back first."""
+    dest = Path(dest)
     removed = stale_temps(dest)
+    if not dest.exists():
+        for p in removed:
+            if p.name.startswith(f".{dest.name}.old-") and (p / PARKED).is_dir():
+                os.rename(p / PARKED, dest)
+                break
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+def fsync_dir(path) -> None:
+    """Make a rename inside directory `path` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the finished `tmp` to `dest`. An existing `dest` (the caller has checked that it
+    may go) is parked in an `.old-` temporary first, put back if the rename fails, and removed
+    once it succeeded; an empty one is simply removed."""
+    dest = Path(dest)
+    if dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()):
+        dest.rmdir()
+    if not dest.exists():
+        os.rename(tmp, dest)
+        fsync_dir(dest.parent)
+        return
+    parked = temp_dir(dest, "old")
+    os.rename(dest, parked / PARKED)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        os.rename(parked / PARKED, dest)
+        raise
+    fsync_dir(dest.parent)
+    shutil.rmtree(parked, ignore_errors=True)
 
 
 def replace_refusal(dest: Path, what: str, required: str, allowed: set[str],
