@@ -17,6 +17,7 @@ from dspark_compile.models.config import ModelConfig, Precision
 from dspark_compile.models.linear import RMSNormWeight, acc_dtype
 from dspark_compile.models.mhc import HCHead
 from dspark_compile.models.rope import rope_table
+from dspark_compile.models.state import state_limits
 
 
 class Embedding(nn.Module):
@@ -60,6 +61,11 @@ class DeepseekV4(nn.Module):
         """Returns logits [B, T, V] and, if asked, the hc-mean of the streams after each layer
         in `aux_layers` concatenated: [B, T, len * D] (the DSpark draft's conditioning)."""
         B, T = batch.B, batch.T
+        # shapes only: a static check, also while export traces (no device read)
+        step_tokens, _ = state_limits(state, self.cfg)
+        if T > step_tokens:
+            raise ValueError(f"forward: {T} tokens per row exceed the state's max_step_tokens="
+                             f"{step_tokens} (the ring buffers' headroom for one forward)")
         tokens = batch.tokens.reshape(-1)
         X = self.embed_streams(tokens)
         aux = []

@@ -90,6 +90,18 @@ def test_prefill_refuses_what_the_state_cannot_hold(make_model, kw, match):
         prefill(model, state, kw.get("row", 0), prompt, kw.get("chunk", 64), speculative=False)
 
 
+def test_forward_refuses_more_tokens_than_the_state_holds(make_model):
+    """A forward of more tokens per row than max_step_tokens would overrun the rings' headroom
+    (wrong logits, no error before this check)."""
+    model = make_model(with_draft=False, max_positions=512)
+    state = _state(model, max_rows=1, max_seq_len=200, max_step_tokens=16)
+    ids = torch.zeros(1, 17, dtype=torch.int64)
+    b = Batch.make(torch.tensor([0]), torch.arange(17)[None], ids, 1, model.cfg.vocab_size)
+    with pytest.raises(ValueError, match="forward: 17 tokens per row exceed the state's "
+                                         "max_step_tokens=16"):
+        model(b, state)
+
+
 def test_prefill_positions_past_the_rope_tables(make_model):
     from dspark_compile.models.step import prefill
     model = make_model(with_draft=True, max_positions=100)
