@@ -12,6 +12,9 @@ import torch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+# BuildConfig fields the manifest leaves out: they change how a build runs, not what the engine
+# computes
+NOT_RECORDED = ("dump_dir", "verify_passes")
 
 
 @dataclass
@@ -57,7 +60,4 @@ class BuildConfig:
                            max_step_tokens=max(self.prefill_chunk, block + 1))
 
     def to_manifest(self) -> dict:
-        d = asdict(self)
-        d.pop("dump_dir")
-        d.pop("verify_passes")
-        return d
+        return {k: v for k, v in asdict(self).items() if k not in NOT_RECORDED}

@@ -10,14 +10,9 @@ import dataclasses
 
 from dspark_compile.artifact import ArtifactError
 
-# BuildConfig fields that to_manifest() leaves out: they change how a build runs, not what the
-# engine computes
-_NOT_RECORDED = ("dump_dir", "verify_passes")
-
-
 def engine_configs(manifest: dict):
     """(ModelConfig, BuildConfig) of a validated manifest."""
-    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.build_config import NOT_RECORDED, BuildConfig
     from dspark_compile.models.config import ConfigError, ModelConfig
 
     for field in ("model_config", "build_config"):
@@ -32,7 +27,7 @@ def engine_configs(manifest: dict):
     except ConfigError as e:
         raise ArtifactError(f"manifest field 'model_config': {e}", field="model_config") from None
     bc = dict(manifest["build_config"])
-    want = [f.name for f in dataclasses.fields(BuildConfig) if f.name not in _NOT_RECORDED]
+    want = [f.name for f in dataclasses.fields(BuildConfig) if f.name not in NOT_RECORDED]
     missing = [k for k in want if k not in bc]
     unknown = sorted(set(bc) - set(want))
     if missing or unknown:

@@ -284,9 +284,9 @@ class Engine:
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params):
-        from dspark_compile.models.config import request_positions
         from dspark_compile.models.generate import (
-            GenerationResult, SamplingParams, append_committed, set_row_sampling, validate_prompts)
+            GenerationResult, SamplingParams, append_committed, check_request_positions,
+            set_row_sampling, validate_prompts)
         from dspark_compile.models.step import prefill
 
         cfg = self.cfg
@@ -296,11 +296,9 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         N = cfg.dspark_block_size
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for sp in params:
             sp.validate(cfg.vocab_size)
-            if request_positions(len(p), sp.max_new_tokens, N) > self.cache.max_seq_len:
-                raise ValueError(f"prompt {i}: {len(p)} + {sp.max_new_tokens} new tokens exceed the "
-                                 f"engine's max_seq_len={self.cache.max_seq_len}")
+        check_request_positions(prompts, params, self.cache.max_seq_len, N)
         res = GenerationResult(tokens=[[] for _ in prompts], accepted_at=[0] * N)
         waiting = list(range(len(prompts)))
         free = list(range(self.cache.max_rows))

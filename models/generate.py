@@ -71,6 +71,15 @@ def validate_prompts(prompts: list[list[int]], vocab: int) -> None:
             raise ValueError(f"prompt {i}: token ids {bad[:5]} outside [0, {vocab})")
 
 
+def check_request_positions(prompts, params, max_seq_len: int, block: int) -> None:
+    """Every request fits a state row of `max_seq_len` positions (request_positions: prompt,
+    new tokens and the step's lookahead); host ints only."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if request_positions(len(p), sp.max_new_tokens, block) > max_seq_len:
+            raise ValueError(f"prompt {i}: {len(p)} + {sp.max_new_tokens} new tokens exceed "
+                             f"max_seq_len={max_seq_len}")
+
+
 def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
     state["row.temperature"][row] = sp.temperature
     state["row.top_k"][row] = sp.top_k
@@ -115,10 +124,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
     if cache.max_rows < len(prompts):
         raise ValueError(f"cache.max_rows={cache.max_rows} < {len(prompts)} prompts (one state "
                          "row per request)")
-    for r, (p, sp) in enumerate(zip(prompts, params)):
-        if request_positions(len(p), sp.max_new_tokens, N) > cache.max_seq_len:
-            raise ValueError(f"prompt {r}: {len(p)} + {sp.max_new_tokens} new tokens exceed "
-                             f"max_seq_len={cache.max_seq_len}")
+    check_request_positions(prompts, params, cache.max_seq_len, N)
     rope = model.rope_main.shape[0]
     if rope_positions(cache.max_seq_len, N) > rope:
         raise ValueError(f"cache.max_seq_len={cache.max_seq_len} needs RoPE tables of "
