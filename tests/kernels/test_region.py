@@ -5,11 +5,12 @@ import inspect
 import torch
 
 from dspark_compile.kernels import act_quant as aq
-from dspark_compile.kernels import qkv_postprocess, sampling  # noqa: F401
+from dspark_compile.kernels import mhc, qkv_postprocess, sampling  # noqa: F401
 from dspark_compile.kernels import region as R
 
 ALL = {"qkv_postprocess", "qkv_rope", "context_kv_store", "act_quant", "swiglu_quant",
-       "rmsnorm_quant", "markov_sample", "rejection_sample", "sample"}
+       "rmsnorm_quant", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
+       "hc_head", "hc_post_pre", "hc_post_head"}
 
 
 def test_every_fusable_reference_has_an_op_with_its_parameters():

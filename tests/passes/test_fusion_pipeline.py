@@ -1,4 +1,4 @@
-"""The three fusion passes together, as `dspark-compile build` runs them: numerically verified by
+"""The fusion passes together, as `dspark-compile build` runs them: numerically verified by
 the manager, safe when a region cannot be fused or a torch cannot annotate, and the engine built
 with them loads in a fresh process and decodes losslessly."""
 import json
@@ -15,7 +15,8 @@ from dspark_compile.kernels import region
 from dspark_compile.passes import PassConfig, PassManager, PassNoMatchWarning
 from dspark_compile.passes.regions import RegionSkippedWarning, find_regions
 
-FUSIONS = ["fuse_act_quant", "fuse_qkv_postprocess", "fuse_sampler", "drop_region_markers"]
+FUSIONS = ["fuse_act_quant", "fuse_mhc", "fuse_qkv_postprocess", "fuse_sampler",
+           "drop_region_markers"]
 
 
 def test_manager_verifies_every_fusion(tiny_step):
@@ -25,12 +26,13 @@ def test_manager_verifies_every_fusion(tiny_step):
     assert [r["name"] for r in stats] == FUSIONS
     assert all(r["verified"] for r in stats)
     exp = tiny_step.expected
-    assert [r["matches"] for r in stats[:3]] == [
+    assert [r["matches"] for r in stats[:4]] == [
         exp["rmsnorm_quant"] + exp["swiglu_quant"] + exp["act_quant"],
+        exp["hc_pre"] + exp["hc_post"] + exp["hc_head"],
         exp["qkv_postprocess"] + exp["qkv_rope"] + exp["context_kv_store"],
         exp["markov_sample"] + exp["rejection_sample"]]
-    assert stats[3]["matches"] == 0                       # nothing left to drop
-    assert tiny_step.lib.op_counts(ep) == exp
+    assert stats[4]["matches"] == 0                       # nothing left to drop
+    assert tiny_step.lib.op_counts(ep) == tiny_step.expected_ops
     assert tiny_step.lib.annotated_nodes(ep) == []
 
 
@@ -119,7 +121,7 @@ def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path)
     bc = BuildConfig(buckets=(1, 2), dtype="float64", max_seq_len=64)
     manifest = build_engine(tiny_step.ckpt, tmp_path / "engine", bc, log=lambda s: None)
     passes = [p["name"] for p in manifest["passes"]]
-    assert {"fuse_act_quant", "fuse_qkv_postprocess", "fuse_sampler"} <= set(passes)
+    assert {"fuse_act_quant", "fuse_mhc", "fuse_qkv_postprocess", "fuse_sampler"} <= set(passes)
 
     prompts = [[11, 12, 13, 14, 15, 16, 17, 18], [7, 7, 7], [300, 2, 99, 41, 5]]
     n = 20
@@ -133,6 +135,7 @@ def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path)
         assert ops["dspark.markov_sample.default"] == 1, ops
         assert ops["dspark.qkv_postprocess.default"] == tiny_step.expected["qkv_postprocess"]
         assert ops["dspark.rmsnorm_quant.default"] == tiny_step.expected["rmsnorm_quant"]
+        assert ops["dspark.hc_post_pre.default"] == tiny_step.expected_ops["hc_post_pre"]
 
     params = [SamplingParams(max_new_tokens=n) for _ in prompts]
     ref = generate(tiny_step.model, prompts, params, speculative=False)
@@ -151,7 +154,7 @@ def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp
     PassManager(["drop_region_markers"]).run(unfused, state_inputs=ts.states(unfused))
     fused = ts.program()
     PassManager().run(fused, state_inputs=ts.states(fused))   # the build's default pipeline
-    assert ts.lib.op_counts(fused) == ts.expected
+    assert ts.lib.op_counts(fused) == ts.expected_ops
     for seed in (11, 12, 13):
         ref, got = ts.run(unfused, seed), ts.run(fused, seed)
         for i, what in enumerate(("tokens", "num_sampled")):

@@ -61,8 +61,9 @@ def test_default_flag_and_disabled():
 
 def test_builtin_default_pipeline():
     assert PassManager().names == ["remove_asserts", "remove_noops", "dce", "fuse_act_quant",
-                                   "fuse_qkv_postprocess", "fuse_sampler", "drop_region_markers",
-                                   "lint_host_sync", "check_state_in_place"]
+                                   "fuse_mhc", "fuse_qkv_postprocess", "fuse_sampler",
+                                   "drop_region_markers", "lint_host_sync",
+                                   "check_state_in_place"]
 
 
 # ------------------------------------------------------------------ build-time errors

@@ -32,7 +32,8 @@ from dspark_compile.trace import export_step, state_input_names
 BUCKET = 2
 CLEANUP = ("remove_asserts", "remove_noops", "dce")
 ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rmsnorm_quant", "swiglu_quant",
-           "act_quant", "markov_sample", "rejection_sample", "sample")
+           "act_quant", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
+           "hc_head", "hc_post_pre", "hc_post_head")
 
 
 def expected_regions(cfg, prec) -> dict:
@@ -55,7 +56,22 @@ def expected_regions(cfg, prec) -> dict:
         "markov_sample": 1,
         "rejection_sample": 1,
         "sample": 0,                                  # plain sampling is prefill's, not the step's
+        "hc_pre": 2 * (L + S),                        # attn and ffn site of every block
+        "hc_post": 2 * (L + S),
+        "hc_head": 2,                                 # target and draft heads
+        "hc_post_pre": 0,                             # only fuse_mhc's merge makes these
+        "hc_post_head": 0,
     }
+
+
+def expected_ops(cfg, prec) -> dict:
+    """How many times each op runs in the fully fused step: the regions, except that fuse_mhc
+    merges every post with the pre or head reading its stream. Per forward (target, draft) one
+    hc_pre is left, on the embedded stream; the last block's post merges into the head."""
+    ops = expected_regions(cfg, prec)
+    sites = ops["hc_post"]
+    ops.update(hc_pre=2, hc_post=0, hc_head=0, hc_post_pre=sites - 2, hc_post_head=2)
+    return ops
 
 
 def region_counts(ep, ops=ALL_OPS) -> dict:
@@ -96,6 +112,7 @@ class TinyStep:
         self._cleaned = None
         self.lib = sys.modules[__name__]   # this module's helpers, for the test files
         self.expected = expected_regions(self.cfg, self.prec)
+        self.expected_ops = expected_ops(self.cfg, self.prec)
 
     def program(self):
         """A fresh copy of the program as exported."""
