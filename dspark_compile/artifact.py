@@ -57,6 +57,8 @@ MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 PROGRAM_DIR = "programs"
 KERNELS_DIR = "kernels"
+COMPILED_DIR = "compiled"     # dspark_compile/compiled.py's artifacts
+_EXTRA_DIRS = (KERNELS_DIR, COMPILED_DIR)
 _CHUNK = 8 << 20
 _ALIGN = 64  # bytes; what torch's allocators give every fresh tensor
 
@@ -325,7 +327,7 @@ def _file_table(root: Path) -> dict:
 def not_an_engine(dest: Path) -> Optional[str]:
     """Why replacing `dest` would delete something save_engine did not write (None: it may go;
     the hidden files are _write_json_atomic's temporaries)."""
-    return replace_refusal(dest, "an engine", MANIFEST, {PROGRAM_DIR, WEIGHTS_FILE, KERNELS_DIR},
+    return replace_refusal(dest, "an engine", MANIFEST, {PROGRAM_DIR, WEIGHTS_FILE, *_EXTRA_DIRS},
                            (rf"\.{MANIFEST}\.\d+\.[0-9a-f]{{8}}\.tmp",))
 
 
@@ -348,7 +350,8 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     manifest_fields: must hold "model_config_hash" (or "model_config", hashed here) and
         "passes" (PassManager.manifest_entries()); may hold "target_sm" (default: that of
         the programs' device, "cpu" for CPU programs), "pass_config_hash", "pass_stats" and any other JSON-able field.
-    extra_files: {"kernels/sm_XY/<name>": bytes | str} build reports.
+    extra_files: {"kernels/sm_XY/<name>" | "compiled/<name>": bytes | str} build reports and
+        compiled programs (dspark_compile/compiled.py).
     """
     out_dir = Path(out_dir).absolute()
     if not programs:
@@ -374,9 +377,9 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     extra_files = dict(extra_files or {})
     for rel in extra_files:
         parts = Path(rel).parts
-        if not parts or parts[0] != KERNELS_DIR or ".." in parts or Path(rel).is_absolute():
-            raise ArtifactError(f"extra file '{rel}' must live under {KERNELS_DIR}/",
-                                path=rel)
+        if not parts or parts[0] not in _EXTRA_DIRS or ".." in parts or Path(rel).is_absolute():
+            raise ArtifactError(f"extra file '{rel}' must live under one of "
+                                f"{[d + '/' for d in _EXTRA_DIRS]}", path=rel)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
@@ -437,6 +440,19 @@ def _read_manifest(engine_dir: Path) -> dict:
     if manifest["checksum"] != _checksum(manifest):
         raise ArtifactError(f"{MANIFEST} is corrupted (checksum mismatch)", path=MANIFEST)
     return manifest
+
+
+_MISSING = object()
+
+
+def _field(manifest: dict, field: str):
+    """The value at a dotted field path ("build_config.backend"), or _MISSING."""
+    node = manifest
+    for k in field.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return _MISSING
+        node = node[k]
+    return node
 
 
 def _mismatch(field: str, have, want, env: bool) -> ArtifactError:
@@ -531,7 +547,8 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     Checked against the running environment: format_version, dspark_compile_version,
     torch_version, triton_version, cuda_version, target_sm, passes (each pass's source hash vs
     the installed pass) and dspark_ops (op schemas vs the registered ops). `expect` adds or
-    overrides expectations ({"model_config_hash": ..., "buckets": [...], "target_sm": ...}).
+    overrides expectations ({"model_config_hash": ..., "buckets": [...], "target_sm": ...,
+    "build_config.backend": ...}: dotted paths name nested fields).
     `skip` names fields not to check. With `check_files`, every file's size and sha256 is
     verified (a truncated or corrupted file is named).
     """
@@ -554,11 +571,12 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     for field, want in expect.items():
         if field in skip:
             continue
-        if field not in manifest:
+        have = _field(manifest, field)
+        if have is _MISSING:
             raise ArtifactError(f"manifest field '{field}' is missing (expected {want!r})",
                                 field=field)
-        if manifest[field] != json.loads(json.dumps(want)):
-            raise _mismatch(field, manifest[field], want, False)
+        if have != json.loads(json.dumps(want)):
+            raise _mismatch(field, have, want, False)
     _check_structure(manifest)
     if "passes" not in skip:
         _check_passes(manifest)

@@ -33,8 +33,17 @@ class BuildConfig:
     dump_dir: str | None = None
     arch: str | None = None         # e.g. "sm_120": store that arch's kernel resource report
     device: str = "cpu"
+    # "inductor": the glue between the dspark:: ops compiled by Inductor at build time
+    # (dspark_compile/compiled.py); "aten": the exported program runs op by op. "" = inductor
+    # for CUDA builds, aten for CPU builds (Inductor's CPU code is C++ compiled on the spot)
+    backend: str = ""
 
     def __post_init__(self):
+        from dspark_compile.compiled import BACKENDS
+        if not self.backend:
+            self.backend = "inductor" if str(self.device).startswith("cuda") else "aten"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive integers, got {self.buckets}")

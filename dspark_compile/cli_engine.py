@@ -163,6 +163,10 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=None, help="also compile the kernels for this arch (e.g. sm_120) "
                    "and store their resource report")
     p.add_argument("--device", default="cpu", help="device the programs are built for")
+    p.add_argument("--backend", choices=("inductor", "aten"), default=None,
+                   help="inductor: compile the glue between the fused ops with Inductor at build "
+                        "time; aten: run the exported program op by op (default: inductor for a "
+                        "CUDA --device, aten for cpu)")
 
 
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args,
@@ -177,7 +181,8 @@ def cmd_build(args) -> int:
     bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows, max_seq_len=args.max_seq_len,
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
                      disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
-                     dump_dir=args.dump_graphs, arch=args.arch, device=str(device(args.device)))
+                     dump_dir=args.dump_graphs, arch=args.arch, device=str(device(args.device)),
+                     backend=args.backend or "")
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")
@@ -259,6 +264,8 @@ def cmd_inspect(args) -> int:
     print(f"{'buckets':>24}: {m['buckets']}")
     print(f"{'build_config':>24}: {json.dumps(m.get('build_config'))}")
     print(f"{'graph_memory_bytes':>24}: {m.get('graph_memory_bytes')}")
+    if m.get("compiled"):
+        print(f"{'compile_seconds':>24}: {json.dumps(m['compiled'].get('compile_seconds'))}")
     if m.get("runtime_load"):
         print(f"{'runtime_load':>24}: {json.dumps(m['runtime_load'])}")
     print(f"{'loads here':>24}: {loadable}")

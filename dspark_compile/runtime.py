@@ -70,14 +70,19 @@ class Engine:
         self.state = allocate_state(self.cfg, self.cache, self.model.prec, device)
         self.trash = self.cache.max_rows
         self.programs = programs   # the ExportedPrograms as loaded (inspection, checks)
-        self.modules = {b: ep.module() for b, ep in programs.items()}
+        self.backend = self.build.backend
+        self.compiled_load_seconds: dict[int, float] = {}
         # per bucket, the step with the draft sampler's greedy launch plan, run when every live
         # row is greedy (dspark_compile/variants.py); empty when disabled or nothing to switch
-        self.greedy_modules = {}
-        if greedy_variants:
-            from dspark_compile.variants import sampler_mode_variant
-            self.greedy_modules = {b: m for b, ep in programs.items()
-                                   if (m := sampler_mode_variant(ep)) is not None}
+        if self.backend == "inductor":
+            self.modules, self.greedy_modules = self._compiled_modules(greedy_variants)
+        else:
+            self.modules = {b: ep.module() for b, ep in programs.items()}
+            self.greedy_modules = {}
+            if greedy_variants:
+                from dspark_compile.variants import sampler_mode_variant
+                self.greedy_modules = {b: m for b, ep in programs.items()
+                                       if (m := sampler_mode_variant(ep)) is not None}
         self.graphs: dict[int, _Graph] = {}
         self.greedy_graphs: dict[int, _Graph] = {}
         self.capture_seconds: dict[int, float] = {}
@@ -90,10 +95,18 @@ class Engine:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
-             record_graph_memory: bool = True, greedy_variants: bool = True) -> "Engine":
+             record_graph_memory: bool = True, greedy_variants: bool = True,
+             backend: str | None = None) -> "Engine":
         """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
-        draft-sampler plan, used for steps whose live rows are all greedy."""
+        draft-sampler plan, used for steps whose live rows are all greedy. `backend`: refuse an
+        engine built with another --backend (manifest field 'build_config.backend'); None =
+        either."""
         t0 = time.perf_counter()
+        if backend is not None:
+            from dspark_compile.compiled import BACKENDS
+            if backend not in BACKENDS:
+                raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+            expect = {**(expect or {}), "build_config.backend": backend}
         engine_dir = Path(engine_dir)
         built_for = _build_device(engine_dir)
         if device is None:
@@ -116,6 +129,22 @@ class Engine:
             eng._record_load()
         return eng
 
+    def _compiled_modules(self, greedy_variants: bool):
+        """The Inductor-compiled steps of every bucket, loaded from the engine
+        (dspark_compile/compiled.py): ({bucket: full step}, {bucket: greedy step})."""
+        from dspark_compile.compiled import CompiledStep, compiled_entries
+        full, greedy = {}, {}
+        for b, entry in compiled_entries(self.manifest).items():
+            rows = self._padded_rows(b)
+            full[b] = CompiledStep(self.dir / entry["full"], self.programs[b], rows, self.state)
+            seconds = full[b].load_seconds
+            if greedy_variants and "greedy" in entry:
+                greedy[b] = CompiledStep(self.dir / entry["greedy"], self.programs[b], rows,
+                                         self.state)
+                seconds += greedy[b].load_seconds
+            self.compiled_load_seconds[b] = seconds
+        return full, greedy
+
     def _record_load(self) -> None:
         """Write this load's graph memory and timings into the manifest (docs/architecture.md,
         "Honest artifacts"). A read-only engine directory is not an error: the engine runs, the
@@ -124,6 +153,8 @@ class Engine:
                  "torch_version": torch.__version__,
                  "load_seconds": round(self.load_seconds, 3),
                  "capture_seconds": {str(b): round(s, 4) for b, s in self.capture_seconds.items()},
+                 "compiled_load_seconds": {str(b): round(s, 3)
+                                           for b, s in self.compiled_load_seconds.items()},
                  "graph_pool_total_bytes": int(sum(self.graph_pool_bytes.values()))}
         try:
             update_manifest_field(self.dir, "graph_memory_bytes",

@@ -41,6 +41,26 @@ def state_input_names(ep) -> list[str]:
     return [n for n in ep.graph_signature.user_inputs][1:]
 
 
+def compile_bucket(ep, bucket: int, state: dict, log) -> tuple[dict, dict]:
+    """Inductor-compile bucket's program and its greedy sampler variant
+    (dspark_compile/compiled.py); returns ({variant: (engine path, artifact bytes)},
+    {variant: compile seconds})."""
+    from dspark_compile.compiled import compile_program, compiled_path, lifted_graph
+    from dspark_compile.variants import GREEDY, lifted_sampler_variant
+    graphs = {"full": lifted_graph(ep)}
+    greedy = lifted_sampler_variant(ep)
+    if greedy is not None:
+        graphs[GREEDY] = greedy
+    rows = torch.arange(bucket, device=state["row.last_pos"].device)
+    files, seconds = {}, {}
+    for variant, gm in graphs.items():
+        data, seconds[variant] = compile_program(gm, ep, rows, state)
+        files[variant] = (compiled_path(bucket, variant), data)
+        log(f"[compile] bucket {bucket} {variant}: {seconds[variant]:.1f}s, "
+            f"{len(data) / 1e6:.1f} MB")
+    return files, {v: round(s, 2) for v, s in seconds.items()}
+
+
 def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
                  log: Callable[[str], None] = print) -> dict:
     from dspark_compile.build_checks import check_build
@@ -66,6 +86,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     pconf = PassConfig(disabled=frozenset(bc.disabled_passes), verify=bc.verify_passes,
                        dump_dir=bc.dump_dir, target_device=bc.device)
     programs, stats = {}, {}
+    # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch)
+    extra, compiled = {}, {"programs": {}, "compile_seconds": {}}
     pm = None
     for b in sorted(bc.buckets, reverse=True):
         t = time.perf_counter()
@@ -87,8 +109,17 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         # runtime allocates its own state, so they are dropped
         ep.example_inputs = None
         programs[b], stats[str(b)] = ep, rows
+        if bc.backend == "inductor":
+            files, seconds = compile_bucket(ep, b, state, log)
+            extra.update(files.values())
+            compiled["programs"][str(b)] = {v: path for v, (path, _) in files.items()}
+            compiled["compile_seconds"][str(b)] = seconds
 
-    extra = {}
+    if bc.backend == "inductor":
+        compiled["total_compile_seconds"] = round(sum(
+            s for per in compiled["compile_seconds"].values() for s in per.values()), 1)
+        log(f"[compile] inductor: {len(extra)} programs in "
+            f"{compiled['total_compile_seconds']:.1f}s")
     if bc.arch:
         from dspark_compile.kernels.sm12x import resource_report
         report = resource_report(bc.arch)
@@ -100,6 +131,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         "pass_config_hash": pconf.hash(),
         "pass_stats": stats,
     }
+    if bc.backend == "inductor":
+        fields["compiled"] = compiled
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()

@@ -39,6 +39,12 @@ def rejection_nodes(gm: torch.fx.GraphModule) -> list:
     return _op_nodes(gm, torch.ops.dspark.rejection_sample.default)
 
 
+def _check_mode(mode: str) -> None:
+    from dspark_compile.kernels.sampling.plan import MODES
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+
+
 def _set_mode(node: torch.fx.Node, i: int, mode: str) -> None:
     if len(node.args) < i:
         raise ValueError(f"unexpected {node.target} call {node.format_node()}: "
@@ -61,12 +67,27 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
 
     `ExportedProgram.module()` builds a new module around a copy of the graph and the program's
     own weight tensors, so the variant costs a graph, not a second copy of the weights."""
-    from dspark_compile.kernels.sampling.plan import MODES
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    _check_mode(mode)
     if not markov_nodes(program.graph_module):     # nothing to switch: build no module
         return None
-    gm = program.module()
+    return switch_sampler_mode(program.module(), mode)
+
+
+def lifted_sampler_variant(program: torch.export.ExportedProgram,
+                           mode: str = GREEDY) -> Optional[torch.fx.GraphModule]:
+    """`sampler_mode_variant` on a copy of the program's lifted graph (weights as leading flat
+    inputs): what the Inductor backend compiles (dspark_compile/compiled.py)."""
+    from dspark_compile.compiled import lifted_graph
+    _check_mode(mode)
+    if not markov_nodes(program.graph_module):
+        return None
+    return switch_sampler_mode(lifted_graph(program), mode)
+
+
+def switch_sampler_mode(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
+    """Switch `gm`'s sampler calls to `mode` in place (sampler_mode_variant says what changes);
+    returns gm."""
+    _check_mode(mode)
     i = _mode_arg(torch.ops.dspark.markov_sample.default)
     for n in markov_nodes(gm):
         _set_mode(n, i, mode)

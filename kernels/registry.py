@@ -64,7 +64,11 @@ def dspark_op(name: str, *, reference: Callable, fake: Callable, mutates_args=()
                 return launcher(*args, **kwargs)
             return reference(*args, **kwargs)
 
-        op = torch.library.triton_op(f"{NAMESPACE}::{name}", impl, mutates_args=tuple(mutates_args))
+        # custom_op, not triton_op: Inductor then keeps each dspark:: op one opaque call of
+        # this launcher. triton_op would let it trace into the launcher (every kernel's
+        # mutation analysis at compile time, the launcher's scratch tensors folded as
+        # constants) for no gain under the CUDA graph the runtime captures anyway.
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=tuple(mutates_args))
         op.register_fake(fake)
         KERNELS[name] = KernelSpec(name, getattr(torch.ops.dspark, name), reference, launcher,
                                    tuple(mutates_args))

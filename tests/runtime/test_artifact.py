@@ -453,7 +453,7 @@ def test_save_engine_rejects_bad_arguments(built, tmp_path):
         (dict(programs={1: "x"}), "not an ExportedProgram"),
         (dict(manifest_fields={"passes": passes}), r"missing \['model_config_hash'\]"),
         (dict(manifest_fields={**ok, "torch_version": "x"}), "may not set computed fields"),
-        (dict(extra_files={"../evil": b""}), "must live under kernels/"),
+        (dict(extra_files={"../evil": b""}), "must live under one of"),
     ]
     for kw, msg in cases:
         args = dict(programs={1: ep}, manifest_fields=ok)

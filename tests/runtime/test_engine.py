@@ -349,6 +349,42 @@ def test_engine_runs_only_on_the_device_it_was_built_for(small_engine):
         Engine.load(small_engine.path, device="cuda")
 
 
+def test_backend_defaults_follow_the_device_and_bad_ones_are_named():
+    from dspark_compile.build_config import BuildConfig
+    assert BuildConfig().backend == "aten"
+    assert BuildConfig(device="cuda").backend == "inductor"
+    assert BuildConfig(device="cuda:1", backend="aten").backend == "aten"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        BuildConfig(backend="tensorrt")
+
+
+def test_engine_built_with_one_backend_refuses_to_load_as_the_other(small_engine, tmp_path):
+    """The manifest records the backend (build_config.backend); a load asking for the other one
+    is refused naming that field, and an engine that claims Inductor but lists no compiled
+    programs is refused naming the missing field."""
+    import shutil
+
+    from dspark_compile.artifact import ArtifactError, update_manifest_field
+    from dspark_compile.runtime import Engine
+    assert small_engine.manifest["build_config"]["backend"] == "aten"
+    assert "compiled" not in small_engine.manifest
+    with pytest.raises(ArtifactError, match="'build_config.backend': engine has 'aten', "
+                                            "expected 'inductor'") as e:
+        Engine.load(small_engine.path, device="cpu", backend="inductor")
+    assert e.value.field == "build_config.backend"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Engine.load(small_engine.path, device="cpu", backend="onnx")
+    claims = tmp_path / "engine"
+    shutil.copytree(small_engine.path, claims)
+    update_manifest_field(claims, "build_config.backend", "inductor")
+    with pytest.raises(ArtifactError, match="engine has 'inductor', expected 'aten'") as e:
+        Engine.load(claims, device="cpu", backend="aten")
+    assert e.value.field == "build_config.backend"
+    with pytest.raises(ArtifactError, match="'compiled.programs' is missing") as e:
+        Engine.load(claims, device="cpu", use_graphs=False)
+    assert e.value.field == "compiled.programs"
+
+
 # ------------------------------------------------------------------ fresh-process round trip
 FRESH_STEP = """
 import sys, torch
