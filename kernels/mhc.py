@@ -35,6 +35,8 @@ hc_post alone is launch 1 with POST only.
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -253,10 +255,14 @@ def _compute_dtype(X: torch.Tensor) -> torch.dtype:
     return upcast(X).dtype
 
 
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _split_eps(x: float) -> tuple[float, float]:
     """x = hi + lo with hi, lo fp32: Triton passes float arguments as fp32 (see the kernel)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+    hi = _fp32(x)
+    return hi, _fp32(x - hi)
 
 
 def _stream(X: torch.Tensor, name: str = "X") -> torch.Tensor:
@@ -314,15 +320,16 @@ def _mix_launch(X, fn, y=None, post=None, comb=None, tiles=None):
     mix = fn.shape[0] if fn is not None else 1
     mu = X.new_empty((split, T, next_pow2(mix)) if fn is not None else (1,), dtype=cdt)
     ss = X.new_empty((split, T) if fn is not None else (1,), dtype=cdt)
-    xn = torch.empty_like(X, memory_format=torch.contiguous_format) if y is not None else X
     if y is not None:
+        xn = torch.empty_like(X, memory_format=torch.contiguous_format)
         y = y if y.stride(-1) == 1 else y.contiguous()
         post, comb = post.contiguous(), comb.contiguous()
+    else:                        # no post: X is the stream; unused pointers get X
+        xn, y, post, comb = X, X[:, 0], X, X
     launch(kernel)[(triton.cdiv(T, bt), split)](
-        y if y is not None else X, X, post if y is not None else X,
-        comb if y is not None else X, xn, fn.contiguous() if fn is not None else X, mu, ss, T, D,
-        y.stride(0) if y is not None else 0, X.stride(0), xn.stride(0), M=m, MIX=mix,
-        MIX_P2=next_pow2(mix), BLOCK_T=bt, BLOCK_D=bd, POST=y is not None, PROJ=fn is not None,
+        y, X, post, comb, xn, fn.contiguous() if fn is not None else X, mu, ss, T, D,
+        y.stride(0), X.stride(0), xn.stride(0), M=m, MIX=mix, MIX_P2=next_pow2(mix),
+        BLOCK_T=bt, BLOCK_D=bd, POST=xn is not X, PROJ=fn is not None,
         SOFT=interpreting(kernel), num_warps=NUM_WARPS)
     return xn, mu, ss, split
 
