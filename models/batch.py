@@ -38,9 +38,17 @@ class Batch:
         return self.pos.reshape(-1)
 
     def ring_slots(self, ring: int, write: torch.Tensor | None = None) -> torch.Tensor:
-        """Flat slots [B*T] into a [rows, ring, ...] tensor at pos % ring; -1 where not written."""
+        """Flat slots [B*T] into a [rows, ring, ...] tensor at pos % ring; -1 where not written.
+
+        A row writing more than `ring` positions at once (a prefill chunk of 64 tokens into the
+        8-slot draft context) would name a slot twice, and a CUDA index_put_ with repeated
+        indices has no defined winner (it even tears rows between writers); so only the newest
+        `ring` written positions of each row keep their slot: each slot is named at most once,
+        and it holds what a sequential write would have left in it."""
         slots = self.rows[:, None] * ring + self.pos % ring
         ok = self.valid[:, None].expand_as(slots)
         if write is not None:
             ok = ok & write
+        newest = torch.where(ok, self.pos, torch.full_like(self.pos, -1)).amax(1, keepdim=True)
+        ok = ok & (self.pos > newest - ring)
         return torch.where(ok, slots, torch.full_like(slots, -1)).reshape(-1)

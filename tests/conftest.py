@@ -31,6 +31,9 @@ def pytest_addoption(parser):
     parser.addoption("--gpu-engine-buckets", default="",
                      help="comma-separated buckets the GPU engine tests build (default: all of "
                           "build_config.DEFAULT_BUCKETS); fewer fit a short device run")
+    parser.addoption("--gpu-engine-backend", default="inductor", choices=("inductor", "aten"),
+                     help="--backend of the engine the GPU engine tests build (default inductor, "
+                          "the CUDA default)")
     parser.addoption("--shuffle-seed", type=int, default=None, metavar="N",
                      help="run the collected tests in an order shuffled by random.Random(N) "
                           "(the same N gives the same order), to find tests that depend on "

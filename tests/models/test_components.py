@@ -102,3 +102,31 @@ def test_yarn_only_blends_the_middle_pairs():
     assert torch.allclose(comp[0], base[0])                             # high frequencies kept
     assert torch.allclose(comp[-1], base[-1] / cfg.rope_compress.factor)  # low ones divided
     assert ((comp <= base + 1e-18) & (comp >= base / cfg.rope_compress.factor - 1e-18)).all()
+
+
+def test_ring_slots_name_each_slot_once_with_what_sequential_writes_leave():
+    """A row writing more positions than the ring holds (a 12-token prefill chunk into an 8-slot
+    ring) keeps only its newest `ring` positions: no slot is named twice (a CUDA index_put_
+    with repeated indices has no defined winner), and the ring ends as in-order writes leave it.
+    Padded rows and masked positions write nothing."""
+    from dspark_compile.kernels.common import masked_row_write
+    ring, trash = 8, 3
+    pos = torch.stack([torch.arange(12), torch.arange(5, 17), torch.arange(12), torch.arange(12)])
+    rows = torch.tensor([0, 1, trash, 2])
+    write = torch.ones(4, 12, dtype=torch.bool)
+    write[3, 9:] = False                       # row 2 writes positions 0..8 only
+    batch = Batch(rows=rows, pos=pos, tokens=torch.zeros_like(pos), valid=rows < trash)
+    slots = batch.ring_slots(ring, write).view(4, 12)
+    for b in range(4):
+        named = slots[b][slots[b] >= 0]
+        assert named.unique().numel() == named.numel(), f"row {b} names a slot twice: {slots[b]}"
+    assert (slots[2] == -1).all(), "the padded row wrote"
+    values = pos.float() + 1                   # what each position writes
+    dst = torch.zeros((trash + 1) * ring + 1)
+    masked_row_write(dst, slots.reshape(-1), values.reshape(-1))
+    seq = torch.zeros_like(dst)
+    for b in range(4):
+        for t in range(12):
+            if rows[b] < trash and write[b, t]:
+                seq[rows[b] * ring + pos[b, t] % ring] = values[b, t]
+    torch.testing.assert_close(dst[:-1], seq[:-1], rtol=0, atol=0)

@@ -41,7 +41,7 @@ def buckets(request):
 
 
 @pytest.fixture(scope="module")
-def gpu_engine(tmp_path_factory, buckets):
+def gpu_engine(tmp_path_factory, buckets, request):
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
     from dspark_compile.build_config import BuildConfig
@@ -52,7 +52,10 @@ def gpu_engine(tmp_path_factory, buckets):
     t = time.perf_counter()
     build_engine(ckpt, root / "engine", BuildConfig(buckets=buckets, max_rows=64,
                                                     max_seq_len=SEQ, dtype="float32",
-                                                    device="cuda"), log=lambda s: None)
+                                                    device="cuda",
+                                                    backend=request.config.getoption(
+                                                        "--gpu-engine-backend")),
+                 log=lambda s: None)
     build_s = time.perf_counter() - t
     eng = Engine.load(root / "engine", device="cuda")
     capture = {b: round(s, 3) for b, s in eng.capture_seconds.items()}
@@ -153,6 +156,58 @@ def test_graph_replay_equals_uncaptured_program(gpu_engine, live_rows, bucket, v
     for k, v in eng.state.items():
         assert torch.equal(v[keep], snap[k][keep]), f"state '{k}': a row outside the batch changed"
     eng.state["row.temperature"].copy_(temps)
+
+
+def _allocations(fn) -> list[int]:
+    """Sizes in bytes of every device allocation `fn()` makes (the caching allocator's trace)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        fn()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return [e["size"] for trace in snap["device_traces"] for e in trace if e["action"] == "alloc"]
+
+
+def test_compiled_step_updates_the_state_in_place(gpu_engine, live_rows, bucket):
+    """The in-place invariant on what actually runs: one uncaptured call of the bucket's step
+    (the Inductor-compiled program for an inductor engine) allocates no buffer as large as any
+    cache-sized state tensor (a whole-cache copy needs one: functionalisation's index_put +
+    copy_ back, a clone of a mutated custom-op argument)."""
+    eng = gpu_engine
+    rows = random.Random(bucket).sample(live_rows, bucket)
+    snap = _snapshot(eng.state)
+    padded = torch.tensor(rows, dtype=torch.int64, device=eng.device)
+    with torch.no_grad():
+        eng.modules[bucket](padded, eng.state)          # warm: first-call allocations
+        _restore(eng.state, snap)
+        sizes = _allocations(lambda: eng.modules[bucket](padded, eng.state))
+    _restore(eng.state, snap)
+    # cache-sized: the caches and the per-row context the step updates, not the per-row
+    # scalars; 1 MiB separates them at this engine's 65 rows x 256 positions
+    caches = {k: v.numel() * v.element_size() for k, v in eng.state.items()
+              if v.numel() * v.element_size() >= 1 << 20}
+    assert caches, "no cache-sized state tensor: the threshold no longer fits this engine"
+    smallest = min(caches.values())
+    big = sorted((s for s in sizes if s >= smallest), reverse=True)
+    assert not big, (f"bucket {bucket} ({eng.backend}): allocations {big[:5]} as large as a "
+                     f"cache (smallest {smallest} bytes; caches {caches})")
+
+
+def test_engine_runs_the_backend_it_was_built_with(gpu_engine, buckets, request):
+    eng = gpu_engine
+    backend = request.config.getoption("--gpu-engine-backend")
+    assert eng.backend == backend == eng.manifest["build_config"]["backend"]
+    if backend == "inductor":
+        from dspark_compile.compiled import CompiledStep
+        assert all(isinstance(eng.modules[b], CompiledStep) for b in buckets)
+        assert all(isinstance(eng.greedy_modules[b], CompiledStep) for b in buckets)
+        secs = eng.manifest["compiled"]["compile_seconds"]
+        assert set(secs) == {str(b) for b in buckets}
+        assert all(s > 0 for per in secs.values() for s in per.values())
+        assert set(eng.compiled_load_seconds) == set(buckets)
 
 
 def test_greedy_generation_through_graphs_is_lossless(gpu_engine, buckets):
