@@ -75,6 +75,8 @@ def _args(argv=None):
     p.add_argument("--per-layer", default="all", choices=("all", "smallest", "none"),
                    help="buckets that get the per-layer attribution (an export of the reference "
                         "step each: ~10-30 s)")
+    p.add_argument("--backend", default=None, choices=("inductor", "aten"),
+                   help="the engine's --backend (default: the build's, inductor on CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None,
                    help="directory for the checkpoint and engine, reused when they match "
@@ -513,9 +515,15 @@ def _engine_matches(engine_dir: Path, args) -> bool:
                 and bc["dtype"] == args.dtype and int(bc["max_seq_len"]) == args.max_seq_len
                 and torch.device(bc["device"]).type == args.device.type
                 and int(bc["max_rows"]) >= max(args.buckets)
+                and bc.get("backend") == _backend(args)
                 and m.get("model_config", {}).get("hidden_size") == _preset_hidden(args.preset))
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def _backend(args) -> str:
+    from dspark_compile.build_config import BuildConfig
+    return BuildConfig(device=args.device.type, backend=args.backend or "").backend
 
 
 def _preset_hidden(name: str) -> int:
@@ -547,7 +555,7 @@ def setup_engine(args, work: Path, log) -> tuple[object, dict]:
         t = time.perf_counter()
         build_engine(ckpt, engine_dir, BuildConfig(
             buckets=tuple(args.buckets), max_rows=max(args.buckets), max_seq_len=args.max_seq_len,
-            dtype=args.dtype, device=args.device.type), log=log)
+            dtype=args.dtype, device=args.device.type, backend=_backend(args)), log=log)
         times["build_s"] = time.perf_counter() - t
         if args.device.type == "cuda":    # the build's model (24 GB at flash-slice) is gone
             torch.cuda.empty_cache()
@@ -624,6 +632,8 @@ def main(argv=None) -> int:
         eng, rec["setup"] = setup_engine(args, work, log)
         dev = eng.device
         rec["max_rows"] = eng.cache.max_rows
+        rec["backend"] = eng.backend
+        rec["compile_seconds"] = eng.manifest.get("compiled", {}).get("compile_seconds")
         rec["copy_bandwidth"] = (harness.measure_copy_bandwidth() if dev.type == "cuda"
                                  else _cpu_copy_bandwidth())
         bw = rec["copy_bandwidth"]["bytes_per_s"]
