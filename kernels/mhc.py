@@ -146,8 +146,10 @@ def _hc_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, mu_ptr, ss_
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     tm = t < T
     r = tl.arange(0, MIX_P2)
-    mu = tl.zeros((BLOCK_T, MIX_P2), dtype=cdt)
-    ss = tl.zeros((BLOCK_T,), dtype=cdt)
+    # products accumulate elementwise and are reduced over the d-block once, after the loop: a
+    # reduction per step (cross-thread shuffles) cost ~1.5x the whole kernel at T = 384 (H200)
+    mu = tl.zeros((BLOCK_T, MIX_P2, BLOCK_D), dtype=cdt)
+    ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=cdt)
     for db in range(s, tl.cdiv(D, BLOCK_D), tl.num_programs(1)):
         d = db * BLOCK_D + tl.arange(0, BLOCK_D)
         m2 = tm[:, None] & (d < D)[None, :]
@@ -168,23 +170,40 @@ def _hc_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, mu_ptr, ss_
                 xj = tl.load(x_ptr + t[:, None] * stride_xt + j * D + d[None, :], mask=m2,
                              other=0.0).to(cdt)
             if PROJ:
-                ss += tl.sum(xj * xj, axis=1)
+                ss += xj * xj
                 f = tl.load(fn_ptr + r[:, None] * (M * D) + j * D + d[None, :],
                             mask=(r < MIX)[:, None] & (d < D)[None, :], other=0.0).to(cdt)
-                mu += tl.sum(xj[:, None, :] * f[None, :, :], axis=2)
+                mu += xj[:, None, :] * f[None, :, :]
     if PROJ:
         row = s * T + t                                       # workspace [SPLIT, T, MIX_P2]
-        tl.store(mu_ptr + row[:, None] * MIX_P2 + r[None, :], mu, mask=tm[:, None])
-        tl.store(ss_ptr + row, ss, mask=tm)
+        tl.store(mu_ptr + row[:, None] * MIX_P2 + r[None, :], tl.sum(mu, axis=2),
+                 mask=tm[:, None])
+        tl.store(ss_ptr + row, tl.sum(ss, axis=1), mask=tm)
 
 
 @triton.jit
-def _mu_sum(mu_ptr, t, T, SPLIT, idx, mask, MIX_P2: tl.constexpr):
-    """Σ_s workspace[s, t, idx], in the order s = 0, 1, ... (any idx shape)."""
-    acc = tl.load(mu_ptr + t * MIX_P2 + idx, mask=mask, other=0.0)
-    for s in range(1, SPLIT):
-        acc += tl.load(mu_ptr + (s * T + t) * MIX_P2 + idx, mask=mask, other=0.0)
-    return acc
+def _reduce_splits(mu_ptr, ss_ptr, t, T, SPLIT, MIX_P2: tl.constexpr, SB: tl.constexpr):
+    """Sum row t's SPLIT partials (SB splits per load, a fixed order) into split 0's row, which
+    the gates then read with their own index patterns; returns Σx². One load per split and
+    column serialised on latency took ~40 µs at T = 6 (split 128, H200)."""
+    r = tl.arange(0, MIX_P2)
+    mu = tl.zeros((MIX_P2,), dtype=mu_ptr.dtype.element_ty)
+    ss = tl.zeros((SB,), dtype=ss_ptr.dtype.element_ty)
+    for s0 in range(0, SPLIT, SB):
+        s = s0 + tl.arange(0, SB)
+        row = s.to(tl.int64) * T + t
+        mu += tl.sum(tl.load(mu_ptr + row[:, None] * MIX_P2 + r[None, :],
+                             mask=(s < SPLIT)[:, None], other=0.0), axis=0)
+        ss += tl.load(ss_ptr + row, mask=s < SPLIT, other=0.0)
+    tl.debug_barrier()       # every thread has read split 0's row before it is overwritten
+    tl.store(mu_ptr + t * MIX_P2 + r, mu)
+    tl.debug_barrier()       # and the sums are visible to every thread of the program
+    return tl.sum(ss, axis=0)
+
+
+@triton.jit
+def _mu_at(mu_ptr, t, idx, mask, MIX_P2: tl.constexpr):
+    return tl.load(mu_ptr + t * MIX_P2 + idx, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -206,29 +225,28 @@ def _sinkhorn_tile(c, i, M: tl.constexpr, eps, ITERS):
 def _hc_gates_kernel(mu_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, a_ptr, post_ptr, comb_ptr, T, D,
                      SPLIT, ITERS, stride_xt, stride_at, eps_hi, eps_lo, neps_hi, neps_lo,
                      M: tl.constexpr, M_P2: tl.constexpr, MIX_P2: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PRE: tl.constexpr, SOFT: tl.constexpr):
+                     SB: tl.constexpr, BLOCK_D: tl.constexpr, PRE: tl.constexpr,
+                     SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cdt = mu_ptr.dtype.element_ty
     dt = x_ptr.dtype.element_ty
     # the eps constants as hi + lo fp32 pairs: exact to ~2^-48 in fp64, the fp32 value in fp32
     eps = tl.cast(eps_hi, cdt) + tl.cast(eps_lo, cdt)
     norm_eps = tl.cast(neps_hi, cdt) + tl.cast(neps_lo, cdt)
-    ss = tl.load(ss_ptr + t)
-    for s in range(1, SPLIT):
-        ss += tl.load(ss_ptr + s * T + t)
+    ss = _reduce_splits(mu_ptr, ss_ptr, t, T, SPLIT, MIX_P2, SB)
     rho = 1.0 / tl.sqrt(ss / (M * D) + norm_eps)
     i = tl.arange(0, M_P2)
     im = i < M
     b = tl.load(base_ptr + i, mask=im, other=0.0).to(cdt)
-    g = _mu_sum(mu_ptr, t, T, SPLIT, i, im, MIX_P2) * rho * tl.load(scale_ptr).to(cdt) + b
+    g = _mu_at(mu_ptr, t, i, im, MIX_P2) * rho * tl.load(scale_ptr).to(cdt) + b
     g = tl.where(im, _sigmoid(g) + eps, 0.0)
     if PRE:
         b = tl.load(base_ptr + M + i, mask=im, other=0.0).to(cdt)
-        p = _mu_sum(mu_ptr, t, T, SPLIT, M + i, im, MIX_P2) * rho * tl.load(scale_ptr + 1).to(cdt)
+        p = _mu_at(mu_ptr, t, M + i, im, MIX_P2) * rho * tl.load(scale_ptr + 1).to(cdt)
         tl.store(post_ptr + t * M + i, 2.0 * _sigmoid(p + b), mask=im)
         valid = im[:, None] & im[None, :]
         k = 2 * M + i[:, None] * M + i[None, :]
-        c = _mu_sum(mu_ptr, t, T, SPLIT, k, valid, MIX_P2) * rho * tl.load(scale_ptr + 2).to(cdt)
+        c = _mu_at(mu_ptr, t, k, valid, MIX_P2) * rho * tl.load(scale_ptr + 2).to(cdt)
         c = _sinkhorn_tile(c + tl.load(base_ptr + k, mask=valid, other=0.0).to(cdt), i, M, eps,
                            ITERS)
         tl.store(comb_ptr + t * (M * M) + i[:, None] * M + i[None, :], c, mask=valid)
@@ -245,9 +263,14 @@ def _hc_gates_kernel(mu_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, a_ptr, post_ptr
 # ----------------------------------------------------------------------------------------------
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# GPU tiles of the mix kernel: [BLOCK_T, MIX_P2 = 32, BLOCK_D] = 8192 products per d-block step
-# (64 fp32 registers per thread at 4 warps); the gates kernel walks D in 1024-wide blocks.
-GPU_BLOCK_T, GPU_BLOCK_D, GATES_BLOCK_D, NUM_WARPS = 8, 32, 1024, 4
+# GPU tiles (BLOCK_T, BLOCK_D) of the mix kernel, by rows: [BLOCK_T, MIX_P2 = 32, BLOCK_D] = 8192
+# accumulators. Few rows want wide d-blocks (each
+# program reads fn's columns once); many rows want tall tiles, as every row tile reads all of fn
+# (1.5 MB per site) from L2. H200, post_pre at Flash dims: (4, 64) 34 µs vs (16, 16) 66 µs at
+# T = 6; 400 vs 259 µs at T = 384 (before the accumulators moved out of the loop).
+GPU_TILES = ((64, (4, 64)), (None, (16, 16)))       # (up to T rows, tile)
+GATES_BLOCK_D, SPLIT_BLOCK = 1024, 32
+MIX_WARPS, GATES_WARPS = 8, 4   # 8: the accumulators take 32 registers per thread, not 64
 PROGRAMS_PER_SM = 2        # the split over D aims at this many mix programs per SM
 
 
@@ -301,7 +324,7 @@ def _tiles(T, D, kernel, device, block_t=None, block_d=None, split=None):
     if interpreting(kernel):
         bt, bd = min(next_pow2(T), 16), min(next_pow2(D), 256)
     else:
-        bt, bd = GPU_BLOCK_T, GPU_BLOCK_D
+        bt, bd = next(tile for rows, tile in GPU_TILES if rows is None or T <= rows)
     bt, bd = block_t or bt, block_d or bd
     n_db = triton.cdiv(D, bd)
     if split is None:
@@ -330,7 +353,7 @@ def _mix_launch(X, fn, y=None, post=None, comb=None, tiles=None):
         y, X, post, comb, xn, fn.contiguous() if fn is not None else X, mu, ss, T, D,
         y.stride(0), X.stride(0), xn.stride(0), M=m, MIX=mix, MIX_P2=next_pow2(mix),
         BLOCK_T=bt, BLOCK_D=bd, POST=xn is not X, PROJ=fn is not None,
-        SOFT=interpreting(kernel), num_warps=NUM_WARPS)
+        SOFT=interpreting(kernel), num_warps=MIX_WARPS)
     return xn, mu, ss, split
 
 
@@ -342,12 +365,14 @@ def _gates_launch(Xs, mu, ss, split, scale, base, eps, norm_eps, iters, pre: boo
     post = Xs.new_empty((T, m), dtype=cdt) if pre else a
     comb = Xs.new_empty((T, m, m), dtype=cdt) if pre else a
     kernel = _hc_gates_kernel
-    bd = next_pow2(D) if interpreting(kernel) else min(GATES_BLOCK_D, next_pow2(D))
+    interp = interpreting(kernel)
+    bd = next_pow2(D) if interp else min(GATES_BLOCK_D, next_pow2(D))
+    sb = next_pow2(split) if interp else SPLIT_BLOCK
     launch(kernel)[(T,)](
         mu, ss, Xs, scale.contiguous(), base.contiguous(), a, post, comb, T, D, split,
         int(iters), Xs.stride(0), a.stride(0), *_split_eps(eps), *_split_eps(norm_eps), M=m,
-        M_P2=next_pow2(m), MIX_P2=mu.shape[-1], BLOCK_D=bd, PRE=pre, SOFT=interpreting(kernel),
-        num_warps=NUM_WARPS)
+        M_P2=next_pow2(m), MIX_P2=mu.shape[-1], SB=sb, BLOCK_D=bd, PRE=pre, SOFT=interp,
+        num_warps=GATES_WARPS)
     return (a, post, comb) if pre else a
 
 
@@ -483,21 +508,21 @@ _M = 4
 
 
 def _mix_config(post: bool, mix: int):
-    return compile_config(_hc_mix_kernel, _MIX_TYPES, dict(
-        M=_M, MIX=mix, MIX_P2=next_pow2(mix), BLOCK_T=GPU_BLOCK_T, BLOCK_D=GPU_BLOCK_D,
-        POST=post, PROJ=mix > 1, SOFT=False), NUM_WARPS)
+    return [compile_config(_hc_mix_kernel, _MIX_TYPES, dict(
+        M=_M, MIX=mix, MIX_P2=next_pow2(mix), BLOCK_T=bt, BLOCK_D=bd, POST=post, PROJ=mix > 1,
+        SOFT=False), MIX_WARPS) for _, (bt, bd) in GPU_TILES]
 
 
 def _gates_config(pre: bool):
     mix = (2 + _M) * _M if pre else _M
-    return compile_config(_hc_gates_kernel, _GATES_TYPES, dict(
-        M=_M, M_P2=_M, MIX_P2=next_pow2(mix), BLOCK_D=GATES_BLOCK_D, PRE=pre, SOFT=False),
-        NUM_WARPS)
+    return [compile_config(_hc_gates_kernel, _GATES_TYPES, dict(
+        M=_M, M_P2=_M, MIX_P2=next_pow2(mix), SB=SPLIT_BLOCK, BLOCK_D=GATES_BLOCK_D, PRE=pre,
+        SOFT=False), GATES_WARPS)]
 
 
 _PRE_MIX, _HEAD_MIX = (2 + _M) * _M, _M
-add_compile_configs("hc_pre", [_mix_config(False, _PRE_MIX), _gates_config(True)])
-add_compile_configs("hc_post", [_mix_config(True, 1)])
-add_compile_configs("hc_head", [_mix_config(False, _HEAD_MIX), _gates_config(False)])
-add_compile_configs("hc_post_pre", [_mix_config(True, _PRE_MIX)])          # + hc_pre's gates
-add_compile_configs("hc_post_head", [_mix_config(True, _HEAD_MIX)])        # + hc_head's gates
+add_compile_configs("hc_pre", _mix_config(False, _PRE_MIX) + _gates_config(True))
+add_compile_configs("hc_post", _mix_config(True, 1))
+add_compile_configs("hc_head", _mix_config(False, _HEAD_MIX) + _gates_config(False))
+add_compile_configs("hc_post_pre", _mix_config(True, _PRE_MIX))          # + hc_pre's gates
+add_compile_configs("hc_post_head", _mix_config(True, _HEAD_MIX))        # + hc_head's gates
