@@ -158,6 +158,17 @@ def test_graph_replay_equals_uncaptured_program(gpu_engine, live_rows, bucket, v
     eng.state["row.temperature"].copy_(temps)
 
 
+def test_prefill_is_deterministic_on_the_gpu(gpu_engine):
+    """Prompts longer than the draft context ring (8 slots) prefill bit-identically twice: a
+    repeated index in a ring write has no defined winner on CUDA (models/batch.py ring_slots)."""
+    from dspark_compile.models.random_requests import prefilled_state
+    eng = gpu_engine
+    _, a = prefilled_state(eng.model, eng.cache, 4, 13)
+    _, b = prefilled_state(eng.model, eng.cache, 4, 13)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"two prefills of the same prompts differ in {differ}"
+
+
 def _allocations(fn) -> list[int]:
     """Sizes in bytes of every device allocation `fn()` makes (the caching allocator's trace)."""
     torch.cuda.synchronize()
@@ -171,29 +182,48 @@ def _allocations(fn) -> list[int]:
     return [e["size"] for trace in snap["device_traces"] for e in trace if e["action"] == "alloc"]
 
 
-def test_compiled_step_updates_the_state_in_place(gpu_engine, live_rows, bucket):
-    """The in-place invariant on what actually runs: one uncaptured call of the bucket's step
-    (the Inductor-compiled program for an inductor engine) allocates no buffer as large as any
-    cache-sized state tensor (a whole-cache copy needs one: functionalisation's index_put +
-    copy_ back, a clone of a mutated custom-op argument)."""
-    eng = gpu_engine
-    rows = random.Random(bucket).sample(live_rows, bucket)
+def _whole_state_copies(eng, fn, rows: list[int]) -> list[str]:
+    """Cache-sized state tensors of which one uncaptured call `fn(rows, state)` allocates a
+    buffer of exactly their size (the state is restored after).
+
+    A whole copy of a state tensor is one allocation of exactly its size (the caching allocator
+    rounds requests up to 512 bytes); other buffers of the step are as large as the tiny
+    model's caches (an fp32 weight temporary is 6 MiB), so sizes must match exactly. Only
+    tensors >= 1 MiB are checked: caches, not per-row scalars whose size a small activation
+    may share."""
     snap = _snapshot(eng.state)
     padded = torch.tensor(rows, dtype=torch.int64, device=eng.device)
     with torch.no_grad():
-        eng.modules[bucket](padded, eng.state)          # warm: first-call allocations
+        fn(padded, eng.state)                      # warm: first-call allocations
         _restore(eng.state, snap)
-        sizes = _allocations(lambda: eng.modules[bucket](padded, eng.state))
+        sizes = _allocations(lambda: fn(padded, eng.state))
     _restore(eng.state, snap)
-    # cache-sized: the caches and the per-row context the step updates, not the per-row
-    # scalars; 1 MiB separates them at this engine's 65 rows x 256 positions
-    caches = {k: v.numel() * v.element_size() for k, v in eng.state.items()
+    caches = {-(-v.numel() * v.element_size() // 512) * 512: k for k, v in eng.state.items()
               if v.numel() * v.element_size() >= 1 << 20}
     assert caches, "no cache-sized state tensor: the threshold no longer fits this engine"
-    smallest = min(caches.values())
-    big = sorted((s for s in sizes if s >= smallest), reverse=True)
-    assert not big, (f"bucket {bucket} ({eng.backend}): allocations {big[:5]} as large as a "
-                     f"cache (smallest {smallest} bytes; caches {caches})")
+    return sorted({caches[n] for n in sizes if n in caches})
+
+
+def test_compiled_step_updates_the_state_in_place(gpu_engine, live_rows, bucket):
+    """The in-place invariant on what actually runs: one uncaptured call of the bucket's step
+    (the Inductor-compiled program for an inductor engine) allocates no buffer of a cache's
+    size (a whole-cache copy needs one: functionalisation's index_put + copy_ back, a clone of
+    a mutated custom-op argument)."""
+    eng = gpu_engine
+    rows = random.Random(bucket).sample(live_rows, bucket)
+    copies = _whole_state_copies(eng, eng.modules[bucket], rows)
+    assert not copies, (f"bucket {bucket} ({eng.backend}): one call allocates a buffer of the "
+                        f"exact size of state {copies}: a whole-state copy")
+
+
+def test_the_in_place_check_catches_a_functionalised_step(gpu_engine, live_rows, buckets):
+    """The check above can fail: the same program functionalised (`run_decompositions()`:
+    every cache update an out-of-place index_put copied back) is caught."""
+    eng = gpu_engine
+    b = min(buckets)
+    functional = eng.programs[b].run_decompositions().module()
+    copies = _whole_state_copies(eng, functional, random.Random(b).sample(live_rows, b))
+    assert copies, "a functionalised step's whole-cache copies went unnoticed"
 
 
 def test_engine_runs_the_backend_it_was_built_with(gpu_engine, buckets, request):
