@@ -1,0 +1,319 @@
+"""`dspark::fp8_linear`: the W8A8 block-scaled GEMM of every FP8 linear (and the grouped `wo_a`).
+
+y = x W^T with x FP8 e4m3 [M, G*K] + one UE8M0 scale per token per 128-group (fp32 powers of
+two, exactly what act_quant / rmsnorm_quant / swiglu_quant produce), W FP8 e4m3 [N, K] + one
+UE8M0 byte per 128 x 128 block (E8M0 bytes, models/linear.py E8M0_STORAGE), fp32 accumulation
+(fp64 in exact mode), scales applied per K block of 128, output in `out_dtype`. `groups` G > 1
+is the grouped `wo_a` einsum: group g multiplies x[:, gK:(g+1)K] by W rows [gN/G, (g+1)N/G) into
+y[:, gN/G:(g+1)N/G]. `x_s=None`: x is already a float activation (Precision.act_quant off), the
+weight alone is FP8 (W8A16).
+
+Numerics (the reference is the definition): dequantize x (`fp8_group_dequant`) and W
+(`fp8_block_dequant`) to the accumulation dtype, matmul (einsum over the groups), round to
+`out_dtype`. Every fp8 x fp8 product and every power-of-two scaling is exact in fp32, so the
+kernel -- per K block one dot (fp32 accumulator), times the token scale and the weight scale,
+added in fp32 -- differs from the reference only in summation order. On Hopper an fp8 dot's
+inner accumulation is narrower than fp32; the per-128 promotion into the fp32 accumulator
+bounds it to 4 MMA K-steps, as DeepGEMM does.
+
+Bytes one call must move at Flash dims (models/presets.py FLASH_0731 / FLASH_SLICE: hidden 4096,
+q_lora 1024, heads 64 x 512, o_groups 8 x o_lora 1024, indexer 64 x 128, shared expert 2048,
+draft main_proj 3 x 4096): N*K weight bytes + N*K/16384 scale bytes + M*K (x) + M*K/32 (x scales)
++ M*N*2 (bf16 y). At M = 6 (B = 1 verify rows):
+
+    (N, K)          use                      weight MB   floor at 3.35 TB/s
+    (1024, 4096)    wq_a                     4.19        1.25 us
+    (32768, 1024)   wq_b                     33.6        10.0 us
+    (512, 4096)     wkv                      2.10        0.63 us
+    (8192, 1024)    indexer wq_b             8.39        2.50 us
+    (8192, 4096)    wo_a (8 groups of 1024 x 4096)  33.6 10.0 us
+    (4096, 8192)    wo_b                     33.6        10.0 us
+    (2048, 4096)    shared w1 / w3           8.39        2.50 us
+    (4096, 2048)    shared w2                8.39        2.50 us
+    (4096, 12288)   draft main_proj          50.3        15.0 us
+
+The plan (`fp8_linear_plan`) streams W once: few tokens, so tiles are narrow in M (16) with the
+product computed as (W x^T) (SWAP_AB: N fills the MMA's wide side, the tokens its narrow one)
+and K split over programs until the grid covers ~2 waves of SMs; partial sums go to an fp32
+workspace and one reduction launch sums them in split order (deterministic: no atomics).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark_compile.kernels.common import fp8_group_dequant
+from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
+
+GROUP = 128                 # activation group and weight block edge
+SM_COUNT_HINT = 132         # H200: sizes split-K for the compile configs and CPU plans
+TARGET_WAVES = 2            # programs per SM the split-K aims for (hides one tile's latency)
+MIN_KB_PER_SPLIT = 4        # K blocks of 128 per split: below this the workspace traffic dominates
+SMEM_BUDGET = 96 * 1024     # SM12x allows 99 KB a block; the epilogue's layout change needs a few
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(b.view(torch.uint8).to(torch.float32) - 127.0)
+
+
+def _block_dequant(w: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 [N, K] * 2^(byte - 127) per 128 x 128 block (models/quant_formats.fp8_block_dequant)."""
+    N, K = w.shape
+    s = _e8m0_to_float(w_s).repeat_interleave(GROUP, 0)[:N].repeat_interleave(GROUP, 1)[:, :K]
+    return (w.float() * s).to(dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Tensor,
+                         w_s: torch.Tensor, groups: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., G*K] (fp8 with x_s [..., G*K/128], or float with x_s None) -> [..., N]."""
+    acc = _acc_dtype(out_dtype)
+    a = fp8_group_dequant(x, x_s, GROUP) if x_s is not None else x
+    a = a.to(acc)
+    wd = _block_dequant(w, w_s, acc)
+    if groups == 1:
+        return (a @ wd.T).to(out_dtype)
+    lead, N = a.shape[:-1], w.shape[0]
+    a3 = a.reshape(-1, groups, a.shape[-1] // groups)
+    y = torch.einsum("mgi,goi->mgo", a3, wd.view(groups, N // groups, -1))
+    return y.reshape(*lead, N).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fp8LinearPlan:
+    """Launch choices of one (M bucket, N, K, groups) shape.
+
+    block_m x block_n output tiles, K in blocks of 128; `split_k` programs share a tile's K
+    range (kb_per_split blocks each) and write fp32 partials that `_splitk_sum_kernel` adds;
+    `swap_ab` computes the tile as (W x^T) so the weight rows fill the MMA's M side."""
+    block_m: int
+    block_n: int
+    swap_ab: bool
+    split_k: int
+    kb_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+# M bucket -> (block_m, block_n, swap_ab, num_warps, num_stages at 1-byte activations).
+# Decode rows (M <= 16) stream the weight; larger M reuses each weight tile over more rows.
+TILES = {16: (16, 64, True, 4, 4), 32: (32, 64, False, 4, 4), 64: (64, 128, False, 8, 3)}
+M_BUCKETS = tuple(TILES)
+
+
+def m_bucket(M: int) -> int:
+    return next((b for b in M_BUCKETS if M <= b), M_BUCKETS[-1])
+
+
+def _stages(block_m, block_n, a_bytes, stages):
+    """Pipeline depth within SMEM_BUDGET: a stage holds an x tile and a weight tile of 128 K."""
+    per_stage = GROUP * (block_m * a_bytes + block_n)
+    return max(1, min(stages, SMEM_BUDGET // per_stage - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
+                    sm_count: int = SM_COUNT_HINT) -> Fp8LinearPlan:
+    """The plan for x [M, groups*K] (a_bytes per element) times W [N, K]. M is the step's static
+    token count (one exported bucket), so each linear of a bucket has one plan."""
+    block_m, block_n, swap, warps, stages = TILES[m_bucket(M)]
+    n_group = N // groups
+    while groups > 1 and n_group % block_n and block_n > 16:
+        block_n //= 2      # a tile must not straddle two groups
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    kb = K // GROUP
+    split = max(1, min(kb // MIN_KB_PER_SPLIT, triton.cdiv(TARGET_WAVES * sm_count, tiles)))
+    per = triton.cdiv(kb, split)
+    return Fp8LinearPlan(block_m, block_n, swap, triton.cdiv(kb, per), per, warps,
+                         _stages(block_m, block_n, a_bytes, stages))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _e8m0_scale(b):
+    """E8M0 byte -> fp32 2^(b - 127): the byte is the fp32 exponent field; 0 is the subnormal
+    2^-127 (bits 0x400000) and 255 gives inf, as the reference's exp2(b - 127) does."""
+    bits = tl.where(b == 0, 0x400000, b.to(tl.int32) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB_PER_SPLIT,
+                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ys,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FP8: tl.constexpr,
+                       SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr, SOFT: tl.constexpr):
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    mmask, nmask = offs_m < M, offs_n < N
+    # the group of this tile (tiles never straddle groups): its x columns start at g * K
+    g = (pid_n * BLOCK_N) // N_GROUP
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + g * K + offs_k[None, :]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xsm + g * (K // 128)
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn
+    kb_lo = pid_s * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, K // 128)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in tl.range(kb_lo, kb_hi, num_stages=NUM_STAGES):
+        k0 = kb * 128
+        b = tl.load(w_rows + k0, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        sw = _e8m0_scale(tl.load(ws_rows + kb, mask=nmask, other=127))
+        if A_FP8:
+            a = tl.load(x_rows + k0, mask=mmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+            sa = tl.load(xs_rows + kb, mask=mmask, other=0.0)
+        else:   # W8A16: fp8 -> the activation's dtype is exact; fp32 dots stay IEEE (no tf32)
+            a = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+            if SOFT:    # the interpreter's bf16 dot is wrong; bf16 -> fp32 is exact
+                a = a.to(tl.float32)
+            b = b.to(a.dtype)
+            sa = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if SWAP_AB:
+            d = tl.dot(b, tl.trans(a), input_precision="ieee")
+            acc += (d * sa[None, :]) * sw[:, None]
+        else:
+            d = tl.dot(a, tl.trans(b), input_precision="ieee")
+            acc += (d * sa[:, None]) * sw[None, :]
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    dt = y_ptr.dtype.element_ty
+    y = round_to(acc, dt, SOFT).to(dt)
+    y_rows = y_ptr + pid_s * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym
+    tl.store(y_rows + offs_n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _splitk_sum_kernel(p_ptr, y_ptr, MN, S, stride_ps, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    """y = sum over s = 0..S-1 of p[s] (fp32, in split order), rounded once to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(S):
+        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs, round_to(acc, dt, SOFT).to(dt), mask=mask)
+
+
+SUM_BLOCK = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+_A16_DTYPES = (torch.bfloat16, torch.float32)   # W8A16 activations the kernel takes
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check(x, x_s, w, w_s, groups):
+    """Shape and dtype errors name the argument; returns (x2 [M, G*K], xs2, M, N, K per group)."""
+    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"w must be float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
+    N, K = w.shape
+    if K % GROUP or groups < 1 or N % groups:
+        raise ValueError(f"w [N={N}, K={K}]: K must be a multiple of {GROUP} and N of "
+                         f"groups={groups}")
+    want_s = (triton.cdiv(N, GROUP), K // GROUP)
+    if tuple(w_s.shape) != want_s or w_s.element_size() != 1:
+        raise ValueError(f"w_s must be E8M0 bytes {want_s}, got {w_s.dtype} {tuple(w_s.shape)}")
+    if x.shape[-1] != groups * K:
+        raise ValueError(f"x.shape[-1] = {x.shape[-1]} must be groups * K = {groups * K}")
+    x2 = x.reshape(-1, groups * K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xs2 = None
+    if x_s is not None:
+        if x.dtype != torch.float8_e4m3fn or x_s.dtype != torch.float32 or \
+                x_s.shape != (*x.shape[:-1], groups * K // GROUP):
+            raise ValueError(f"x must be float8_e4m3fn with fp32 x_s [..., {groups * K // GROUP}]"
+                             f", got {x.dtype} {tuple(x.shape)} and {x_s.dtype} "
+                             f"{tuple(x_s.shape)}")
+        xs2 = x_s.reshape(-1, groups * K // GROUP)
+    return x2, xs2, x2.shape[0], N, K
+
+
+def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | None = None):
+    """The Triton path; fp64 (exact mode) and W8A16 activations it has no kernel for run the
+    reference. `plan` overrides fp8_linear_plan (tests)."""
+    if out_dtype not in _OUT_DTYPES or (x_s is None and x.dtype not in _A16_DTYPES):
+        return fp8_linear_reference(x, x_s, w, w_s, groups, out_dtype)
+    x2, xs2, M, N, K = _check(x, x_s, w, w_s, groups)
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M and N:
+        kernel = _fp8_linear_kernel
+        a_fp8 = xs2 is not None
+        p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size())
+        split = p.split_k > 1
+        out = torch.empty((p.split_k, M, N), dtype=torch.float32, device=x.device) if split \
+            else y
+        grid = (triton.cdiv(N, p.block_n), triton.cdiv(M, p.block_m), p.split_k)
+        xs_arg = xs2 if a_fp8 else w_s              # unused without A_FP8; any pointer
+        launch(kernel)[grid](
+            x2.view(torch.uint8) if a_fp8 else x2, xs_arg, w.view(torch.uint8),
+            w_s.view(torch.uint8), out, M, N, K, N // groups, p.kb_per_split, x2.stride(0),
+            xs_arg.stride(0), w.stride(0), w_s.stride(0), out.stride(-2),
+            out.stride(0) if split else 0, BLOCK_M=p.block_m, BLOCK_N=p.block_n, A_FP8=a_fp8,
+            SWAP_AB=p.swap_ab, NUM_STAGES=p.num_stages, SOFT=interpreting(kernel),
+            num_warps=p.num_warps)
+        if split:
+            sk = _splitk_sum_kernel
+            launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
+                out, y, M * N, p.split_k, out.stride(0), BLOCK=SUM_BLOCK,
+                SOFT=interpreting(sk), num_warps=4)
+    return y.reshape(*x.shape[:-1], N)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+def _fp8_linear_fake(x, x_s, w, w_s, groups, out_dtype):
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
+@dspark_op("fp8_linear", reference=fp8_linear_reference, fake=_fp8_linear_fake)
+def fp8_linear(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Tensor, w_s: torch.Tensor,
+               groups: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype)
+
+
+# SM12x readiness: every tile of TILES with each activation type and each output the launcher
+# writes there (the compute dtype, or fp32 split-K partials): fp8 / bf16 activations in a bf16
+# step, fp8 / fp32 ones in fp32 compute; and the split-K sum into each output.
+_D16 = "i32:16"   # K, N, strides: multiples of 16 at every model shape (the JIT specialises them)
+_RUNS = [("*u8", "*bf16", True), ("*u8", "*fp32", True), ("*bf16", "*bf16", False),
+         ("*bf16", "*fp32", False), ("*fp32", "*fp32", False)]
+for _bm, (_, _bn, _swap, _warps, _st) in TILES.items():
+    for _xt, _yt, _a8 in _RUNS:
+        _ab = 1 if _a8 else int(_xt[-2:]) // 8
+        add_compile_configs("fp8_linear", [compile_config(
+            _fp8_linear_kernel,
+            dict(x_ptr=_xt, xs_ptr="*fp32" if _a8 else "*u8", w_ptr="*u8", ws_ptr="*u8",
+                 y_ptr=_yt, M="i32", N=_D16, K=_D16, N_GROUP=_D16, KB_PER_SPLIT="i32",
+                 stride_xm=_D16, stride_xsm="i32", stride_wn=_D16, stride_wsn="i32",
+                 stride_ym=_D16, stride_ys="i32"),
+            dict(BLOCK_M=_bm, BLOCK_N=_bn, A_FP8=_a8, SWAP_AB=_swap,
+                 NUM_STAGES=_stages(_bm, _bn, _ab, _st), SOFT=False), _warps)])
+for _yt in ("*bf16", "*fp32"):
+    add_compile_configs("fp8_linear", [compile_config(
+        _splitk_sum_kernel, dict(p_ptr="*fp32", y_ptr=_yt, MN="i32", S="i32", stride_ps="i32"),
+        dict(BLOCK=SUM_BLOCK, SOFT=False), 4)])
