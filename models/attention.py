@@ -15,10 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_compile.kernels.act_quant import (
-    ACT_QUANT_GROUP, act_quant_reference, rmsnorm_quant_reference)
-from dspark_compile.kernels.common import (
-    e8m0_byte_to_scale, fp8_group_dequant, masked_row_write, rmsnorm, rope_last)
+from dspark_compile.kernels.act_quant import rmsnorm_quant_reference
+from dspark_compile.kernels.common import e8m0_byte_to_scale, masked_row_write, rmsnorm, rope_last
 from dspark_compile.kernels.qkv_postprocess import (
     KV_QUANT_GROUP, kv_quant_reference, qkv_postprocess_reference, qkv_rope_reference)
 
@@ -148,15 +146,10 @@ class Attention(nn.Module):
         """o [M, H, d] -> inverse RoPE at the query position -> grouped wo_a -> wo_b."""
         cfg = self.cfg
         o = rope_last(o, self.cos_sin, positions, cfg.qk_rope_head_dim, inverse=True)
-        G = cfg.o_groups
         flat = o.reshape(o.shape[0], -1)                                      # [M, H*d]
-        acc = acc_dtype(self.prec.dtype)
-        if self.prec.act_quant:
-            q, s = act_quant_reference(flat)
-            flat = fp8_group_dequant(q, s, ACT_QUANT_GROUP)
-        w = self.wo_a.dequant_weight().view(G, cfg.o_lora_rank, -1)
-        z = torch.einsum("mgi,goi->mgo", flat.to(acc).view(o.shape[0], G, -1), w)
-        return self.wo_b(z.reshape(o.shape[0], -1).to(self.prec.dtype))
+        # one fp8_linear over the o_groups: group g's heads times wo_a rows [g*o_lora, ...)
+        z = self.wo_a(flat, groups=cfg.o_groups)                             # [M, G*o_lora]
+        return self.wo_b(z)
 
     def forward(self, x, xq, batch: Batch, state: dict, p: str) -> torch.Tensor:
         cfg, prec = self.cfg, self.prec

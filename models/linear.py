@@ -1,25 +1,32 @@
-"""Linears that keep checkpoint formats and dequantize in the reference forward.
+"""Linears that keep checkpoint formats: every weight is read in its stored dtype.
 
 `FP8Linear`: float8_e4m3fn weight [out, in] + UE8M0 scale per 128x128 block. With
 `Precision.act_quant` the input is quantized per token in 128-groups (UE8M0) first, as vLLM's
-FP8 block GEMM does; the product accumulates in fp32 (fp64 in exact mode).
+FP8 block GEMM does; the product is one `dspark::fp8_linear` call (kernels/fp8_linear.py: the
+reference there dequantizes and accumulates in fp32, fp64 in exact mode; on CUDA the Triton
+GEMM reads the fp8 bytes and scales directly).
+
+`BF16Linear` and the LM head (`bf16_linear`): in bf16 compute, bf16 operands with fp32
+accumulation (cuBLAS), never an up-cast copy of the weight; fp32 / fp64 compute (tests, exact
+mode) multiply in that dtype.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from dspark_compile.kernels.act_quant import ACT_QUANT_GROUP, act_quant_reference
-from dspark_compile.kernels.common import fp8_group_dequant
+from dspark_compile.kernels import fp8_linear as _fp8_linear  # noqa: F401  (registers the op)
+from dspark_compile.kernels.act_quant import act_quant_reference
 
 from dspark_compile.models.config import Precision
-from dspark_compile.models.quant_formats import fp8_block_dequant
 
 # E8M0 scales are held as their raw bytes (uint8, exponent + 127), never numerically cast: the
 # checkpoint's float8_e8m0fnu tensors are `.view(torch.uint8)`-ed on load. torch 2.11's export
 # serializer has no float8_e8m0fnu, so an exported step holding e8m0 buffers could not be saved on
 # the GPU machine (KeyError in serialize_tensor_meta); uint8 serializes everywhere.
 E8M0_STORAGE = torch.uint8
+FP8_BLOCK = 128   # weight block edge = activation group (kernels/fp8_linear.GROUP)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,30 +49,49 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        acc = acc_dtype(self.prec.dtype)
-        y = x.to(acc) @ self.weight.to(acc).T
-        return y.to(out_dtype or self.prec.dtype)
+        return bf16_linear(x, self.weight, self.prec.dtype, out_dtype or self.prec.dtype)
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T for compute dtype `dtype`, result in `out_dtype`.
+
+    16-bit compute: x in w's dtype, products accumulated in fp32 by the GEMM. An fp32 result
+    (the LM head's logits, which the samplers read as fp32; the compressor's and indexer's
+    fp32 scores) comes straight out of the GEMM on CUDA (`mm` with out_dtype: a bf16 result
+    would round the logits to 8 bits). The CPU has no such GEMM and multiplies fp32 copies:
+    the same exact bf16 products summed in fp32, so the numbers agree up to summation order.
+    fp32 / fp64 compute: both operands in that dtype, as the reference always did."""
+    acc = acc_dtype(dtype)
+    if acc == dtype:
+        return (x.to(acc) @ w.to(acc).T).to(out_dtype)
+    x = x.to(w.dtype)
+    if out_dtype != torch.float32:
+        return F.linear(x, w).to(out_dtype)
+    if not x.is_cuda:
+        return x.float() @ w.float().T
+    y = torch.mm(x.reshape(-1, x.shape[-1]), w.T, out_dtype=torch.float32)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 class FP8Linear(nn.Module):
     def __init__(self, out_features: int, in_features: int, prec: Precision,
                  block: tuple[int, int] = (128, 128)):
         super().__init__()
+        if tuple(block) != (FP8_BLOCK, FP8_BLOCK):
+            raise ValueError(f"FP8Linear: dspark::fp8_linear takes {FP8_BLOCK} x {FP8_BLOCK} "
+                             f"weight blocks (DeepSeek-V4's), got {tuple(block)}")
         self.prec, self.block = prec, block
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("scale", torch.zeros(-(-out_features // block[0]), -(-in_features // block[1]),
                                                   dtype=E8M0_STORAGE))
 
-    def dequant_weight(self) -> torch.Tensor:
-        return fp8_block_dequant(self.weight, self.scale, self.block, acc_dtype(self.prec.dtype))
-
-    def quantize_input(self, x: torch.Tensor):
-        return act_quant_reference(x)
-
-    def forward(self, x: torch.Tensor, xq: tuple | None = None) -> torch.Tensor:
-        """y = x W^T. `xq` = (fp8, scale) of x when the caller already quantized it (fused norm)."""
-        acc = acc_dtype(self.prec.dtype)
+    def forward(self, x: torch.Tensor, xq: tuple | None = None, groups: int = 1) -> torch.Tensor:
+        """y = x W^T. `xq` = (fp8, scale) of x when the caller already quantized it (fused norm).
+        `groups` G > 1: the grouped product of Attention.output (x [M, G*K], W [G*N/G, K])."""
         if self.prec.act_quant:
             q, s = xq if xq is not None else act_quant_reference(x)
-            x = fp8_group_dequant(q, s, ACT_QUANT_GROUP)
-        return (x.to(acc) @ self.dequant_weight().T).to(self.prec.dtype)
+            return torch.ops.dspark.fp8_linear(q, s, self.weight, self.scale, groups,
+                                               self.prec.dtype)
+        return torch.ops.dspark.fp8_linear(x, None, self.weight, self.scale, groups,
+                                           self.prec.dtype)

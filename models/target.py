@@ -14,7 +14,7 @@ from dspark_compile.models.attention import Attention
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.block import Block
 from dspark_compile.models.config import ModelConfig, Precision
-from dspark_compile.models.linear import RMSNormWeight, acc_dtype
+from dspark_compile.models.linear import RMSNormWeight, acc_dtype, bf16_linear
 from dspark_compile.models.mhc import HCHead
 from dspark_compile.models.rope import rope_table
 from dspark_compile.models.state import state_limits
@@ -54,8 +54,7 @@ class DeepseekV4(nn.Module):
     def logits(self, X: torch.Tensor, hc_head: HCHead, norm_weight: torch.Tensor) -> torch.Tensor:
         """[M, m, D] -> fp32 (fp64 in exact mode) logits [M, V]; shared with the draft's head."""
         h = rmsnorm(hc_head(X), norm_weight, self.cfg.rms_norm_eps)
-        acc = acc_dtype(self.prec.dtype)
-        return h.to(acc) @ self.head.weight.to(acc).T
+        return bf16_linear(h, self.head.weight, self.prec.dtype, acc_dtype(self.prec.dtype))
 
     def forward(self, batch: Batch, state: dict, aux_layers: tuple = ()):
         """Returns logits [B, T, V] and, if asked, the hc-mean of the streams after each layer
