@@ -111,10 +111,13 @@ class MoePlan:
 BIG_BLOCK_FROM = 48        # pairs per touched expert from which 64-row blocks pay (prefill)
 
 
-def moe_plan(P: int, E: int, D: int, I: int) -> MoePlan:
-    """P = T * k pairs. block_k: the largest of 128, 64, 32 dividing D and I (multiples of 32)."""
+def moe_plan(P: int, E: int, D: int, I: int, dtype=torch.bfloat16) -> MoePlan:
+    """P = T * k pairs. block_k: the largest of 128, 64, 32 dividing D and I (multiples of 32);
+    at most 64 for fp32 activations (64-row blocks at 128 take 113 KB of shared memory on
+    sm_120, over SM12x's 99 KB)."""
     per_expert = P / max(1, min(E, P))
-    bk = next(b for b in (128, 64, 32) if D % b == 0 and I % b == 0)
+    top = 64 if dtype == torch.float32 else 128
+    bk = next(b for b in (128, 64, 32) if b <= top and D % b == 0 and I % b == 0)
     return MoePlan(block_m=64 if per_expert >= BIG_BLOCK_FROM else 16, block_k=bk,
                    block_d=min(1024, next_pow2(D)))
 
@@ -179,7 +182,7 @@ def moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu
     y = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if P == 0:
         return y.zero_()
-    plan = plan or moe_plan(P, E, D, I)
+    plan = plan or moe_plan(P, E, D, I, x.dtype)
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     if D % bk or I % bk:
         raise ValueError(f"plan.block_k {bk} must divide hidden {D} and intermediate {I}")
@@ -191,14 +194,15 @@ def moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu
     h = torch.empty(nb * bm, I, dtype=x.dtype, device=x.device)       # sorted rows
     y_pair = torch.empty(P, D, dtype=torch.float32, device=x.device)
     soft = interpreting(mk._moe_gate_up_kernel)
+    ieee = soft or x.dtype == torch.float32       # moe_kernels._dot says why
     route = (pair, blk_e, blk_rows, count)
     launch(mk._moe_gate_up_kernel)[(nb, triton.cdiv(I, bn))](
         x2, _u8(w1), _u8(s1), _u8(w3), _u8(s3), h, *route, D, I, k, x2.stride(0),
-        float(swiglu_limit), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SOFT=soft,
+        float(swiglu_limit), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, SOFT=soft,
         num_warps=plan.num_warps)
     launch(mk._moe_down_kernel)[(nb, triton.cdiv(D, bn))](
         h, _u8(w2), _u8(s2), wt, y_pair, *route, D, I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        SOFT=soft, num_warps=plan.num_warps)
+        IEEE=ieee, SOFT=soft, num_warps=plan.num_warps)
     launch(mk._moe_combine_kernel)[(T, triton.cdiv(D, plan.block_d))](
         y_pair, ids, y, D, E, k, BLOCK_D=plan.block_d, num_warps=plan.num_warps)
     return y
@@ -220,8 +224,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 
 def _compile_configs():
-    """Every kernel configuration `moe_plan` picks at Flash dims (E = 256, block_k 128), for
-    bf16 and fp32 activations."""
+    """Every kernel configuration `moe_plan` picks at Flash dims (E = 256), for bf16 (block_k
+    128) and fp32 (block_k 64) activations."""
     D16, ptr8, ptr32 = "i32:16", "*u8", "*i32"
     route = dict(pair_ptr=ptr32, blk_expert_ptr=ptr32, blk_rows_ptr=ptr32, count_ptr=ptr32)
     out = []
@@ -229,14 +233,14 @@ def _compile_configs():
         out.append(compile_config(mk._moe_route_kernel, dict(
             ids_ptr="*i64", P="i32", E=D16, MAX_BLOCKS="i32", **route),
             dict(BLOCK_M=bm, BLOCK_P=64, E_P2=256), 4))
-        for dt in ("*bf16", "*fp32"):
+        for dt, ieee, bk in (("*bf16", False, 128), ("*fp32", True, 64)):
             out.append(compile_config(mk._moe_gate_up_kernel, dict(
                 x_ptr=dt, w1_ptr=ptr8, s1_ptr=ptr8, w3_ptr=ptr8, s3_ptr=ptr8, h_ptr=dt, D=D16,
                 I=D16, K_TOP="i32", stride_xt=D16, limit="fp32", **route),
-                dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SOFT=False), 4))
+                dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False), 4))
             out.append(compile_config(mk._moe_down_kernel, dict(
                 h_ptr=dt, w2_ptr=ptr8, s2_ptr=ptr8, wt_ptr="*fp32", y_ptr="*fp32", D=D16, I=D16,
-                **route), dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SOFT=False), 4))
+                **route), dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False), 4))
     out.append(compile_config(mk._moe_combine_kernel, dict(
         y_pair_ptr="*fp32", ids_ptr="*i64", y_ptr="*fp32", D=D16, E=D16, K_TOP="i32"),
         dict(BLOCK_D=1024), 4))

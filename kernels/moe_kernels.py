@@ -133,7 +133,7 @@ def _dot(a, w, acc, IEEE: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, blk_expert_ptr,
                         blk_rows_ptr, count_ptr, D, I, K_TOP, stride_xt, limit,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SOFT: tl.constexpr):
+                        IEEE: tl.constexpr, SOFT: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return                                  # padding block of the worst-case grid
@@ -143,7 +143,6 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
     nmask = n < I
     w_rows = e * I + n
     DT = x_ptr.dtype.element_ty
-    IEEE = (DT == tl.float32) or SOFT
     g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     kb = tl.arange(0, BLOCK_K // 2)
@@ -168,7 +167,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
 @triton.jit
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_ptr,
                      blk_rows_ptr, count_ptr, D, I, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SOFT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                     SOFT: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return
@@ -178,7 +178,6 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_
     nmask = n < D
     w_rows = e * D + n
     DT = h_ptr.dtype.element_ty
-    IEEE = (DT == tl.float32) or SOFT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     kb = tl.arange(0, BLOCK_K // 2)
     for k0 in range(0, I, BLOCK_K):
