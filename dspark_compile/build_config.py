@@ -14,7 +14,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # BuildConfig fields the manifest leaves out: they change how a build runs, not what the engine
 # computes
-NOT_RECORDED = ("dump_dir", "verify_passes")
+NOT_RECORDED = ("dump_dir", "verify_passes", "compile_workers")
 
 
 @dataclass
@@ -37,6 +37,9 @@ class BuildConfig:
     # (dspark_compile/compiled.py); "aten": the exported program runs op by op. "" = inductor
     # for CUDA builds, aten for CPU builds (Inductor's CPU code is C++ compiled on the spot)
     backend: str = ""
+    # worker processes compiling the programs side by side (dspark_compile/compile_workers.py);
+    # 0 = one per program up to half the CPU cores, 1 = in the building process
+    compile_workers: int = 0
 
     def __post_init__(self):
         from dspark_compile.compiled import BACKENDS
@@ -44,6 +47,8 @@ class BuildConfig:
             self.backend = "inductor" if str(self.device).startswith("cuda") else "aten"
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.compile_workers < 0:
+            raise ValueError(f"compile_workers must be >= 0, got {self.compile_workers}")
         self.buckets = tuple(sorted(set(int(b) for b in self.buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive integers, got {self.buckets}")

@@ -167,11 +167,14 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                    help="inductor: compile the glue between the fused ops with Inductor at build "
                         "time; aten: run the exported program op by op (default: inductor for a "
                         "CUDA --device, aten for cpu)")
+    p.add_argument("--compile-workers", type=int, default=0, metavar="N",
+                   help="with --backend inductor: processes compiling programs side by side "
+                        "(default 0: one per program, up to half the CPU cores; 1: in this process)")
 
 
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args,
          flags={"max_seq_len": "--max-seq-len", "max_rows": "--max-rows", "buckets": "--buckets",
-                "out_dir": "--out",
+                "out_dir": "--out", "compile_workers": "--compile-workers",
                 "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs"})
 def cmd_build(args) -> int:
     from dspark_compile.artifact import MANIFEST
@@ -182,7 +185,7 @@ def cmd_build(args) -> int:
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
                      disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
                      dump_dir=args.dump_graphs, arch=args.arch, device=str(device(args.device)),
-                     backend=args.backend or "")
+                     backend=args.backend or "", compile_workers=args.compile_workers)
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")

@@ -41,24 +41,23 @@ def state_input_names(ep) -> list[str]:
     return [n for n in ep.graph_signature.user_inputs][1:]
 
 
-def compile_bucket(ep, bucket: int, state: dict, log) -> tuple[dict, dict]:
-    """Inductor-compile bucket's program and its greedy sampler variant
-    (dspark_compile/compiled.py); returns ({variant: (engine path, artifact bytes)},
-    {variant: compile seconds})."""
-    from dspark_compile.compiled import compile_program, compiled_path, lifted_graph
-    from dspark_compile.variants import GREEDY, lifted_sampler_variant
-    graphs = {"full": lifted_graph(ep)}
-    greedy = lifted_sampler_variant(ep)
-    if greedy is not None:
-        graphs[GREEDY] = greedy
-    rows = torch.arange(bucket, device=state["row.last_pos"].device)
-    files, seconds = {}, {}
-    for variant, gm in graphs.items():
-        data, seconds[variant] = compile_program(gm, ep, rows, state)
-        files[variant] = (compiled_path(bucket, variant), data)
-        log(f"[compile] bucket {bucket} {variant}: {seconds[variant]:.1f}s, "
-            f"{len(data) / 1e6:.1f} MB")
-    return files, {v: round(s, 2) for v, s in seconds.items()}
+def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
+    """Every program and its variants Inductor-compiled (dspark_compile/compile_workers.py);
+    the manifest's `compiled` table, plus "files" {engine path: artifact bytes}."""
+    from dspark_compile.compile_workers import compile_programs, default_workers, variants_of
+    from dspark_compile.compiled import compiled_path
+    table = {str(b): {v: compiled_path(b, v) for v in variants_of(ep)}
+             for b, ep in programs.items()}
+    workers = bc.compile_workers or default_workers(sum(len(v) for v in table.values()))
+    t = time.perf_counter()
+    files, seconds = compile_programs(programs, state, workers, log)
+    wall = time.perf_counter() - t
+    total = sum(s for per in seconds.values() for s in per.values())
+    log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "
+        f"{workers} workers)")
+    return {"programs": table, "compile_seconds": seconds, "workers": workers,
+            "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
+            "files": files}
 
 
 def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
@@ -87,7 +86,7 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
                        dump_dir=bc.dump_dir, target_device=bc.device)
     programs, stats = {}, {}
     # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch)
-    extra, compiled = {}, {"programs": {}, "compile_seconds": {}}
+    extra = {}
     pm = None
     for b in sorted(bc.buckets, reverse=True):
         t = time.perf_counter()
@@ -109,17 +108,11 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         # runtime allocates its own state, so they are dropped
         ep.example_inputs = None
         programs[b], stats[str(b)] = ep, rows
-        if bc.backend == "inductor":
-            files, seconds = compile_bucket(ep, b, state, log)
-            extra.update(files.values())
-            compiled["programs"][str(b)] = {v: path for v, (path, _) in files.items()}
-            compiled["compile_seconds"][str(b)] = seconds
 
+    compiled = None
     if bc.backend == "inductor":
-        compiled["total_compile_seconds"] = round(sum(
-            s for per in compiled["compile_seconds"].values() for s in per.values()), 1)
-        log(f"[compile] inductor: {len(extra)} programs in "
-            f"{compiled['total_compile_seconds']:.1f}s")
+        compiled = _compile(programs, state, bc, log)
+        extra.update(compiled.pop("files"))
     if bc.arch:
         from dspark_compile.kernels.sm12x import resource_report
         report = resource_report(bc.arch)
@@ -131,7 +124,7 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         "pass_config_hash": pconf.hash(),
         "pass_stats": stats,
     }
-    if bc.backend == "inductor":
+    if compiled is not None:
         fields["compiled"] = compiled
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
