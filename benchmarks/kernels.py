@@ -3,8 +3,9 @@
     python benchmarks/kernels.py --only qkv,act_quant --out benchmarks/results/h200_kernels
     python benchmarks/kernels.py --dry-run          # CPU/GPU smoke test: build, run once, check
 
-Cases come from this file (groups "qkv" and "act_quant", Flash dims: H=64, D=512, rope 64,
-nope 448, hidden 4096, shared-expert I=2048; B requests, T = 6B tokens = B * (N+1) verify rows)
+Cases come from this file (groups "qkv", "act_quant" and "moe", Flash dims: H=64, D=512, rope
+64, nope 448, hidden 4096, shared-expert I=2048, 256 routed MXFP4 experts of I=2048, top 6;
+B requests, T = 6B tokens = B * (N+1) verify rows)
 and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[harness.Case]`
 (benchmarks/README.md). Writes <out>/kernels.json (environment, copy bandwidth, rows),
 <out>/kernels.csv and <out>/kernels.png (if matplotlib is installed), and prints a table.
@@ -18,6 +19,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +28,7 @@ import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package
 from harness import Case, TimingConfig, compare  # noqa: E402
 
 from dspark_compile.kernels import act_quant as aq  # noqa: E402
+from dspark_compile.kernels import moe  # noqa: E402
 from dspark_compile.kernels import qkv_postprocess as qp  # noqa: E402
 
 # Flash dimensions
@@ -163,9 +166,116 @@ def act_quant_cases(batches):
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# moe group: dspark::moe_experts (routed MXFP4 experts)
+# ------------------------------------------------------------------------------------------------
+
+class MoeDims(NamedTuple):    # a NamedTuple: this script is loaded without a sys.modules entry
+    experts: int = 256
+    hidden: int = HIDDEN
+    inter: int = INTER
+    top_k: int = 6
+
+    def expert_bytes(self) -> int:
+        """w1, w3 [I, D/2] + [I, D/32] scales, w2 [D, I/2] + [D, I/32]: 13.37 MB at Flash."""
+        D, I = self.hidden, self.inter
+        return 2 * (I * D // 2 + I * D // 32) + D * I // 2 + D * I // 32
+
+
+MOE_ROUTINGS = ("top6-random", "one-expert", "every-expert")
+
+
+def _moe_ids(T, dims: MoeDims, routing: str) -> torch.Tensor:
+    """[T, k] expert ids (CPU, fixed per case: the routing sets the byte floor).
+    top6-random: the top k of uniform scores per token (distinct experts, as the gate);
+    one-expert: every pair on expert 0 (adversarial: one expert's rows, 6T of them);
+    every-expert: pair p on expert p mod E (as many experts as pairs allow: all at T >= 43)."""
+    E, k = dims.experts, dims.top_k
+    if routing == "top6-random":
+        return torch.rand(T, E, generator=_gen("cpu", 7 + T)).topk(k, -1).indices
+    if routing == "one-expert":
+        return torch.zeros(T, k, dtype=torch.int64)
+    return (torch.arange(T * k) % E).reshape(T, k)
+
+
+def _moe_inputs(T, dims: MoeDims, ids: torch.Tensor):
+    """Weights per set (random bytes for the touched experts, zeros elsewhere), so rotating sets
+    reads every touched weight byte from memory, not from L2."""
+    E, D, I, k = dims.experts, dims.hidden, dims.inter, dims.top_k
+    touched = sorted(set(ids.reshape(-1).tolist()))
+
+    def make(device, seed):
+        g = _gen(device, seed)
+        d = {"x": _randn((T, D), device, seed, 1.0), "topk_ids": ids.to(device),
+             "topk_weights": torch.rand(T, k, generator=g, device=device) + 0.1}
+        t_idx = torch.tensor(touched, device=device)
+        for name, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+            w = torch.zeros(E, rows, cols // 2, dtype=torch.uint8, device=device)
+            sc = torch.full((E, rows, cols // 32), 127, dtype=torch.uint8, device=device)
+            w[t_idx] = torch.randint(0, 256, (len(touched), rows, cols // 2), dtype=torch.uint8,
+                                     generator=g, device=device)
+            # scale bytes 118..123: weights ~2^-7..2^-2, outputs of order 1
+            sc[t_idx] = torch.randint(118, 124, (len(touched), rows, cols // 32),
+                                      dtype=torch.uint8, generator=g, device=device)
+            d[name], d["s" + name[1]] = w, sc
+        return d
+    return make, touched
+
+
+def _moe_args(d):
+    return (d["x"], d["topk_ids"], d["topk_weights"], d["w1"], d["s1"], d["w3"], d["s3"],
+            d["w2"], d["s2"], LIMIT)
+
+
+def _moe_bf16_grouped(touched, k):
+    """The bf16 grouped baseline: weights of the touched experts dequantized once (first call,
+    before capture), then per touched expert the gathered rows' GEMMs, SwiGLU, weighted
+    index_add (float atomics: a baseline, not bit-reproducible)."""
+    def run(d):
+        if "_grouped" not in d:
+            flat = d["topk_ids"].reshape(-1)
+            deq = lambda w, s, e: moe.mxfp4_dequant(w[e], s[e], torch.bfloat16)
+            d["_grouped"] = [((flat == e).nonzero().flatten(),
+                              deq(d["w1"], d["s1"], e), deq(d["w3"], d["s3"], e),
+                              deq(d["w2"], d["s2"], e)) for e in touched]
+        x, wt = d["x"], d["topk_weights"].reshape(-1)
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for pairs, W1, W3, W2 in d["_grouped"]:
+            tok = pairs // k
+            xe = x[tok]
+            h = aq.swiglu(xe @ W1.T, xe @ W3.T, LIMIT)
+            y.index_add_(0, tok, (h @ W2.T).float() * wt[pairs, None])
+        return y
+    return run
+
+
+def moe_cases(batches, dims: MoeDims = MoeDims()):
+    """moe_experts at T = 6B tokens per routing; bytes_moved = the touched-expert floor (touched
+    x 3 matrices with their scales) + x, ids, weights read and y (fp32) written."""
+    out = []
+    for B in batches:
+        T = TOKENS_PER_REQUEST * B
+        for routing in MOE_ROUTINGS:
+            ids = _moe_ids(T, dims, routing)
+            make, touched = _moe_inputs(T, dims, ids)
+            nbytes = (len(touched) * dims.expert_bytes() + T * dims.hidden * (2 + 4)
+                      + ids.numel() * (8 + 4))
+            ref = lambda d: moe.moe_experts_reference(*_moe_args(d))
+            ours = lambda d: torch.ops.dspark.moe_experts(*_moe_args(d))
+            # the eager reference runs every expert on every token (seconds at Flash);
+            # torch.compile of its 256-expert loop would take longer than the run
+            out.append(Case("moe", "moe_experts",
+                            {"B": B, "T": T, "routing": routing, "touched": len(touched)},
+                            make, ref, ours, nbytes,
+                            check=_check_against_reference(make, ours, ref),
+                            extra={"bf16-grouped": _moe_bf16_grouped(touched, dims.top_k)},
+                            compile=False))
+    return out
+
+
 def cases(batches):
     """This file's own cases, by the same protocol as benchmarks/*_cases.py."""
-    return qkv_cases(batches) + act_quant_cases(batches)
+    return qkv_cases(batches) + act_quant_cases(batches) + moe_cases(batches)
 
 
 CASE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -297,7 +407,7 @@ def dry_run(selected) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--only", default="", help="comma-separated case groups (qkv,act_quant,...)")
+    p.add_argument("--only", default="", help="comma-separated case groups (qkv,act_quant,moe,...)")
     p.add_argument("--ops", default="", help="comma-separated op names within the groups")
     p.add_argument("--batches", default="1,4,16,64", help="requests per step, B (T = 6B)")
     p.add_argument("--out", default="", help="output folder for kernels.json/.csv/.png")
