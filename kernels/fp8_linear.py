@@ -48,7 +48,8 @@ import triton.language as tl
 
 from dspark_compile.kernels.common import fp8_group_dequant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
-from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
+from dspark_compile.kernels.tl_helpers import (
+    compile_config, exp2_int, interpreting, launch, round_to)
 
 GROUP = 128                 # activation group and weight block edge
 SM_COUNT_HINT = 132         # H200: sizes split-K for the compile configs and CPU plans
@@ -128,10 +129,14 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
                     sm_count: int = SM_COUNT_HINT) -> Fp8LinearPlan:
     """The plan for x [M, groups*K] (a_bytes per element) times W [N, K]. M is the step's static
     token count (one exported bucket), so each linear of a bucket has one plan."""
-    block_m, block_n, swap, warps, stages = TILES[m_bucket(M)]
     n_group = N // groups
-    while groups > 1 and n_group % block_n and block_n > 16:
-        block_n //= 2      # a tile must not straddle two groups
+    # a tile must not straddle two groups: the largest bucket's tile at most M's whose block_n
+    # divides the group (only declared tiles, so every launch has a compile config)
+    fits = [b for b in M_BUCKETS
+            if b <= m_bucket(M) and (groups == 1 or n_group % TILES[b][1] == 0)]
+    if not fits:
+        raise ValueError(f"fp8_linear: groups of {n_group} rows fit no tile of {TILES}")
+    block_m, block_n, swap, warps, stages = TILES[fits[-1]]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     kb = K // GROUP
     split = max(1, min(kb // MIN_KB_PER_SPLIT, triton.cdiv(TARGET_WAVES * sm_count, tiles)))
@@ -150,6 +155,21 @@ def _e8m0_scale(b):
     2^-127 (bits 0x400000) and 255 gives inf, as the reference's exp2(b - 127) does."""
     bits = tl.where(b == 0, 0x400000, b.to(tl.int32) << 23)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_load(ptrs, mask, SOFT: tl.constexpr):
+    """e4m3 bytes -> float8e4nv on a GPU; decoded to fp32 under the interpreter, whose fp8
+    conversion turns the NaN byte (0x7F / 0xFF) into a finite number."""
+    b = tl.load(ptrs, mask=mask, other=0)
+    if SOFT:
+        e = ((b >> 3) & 0xF).to(tl.int32)
+        m = (b & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * exp2_int(e - 10))   # 2^-9 subnormal
+        mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+        return tl.where((b & 0x80) != 0, -mag, mag)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -176,16 +196,16 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in tl.range(kb_lo, kb_hi, num_stages=NUM_STAGES):
         k0 = kb * 128
-        b = tl.load(w_rows + k0, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        b = _fp8_load(w_rows + k0, nmask[:, None], SOFT)
         sw = _e8m0_scale(tl.load(ws_rows + kb, mask=nmask, other=127))
         if A_FP8:
-            a = tl.load(x_rows + k0, mask=mmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+            a = _fp8_load(x_rows + k0, mmask[:, None], SOFT)
             sa = tl.load(xs_rows + kb, mask=mmask, other=0.0)
         else:   # W8A16: fp8 -> the activation's dtype is exact; fp32 dots stay IEEE (no tf32)
             a = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
             if SOFT:    # the interpreter's bf16 dot is wrong; bf16 -> fp32 is exact
                 a = a.to(tl.float32)
-            b = b.to(a.dtype)
+            b = b.to(a.dtype)   # exact: fp8 (or its fp32 decode) fits bf16 and fp32
             sa = tl.full((BLOCK_M,), 1.0, tl.float32)
         if SWAP_AB:
             d = tl.dot(b, tl.trans(a), input_precision="ieee")
@@ -252,9 +272,11 @@ def _check(x, x_s, w, w_s, groups):
 
 
 def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | None = None):
-    """The Triton path; fp64 (exact mode) and W8A16 activations it has no kernel for run the
-    reference. `plan` overrides fp8_linear_plan (tests)."""
-    if out_dtype not in _OUT_DTYPES or (x_s is None and x.dtype not in _A16_DTYPES):
+    """The Triton path; fp64 (exact mode) and W8A16 activations it has no kernel for (other
+    than bf16 / fp32 in the output's dtype) run the reference. `plan` overrides
+    fp8_linear_plan (tests)."""
+    a16_ok = x.dtype in _A16_DTYPES and x.dtype == out_dtype
+    if out_dtype not in _OUT_DTYPES or (x_s is None and not a16_ok):
         return fp8_linear_reference(x, x_s, w, w_s, groups, out_dtype)
     x2, xs2, M, N, K = _check(x, x_s, w, w_s, groups)
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
@@ -262,6 +284,8 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
         kernel = _fp8_linear_kernel
         a_fp8 = xs2 is not None
         p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size())
+        if p.split_k * p.kb_per_split < K // GROUP or (groups > 1 and (N // groups) % p.block_n):
+            raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
         split = p.split_k > 1
         out = torch.empty((p.split_k, M, N), dtype=torch.float32, device=x.device) if split \
             else y

@@ -1,0 +1,201 @@
+"""dspark::fp8_linear: the Triton kernel (TRITON_INTERPRET=1 on CPU machines) against its reference,
+its plan, its registration, and the linears of models/linear.py that call it.
+
+Tolerances. Every fp8 x fp8 product and every power-of-two scale is exact in fp32, so kernel and
+reference differ only in the order of the fp32 sums: over K terms each order errs by at most
+K * 2^-24 * sum_k |a_k w_k|, the two together by twice that (`_fp32_atol`, taken at the largest
+such sum of the case). A bf16 result is the fp32 one rounded once: the two roundings can land
+one bf16 ulp apart, rtol 2^-7. NaN only passes (equal_nan) in the tests whose reference has NaN.
+"""
+import pytest
+import torch
+
+from dspark_compile.kernels import fp8_linear as fl
+from dspark_compile.kernels.act_quant import act_quant_reference
+from dspark_compile.kernels.registry import KERNELS
+from dspark_compile.models.config import Precision
+from dspark_compile.models.linear import BF16Linear, FP8Linear, bf16_linear
+from dspark_compile.models.quant_formats import fp8_block_dequant, fp8_block_quant
+
+OP = torch.ops.dspark.fp8_linear
+BF16_RTOL = 2.0 ** -7
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _weights(N, K, seed):
+    w = torch.randn(N, K, generator=_gen(seed)) * 0.05
+    w[:, :128] *= 64                         # per-block scales that differ between blocks
+    q, s = fp8_block_quant(w)
+    return q, s.view(torch.uint8)
+
+
+def _acts(M, K, seed):
+    x = torch.randn(M, K, generator=_gen(seed)) * 3
+    x[: M // 2, 128:256] *= 1e-3             # a group whose scale is far below the others'
+    return act_quant_reference(x)
+
+
+def _fp32_atol(x, x_s, w, w_s, groups):
+    """2 K 2^-24 max sum_k |a_k w_k|: two fp32 summation orders of K exact products."""
+    a = x.float().unflatten(-1, (-1, 128)).mul(x_s[..., None]).flatten(-2).abs()
+    wd = fp8_block_dequant(w, w_s).abs()
+    K = w.shape[1]
+    if groups == 1:
+        mag = a @ wd.T
+    else:
+        mag = torch.einsum("mgi,goi->mgo", a.view(a.shape[0], groups, K),
+                           wd.view(groups, -1, K)).flatten(1)
+    return 2 * K * 2.0 ** -24 * float(mag.max())
+
+
+def _assert_matches(y, ref, atol, dtype, equal_nan=False):
+    rtol = BF16_RTOL if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(y, ref, rtol=rtol, atol=atol, equal_nan=equal_nan)
+
+
+# (M, N, K, groups): M = 1; M not a multiple of any tile (19, 70: two 64-row tiles, the second
+# padded); N and K at 128; N = 200 (a partial weight-scale block); two groups of 128 rows.
+SHAPES = [(1, 128, 128, 1), (19, 256, 384, 1), (6, 256, 256, 2), (40, 200, 256, 1),
+          (70, 128, 256, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("M,N,K,groups", SHAPES)
+def test_kernel_matches_reference(M, N, K, groups, dtype):
+    w, w_s = _weights(N, K, 1)
+    x, x_s = _acts(M, groups * K, 2)
+    y = fl.fp8_linear_launch(x, x_s, w, w_s, groups, dtype)
+    ref = fl.fp8_linear_reference(x, x_s, w, w_s, groups, dtype)
+    assert y.dtype == dtype and y.shape == (M, N)
+    _assert_matches(y, ref, _fp32_atol(x, x_s, w, w_s, groups), dtype)
+
+
+@pytest.mark.parametrize("swap,split,per", [(True, 4, 1), (False, 2, 2), (True, 1, 4)])
+def test_split_k_and_swap_ab(swap, split, per):
+    """Forced plans at K = 512 (4 blocks): split partials summed in order, either orientation;
+    the same plan twice gives the same bits (no atomics)."""
+    M, N, K = 5, 256, 512
+    w, w_s = _weights(N, K, 3)
+    x, x_s = _acts(M, K, 4)
+    plan = fl.Fp8LinearPlan(16, 64, swap, split, per, 4, 2)
+    y = fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.bfloat16, plan=plan)
+    ref = fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.bfloat16)
+    _assert_matches(y, ref, _fp32_atol(x, x_s, w, w_s, 1), torch.bfloat16)
+    assert torch.equal(y, fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.bfloat16, plan=plan))
+
+
+def test_nan_inf_rows_propagate_and_stay_in_their_row():
+    """NaN / +inf / -inf activations (quantized as the model does: the group's scale becomes
+    NaN / inf) and a NaN fp8 byte make exactly the reference's NaN rows; the clean rows (a step's
+    real rows beside padded ones holding anything) equal those computed alone."""
+    M, N, K = 6, 128, 256
+    w, w_s = _weights(N, K, 5)
+    xf = torch.randn(M, K, generator=_gen(6))
+    xf[1, 3], xf[2, 130], xf[3, 7] = float("nan"), float("inf"), float("-inf")
+    x, x_s = act_quant_reference(xf)
+    x = x.clone()
+    x.view(torch.uint8)[4, 200] = 0x7F       # e4m3 NaN byte, finite scale
+    ref = fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32)
+    assert ref[1:5].isnan().all() and not ref[[0, 5]].isnan().any()
+    y = fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.float32)
+    _assert_matches(y, ref, _fp32_atol(x[[0, 5]], x_s[[0, 5]], w, w_s, 1), torch.float32,
+                    equal_nan=True)
+    alone = fl.fp8_linear_launch(x[[0, 5]], x_s[[0, 5]], w, w_s, 1, torch.float32)
+    assert torch.equal(y[[0, 5]], alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_w8a16_kernel(dtype):
+    """Precision.act_quant off: float activations, fp8 weight (fp8 -> dtype is exact). bf16
+    products are exact in fp32 as well; fp32 ones round once each (another 2^-24 relative)."""
+    M, N, K = 3, 128, 256
+    w, w_s = _weights(N, K, 7)
+    x = torch.randn(M, K, generator=_gen(8)).to(dtype)
+    y = fl.fp8_linear_launch(x, None, w, w_s, 1, dtype)
+    ref = fl.fp8_linear_reference(x, None, w, w_s, 1, dtype)
+    mag = (x.float().abs() @ fp8_block_dequant(w, w_s).abs().T).max()
+    _assert_matches(y, ref, float((2 * K + 1) * 2.0 ** -24 * mag), dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# plan and compile configurations
+# ------------------------------------------------------------------------------------------------
+
+# distinct (N, K, groups) of the Flash FP8 linears (kernels/fp8_linear.py's table)
+FLASH = [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (8192, 1024, 1), (8192, 4096, 8),
+         (4096, 8192, 1), (2048, 4096, 1), (4096, 2048, 1), (4096, 12288, 1)]
+
+
+def _declared():
+    return {(c[2]["BLOCK_M"], c[2]["BLOCK_N"], c[2]["SWAP_AB"], c[2]["NUM_STAGES"], c[3])
+            for c in KERNELS["fp8_linear"].compile_configs if "BLOCK_M" in c[2]}
+
+
+@pytest.mark.parametrize("a_bytes", [1, 2, 4])
+def test_every_plan_at_flash_shapes_is_a_declared_config(a_bytes):
+    declared = _declared()
+    for N, K, G in FLASH + [(128, 256, 2)]:          # + the tiny preset's wo_a
+        for M in (1, 6, 24, 96, 384):
+            p = fl.fp8_linear_plan(M, N, K, G, a_bytes)
+            assert (p.block_m, p.block_n, p.swap_ab, p.num_stages, p.num_warps) in declared
+            assert (N // G) % p.block_n == 0 or G == 1
+            assert (p.split_k - 1) * p.kb_per_split < K // 128 <= p.split_k * p.kb_per_split
+            if M <= 16 and N * K >= 2 ** 22:          # streamed weights cover ~2 SM waves
+                tiles = -(-N // p.block_n) * p.split_k
+                assert tiles >= fl.SM_COUNT_HINT or p.kb_per_split <= fl.MIN_KB_PER_SPLIT
+
+
+# ------------------------------------------------------------------------------------------------
+# the op and the model's linears (CPU: the op runs its reference)
+# ------------------------------------------------------------------------------------------------
+
+def test_op_on_cpu_is_the_reference_and_fake_has_the_shape():
+    w, w_s = _weights(256, 256, 9)
+    x, x_s = _acts(3, 512, 10)
+    y = OP(x.view(3, 512), x_s, w, w_s, 2, torch.bfloat16)
+    assert torch.equal(y, fl.fp8_linear_reference(x, x_s, w, w_s, 2, torch.bfloat16))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        f = OP(*(mode.from_tensor(t) for t in (x, x_s, w, w_s)), 2, torch.float32)
+    assert f.shape == (3, 256) and f.dtype == torch.float32
+
+
+@pytest.mark.parametrize("prec", [Precision(dtype=torch.float32), Precision.exact(torch.float64)],
+                         ids=["fp32-act-quant", "fp64-exact"])
+def test_fp8_linear_module_keeps_todays_numerics(prec):
+    """FP8Linear on CPU = dequantize x and W to the accumulation dtype, one matmul: bit for bit."""
+    lin = FP8Linear(256, 384, prec)
+    lin.weight, s = _weights(256, 384, 11)
+    lin.scale.copy_(s)
+    x = torch.randn(5, 384, generator=_gen(12)).to(prec.dtype)
+    acc = prec.dtype
+    xa = x
+    if prec.act_quant:
+        q, qs = act_quant_reference(x)
+        xa = (q.float().unflatten(-1, (-1, 128)) * qs[..., None]).flatten(-2)
+    want = (xa.to(acc) @ fp8_block_dequant(lin.weight, lin.scale, dtype=acc).T).to(prec.dtype)
+    assert torch.equal(lin(x), want)
+
+
+def test_exported_linear_is_one_opaque_node():
+    lin = FP8Linear(128, 256, Precision())
+    ep = torch.export.export(lin, (torch.randn(4, 256).to(torch.bfloat16),), strict=False)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count("dspark.fp8_linear.default") == 1
+    assert not any("mm" in t or "einsum" in t for t in targets)
+
+
+def test_bf16_linear_keeps_the_weight_bf16():
+    """bf16 compute, bf16 result: F.linear on the bf16 weight (fp32 accumulation inside); the
+    fp32-result CPU path is the same exact products summed in fp32."""
+    lin = BF16Linear(64, 128, Precision())
+    lin.weight.copy_(torch.randn(64, 128, generator=_gen(13)).to(torch.bfloat16))
+    x = torch.randn(3, 128, generator=_gen(14)).to(torch.bfloat16)
+    want = (x.float() @ lin.weight.float().T)
+    assert lin(x).dtype == torch.bfloat16
+    torch.testing.assert_close(lin(x).float(), want, rtol=BF16_RTOL, atol=1e-6)
+    assert torch.equal(lin(x, out_dtype=torch.float32), want)
+    assert torch.equal(bf16_linear(x.double(), lin.weight, torch.float64, torch.float64),
+                       x.double() @ lin.weight.double().T)
