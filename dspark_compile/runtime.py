@@ -1,7 +1,9 @@
 """Runtime: load an engine, capture one CUDA graph per bucket, generate.
 
     Engine.load(dir) → validate manifest → register ops → load programs + shared weights →
-      per bucket also the greedy variant (dspark_compile/variants.py) → allocate the decode
+      per bucket the step to run: the Inductor-compiled step from the engine's compiled/
+      (--backend inductor, dspark_compile/compiled.py) or the exported program's module (aten),
+      and its greedy variant (dspark_compile/variants.py) → allocate the decode
       state once → (CUDA) capture every bucket's step and its greedy variant, largest first,
       into one memory pool on one capture stream, after warm-up runs on padded rows only
     Engine.generate(prompts, params) → per request: eager prefill into a free state row (the
