@@ -2,12 +2,15 @@
 
     python benchmarks/kernels.py --only qkv,act_quant --out benchmarks/results/h200_kernels
     python benchmarks/kernels.py --dry-run          # CPU/GPU smoke test: build, run once, check
+    python benchmarks/kernels.py --only moe --batches 1,4,16,64 --out benchmarks/results/h200_moe
 
 Cases come from this file (groups "qkv", "act_quant" and "moe", Flash dims: H=64, D=512, rope
 64, nope 448, hidden 4096, shared-expert I=2048, 256 routed MXFP4 experts of I=2048, top 6;
 B requests, T = 6B tokens = B * (N+1) verify rows)
 and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[harness.Case]`
-(benchmarks/README.md). Writes <out>/kernels.json (environment, copy bandwidth, rows),
+(benchmarks/README.md). The moe cases (one name per routing: moe_experts:top6-random,
+:one-expert, :every-expert) take bytes_moved = the touched-expert byte floor, and time the
+`bf16-grouped` baseline too; a dry run on a CPU builds them at MOE_DRY_RUN_CPU dims. Writes <out>/kernels.json (environment, copy bandwidth, rows),
 <out>/kernels.csv and <out>/kernels.png (if matplotlib is installed), and prints a table.
 """
 from __future__ import annotations
@@ -264,7 +267,8 @@ def moe_cases(batches, dims: MoeDims = MoeDims()):
             ours = lambda d: torch.ops.dspark.moe_experts(*_moe_args(d))
             # the eager reference runs every expert on every token (seconds at Flash);
             # torch.compile of its 256-expert loop would take longer than the run
-            out.append(Case("moe", "moe_experts",
+            # one name per routing: one plot panel each (`--ops moe_experts:one-expert`)
+            out.append(Case("moe", f"moe_experts:{routing}",
                             {"B": B, "T": T, "routing": routing, "touched": len(touched)},
                             make, ref, ours, nbytes,
                             check=_check_against_reference(make, ours, ref),
@@ -273,17 +277,22 @@ def moe_cases(batches, dims: MoeDims = MoeDims()):
     return out
 
 
-def cases(batches):
+# a CPU dry run builds the moe cases at these dims: the Flash reference (256 experts, every
+# expert on every token) takes minutes per call on a CPU
+MOE_DRY_RUN_CPU = MoeDims(experts=8, hidden=128, inter=64, top_k=6)
+
+
+def cases(batches, moe_dims: MoeDims = MoeDims()):
     """This file's own cases, by the same protocol as benchmarks/*_cases.py."""
-    return qkv_cases(batches) + act_quant_cases(batches) + moe_cases(batches)
+    return qkv_cases(batches) + act_quant_cases(batches) + moe_cases(batches, moe_dims)
 
 
 CASE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def collect_cases(batches, case_dir: str = CASE_DIR) -> list[Case]:
+def collect_cases(batches, case_dir: str = CASE_DIR, moe_dims: MoeDims = MoeDims()) -> list[Case]:
     """This file's cases plus every <case_dir>/*_cases.py module's `cases(batches)`."""
-    found = cases(batches)
+    found = cases(batches, moe_dims)
     for path in sorted(glob.glob(os.path.join(case_dir, "*_cases.py"))):
         name = os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
@@ -326,7 +335,9 @@ def run(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     only = set(args.only.split(",")) if args.only else None
     ops = set(args.ops.split(",")) if args.ops else None
-    selected = [c for c in collect_cases(batches, args.case_dir)
+    small = args.dry_run and not torch.cuda.is_available()
+    moe_dims = MOE_DRY_RUN_CPU if small else MoeDims()
+    selected = [c for c in collect_cases(batches, args.case_dir, moe_dims)
                 if (only is None or c.group in only) and (ops is None or c.name in ops)]
     if not selected:
         raise SystemExit(f"no case matches --only {args.only} --ops {args.ops}")
@@ -428,7 +439,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     result = run(args)
     rows = result["rows"]
-    cols = ["name", "B", "T", "variant", "us_median", "us_p90", "pct_copy_bw",
+    cols = ["name", "B", "T", "touched", "variant", "us_median", "us_p90", "pct_copy_bw",
             "speedup_vs_compile", "method", "check"]
     print(harness.format_table(rows, [c for c in cols if any(c in r for r in rows)]))
     if args.out:

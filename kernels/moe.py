@@ -103,7 +103,7 @@ class MoePlan:
     block_m: int = 16      # rows of an expert block; tl.dot's smallest M. Decode: ~1-9 pairs
     block_n: int = 64      # output columns per program, both GEMMs
     block_k: int = 128     # K elements per step (two dots of block_k / 2 packed bytes)
-    block_p: int = 64      # pairs per routing step: a [64, 256] one-hot, 64 int32 per thread
+    block_p: int = 64      # pairs per routing step: a [64, 256] one-hot (sm_120: 127 registers)
     block_d: int = 1024    # output columns per combine program
     num_warps: int = 4
 
