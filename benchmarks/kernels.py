@@ -10,8 +10,9 @@ B requests, T = 6B tokens = B * (N+1) verify rows)
 and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[harness.Case]`
 (benchmarks/README.md). The moe cases (one name per routing: moe_experts:top6-random,
 :one-expert, :every-expert) take bytes_moved = the touched-expert byte floor, and time the
-`bf16-grouped` baseline too; a dry run on a CPU builds them at MOE_DRY_RUN_CPU dims. Writes <out>/kernels.json (environment, copy bandwidth, rows),
-<out>/kernels.csv and <out>/kernels.png (if matplotlib is installed), and prints a table.
+`bf16-grouped` baseline too; a dry run on a CPU builds them at MOE_DRY_RUN_CPU dims.
+Writes <out>/kernels.json (environment, copy bandwidth, rows), <out>/kernels.csv and
+<out>/kernels.png (if matplotlib is installed), and prints a table.
 """
 from __future__ import annotations
 
