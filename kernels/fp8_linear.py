@@ -66,7 +66,7 @@ def _e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
     return torch.exp2(b.view(torch.uint8).to(torch.float32) - 127.0)
 
 
-def _block_dequant(w: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def block_dequant(w: torch.Tensor, w_s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 [N, K] * 2^(byte - 127) per 128 x 128 block (models/quant_formats.fp8_block_dequant)."""
     N, K = w.shape
     s = _e8m0_to_float(w_s).repeat_interleave(GROUP, 0)[:N].repeat_interleave(GROUP, 1)[:, :K]
@@ -79,7 +79,7 @@ def fp8_linear_reference(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Ten
     acc = _acc_dtype(out_dtype)
     a = fp8_group_dequant(x, x_s, GROUP) if x_s is not None else x
     a = a.to(acc)
-    wd = _block_dequant(w, w_s, acc)
+    wd = block_dequant(w, w_s, acc)
     if groups == 1:
         return (a @ wd.T).to(out_dtype)
     lead, N = a.shape[:-1], w.shape[0]
