@@ -240,13 +240,46 @@ def cmd_run(args) -> int:
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine")
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    p.add_argument("--onnx", metavar="OUT_DIR", default=None,
+                   help="write each bucket's optimized program as OUT_DIR/step_b{B}.onnx "
+                        "(dspark:: ops as nodes of the custom 'dspark' domain, weights as "
+                        "external data); needs the 'onnx' extra")
+    p.add_argument("--bucket", type=int, action="append", default=None, metavar="B",
+                   help="with --onnx: export only this bucket (repeatable; default: all)")
+    p.add_argument("--report", metavar="HTML", default=None,
+                   help="write a self-contained HTML build report; needs the 'report' extra")
 
 
-@command("inspect", "print an engine's manifest, buckets and pass table", _inspect_args)
+def _inspect_outputs(args, m: dict, loadable: str, out=None) -> None:
+    """--report and --onnx, after the summary; their progress goes to `out` (stderr under
+    --json, whose stdout is the manifest alone)."""
+    def log(line: str) -> None:
+        print(line, file=out or sys.stdout, flush=True)
+
+    if args.report:
+        from dspark_compile.report import write_report
+        log(f"report: {write_report(args.engine, m, args.report, loadable)}")
+    if args.onnx:
+        from dspark_compile.onnx_export import export_engine
+        with engine_errors():
+            export_engine(args.engine, m, args.onnx, args.bucket, log=log)
+
+
+@command("inspect", "print an engine's manifest, buckets and pass table; --onnx, --report",
+         _inspect_args)
 def cmd_inspect(args) -> int:
     from dspark_compile.artifact import ArtifactError, load_manifest
     from dspark_compile.passes import format_stats_table
 
+    # the optional dependencies first: the one-line error names the extra to install
+    if args.onnx:
+        from dspark_compile.onnx_export import check_onnx_available
+        check_onnx_available()
+    if args.report:
+        from dspark_compile.report_plots import check_matplotlib_available
+        check_matplotlib_available()
+    if args.bucket and not args.onnx:
+        raise ValueError("--bucket selects what --onnx exports; pass --onnx OUT_DIR")
     # a stale engine (other toolchain, changed pass or op) is still worth reading: only the
     # checksum, structure and file hashes must hold here; staleness is reported below
     with engine_errors():
@@ -260,6 +293,7 @@ def cmd_inspect(args) -> int:
         loadable = f"no: {e}"
     if args.json:
         print(json.dumps(m, indent=1))
+        _inspect_outputs(args, m, loadable, out=sys.stderr)
         return 0
     for k in ("format_version", "dspark_compile_version", "torch_version", "triton_version",
               "cuda_version", "target_sm", "model_config_hash", "created_utc"):
@@ -277,4 +311,5 @@ def cmd_inspect(args) -> int:
         b = str(max(m["buckets"]))
         print(f"passes (bucket {b}):")
         print(format_stats_table(stats[b]))
+    _inspect_outputs(args, m, loadable)
     return 0

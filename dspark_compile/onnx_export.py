@@ -147,7 +147,8 @@ def export_bucket(ep, bucket: int, out_dir: Path, specs: dict) -> dict:
 
 
 def export_engine(engine_dir, manifest: dict, out_dir, buckets=None, log=print) -> dict:
-    """Export `buckets` (default: all) of the engine into `out_dir`; returns {bucket: summary}."""
+    """Export `buckets` (default: all) of the engine into `out_dir`; returns {bucket: summary}.
+    With torch-tensorrt importable, each bucket's TensorRT subgraph report is written too."""
     from dspark_compile.onnx_domain import dspark_overloads
     check_onnx_available()
     buckets = sorted(buckets or manifest["buckets"])
@@ -156,10 +157,12 @@ def export_engine(engine_dir, manifest: dict, out_dir, buckets=None, log=print) 
         raise ValueError(f"--bucket {unknown[0]}: the engine has buckets {manifest['buckets']}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    from dspark_compile.tensorrt_report import report_program
     specs = dspark_overloads()
     done = {}
     for b in buckets:
         ep = load_program(engine_dir, manifest, b)
+        report_program(ep, b, out_dir, log)     # on the program as stored: before the rewrite
         done[b] = export_bucket(ep, b, out_dir, specs)
         log(f"[onnx] bucket {b}: {out_dir / done[b]['file']} ({done[b]['nodes']} nodes, dspark "
             + ", ".join(f"{k} {v}" for k, v in done[b]["dspark_nodes"].items()) + ")")
