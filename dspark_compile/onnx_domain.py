@@ -21,9 +21,10 @@ import torch
 DOMAIN = "dspark"
 DOMAIN_VERSION = 1
 
-# torch schema type (str) -> ONNX attribute type name (onnx.defs.OpSchema.AttrType member)
+# torch schema type (str) -> ONNX attribute type name (onnx.defs.OpSchema.AttrType member); a
+# dtype argument is its torch name ("bfloat16")
 _ATTR_TYPES = {"float": "FLOAT", "int": "INT", "SymInt": "INT", "bool": "INT", "str": "STRING",
-               "float[]": "FLOATS", "int[]": "INTS", "SymInt[]": "INTS",
+               "ScalarType": "STRING", "float[]": "FLOATS", "int[]": "INTS", "SymInt[]": "INTS",
                "str[]": "STRINGS", "bool[]": "INTS"}
 
 
@@ -82,13 +83,23 @@ class OpSpec:
         return out
 
 
+def _spell(t) -> str:
+    """A schema type as a schema string spells it ("Tensor?", "int[]", "ScalarType")."""
+    if isinstance(t, torch.OptionalType):
+        return _spell(t.getElementType()) + "?"
+    if isinstance(t, torch.ListType):
+        return _spell(t.getElementType()) + "[]"
+    return str(t)
+
+
 def op_spec(overload) -> OpSpec:
     """The OpSpec of a `dspark::` op overload, read from its torch schema."""
     s = overload._schema
     args = []
     for a in s.arguments:
-        spelled = str(a.type)
-        tensor = spelled in ("Tensor", "Tensor?", "Optional[Tensor]")
+        # real_type: `type` says int for SymInt and ScalarType
+        spelled = _spell(getattr(a, "real_type", a.type))
+        tensor = spelled in ("Tensor", "Tensor?")
         if not tensor and spelled.rstrip("?") not in _ATTR_TYPES:
             raise NotImplementedError(f"dspark::{s.name} argument '{a.name}' has type "
                                       f"{spelled}, which has no ONNX attribute type here")
@@ -125,8 +136,7 @@ def onnx_schema(spec: OpSpec):
     types = _tensor_types()
     inputs = [S.FormalParameter(a.name, f"T_{a.name}",
                                 param_option=S.FormalParameterOption.Optional
-                                if a.type.endswith("?") or a.type.startswith("Optional")
-                                else S.FormalParameterOption.Single)
+                                if a.type.endswith("?") else S.FormalParameterOption.Single)
               for a in spec.inputs]
     outputs = [S.FormalParameter(n, f"O_{n}") for n in spec.outputs]
     constraints = [(p.type_str, types, "any tensor") for p in inputs + outputs]
@@ -137,6 +147,8 @@ def onnx_schema(spec: OpSpec):
 
 
 def _attribute(value):
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, (list, tuple)):
