@@ -11,8 +11,7 @@ The registered op dispatches on the device of its tensor arguments: CUDA tensors
 decorated launcher (Triton), anything else runs the plain-PyTorch `reference` (so every op has
 a CPU implementation and the reference is the single source of truth for the numerics). `fake`
 gives shapes for export; it is required because under TRITON_INTERPRET=1 torch cannot derive it.
-Ops whose fused kernel does not exist yet pass `launcher=None`-style decorated functions that
-simply call the reference (see models' MoE op).
+An op whose fused kernel does not exist yet decorates a function that calls the reference.
 
 `KERNELS` maps op name -> :class:`KernelSpec` so tests and the SM12x resource check can
 enumerate every kernel without a second list to keep in sync.
