@@ -17,6 +17,7 @@ Writes <out>/kernels.json (environment, copy bandwidth, rows), <out>/kernels.csv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import glob
 import importlib.util
@@ -253,6 +254,17 @@ def _moe_bf16_grouped(touched, k):
     return run
 
 
+def _moe_tuning_variants(T, dims: MoeDims) -> dict:
+    """Tuning data from the same run (moe.MoePlan is untuned): narrower N tiles (the gate/up
+    kernel takes 236 registers on sm_90 at the default), 8 warps, 64-row blocks."""
+    base = moe.moe_plan(T * dims.top_k, dims.experts, dims.hidden, dims.inter)
+    plans = {"ours-bn32": dataclasses.replace(base, block_n=32),
+             "ours-w8": dataclasses.replace(base, num_warps=8),
+             "ours-bm64": dataclasses.replace(base, block_m=64)}
+    return {label: (lambda d, p=p: moe.moe_experts_launch(*_moe_args(d), plan=p))
+            for label, p in plans.items()}
+
+
 def moe_cases(batches, dims: MoeDims = MoeDims()):
     """moe_experts at T = 6B tokens per routing; bytes_moved = the touched-expert floor (touched
     x 3 matrices with their scales) + x, ids, weights read and y (fp32) written."""
@@ -273,7 +285,8 @@ def moe_cases(batches, dims: MoeDims = MoeDims()):
                             {"B": B, "T": T, "routing": routing, "touched": len(touched)},
                             make, ref, ours, nbytes,
                             check=_check_against_reference(make, ours, ref),
-                            extra={"bf16-grouped": _moe_bf16_grouped(touched, dims.top_k)},
+                            extra={"bf16-grouped": _moe_bf16_grouped(touched, dims.top_k),
+                                   **_moe_tuning_variants(T, dims)},
                             compile=False))
     return out
 

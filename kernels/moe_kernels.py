@@ -86,7 +86,8 @@ def _block_rows(pair_ptr, blk_expert_ptr, blk_rows_ptr, b, BLOCK_M: tl.constexpr
 
 @triton.jit
 def _e2m1(c):
-    """4-bit e2m1 code (int32 0..15) -> fp32 value, from its bits (sign 8, exponent 6, mantissa 1)."""
+    """4-bit e2m1 code (int32 0..15) -> fp32 value from its bits (sign 8, exponent 6, mantissa
+    1)."""
     e = (c >> 1) & 3
     m = c & 1
     mag = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))

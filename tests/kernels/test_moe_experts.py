@@ -279,11 +279,12 @@ def test_benchmark_cases_build_and_run_on_cpu():
     assert {c.params["routing"] for c in cases} == {"top6-random", "one-expert", "every-expert"}
     dev = torch.device("cpu")
     for c in cases:
-        d = c.make_inputs(dev, 0)
         assert c.bytes_moved > 0 and c.params["touched"] >= 1
         assert c.check(dev) == ""
-        for fn in c.extra.values():
-            fn(d)
+    d = cases[-1].make_inputs(dev, 0)
+    ref = cases[-1].reference(d)
+    for label, fn in cases[-1].extra.items():      # the baseline and the tuning plans
+        assert bench.compare(label, fn(d), ref) == ""
 
 
 # ------------------------------------------------------------------------------------------------
