@@ -60,6 +60,27 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
             "files": files}
 
 
+def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log):
+    """Bucket b's step exported and run through the pass pipeline; (program, pass stats)."""
+    t = time.perf_counter()
+    ep = export_step(model, state, b)
+    log(f"[export] bucket {b}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
+    factory = None
+    if bc.verify_passes:
+        def factory(seed):
+            return tuple(pytree.tree_flatten(prefilled_state(model, cache, b, seed))[0])
+    rows = pm.run(ep, input_factory=factory, state_inputs=state_input_names(ep))
+    for r in rows:
+        log(f"[pass] bucket {b}: {r['name']:<28} {r['time_ms']:>9.1f} ms  nodes "
+            f"{r['nodes_before']:>6} -> {r['nodes_after']:<6} matches {r['matches']}"
+            + ("  verified" if r.get("verified") else ""))
+    # export keeps the example inputs (here: the whole decode state, ~100 MB even for the
+    # tiny model) and torch.export.save would write them into every program file; the
+    # runtime allocates its own state, so they are dropped
+    ep.example_inputs = None
+    return ep, rows
+
+
 def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
                  log: Callable[[str], None] = print) -> dict:
     from dspark_compile.build_checks import check_build
@@ -85,30 +106,14 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     pconf = PassConfig(disabled=frozenset(bc.disabled_passes), verify=bc.verify_passes,
                        dump_dir=bc.dump_dir, target_device=bc.device)
     programs, stats = {}, {}
-    # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch)
-    extra = {}
     pm = None
     for b in sorted(bc.buckets, reverse=True):
-        t = time.perf_counter()
         state = allocate_state(cfg, cache, prec, bc.device)
-        ep = export_step(model, state, b)
-        log(f"[export] bucket {b}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
         pm = PassManager(bc.passes, pconf)
-        factory = None
-        if bc.verify_passes:
-            def factory(seed, b=b):
-                return tuple(pytree.tree_flatten(prefilled_state(model, cache, b, seed))[0])
-        rows = pm.run(ep, input_factory=factory, state_inputs=state_input_names(ep))
-        for r in rows:
-            log(f"[pass] bucket {b}: {r['name']:<28} {r['time_ms']:>9.1f} ms  nodes "
-                f"{r['nodes_before']:>6} -> {r['nodes_after']:<6} matches {r['matches']}"
-                + ("  verified" if r.get("verified") else ""))
-        # export keeps the example inputs (here: the whole decode state, ~100 MB even for the
-        # tiny model) and torch.export.save would write them into every program file; the
-        # runtime allocates its own state, so they are dropped
-        ep.example_inputs = None
-        programs[b], stats[str(b)] = ep, rows
+        programs[b], stats[str(b)] = _export_bucket(model, state, cache, b, pm, bc, log)
 
+    # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch)
+    extra = {}
     compiled = None
     if bc.backend == "inductor":
         compiled = _compile(programs, state, bc, log)
