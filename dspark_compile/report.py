@@ -142,7 +142,8 @@ def _runtime(m: dict) -> str:
     comp = load.get("compiled_load_seconds", {})
     rows = [[b, f"{mem[b] / 2**20:.2f}" if b in mem else None, cap.get(b), comp.get(b)]
             for b in sorted(set(mem) | set(cap), key=int)]
-    out.append(_table(["bucket", "graph pool MiB", "capture s", "compiled load s"], rows))
+    out.append(_table(["bucket", "graph pool MiB", "capture s", "compiled load s"], rows,
+                      left=0))
     if load:
         out.append(_table(["field", "value"], [(k, load.get(k)) for k in
                                                ("device", "torch_version", "load_seconds",
@@ -158,7 +159,7 @@ def _compile(m: dict) -> str:
     rows = [[b, *[per.get(v) for v in variants]] for b, per in sorted(secs.items(),
                                                                      key=lambda kv: int(kv[0]))]
     total = (m.get("compiled") or {}).get("total_compile_seconds")
-    return ("<h2>Inductor compile seconds</h2>" + _table(["bucket", *variants], rows)
+    return ("<h2>Inductor compile seconds</h2>" + _table(["bucket", *variants], rows, left=0)
             + (f"<p>total {_e(total)} s</p>" if total is not None else ""))
 
 
