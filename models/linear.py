@@ -88,7 +88,8 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, xq: tuple | None = None, groups: int = 1) -> torch.Tensor:
         """y = x W^T. `xq` = (fp8, scale) of x when the caller already quantized it (fused norm).
-        `groups` G > 1: the grouped product of Attention.output (x [M, G*K], W [G*N/G, K])."""
+        `groups` G > 1: Attention.output's grouped wo_a, x [M, G*K] with W [N, K]: group g's K
+        columns of x times W rows [g*N/G, (g+1)*N/G)."""
         if self.prec.act_quant:
             q, s = xq if xq is not None else act_quant_reference(x)
             return torch.ops.dspark.fp8_linear(q, s, self.weight, self.scale, groups,
