@@ -112,6 +112,9 @@ def translation_table(specs: dict) -> dict:
 
 def _rename(model, names: list, updates: dict, placeholders: list) -> None:
     """Inputs to the engine's names, state updates to `<key>.updated`, the rest `output.<i>`."""
+    if len(model.graph.inputs) != len(names):
+        raise RuntimeError(f"the ONNX graph has {len(model.graph.inputs)} inputs, the program "
+                           f"{len(names)} user inputs: their names cannot be matched")
     for value, name in zip(model.graph.inputs, names):
         value.name = name
     by_placeholder = dict(zip(placeholders, names))
