@@ -163,7 +163,8 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=None, help="also compile the kernels for this arch (e.g. sm_120) "
                    "and store their resource report")
     p.add_argument("--device", default="cpu", help="device the programs are built for")
-    p.add_argument("--backend", choices=("inductor", "aten"), default=None,
+    from dspark_compile.compiled import BACKENDS
+    p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="inductor: compile the glue between the fused ops with Inductor at build "
                         "time; aten: run the exported program op by op (default: inductor for a "
                         "CUDA --device, aten for cpu)")

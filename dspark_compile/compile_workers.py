@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,19 +78,28 @@ def _write_job(ep, bucket: int, state: dict, job: Path) -> int:
             "weights": {n: _meta(t) for n, t in weights.items()},
             "state": {k: _meta(v) for k, v in state.items()}}
     (job / "job.json").write_text(json.dumps(meta))
-    return sum(t.untyped_storage().nbytes() for t in list(weights.values()) + list(state.values()))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(weights.values()) + list(state.values())}
+    return sum(storages.values())
+
+
+# a worker's CUDA context, Inductor's compile-time kernel tuning buffers and allocator slack,
+# on top of its weights and state
+_WORKER_OVERHEAD = 2 << 30
 
 
 def _memory_cap(device: torch.device, per_worker: int) -> int:
     if device.type != "cuda":
         return sys.maxsize
+    torch.cuda.empty_cache()        # the exports' freed blocks are free for the workers
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, int(0.8 * free) // max(per_worker, 1))
+    return max(1, int(0.8 * free) // (per_worker + _WORKER_OVERHEAD))
 
 
-def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[dict, dict]:
+def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[dict, dict, int]:
     """Compile every program and its variants; returns ({engine path: artifact bytes},
-    {bucket: {variant: compile seconds}}). `workers` <= 1 compiles in this process."""
+    {bucket: {variant: compile seconds}}, the number of workers used). `workers` <= 1
+    compiles in this process."""
     from dspark_compile.compiled import compiled_path
     jobs = [(b, v) for b in sorted(programs) for v in variants_of(programs[b])]
     files, seconds = {}, {}
@@ -101,7 +111,7 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
             files[compiled_path(b, v)] = data
             seconds.setdefault(str(b), {})[v] = round(secs, 2)
             log(f"[compile] bucket {b} {v}: {secs:.1f}s, {len(data) / 1e6:.1f} MB")
-        return files, seconds
+        return files, seconds, 1
     with tempfile.TemporaryDirectory(prefix="dspark-compile-") as tmp:
         per_worker = 0
         for b in sorted(programs):
@@ -113,7 +123,7 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
         for (b, v), secs in _run_workers(Path(tmp), jobs, n, threads, log).items():
             files[compiled_path(b, v)] = (Path(tmp) / f"b{b}" / f"{v}.bin").read_bytes()
             seconds.setdefault(str(b), {})[v] = secs
-    return files, seconds
+    return files, seconds, n
 
 
 def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
@@ -128,7 +138,9 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
                 cmd = [sys.executable, "-m", "dspark_compile.compile_workers", str(tmp / f"b{b}"),
                        "--variant", v, "--threads", str(threads)]
                 with open(log_path, "w") as f:
-                    running[(b, v)] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT),
+                    # its own session: a stop kills the worker and Inductor's compile pool
+                    running[(b, v)] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                        start_new_session=True),
                                        log_path, time.perf_counter())
             time.sleep(0.2)
             for key, (proc, log_path, t) in list(running.items()):
@@ -144,7 +156,11 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
                     f"({time.perf_counter() - t:.1f}s wall)")
     finally:
         for proc, _, _ in running.values():
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     return done
 
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
+from dspark_compile.artifact import COMPILED_DIR
+
 BACKENDS = ("inductor", "aten")
-COMPILED_DIR = "compiled"
 VARIANTS = ("full", "greedy")
 
 
@@ -50,7 +51,13 @@ def weight_inputs(ep: torch.export.ExportedProgram) -> list[torch.Tensor]:
             raise ValueError(f"program input '{spec.arg.name}' is a {spec.kind.name}: only "
                              "weights, constants and user inputs can be compiled")
         table = ep.state_dict if spec.target in ep.state_dict else ep.constants
-        out.append(table[spec.target])
+        t = table[spec.target]
+        if not t.is_contiguous():
+            # the engine stores weights contiguous and the compiled code asserts its inputs'
+            # strides: a weight compiled with other strides would fail at its first call
+            raise ValueError(f"weight '{spec.target}' is not contiguous (strides {t.stride()}): "
+                             "the compiled step would not accept the stored copy")
+        out.append(t)
     return out
 
 
@@ -68,9 +75,8 @@ def _state_keys(ep: torch.export.ExportedProgram, rows: torch.Tensor, state: dic
     input structure (same keys)."""
     _, spec = pytree.tree_flatten(((rows, state), {}))
     if spec != ep.call_spec.in_spec:
-        raise ValueError("the state's keys differ from the program's state inputs: "
-                         f"{sorted(state)} vs the program's {len(ep.graph_signature.user_inputs) - 1}"
-                         " inputs")
+        raise ValueError("the state's keys or their order differ from the program's state "
+                         f"inputs: {list(state)} vs {ep.graph_signature.user_inputs[1:]}")
     return list(state)
 
 
@@ -85,8 +91,8 @@ def lifted_graph(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
 def compile_program(gm: torch.fx.GraphModule, ep: torch.export.ExportedProgram,
                     rows: torch.Tensor, state: dict) -> tuple[bytes, float]:
     """Compile `gm` (ep's lifted graph or a variant of it) for these inputs' shapes, dtypes and
-    device; returns (the saved artifact's bytes, compile seconds). Nothing runs: the example
-    inputs give metadata only."""
+    device; returns (the saved artifact's bytes, compile seconds). The example inputs' values
+    are never read (Inductor tunes its own kernels on inputs it generates)."""
     _check_outputs(ep)
     keys = _state_keys(ep, rows, state)
     args = weight_inputs(ep) + [rows] + [state[k] for k in keys]
@@ -113,8 +119,13 @@ class CompiledStep:
         self.keys = _state_keys(ep, rows, state)
         self.weights = weight_inputs(ep)
         self.out_spec = ep.call_spec.out_spec
+        from dspark_compile.artifact import ArtifactError
         t = time.perf_counter()
-        self.artifact = CompiledArtifact.load(path=str(path), format="binary")
+        try:
+            self.artifact = CompiledArtifact.load(path=str(path), format="binary")
+        except Exception as e:
+            raise ArtifactError(f"cannot load compiled program '{path.name}': "
+                                f"{type(e).__name__}: {e}", path=str(path)) from e
         self.load_seconds = time.perf_counter() - t
 
     def __call__(self, rows: torch.Tensor, state: dict):

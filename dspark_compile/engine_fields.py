@@ -27,6 +27,8 @@ def engine_configs(manifest: dict):
     except ConfigError as e:
         raise ArtifactError(f"manifest field 'model_config': {e}", field="model_config") from None
     bc = dict(manifest["build_config"])
+    # engines written before the field existed ran their exported programs op by op
+    bc.setdefault("backend", "aten")
     want = [f.name for f in dataclasses.fields(BuildConfig) if f.name not in NOT_RECORDED]
     missing = [k for k in want if k not in bc]
     unknown = sorted(set(bc) - set(want))

@@ -50,7 +50,7 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
              for b, ep in programs.items()}
     workers = bc.compile_workers or default_workers(sum(len(v) for v in table.values()))
     t = time.perf_counter()
-    files, seconds = compile_programs(programs, state, workers, log)
+    files, seconds, workers = compile_programs(programs, state, workers, log)
     wall = time.perf_counter() - t
     total = sum(s for per in seconds.values() for s in per.values())
     log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "

@@ -44,7 +44,8 @@ class Batch:
         8-slot draft context) would name a slot twice, and a CUDA index_put_ with repeated
         indices has no defined winner (it even tears rows between writers); so only the newest
         `ring` written positions of each row keep their slot: each slot is named at most once,
-        and it holds what a sequential write would have left in it."""
+        and it holds what a sequential write would have left in it. Assumes a row's positions
+        are distinct (the step's and prefill's are consecutive)."""
         slots = self.rows[:, None] * ring + self.pos % ring
         ok = self.valid[:, None].expand_as(slots)
         if write is not None:

@@ -159,8 +159,8 @@ def _full_buffers(plan, B, N, V, NBLK, C, CHUNK, TILE, dev):
     ncnt = N * (6 + 2 * plan.refine_passes) * B + 4 * B
     nkey = N * B if plan.candidate else 0
     # allocated as int64 and viewed as int32 for the counters: the other way round (an int32
-    # slice viewed as int64) is what Inductor's uniform-value constant folder cannot evaluate
-    # (it folds the zero-filled slice to one element, which has no int64 view)
+    # slice viewed as int64) breaks a tracer that folds the zero fill to one element, which has
+    # no int64 view (Inductor's uniform-value folder, when it traces into a launcher)
     n32 = ncnt + ncnt % 2
     zeroed = torch.zeros((n32 // 2 + nkey,), dtype=i64, device=dev)
     z32 = zeroed.view(i32)

@@ -54,7 +54,8 @@ def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
     if workers == 1:            # the in-process path on one bucket: its compiles are serial
         eps = {3: eps[3]}
     lines = []
-    files, seconds = compile_programs(eps, state, workers, lines.append)
+    files, seconds, used = compile_programs(eps, state, workers, lines.append)
+    assert used == min(workers, len(eps))
     assert sorted(files) == sorted(compiled_path(b, "full") for b in eps)
     assert set(seconds) == {str(b) for b in eps} and all(s["full"] > 0 for s in seconds.values())
     if workers > 1:
@@ -83,3 +84,15 @@ def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
     monkeypatch.setattr(cw.sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError, match="compiling bucket 1 \\(full\\) failed in its worker"):
         cw.compile_programs(bad, state, 2, lambda s: None)
+
+
+def test_an_unreadable_compiled_program_is_named(programs, tmp_path):
+    from dspark_compile.artifact import ArtifactError
+    from dspark_compile.compiled import CompiledStep
+    eps, state = programs
+    bad = tmp_path / "step_b1.bin"
+    bad.write_bytes(b"not an artifact")
+    with pytest.raises(ArtifactError, match="cannot load compiled program 'step_b1.bin'"):
+        CompiledStep(bad, eps[1], torch.arange(1), state)
+    with pytest.raises(ValueError, match="keys or their order differ"):
+        CompiledStep(bad, eps[1], torch.arange(1), {k: state[k] for k in reversed(state)})

@@ -366,8 +366,14 @@ def test_engine_built_with_one_backend_refuses_to_load_as_the_other(small_engine
 
     from dspark_compile.artifact import ArtifactError, update_manifest_field
     from dspark_compile.runtime import Engine
+    import copy
+
+    from dspark_compile.engine_fields import engine_configs
     assert small_engine.manifest["build_config"]["backend"] == "aten"
     assert "compiled" not in small_engine.manifest
+    older = copy.deepcopy(small_engine.manifest)     # written before the field existed
+    del older["build_config"]["backend"]
+    assert engine_configs(older)[1].backend == "aten"
     with pytest.raises(ArtifactError, match="'build_config.backend': engine has 'aten', "
                                             "expected 'inductor'") as e:
         Engine.load(small_engine.path, device="cpu", backend="inductor")

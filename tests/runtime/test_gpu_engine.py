@@ -165,7 +165,9 @@ def test_prefill_is_deterministic_on_the_gpu(gpu_engine):
     eng = gpu_engine
     _, a = prefilled_state(eng.model, eng.cache, 4, 13)
     _, b = prefilled_state(eng.model, eng.cache, 4, 13)
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    # the trash row is left out: every dropped write of a ring lands in its scratch slot
+    t = eng.cache.max_rows
+    differ = [k for k in a if not torch.equal(a[k][:t], b[k][:t])]
     assert not differ, f"two prefills of the same prompts differ in {differ}"
 
 
