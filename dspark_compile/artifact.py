@@ -598,17 +598,21 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
     register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], device)
-    programs = {}
-    for b in manifest["buckets"]:
-        entry = manifest["programs"][str(b)]
-        try:
-            ep = torch.export.load(str(engine_dir / entry["path"]))
-        except Exception as e:
-            raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
-                                path=entry["path"]) from e
-        _attach_weights(ep, entry["shared_weights"], weights, b)
-        programs[b] = ep
+    programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
     return manifest, programs, weights
+
+
+def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
+    """Bucket's program of a validated manifest, with the shared `weights` attached (the ops
+    must be registered: register_kernel_ops)."""
+    entry = manifest["programs"][str(bucket)]
+    try:
+        ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
+    except Exception as e:
+        raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
+                            path=entry["path"]) from e
+    _attach_weights(ep, entry["shared_weights"], weights, bucket)
+    return ep
 
 
 def update_manifest_field(engine_dir, field: str, value) -> dict:

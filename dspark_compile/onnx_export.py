@@ -63,20 +63,12 @@ def input_names(ep) -> list:
 
 def load_program(engine_dir, manifest: dict, bucket: int):
     """One bucket's program with the engine's weights attached (load_engine loads them all)."""
-    from dspark_compile.artifact import (ArtifactError, _attach_weights, _load_weights,
-                                         register_kernel_ops)
+    from dspark_compile.artifact import _load_weights, load_program as load, register_kernel_ops
     engine_dir = Path(engine_dir)
     register_kernel_ops()
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], "cpu")
-    entry = manifest["programs"][str(bucket)]
-    try:
-        ep = torch.export.load(str(engine_dir / entry["path"]))
-    except Exception as e:
-        raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
-                            path=entry["path"]) from e
-    _attach_weights(ep, entry["shared_weights"], weights, bucket)
-    return ep
+    return load(engine_dir, manifest, bucket, weights)
 
 
 def functional_program(ep, specs: dict):
