@@ -98,10 +98,11 @@ def _memory_cap(device: torch.device, per_worker: int) -> int:
 
 def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[dict, dict, int]:
     """Compile every program and its variants; returns ({engine path: artifact bytes},
-    {bucket: {variant: compile seconds}}, the number of workers used). `workers` <= 1
-    compiles in this process."""
+    {bucket: {variant: compile seconds}}, the number of workers used). `workers`: 0 = one per
+    job up to half the CPU cores, 1 = in this process."""
     from dspark_compile.compiled import compiled_path
     jobs = [(b, v) for b in sorted(programs) for v in variants_of(programs[b])]
+    workers = workers or default_workers(len(jobs))
     files, seconds = {}, {}
     if workers <= 1:
         from dspark_compile.compiled import compile_program
@@ -183,7 +184,8 @@ def _worker(job: Path, variant: str, threads: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="compile one program of a build (internal)")
     p.add_argument("job")
-    p.add_argument("--variant", required=True, choices=("full", "greedy"))
+    from dspark_compile.compiled import VARIANTS
+    p.add_argument("--variant", required=True, choices=VARIANTS)
     p.add_argument("--threads", type=int, required=True)
     a = p.parse_args()
     _worker(Path(a.job), a.variant, a.threads)

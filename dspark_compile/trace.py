@@ -44,17 +44,15 @@ def state_input_names(ep) -> list[str]:
 def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
     """Every program and its variants Inductor-compiled (dspark_compile/compile_workers.py);
     the manifest's `compiled` table, plus "files" {engine path: artifact bytes}."""
-    from dspark_compile.compile_workers import compile_programs, default_workers, variants_of
+    from dspark_compile.compile_workers import compile_programs
     from dspark_compile.compiled import compiled_path
-    table = {str(b): {v: compiled_path(b, v) for v in variants_of(ep)}
-             for b, ep in programs.items()}
-    workers = bc.compile_workers or default_workers(sum(len(v) for v in table.values()))
     t = time.perf_counter()
-    files, seconds, workers = compile_programs(programs, state, workers, log)
+    files, seconds, workers = compile_programs(programs, state, bc.compile_workers, log)
     wall = time.perf_counter() - t
     total = sum(s for per in seconds.values() for s in per.values())
     log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "
         f"{workers} workers)")
+    table = {b: {v: compiled_path(int(b), v) for v in per} for b, per in seconds.items()}
     return {"programs": table, "compile_seconds": seconds, "workers": workers,
             "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
             "files": files}

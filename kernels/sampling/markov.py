@@ -158,15 +158,10 @@ def _full_buffers(plan, B, N, V, NBLK, C, CHUNK, TILE, dev):
                 best_i=torch.empty((B, C), dtype=i32, device=dev))
     ncnt = N * (6 + 2 * plan.refine_passes) * B + 4 * B
     nkey = N * B if plan.candidate else 0
-    # allocated as int64 and viewed as int32 for the counters: the other way round (an int32
-    # slice viewed as int64) breaks a tracer that folds the zero fill to one element, which has
-    # no int64 view (Inductor's uniform-value folder, when it traces into a launcher)
-    n32 = ncnt + ncnt % 2
-    zeroed = torch.zeros((n32 // 2 + nkey,), dtype=i64, device=dev)
-    z32 = zeroed.view(i32)
-    bufs["counters"] = z32[:ncnt - 4 * B].view(N, -1, B)
-    bufs["rst"] = z32[ncnt - 4 * B:ncnt].view(B, 4)
-    bufs["rowkey"] = zeroed[n32 // 2:] if plan.candidate else bufs["prev"]
+    zeroed = torch.zeros((ncnt + ncnt % 2 + 2 * nkey,), dtype=i32, device=dev)
+    bufs["counters"] = zeroed[:ncnt - 4 * B].view(N, -1, B)
+    bufs["rst"] = zeroed[ncnt - 4 * B:ncnt].view(B, 4)
+    bufs["rowkey"] = zeroed[ncnt + ncnt % 2:].view(i64) if plan.candidate else bufs["prev"]
     bufs["thr"] = threshold_scratch(B, C, CHUNK, plan.cap, plan.hist_bins, plan.refine_edges,
                                     dev, TILE)
     if plan.candidate:
