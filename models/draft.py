@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_compile.kernels import draft_attention as _draft_attention  # noqa: F401 (registers the op)
 from dspark_compile.kernels.common import rmsnorm
 from dspark_compile.kernels.qkv_postprocess import context_kv_store_reference, qkv_rope_reference
 
-from dspark_compile.models.attention import Attention, norm_and_quant, sink_attention
+from dspark_compile.models.attention import Attention, norm_and_quant
 from dspark_compile.models.block import Block
 from dspark_compile.models.config import ModelConfig, Precision
-from dspark_compile.models.linear import FP8Linear, RMSNormWeight, acc_dtype
+from dspark_compile.models.linear import FP8Linear, RMSNormWeight
 from dspark_compile.models.mhc import HCHead
 
 
@@ -45,18 +46,15 @@ class DraftAttention(Attention):
         super().__init__(cfg, 0, prec, cos_sin)
 
     def forward(self, x, xq, rows, pos, last_pos, ring):
-        cfg, acc = self.cfg, acc_dtype(self.prec.dtype)
+        cfg = self.cfg
         B, N = pos.shape
+        H = cfg.num_attention_heads
         q, _, _, kv = self.project_q_kv(x, xq)
         q, kv = qkv_rope_reference(q, kv, pos.reshape(-1), self.cos_sin, cfg.rms_norm_eps)
-        W = ring.shape[1]
-        L = last_pos[:, None]                                                  # [B, 1]
-        slot_pos = L - torch.remainder(L - torch.arange(W, device=x.device), W)
-        ctx_ok = (slot_pos >= 0)[:, None, :].expand(B, N, W)
-        blk_ok = torch.ones(B, N, N, dtype=torch.bool, device=x.device)
-        o = sink_attention(q.view(B, N, cfg.num_attention_heads, -1), [ring[rows], kv.view(B, N, -1)],
-                           [ctx_ok, blk_ok], self.attn_sink, cfg.head_dim ** -0.5, acc)
-        return self.output(o.to(self.prec.dtype).view(B * N, cfg.num_attention_heads, -1), pos.reshape(-1))
+        # one op: the context ring read once per tile of the block's N x H query rows
+        o = torch.ops.dspark.draft_attention(q.view(B, N, H, -1), kv.view(B, N, -1), ring, rows,
+                                             last_pos, self.attn_sink, cfg.head_dim ** -0.5)
+        return self.output(o.view(B * N, H, -1), pos.reshape(-1))
 
     def context_kv(self, main_x, main_xq):
         return rmsnorm(self.wkv(main_x, main_xq), self.kv_norm.weight, self.cfg.rms_norm_eps)
