@@ -4,7 +4,9 @@ Per layer (docs/model.md, "Attention"): q/kv projections and norms, QKV post-pro
 (q weightless per-head norm + RoPE, kv RoPE + FP8 quant + SWA insert), then on compressed
 layers the compressor (and on C4 layers the lightning indexer's top-k), then one softmax over
 SWA window ∪ compressed candidates with the sink in the denominator only, inverse RoPE at the
-query position, grouped low-rank output projection.
+query position, grouped low-rank output projection. The indexer's scores + top-k and the
+attention are one `dspark::` op each (kernels/indexer_topk.py, kernels/sparse_attention.py),
+reading the caches as stored.
 
 Candidates are read back from the caches after this forward's writes, so a token attends to
 its own (quantized) KV exactly as vLLM does, and causality inside a multi-token forward comes
@@ -15,10 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_compile.kernels import indexer_topk as _indexer_topk  # noqa: F401 (registers the op)
+from dspark_compile.kernels import sparse_attention as _sparse_attention  # noqa: F401 (registers)
 from dspark_compile.kernels.act_quant import rmsnorm_quant_reference
-from dspark_compile.kernels.common import e8m0_byte_to_scale, masked_row_write, rmsnorm, rope_last
+from dspark_compile.kernels.common import masked_row_write, rmsnorm, rope_last
 from dspark_compile.kernels.qkv_postprocess import (
-    KV_QUANT_GROUP, kv_quant_reference, qkv_postprocess_reference, qkv_rope_reference)
+    kv_quant_reference, qkv_postprocess_reference, qkv_rope_reference)
 
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.compressor import Compressor
@@ -26,14 +30,12 @@ from dspark_compile.models.config import ModelConfig, Precision
 from dspark_compile.models.linear import BF16Linear, FP8Linear, RMSNormWeight, acc_dtype
 
 
-def read_kv(state: dict, prefix: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantized KV rows [B, n, d] of a cache (fp8_ds_mla style or float)."""
+def kv_cache(state: dict, prefix: str) -> tuple:
+    """(kv, scale, rope) of a cache as stored: fp8 nope, E8M0 bytes, bf16 rope (fp8_ds_mla style),
+    or (float kv, None, None) when the KV caches are not FP8."""
     if f"{prefix}_kv" in state:
-        return state[f"{prefix}_kv"][rows].to(dtype)
-    nope = state[f"{prefix}_nope"][rows].to(torch.float32)
-    scale = e8m0_byte_to_scale(state[f"{prefix}_scale"][rows])
-    nope = (nope.unflatten(-1, (-1, KV_QUANT_GROUP)) * scale.unsqueeze(-1)).flatten(-2)
-    return torch.cat((nope, state[f"{prefix}_rope"][rows].to(torch.float32)), -1).to(dtype)
+        return state[f"{prefix}_kv"], None, None
+    return state[f"{prefix}_nope"], state[f"{prefix}_scale"], state[f"{prefix}_rope"]
 
 
 def write_kv(state: dict, prefix: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
@@ -104,14 +106,10 @@ class Indexer(nn.Module):
         qi = self.wq_b(qr, qr_q).view(B * T, cfg.index_n_heads, cfg.index_head_dim)
         qi = rope_last(qi, cos_sin, batch.flat_pos(), cos_sin.shape[-1]).view(B, T, cfg.index_n_heads, -1)
         w = self.weights_proj(x, out_dtype=acc) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-        keys = k_cache[batch.rows].to(acc)                                     # [B, NE, d_i]
-        logits = torch.relu(torch.einsum("bthd,bnd->bthn", qi.to(acc), keys))
-        score = (logits * w.view(B, T, -1, 1)).sum(2)                          # [B, T, NE]
-        visible = torch.arange(n_entries, device=x.device) < ((batch.pos + 1) // 4)[..., None]
-        score = score.masked_fill(~visible, float("-inf"))
-        k = min(cfg.index_topk, n_entries)
-        top, idx = score.topk(k, dim=-1)
-        return idx, top > float("-inf")
+        # scores over the visible entries + top-k (ties: lowest entry index), -1 = no entry
+        idx = torch.ops.dspark.indexer_topk(qi, w.view(B, T, -1), k_cache, batch.rows, batch.pos,
+                                            cfg.index_topk, 4)
+        return idx, idx >= 0
 
 
 class Attention(nn.Module):
@@ -153,7 +151,6 @@ class Attention(nn.Module):
 
     def forward(self, x, xq, batch: Batch, state: dict, p: str) -> torch.Tensor:
         cfg, prec = self.cfg, self.prec
-        acc = acc_dtype(prec.dtype)
         B, T = batch.B, batch.T
         cos_sin = self.cos_sin
         q, qr, qr_q, kv = self.project_q_kv(x, xq)
@@ -168,32 +165,20 @@ class Attention(nn.Module):
             q, kv_r = qkv_rope_reference(q, kv, pos, cos_sin, cfg.rms_norm_eps)
             masked_row_write(state[f"{p}.swa_kv"].flatten(0, 1), slots, kv_r)
 
-        # SWA candidates: ring slot s holds position P - ((P - s) mod ring) for query position P
-        P = batch.pos[..., None]                                              # [B, T, 1]
-        s = torch.arange(swa_ring, device=x.device)
-        slot_pos = P - torch.remainder(P - s, swa_ring)
-        keys = [read_kv(state, f"{p}.swa", batch.rows, acc)]
-        masks = [(slot_pos >= 0) & (slot_pos > P - cfg.sliding_window)]
-
+        # candidates: the SWA window (ring slot p % ring for p in (P - W, P]) and, on compressed
+        # layers, C128's visible entries or C4's top-k list, read after this forward's writes
+        cmp, top_idx = (None, None, None), None
         if self.ratio:
             if self.ratio == 4:
-                top_idx, top_ok = self.indexer(x, qr, qr_q, batch, state, p, cos_sin)
+                top_idx, _ = self.indexer(x, qr, qr_q, batch, state, p, cos_sin)
             entries, blk, closes = self.compressor(x, batch, state[f"{p}.cmp_kv"], state[f"{p}.cmp_score"],
                                                    cos_sin)
-            ckey = f"{p}.ckv_nope" if prec.kv_fp8 else f"{p}.ckv_kv"
-            n_entries = state[ckey].shape[1]
-            write_kv(state, f"{p}.ckv", Compressor.entry_slots(batch, blk, closes, n_entries),
+            cmp = kv_cache(state, f"{p}.ckv")
+            write_kv(state, f"{p}.ckv", Compressor.entry_slots(batch, blk, closes, cmp[0].shape[1]),
                      entries.reshape(-1, cfg.head_dim))
-            ckv = read_kv(state, f"{p}.ckv", batch.rows, acc)                # [B, NE, d]
-            if self.ratio == 4:
-                sel = ckv[torch.arange(B, device=x.device)[:, None, None], top_idx]  # [B, T, k, d]
-                keys.append(sel)
-                masks.append(top_ok)
-            else:
-                j = torch.arange(n_entries, device=x.device)
-                keys.append(ckv)
-                masks.append(j < (batch.pos[..., None] + 1) // self.ratio)
 
         q = q.view(B, T, cfg.num_attention_heads, cfg.head_dim)
-        o = sink_attention(q, keys, masks, self.attn_sink, cfg.head_dim ** -0.5, acc)
-        return self.output(o.to(prec.dtype).view(B * T, cfg.num_attention_heads, -1), pos)
+        o = torch.ops.dspark.sparse_attention(q, *kv_cache(state, f"{p}.swa"), *cmp, top_idx, batch.rows,
+                                              batch.pos, self.attn_sink, cfg.head_dim ** -0.5,
+                                              cfg.sliding_window, self.ratio)
+        return self.output(o.view(B * T, cfg.num_attention_heads, -1), pos)
