@@ -256,13 +256,16 @@ def _moe_bf16_grouped(touched, k):
 
 def _moe_tuning_variants(T, dims: MoeDims) -> dict:
     """Tuning data from the same run (moe.MoePlan is untuned): narrower N tiles (the gate/up
-    kernel takes 236 registers on sm_90 at the default), 8 warps, 64-row blocks."""
+    kernel takes 236 registers on sm_90 at the default), 8 warps, 64-row blocks, 256-wide K
+    steps (128-byte weight runs) where they divide the dims."""
     base = moe.moe_plan(T * dims.top_k, dims.experts, dims.hidden, dims.inter)
     plans = {"ours-bn32": dataclasses.replace(base, block_n=32),
              "ours-w8": dataclasses.replace(base, num_warps=8),
-             "ours-bm64": dataclasses.replace(base, block_m=64)}
+             "ours-bm64": dataclasses.replace(base, block_m=64),
+             "ours-bk256": dataclasses.replace(base, block_k=256),
+             "ours-bk256-bn32": dataclasses.replace(base, block_k=256, block_n=32)}
     return {label: (lambda d, p=p: moe.moe_experts_launch(*_moe_args(d), plan=p))
-            for label, p in plans.items()}
+            for label, p in plans.items() if dims.hidden % p.block_k == dims.inter % p.block_k == 0}
 
 
 def moe_cases(batches, dims: MoeDims = MoeDims()):

@@ -566,6 +566,7 @@ def setup_engine(args, work: Path, log) -> tuple[object, dict]:
     eng = Engine.load(engine_dir, device=args.device, use_graphs=graphs, record_graph_memory=False)
     times["load_s"] = time.perf_counter() - t
     times["engine_dir"] = str(engine_dir)
+    log(f"[load] {engine_dir} in {times['load_s']:.1f}s (graphs: {graphs})")
     return eng, times
 
 
@@ -647,7 +648,9 @@ def main(argv=None) -> int:
         compile_over = None     # once one bucket's compile is skipped, larger ones are too
         write()
         for case in args.cases:
+            t = time.perf_counter()
             snap = prefill_case(eng, case, args)
+            log(f"[prefill] case {case}: {eng.cache.max_rows} rows in {time.perf_counter() - t:.1f}s")
             ctx["restore"] = restore = lambda snap=snap: restore_state(eng.state, snap)
             for B in args.buckets:
                 key = f"{case}/B{B}"
@@ -657,6 +660,7 @@ def main(argv=None) -> int:
                     _, num = step(ctx["rows"][B], eng.state)
                 tokens_per_row = float(num.double().mean())
                 restore()
+                log(f"[eager] {key}: routing recorded")
                 floor = step_floor.byte_floor(eng.model, eng.state, rows_list, routing)
                 floor["us"] = floor["bytes"] / bw * 1e6
                 rec["floors"][key] = floor

@@ -96,18 +96,26 @@ def _e2m1(c):
 
 
 @triton.jit
-def _mxfp4_tile(w_ptr, s_ptr, rows, rmask, kb, KB, DT: tl.constexpr):
-    """Weight rows `rows` [BN] at packed bytes kb [BKH] of rows of KB bytes -> (even, odd)
+def _mxfp4_tile(w_ptr, s_ptr, rows, rmask, kb0, KB, BN: tl.constexpr, BKH: tl.constexpr,
+                DT: tl.constexpr):
+    """Weight rows `rows` [BN] at packed bytes kb0..kb0+BKH of rows of KB bytes -> (even, odd)
     elements [BKH, BN] in DT: e2m1(code) * 2^(scale byte - 127), exact in DT (<= 2 significant
-    bits). Scale byte 0 is 2^-127 (an fp32 subnormal), 255 gives inf, as the reference."""
-    byte = tl.load(w_ptr + rows[None, :] * KB + kb[:, None], mask=rmask[None, :], other=0)
-    sb = tl.load(s_ptr + rows[None, :] * (KB // 16) + (kb // 16)[:, None], mask=rmask[None, :],
+    bits). Scale byte 0 is 2^-127 (an fp32 subnormal), 255 gives inf, as the reference.
+
+    Loaded as [BN, BKH] (each row's bytes contiguous: 64-byte runs at BLOCK_K 128) and
+    transposed in registers: a [BKH, BN] load walks rows KB bytes apart, one byte per
+    transaction. Each row's BKH / 16 scale bytes are loaded once and broadcast."""
+    kb = kb0 + tl.arange(0, BKH)
+    byte = tl.load(w_ptr + rows[:, None] * KB + kb[None, :], mask=rmask[:, None], other=0)
+    ks = kb0 // 16 + tl.arange(0, BKH // 16)
+    sb = tl.load(s_ptr + rows[:, None] * (KB // 16) + ks[None, :], mask=rmask[:, None],
                  other=127).to(tl.int32)
     scale = tl.where(sb == 0, 0x00400000, sb << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, BKH // 16, 16]), [BN, BKH])
     b = byte.to(tl.int32)
     lo = (_e2m1(b & 15) * scale).to(DT)
     hi = (_e2m1(b >> 4) * scale).to(DT)
-    return lo, hi
+    return tl.trans(lo), tl.trans(hi)
 
 
 @triton.jit
@@ -146,12 +154,11 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
     DT = x_ptr.dtype.element_ty
     g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    kb = tl.arange(0, BLOCK_K // 2)
     for k0 in range(0, D, BLOCK_K):
         xe, xo = _act_tile(x_ptr, x_off, live, k0, BLOCK_K)
-        lo, hi = _mxfp4_tile(w1_ptr, s1_ptr, w_rows, nmask, k0 // 2 + kb, D // 2, DT)
+        lo, hi = _mxfp4_tile(w1_ptr, s1_ptr, w_rows, nmask, k0 // 2, D // 2, BLOCK_N, BLOCK_K // 2, DT)
         g = _dot(xo, hi, _dot(xe, lo, g, IEEE), IEEE)
-        lo, hi = _mxfp4_tile(w3_ptr, s3_ptr, w_rows, nmask, k0 // 2 + kb, D // 2, DT)
+        lo, hi = _mxfp4_tile(w3_ptr, s3_ptr, w_rows, nmask, k0 // 2, D // 2, BLOCK_N, BLOCK_K // 2, DT)
         u = _dot(xo, hi, _dot(xe, lo, u, IEEE), IEEE)
     # the reference rounds both GEMMs to x's dtype, clamps (NaN stays NaN), silu in fp32
     g = round_to(g, DT, SOFT)
@@ -180,10 +187,9 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_
     w_rows = e * D + n
     DT = h_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    kb = tl.arange(0, BLOCK_K // 2)
     for k0 in range(0, I, BLOCK_K):
         he, ho = _act_tile(h_ptr, h_off, live, k0, BLOCK_K)
-        lo, hi = _mxfp4_tile(w2_ptr, s2_ptr, w_rows, nmask, k0 // 2 + kb, I // 2, DT)
+        lo, hi = _mxfp4_tile(w2_ptr, s2_ptr, w_rows, nmask, k0 // 2, I // 2, BLOCK_N, BLOCK_K // 2, DT)
         acc = _dot(ho, hi, _dot(he, lo, acc, IEEE), IEEE)
     # epilogue: the expert's output rounded to the activation dtype, times the routing weight
     wt = tl.load(wt_ptr + pair, mask=live, other=0.0)
