@@ -111,13 +111,342 @@ def sparse_attention_reference(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale,
 
 
 # ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+
+SM_COUNT_HINT = 132      # H200: sizes the split for the compile configs and CPU plans
+TARGET_WAVES = 2         # programs per SM the split aims for
+MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split: below this the partials' traffic dominates
+# 32 heads x (448 + 64) dims per program: sm_120 cross-compile with 8 warps, 32 candidates a
+# block and 2 stages: 75 KB shared memory, no spills (64 heads: 99-132 KB, over SM12x's 99 KB)
+BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 32, 8, 2
+COMBINE_HEADS = 16       # heads per combine program (16 x 512 fp32 partials per split)
+
+
+@dataclass(frozen=True)
+class SparseAttentionPlan:
+    """Launch choices of one (tokens, heads, candidate capacity) shape: BLOCK_H heads and
+    BLOCK_N candidates per MMA tile, `split` programs per token over its candidate blocks."""
+    block_h: int
+    block_n: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def sparse_attention_plan(tokens: int, heads: int, n_candidates: int, interpret: bool = False,
+                          sm_count: int = SM_COUNT_HINT) -> SparseAttentionPlan:
+    """`n_candidates`: the most candidates a token can have (window + the compressed list or
+    cache capacity): static, so every launch of a bucket's layer has one plan."""
+    if interpret:   # the interpreter pays per operation: big tiles, no split unless asked
+        return SparseAttentionPlan(max(16, next_pow2(heads)), 16, 1, 4, 1)
+    block_h = min(BLOCK_H, max(16, next_pow2(heads)))
+    programs = tokens * triton.cdiv(heads, block_h)
+    blocks = triton.cdiv(n_candidates, BLOCK_N)
+    split = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT,
+                       triton.cdiv(TARGET_WAVES * sm_count, max(programs, 1))))
+    return SparseAttentionPlan(block_h, BLOCK_N, split, NUM_WARPS, NUM_STAGES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+NEG = -1.0e30            # running max of a split that has seen nothing (finite: exp2(NEG - NEG) = 1)
+
+
+@triton.jit
+def _fp8_to_f32(b, SOFT: tl.constexpr):
+    """e4m3 bytes -> fp32 (software decode under the interpreter, whose fp8 cast is inexact)."""
+    if SOFT:
+        e = ((b >> 3) & 0xF).to(tl.int32)
+        m = (b & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * ((e + 117) << 23).to(tl.float32,
+                                                                                  bitcast=True))
+        mag = tl.where((b & 0x7F) == 0x7F, float("nan"), mag)
+        return tl.where((b & 0x80) != 0, -mag, mag)
+    else:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _load_block(nope_ptr, scale_ptr, rope_ptr, ent, ok, stride_n, stride_s, stride_r,
+                FP8: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, SOFT: tl.constexpr):
+    """Entries `ent` [BLOCK_N] of one cache, dequantized in registers: (nope [BN, BLOCK_NOPE],
+    rope [BN, BLOCK_R]) fp32, 0 where not `ok` (masked lanes read nothing)."""
+    offs_d = tl.arange(0, BLOCK_NOPE)
+    offs_r = tl.arange(0, BLOCK_R)
+    mn = ok[:, None] & (offs_d[None, :] < NOPE)
+    mr = ok[:, None] & (offs_r[None, :] < ROPE)
+    if FP8:
+        b = tl.load(nope_ptr + ent[:, None] * stride_n + offs_d[None, :], mask=mn, other=0)
+        e = tl.load(scale_ptr + ent[:, None] * stride_s + (offs_d // 64)[None, :], mask=mn,
+                    other=127)
+        # 2^(e - 127) from the exponent bits; 0 is the subnormal 2^-127, as exp2 gives it
+        sc = tl.where(e == 0, 0x400000, e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        kn = _fp8_to_f32(b, SOFT) * sc
+    else:
+        kn = tl.load(nope_ptr + ent[:, None] * stride_n + offs_d[None, :], mask=mn,
+                     other=0.0).to(tl.float32)
+    kr = tl.load(rope_ptr + ent[:, None] * stride_r + offs_r[None, :], mask=mr,
+                 other=0.0).to(tl.float32)
+    return kn, kr
+
+
+@triton.jit
+def _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT: tl.constexpr,
+            DOT_DT: tl.constexpr, SOFT: tl.constexpr):
+    """One online-softmax step (base 2) over a block of candidates. Scores are dots of DOT_DT
+    operands (q's dtype on a GPU; the dequantized cache values are exact in bf16), p is rounded
+    to q's dtype for the PV product (FlashAttention's convention), sums in fp32. DOT_DT is fp32
+    under the interpreter (its bf16 dot is wrong): the same products, exact in fp32."""
+    kn_d = kn.to(DOT_DT)
+    kr_d = kr.to(DOT_DT)
+    s = tl.dot(q_n, tl.trans(kn_d), input_precision="ieee")
+    s += tl.dot(q_r, tl.trans(kr_d), input_precision="ieee")
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    p_d = round_to(p, Q_DT, SOFT).to(DOT_DT)
+    acc_n = acc_n * alpha[:, None] + tl.dot(p_d, kn_d, input_precision="ieee")
+    acc_r = acc_r * alpha[:, None] + tl.dot(p_d, kr_d, input_precision="ieee")
+    return m_new, l, acc_n, acc_r
+
+
+@triton.jit
+def _sparse_attention_kernel(
+        q_ptr, o_ptr, ws_ptr, sink_ptr, rows_ptr, pos_ptr, idx_ptr,
+        swn_ptr, sws_ptr, swr_ptr, cn_ptr, cs_ptr, cr_ptr,
+        T, H, R, RING, NE, K, window, ratio, qk_scale,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_it,
+        sw_n, sw_s, sw_r, c_n, c_s, c_r,
+        FP8: tl.constexpr, CMP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+        BLOCK_R: tl.constexpr, PARTIAL: tl.constexpr, NUM_STAGES: tl.constexpr,
+        SOFT: tl.constexpr):
+    """Program (head block, token, split): head blocks of a token, then the tokens of a row,
+    are neighbours in launch order, so their shared candidates come from L2. CMP: 0 SWA only,
+    1 every visible compressed entry (C128), 2 the listed entries (C4). PARTIAL (split > 1)
+    writes fp32 partials (acc | m | l per head) to ws [split, tokens, H, NOPE + ROPE + 2];
+    otherwise o."""
+    hb = tl.program_id(0)
+    tok = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    SPLIT = tl.num_programs(2)
+    Q_DT: tl.constexpr = q_ptr.dtype.element_ty
+    DOT_DT: tl.constexpr = tl.float32 if SOFT else Q_DT
+    row = tl.load(rows_ptr + tok // T).to(tl.int64)
+    P = tl.load(pos_ptr + tok).to(tl.int64)
+    row_ok = (row >= 0) & (row < R)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = offs_h < H
+    offs_d = tl.arange(0, BLOCK_NOPE)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_rows = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh
+    q_n = tl.load(q_rows + offs_d[None, :], mask=hm[:, None] & (offs_d[None, :] < NOPE),
+                  other=0.0).to(DOT_DT)
+    q_r = tl.load(q_rows + NOPE + offs_r[None, :], mask=hm[:, None] & (offs_r[None, :] < ROPE),
+                  other=0.0).to(DOT_DT)
+    sink = tl.load(sink_ptr + offs_h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+    # the sink is one more softmax term (value 0) in split 0 only
+    m = tl.where(sp == 0, sink, -1.0e30)
+    l = tl.where(sp == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    acc_n = tl.zeros([BLOCK_H, BLOCK_NOPE], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+
+    visible = tl.where(row_ok & (P >= 0), (P + 1) // ratio, 0)   # compressed entries visible
+    if CMP == 1:
+        n_c = tl.minimum(visible, NE)
+    elif CMP == 2:
+        n_c = K + 0 * visible
+    else:
+        n_c = 0 * visible
+    nb_swa = tl.cdiv(window, BLOCK_N)
+    n_blocks = nb_swa + tl.cdiv(n_c, BLOCK_N)
+    per = tl.cdiv(n_blocks, SPLIT)
+    lo = sp * per
+    hi = tl.minimum(lo + per, n_blocks)
+    for blk in tl.range(lo, tl.minimum(hi, nb_swa), num_stages=NUM_STAGES):
+        c = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        p_c = P - window + 1 + c                                     # candidate positions
+        ok = (c < window) & (p_c >= 0) & row_ok
+        ent = row * RING + tl.where(ok, p_c, 0) % RING
+        kn, kr = _load_block(swn_ptr, sws_ptr, swr_ptr, ent, ok, sw_n, sw_s, sw_r, FP8, NOPE,
+                             ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
+        m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
+                                     DOT_DT, SOFT)
+    for blk in tl.range(tl.maximum(lo, nb_swa), hi, num_stages=NUM_STAGES):
+        c = (blk - nb_swa) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if CMP == 1:
+            e = c
+            ok = c < n_c
+        else:
+            e = tl.load(idx_ptr + tok * stride_it + c, mask=c < K, other=-1).to(tl.int64)
+            ok = (e >= 0) & (e < NE) & (e < visible)
+        ent = row * NE + tl.where(ok, e, 0)
+        kn, kr = _load_block(cn_ptr, cs_ptr, cr_ptr, ent, ok, c_n, c_s, c_r, FP8, NOPE, ROPE,
+                             BLOCK_NOPE, BLOCK_R, SOFT)
+        m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
+                                     DOT_DT, SOFT)
+
+    mn = hm[:, None] & (offs_d[None, :] < NOPE)
+    mr = hm[:, None] & (offs_r[None, :] < ROPE)
+    if not PARTIAL:
+        dt = o_ptr.dtype.element_ty
+        o_rows = o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh
+        tl.store(o_rows + offs_d[None, :], round_to(acc_n / l[:, None], dt, SOFT).to(dt), mask=mn)
+        tl.store(o_rows + NOPE + offs_r[None, :], round_to(acc_r / l[:, None], dt, SOFT).to(dt),
+                 mask=mr)
+    else:
+        W: tl.constexpr = NOPE + ROPE + 2
+        w_rows = ws_ptr + ((sp * tl.num_programs(1) + tok) * H + offs_h[:, None]) * W
+        tl.store(w_rows + offs_d[None, :], acc_n, mask=mn)
+        tl.store(w_rows + NOPE + offs_r[None, :], acc_r, mask=mr)
+        tl.store(w_rows + NOPE + ROPE + tl.arange(0, 2)[None, :],
+                 tl.where(tl.arange(0, 2)[None, :] == 0, m[:, None], l[:, None]),
+                 mask=hm[:, None])
+
+
+@triton.jit
+def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SOFT: tl.constexpr):
+    """o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits, in split order."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    W: tl.constexpr = D + 2
+    stride_s = tl.num_programs(0) * H * W
+    rows = ws_ptr + (tok * H + offs_h) * W
+    big = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    for s in range(SPLIT):
+        big = tl.maximum(big, tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30))
+    den = tl.zeros([BLOCK_H], tl.float32)
+    num = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(SPLIT):
+        w = tl.exp2(tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30) - big)
+        den += w * tl.load(rows + s * stride_s + D + 1, mask=hm, other=0.0)
+        a = tl.load(rows[:, None] + s * stride_s + offs_d[None, :],
+                    mask=hm[:, None] & (offs_d[None, :] < D), other=0.0)
+        num += w[:, None] * a
+    dt = o_ptr.dtype.element_ty
+    o = round_to(num / den[:, None], dt, SOFT).to(dt)
+    tl.store(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o,
+             mask=hm[:, None] & (offs_d[None, :] < D))
+
+
+# ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
+_Q_DTYPES = (torch.bfloat16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _cache_views(name, kv, scale, rope, R, D):
+    """(nope, scale, rope) 2-D [R*n, width] views of one cache + (fp8, NOPE, ROPE); raises
+    naming the argument when the layout is not the one the caches are stored in."""
+    if kv.dim() != 3 or kv.shape[0] != R:
+        raise ValueError(f"{name}_kv must be [R={R}, n, width], got {tuple(kv.shape)}")
+    n = kv.shape[1]
+    if scale is None:
+        if rope is not None or kv.shape[2] != D or not kv.dtype.is_floating_point:
+            raise ValueError(f"{name}: a float cache is {name}_kv [R, n, D={D}] with "
+                             f"{name}_scale and {name}_rope None")
+        flat = kv.view(R * n, D)
+        return (flat, flat, flat), False, D, 0
+    nope = kv.shape[2]
+    if kv.dtype != torch.float8_e4m3fn or nope % KV_GROUP:
+        raise ValueError(f"{name}_kv must be float8_e4m3fn [R, n, 64k], got {kv.dtype} "
+                         f"{tuple(kv.shape)}")
+    for arg, t, w, dt in (("scale", scale, nope // KV_GROUP, torch.uint8),
+                          ("rope", rope, D - nope, torch.bfloat16)):
+        if t is None or t.shape != (R, n, w) or t.dtype != dt:
+            raise ValueError(f"{name}_{arg} must be {dt} [{R}, {n}, {w}], got "
+                             f"{None if t is None else (t.dtype, tuple(t.shape))}")
+    views = (kv.view(torch.uint8).view(R * n, nope), scale.view(R * n, nope // KV_GROUP),
+             rope.view(R * n, D - nope))
+    return views, True, nope, D - nope
+
+
+def _check(q, swa, cmp, cmp_idx, rows, pos, sink, window, ratio):
+    if q.dim() != 4 or q.dtype not in _Q_DTYPES:
+        raise ValueError(f"q must be bf16 / fp32 [B, T, H, D], got {q.dtype} {tuple(q.shape)}")
+    B, T, H, D = q.shape
+    if rows.shape != (B,) or rows.dtype not in _INT_DTYPES:
+        raise ValueError(f"rows must be int [{B}], got {rows.dtype} {tuple(rows.shape)}")
+    if pos.shape != (B, T) or pos.dtype not in _INT_DTYPES:
+        raise ValueError(f"pos must be int [{B}, {T}], got {pos.dtype} {tuple(pos.shape)}")
+    if sink.shape != (H,):
+        raise ValueError(f"sink must be [{H}], got {tuple(sink.shape)}")
+    R = swa[0].shape[0]
+    sw, fp8, nope, rope = _cache_views("swa", *swa, R, D)
+    if not 0 < window <= swa[0].shape[1]:
+        raise ValueError(f"window={window} must be in (0, ring={swa[0].shape[1]}]")
+    cv = sw
+    if ratio:
+        if cmp[0] is None:
+            raise ValueError(f"ratio={ratio} needs the compressed cache (cmp_kv)")
+        cv, cfp8, _, _ = _cache_views("cmp", *cmp, R, D)
+        if cfp8 != fp8:
+            raise ValueError("swa and cmp caches must both be FP8 or both float")
+    if cmp_idx is not None and (not ratio or cmp_idx.dim() != 3 or cmp_idx.shape[:2] != (B, T)
+                                or cmp_idx.dtype not in _INT_DTYPES):
+        raise ValueError(f"cmp_idx must be int [{B}, {T}, K] on a compressed layer, got "
+                         f"{cmp_idx.dtype} {tuple(cmp_idx.shape)} with ratio={ratio}")
+    return sw, cv, fp8, nope, rope
+
+
 def sparse_attention_launch(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, cmp_rope, cmp_idx,
-                            rows, pos, sink, scale, window, ratio, plan=None):
-    return sparse_attention_reference(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, cmp_rope,
-                                      cmp_idx, rows, pos, sink, scale, window, ratio)
+                            rows, pos, sink, scale, window, ratio,
+                            plan: SparseAttentionPlan | None = None):
+    """The Triton path (fp64 runs the reference: exact-precision mode has no kernel). `plan`
+    overrides sparse_attention_plan (tests)."""
+    if q.dtype == torch.float64:
+        return sparse_attention_reference(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale,
+                                          cmp_rope, cmp_idx, rows, pos, sink, scale, window, ratio)
+    sw, cv, fp8, nope, rope = _check(q, (swa_kv, swa_scale, swa_rope),
+                                     (cmp_kv, cmp_scale, cmp_rope), cmp_idx, rows, pos, sink,
+                                     window, ratio)
+    B, T, H, D = q.shape
+    q3 = q.reshape(B * T, H, D)
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
+    o = torch.empty((B * T, H, D), dtype=q.dtype, device=q.device)
+    if B * T == 0 or H == 0:
+        return o.view(B, T, H, D)
+    mode = 0 if not ratio else (1 if cmp_idx is None else 2)
+    NE = cmp_kv.shape[1] if ratio else 1
+    K = cmp_idx.shape[2] if mode == 2 else 0
+    kernel = _sparse_attention_kernel
+    soft = interpreting(kernel)
+    p = plan or sparse_attention_plan(B * T, H, window + (K if mode == 2 else NE if mode else 0),
+                                      soft)
+    n_hb = triton.cdiv(H, p.block_h)
+    ws = o if p.split == 1 else torch.empty((p.split, B * T, H, D + 2), dtype=torch.float32,
+                                            device=q.device)
+    idx = cmp_idx.reshape(B * T, -1) if mode == 2 else rows
+    block_d = next_pow2(nope)
+    launch(kernel)[(n_hb, B * T, p.split)](
+        q3, o, ws, sink, rows, pos.reshape(-1), idx, *sw, *cv, T, H, swa_kv.shape[0],
+        swa_kv.shape[1], NE, K, window, max(ratio, 1),
+        float(scale) * LOG2E, q3.stride(0), q3.stride(1), o.stride(0), o.stride(1),
+        idx.stride(0), *(t.stride(0) for t in sw), *(t.stride(0) for t in cv),
+        FP8=fp8, CMP=mode, NOPE=nope, ROPE=rope, BLOCK_H=p.block_h, BLOCK_N=p.block_n,
+        BLOCK_NOPE=block_d, BLOCK_R=max(16, next_pow2(rope)), PARTIAL=p.split > 1,
+        NUM_STAGES=p.num_stages, SOFT=soft, num_warps=p.num_warps)
+    if p.split > 1:
+        ck = _combine_kernel
+        launch(ck)[(B * T, triton.cdiv(H, COMBINE_HEADS))](
+            ws, o, H, p.split, o.stride(0), o.stride(1), D=D, BLOCK_H=COMBINE_HEADS,
+            BLOCK_D=next_pow2(D), SOFT=interpreting(ck), num_warps=4)
+    return o.view(B, T, H, D)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,3 +466,37 @@ def sparse_attention(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale: torch.Ten
                      sink: torch.Tensor, scale: float, window: int, ratio: int) -> torch.Tensor:
     return sparse_attention_launch(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, cmp_rope,
                                    cmp_idx, rows, pos, sink, scale, window, ratio)
+
+
+# SM12x readiness: the Flash launches (H = 64, D = 448 fp8 + 64 bf16 rope; bf16 q; the float
+# cache of --no-kv-fp8 in bf16) for each compressed mode, with and without split, + the combine.
+_D16 = "i32:16"
+
+
+def _configs():
+    out = []
+    p = sparse_attention_plan(6, 64, 640)
+    for fp8, cache_t in ((True, "*u8"), (False, "*bf16")):
+        nope, rope = (448, 64) if fp8 else (512, 0)
+        for mode in (0, 1, 2):
+            for partial in (False, True):
+                types = dict(q_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32" if partial else "*bf16",
+                             sink_ptr="*fp32", rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64",
+                             swn_ptr=cache_t, sws_ptr="*u8" if fp8 else cache_t,
+                             swr_ptr="*bf16", cn_ptr=cache_t, cs_ptr="*u8" if fp8 else cache_t,
+                             cr_ptr="*bf16", T="i32", H=_D16, R="i32", RING=_D16, NE=_D16,
+                             K=_D16, window=_D16, ratio="i32", qk_scale="fp32",
+                             stride_qt=_D16, stride_qh=_D16, stride_ot=_D16, stride_oh=_D16,
+                             stride_it=_D16, sw_n=_D16, sw_s="i32", sw_r=_D16, c_n=_D16,
+                             c_s="i32", c_r=_D16)
+                out.append(compile_config(_sparse_attention_kernel, types, dict(
+                    FP8=fp8, CMP=mode, NOPE=nope, ROPE=rope, BLOCK_H=p.block_h,
+                    BLOCK_N=p.block_n, BLOCK_NOPE=512, BLOCK_R=max(16, next_pow2(rope)),
+                    PARTIAL=partial, NUM_STAGES=p.num_stages, SOFT=False), p.num_warps))
+    out.append(compile_config(_combine_kernel, dict(ws_ptr="*fp32", o_ptr="*bf16", H=_D16,
+                                                    SPLIT="i32", stride_ot=_D16, stride_oh=_D16),
+                              dict(D=512, BLOCK_H=COMBINE_HEADS, BLOCK_D=512, SOFT=False), 4))
+    return out
+
+
+add_compile_configs("sparse_attention", _configs())
