@@ -159,22 +159,297 @@ def compress_store_fp8_reference(kv, score, ape, positions, rows, valid, ring_sl
 
 
 # ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """Launch choices of one (ratio, d_c) compressor: `rows` pooled rows per loop step (a
+    [rows, d_c] fp32 tile of kv and of scores per step), `num_warps`."""
+    rows: int
+    num_warps: int
+
+
+# fp32 elements of one [rows, d_c] tile: 4096 = 32 registers a thread per tile at 4 warps
+# (kv and scores: 64), so C4's 8 rows of 512 are one step and C128's 128 rows are 16.
+TILE_ELEMS = 4096
+NUM_WARPS = 4
+
+
+def compress_plan(ratio: int, d_c: int, interpreted: bool = False) -> CompressPlan:
+    """The plan for a compressor; the interpreter pays per operation, so it takes every pooled
+    row in one step."""
+    pooled = coff_of(ratio) * ratio
+    if interpreted:
+        return CompressPlan(pooled, NUM_WARPS)
+    return CompressPlan(max(1, min(pooled, TILE_ELEMS // d_c)), NUM_WARPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _ring_write(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, rkv_ptr, rsc_ptr, tok, n_slots,
+                stride_x, stride_s, stride_ape, stride_rs, CR: tl.constexpr, WIDTH: tl.constexpr):
+    """Ring slot of token `tok` := its kv row and its score row + ape[pos mod CR]; slot < 0 (or
+    past the ring) writes nothing."""
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    ok = (slot >= 0) & (slot < n_slots)
+    c = tl.arange(0, WIDTH)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    x = tl.load(kv_ptr + tok * stride_x + c)
+    s = tl.load(sc_ptr + tok * stride_s + c) + tl.load(ape_ptr + (pos % CR) * stride_ape + c)
+    tl.store(rkv_ptr + slot * stride_rs + c, x, mask=ok)
+    tl.store(rsc_ptr + slot * stride_rs + c, s, mask=ok)
+
+
+@triton.jit
+def _pool(kv_ptr, sc_ptr, ape_ptr, rkv_ptr, rsc_ptr, b, row, pos0, first, T, RING, stride_x,
+          stride_s, stride_ape, stride_rr, stride_rs, CR: tl.constexpr, COFF: tl.constexpr,
+          DC: tl.constexpr, ROWS: tl.constexpr):
+    """Σ_rows softmax_rows(S) ⊙ K per channel (fp32) over the COFF·CR rows from `first`: rows of
+    this chunk from the inputs (score + ape), earlier ones from the ring, positions < 0 masked."""
+    d = tl.arange(0, DC)
+    m = tl.full([DC], float("-inf"), tl.float32)
+    l = tl.zeros([DC], tl.float32)
+    acc = tl.zeros([DC], tl.float32)
+    for r0 in range(0, COFF * CR, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        p = first + r                                   # positions, int64
+        cols = ((r // CR) * DC)[:, None] + d[None, :]   # C4: this block's rows take the 2nd half
+        ok = p >= 0
+        inc = (p >= pos0) & (p < pos0 + T)
+        m_in = (ok & inc)[:, None]
+        m_rg = (ok & ~inc)[:, None]
+        tok = b * T + (p - pos0)
+        ring_rows = row * stride_rr + (tl.where(ok, p, 0) % RING)[:, None] * stride_rs + cols
+        x = tl.where(m_in, tl.load(kv_ptr + tok[:, None] * stride_x + cols, mask=m_in, other=0.0),
+                     tl.load(rkv_ptr + ring_rows, mask=m_rg, other=0.0))
+        s_in = tl.load(sc_ptr + tok[:, None] * stride_s + cols, mask=m_in, other=0.0) + \
+            tl.load(ape_ptr + (tl.where(ok, p, 0) % CR)[:, None] * stride_ape + cols, mask=m_in,
+                    other=0.0)
+        s = tl.where(m_in, s_in, tl.load(rsc_ptr + ring_rows, mask=m_rg, other=0.0))
+        s = tl.where(ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # a tile of masked rows only
+        alpha = tl.exp(m - m_sub)
+        e = tl.exp(s - m_sub[None, :])
+        l = l * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha + tl.sum(e * x, axis=0)
+        m = m_new
+    return tl.math.div_rn(acc, l)
+
+
+@triton.jit
+def _norm_rope(x, w_ptr, cs_row, eps, DC: tl.constexpr, ROPE: tl.constexpr, ODT: tl.constexpr,
+               SOFT: tl.constexpr):
+    """RMSNorm (weight in fp32), rounded to ODT, then RoPE on the last ROPE dims (rounded again),
+    as the reference's rmsnorm + rope_last; fp32 holding ODT values."""
+    ms = tl.math.div_rn(tl.sum(x * x, axis=0), DC * 1.0)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    w = tl.load(w_ptr + tl.arange(0, DC)).to(tl.float32)
+    y = round_to(x * rstd * w, ODT, SOFT)
+    NOPE: tl.constexpr = DC - ROPE
+    ev, od = tl.split(tl.reshape(y, [DC // 2, 2]))
+    i = tl.arange(0, DC // 2)
+    rot = i >= NOPE // 2
+    k = tl.where(rot, i - NOPE // 2, 0)
+    c = tl.load(cs_row + k, mask=rot, other=1.0).to(tl.float32)
+    sn = tl.load(cs_row + ROPE // 2 + k, mask=rot, other=0.0).to(tl.float32)
+    re = round_to(ev * c - od * sn, ODT, SOFT)
+    ro = round_to(od * c + ev * sn, ODT, SOFT)
+    return tl.reshape(tl.join(tl.where(rot, re, ev), tl.where(rot, ro, od)), [DC])
+
+
+@triton.jit
+def _store_fp8(y, nope_row, scale_row, rope_row, DC: tl.constexpr, ROPE: tl.constexpr,
+               SOFT: tl.constexpr):
+    """The fp8_ds_mla row: the first DC - ROPE dims in e4m3 groups of 64 with UE8M0 exponent
+    bytes (as kv_quant_reference), the rope part in bf16."""
+    NOPE: tl.constexpr = DC - ROPE
+    g = tl.reshape(y, [DC // 64, 64])
+    gi = tl.arange(0, DC // 64)
+    cols = gi[:, None] * 64 + tl.arange(0, 64)[None, :]
+    is_nope = cols < NOPE
+    e = ue8m0_exponent(tl.max(tl.abs(g), axis=1))
+    # NaN stays NaN (the reference's e4m3 NaN byte), where min / max alone would clamp it
+    q = tl.minimum(tl.maximum(g * exp2_int(-e)[:, None], -448.0, propagate_nan=tl.PropagateNan.ALL),
+                   448.0, propagate_nan=tl.PropagateNan.ALL)
+    bits = tl.where(q != q, 0x7F, fp8e4m3_bits(q, SOFT))
+    tl.store(nope_row + cols, bits.to(tl.uint8), mask=is_nope)
+    tl.store(scale_row + gi, (e + 127).to(tl.uint8), mask=gi < NOPE // 64)
+    rdt = rope_row.dtype.element_ty
+    tl.store(rope_row + (cols - NOPE), round_to(g, rdt, SOFT).to(rdt), mask=~is_nope)
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, valid_ptr, slot_ptr, rkv_ptr,
+                     rsc_ptr, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr,
+                     T, RING, n_slots, N_ENT, max_pos, stride_x, stride_s, stride_ape, stride_rr,
+                     stride_rs, stride_cs, stride_ob, stride_oj, stride_cr, stride_ce,
+                     stride_sr, stride_se, stride_pr, stride_pe, eps,
+                     CR: tl.constexpr, COFF: tl.constexpr, DC: tl.constexpr, ROPE: tl.constexpr,
+                     NCAND: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
+                     SOFT: tl.constexpr):
+    """MODE 0: entries to out [B, NCAND, DC]; 1: into the float cache c; 2: into the FP8 triple."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    if j >= NCAND:
+        _ring_write(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, rkv_ptr, rsc_ptr,
+                    b * T + (j - NCAND), n_slots, stride_x, stride_s, stride_ape, stride_rs, CR,
+                    COFF * DC)
+        return
+    pos0 = tl.load(pos_ptr + b * T).to(tl.int64)
+    off = (CR - 1 - pos0 % CR) % CR + CR * j
+    blk = (pos0 + off) // CR
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    go = (tl.load(valid_ptr + b) != 0) & (off < T)
+    if MODE != 0:
+        go = go & (blk < N_ENT)
+    ODT = out_ptr.dtype.element_ty
+    if go:
+        x = _pool(kv_ptr, sc_ptr, ape_ptr, rkv_ptr, rsc_ptr, b, row, pos0, (blk - (COFF - 1)) * CR,
+                  T, RING, stride_x, stride_s, stride_ape, stride_rr, stride_rs, CR, COFF, DC,
+                  ROWS)
+        cs_row = cs_ptr + tl.minimum(blk * CR, max_pos - 1) * stride_cs
+        y = _norm_rope(x, w_ptr, cs_row, eps, DC, ROPE, ODT, SOFT)
+        d = tl.arange(0, DC)
+        if MODE == 0:
+            tl.store(out_ptr + b * stride_ob + j * stride_oj + d, y.to(ODT))
+        elif MODE == 1:
+            cdt = c_ptr.dtype.element_ty
+            tl.store(c_ptr + row * stride_cr + blk * stride_ce + d, round_to(y, cdt, SOFT).to(cdt))
+        else:
+            _store_fp8(y, c_ptr + row * stride_cr + blk * stride_ce,
+                       cscale_ptr + row * stride_sr + blk * stride_se,
+                       crope_ptr + row * stride_pr + blk * stride_pe, DC, ROPE, SOFT)
+    elif MODE == 0:
+        tl.store(out_ptr + b * stride_ob + j * stride_oj + tl.arange(0, DC),
+                 tl.zeros([DC], tl.float32).to(ODT))
+
+
+# ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check(kv, score, ape, positions, rows, valid, ring_slots, ring_kv, ring_score, norm_weight,
+           cos_sin, out_dtype):
+    """Shape / dtype errors name the argument; returns (B, T, CR, d_c, coff, rope dim)."""
+    if positions.dim() != 2 or positions.dtype not in _INT_DTYPES:
+        raise ValueError(f"positions must be int32/int64 [B, T], got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    B, T = positions.shape
+    if norm_weight.dim() != 1:
+        raise ValueError(f"norm_weight must be [d_c], got {tuple(norm_weight.shape)}")
+    d_c = norm_weight.shape[0]
+    if ape.dim() != 2 or ape.shape[1] % d_c or ape.shape[1] // d_c not in (1, 2):
+        raise ValueError(f"ape must be [ratio, coff * d_c] with d_c = {d_c}, got "
+                         f"{tuple(ape.shape)}")
+    CR, W = ape.shape
+    if W // d_c != coff_of(CR):
+        raise ValueError(f"ape [{CR}, {W}]: ratio {CR} needs coff = {coff_of(CR)} (W = "
+                         f"{coff_of(CR) * d_c})")
+    for name, t in (("kv", kv), ("score", score)):
+        if t.shape != (B * T, W) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 [B*T = {B * T}, {W}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    for name, t in (("ring_kv", ring_kv), ("ring_score", ring_score)):
+        if t.dim() != 3 or t.shape[2] != W or t.dtype != torch.float32 or \
+                t.shape != ring_kv.shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 [rows, ring, {W}] ring (the "
+                             f"shape of ring_kv), got {t.dtype} {tuple(t.shape)}")
+    if ring_kv.shape[1] < coff_of(CR) * CR + T:
+        raise ValueError(f"ring_kv holds {ring_kv.shape[1]} slots, fewer than coff * ratio + T "
+                         f"= {coff_of(CR) * CR + T} (a chunk would overwrite rows it pools)")
+    for name, t, shape in (("rows", rows, (B,)), ("ring_slots", ring_slots, (B * T,))):
+        if t.shape != shape or t.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be int32/int64 {list(shape)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if valid.shape != (B,) or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be bool [{B}], got {valid.dtype} {tuple(valid.shape)}")
+    R = cos_sin.shape[-1] if cos_sin.dim() == 2 else 0
+    if not (0 < R <= d_c and R % 2 == 0) or not _pow2(d_c):
+        raise ValueError(f"cos_sin must be [max_pos, R] with even R <= d_c and d_c a power of "
+                         f"two, got {tuple(cos_sin.shape)} and d_c = {d_c}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    return B, T, CR, d_c, W // d_c, R
+
+
+def _cache_args(cache, fp8_cache, d_c, R, dev):
+    """(MODE, c, scale, rope, n_entries, strides) of the insert target."""
+    if fp8_cache is not None:
+        nope, scale, rope = fp8_cache
+        NE = nope.shape[1] if nope.dim() == 3 else -1
+        for name, t, width, dt in (("cache_nope", nope, d_c - R, torch.float8_e4m3fn),
+                                   ("cache_scale", scale, (d_c - R) // KV_QUANT_GROUP,
+                                    torch.uint8),
+                                   ("cache_rope", rope, R, torch.bfloat16)):
+            if t.dim() != 3 or t.shape[1:] != (NE, width) or t.dtype != dt or t.stride(2) != 1:
+                raise ValueError(f"{name} must be {dt} [rows, n_entries, {width}] with a "
+                                 f"contiguous last dim, got {t.dtype} {tuple(t.shape)}")
+        if (d_c - R) % KV_QUANT_GROUP or d_c % KV_QUANT_GROUP:
+            raise ValueError(f"FP8 cache: d_c = {d_c} and d_c - R = {d_c - R} must be multiples "
+                             f"of {KV_QUANT_GROUP}")
+        return (2, nope.view(torch.uint8), scale, rope, NE,
+                (nope.stride(0), nope.stride(1), scale.stride(0), scale.stride(1),
+                 rope.stride(0), rope.stride(1)))
+    if cache is not None:
+        if cache.dim() != 3 or cache.shape[2] != d_c or cache.dtype not in _OUT_DTYPES or \
+                cache.stride(2) != 1:
+            raise ValueError(f"cache must be a float [rows, n_entries, {d_c}] cache with a "
+                             f"contiguous last dim, got {cache.dtype} {tuple(cache.shape)}")
+        return 1, cache, cache, cache, cache.shape[1], (cache.stride(0), cache.stride(1), 0, 0,
+                                                         0, 0)
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    return 0, dummy, dummy, dummy, 0, (0,) * 6
+
+
 def compress_launch(kv, score, ape, positions, rows, valid, ring_slots, ring_kv, ring_score,
                     norm_weight, cos_sin, eps, out_dtype, cache=None, fp8_cache=None, plan=None):
-    """The CUDA path of all three ops (`cache`: float insert, `fp8_cache`: (nope, scale, rope))."""
-    if fp8_cache is not None:
-        return compress_store_fp8_reference(kv, score, ape, positions, rows, valid, ring_slots,
-                                            ring_kv, ring_score, norm_weight, cos_sin,
-                                            *fp8_cache, eps, out_dtype)
-    if cache is not None:
-        return compress_store_reference(kv, score, ape, positions, rows, valid, ring_slots,
-                                        ring_kv, ring_score, norm_weight, cos_sin, cache, eps,
-                                        out_dtype)
-    return compress_reference(kv, score, ape, positions, rows, valid, ring_slots, ring_kv,
-                              ring_score, norm_weight, cos_sin, eps, out_dtype)
+    """The Triton path of all three ops (`cache`: float insert, `fp8_cache`: (nope, scale, rope));
+    fp64 (exact mode) runs the reference. `plan` overrides compress_plan (tests)."""
+    if kv.dtype == torch.float64 or out_dtype == torch.float64:
+        if fp8_cache is not None:
+            return compress_store_fp8_reference(kv, score, ape, positions, rows, valid,
+                                                ring_slots, ring_kv, ring_score, norm_weight,
+                                                cos_sin, *fp8_cache, eps, out_dtype)
+        if cache is not None:
+            return compress_store_reference(kv, score, ape, positions, rows, valid, ring_slots,
+                                            ring_kv, ring_score, norm_weight, cos_sin, cache,
+                                            eps, out_dtype)
+        return compress_reference(kv, score, ape, positions, rows, valid, ring_slots, ring_kv,
+                                  ring_score, norm_weight, cos_sin, eps, out_dtype)
+    B, T, CR, d_c, coff, R = _check(kv, score, ape, positions, rows, valid, ring_slots, ring_kv,
+                                    ring_score, norm_weight, cos_sin, out_dtype)
+    mode, c, cscale, crope, NE, cstr = _cache_args(cache, fp8_cache, d_c, R, kv.device)
+    n = -(-T // CR)
+    # the store ops return nothing: a one-element buffer carries out_dtype into the kernel
+    out = torch.empty((B, n, d_c) if mode == 0 else (1, 1, 1), dtype=out_dtype, device=kv.device)
+    if B == 0:
+        return out if mode == 0 else None
+    kernel = _compress_kernel
+    p = plan or compress_plan(CR, d_c, interpreting(kernel))
+    kv, score, ape, cos_sin = (t if t.stride(-1) == 1 else t.contiguous()
+                               for t in (kv, score, ape, cos_sin))
+    positions = positions.contiguous()
+    launch(kernel)[(B, n + T)](
+        kv, score, ape, positions, rows, valid.view(torch.uint8), ring_slots, ring_kv,
+        ring_score, norm_weight, cos_sin, out, c, cscale, crope, T, ring_kv.shape[1],
+        ring_kv.shape[0] * ring_kv.shape[1], NE, cos_sin.shape[0], kv.stride(0), score.stride(0),
+        ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), cos_sin.stride(0), out.stride(0),
+        out.stride(1), *cstr, float(eps), CR=CR, COFF=coff, DC=d_c, ROPE=R, NCAND=n, ROWS=p.rows,
+        MODE=mode, SOFT=interpreting(kernel), num_warps=p.num_warps)
+    return out if mode == 0 else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,3 +507,30 @@ def compress_store_fp8(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     compress_launch(kv, score, ape, positions, rows, valid, ring_slots, ring_kv, ring_score,
                     norm_weight, cos_sin, eps, out_dtype,
                     fp8_cache=(cache_nope, cache_scale, cache_rope))
+
+
+# SM12x readiness: the Flash launches (d = 512 main compressors of C4 and C128 in each mode,
+# the C4 indexer's d_i = 128 into its bf16 K cache), bf16 compute, fp32 rings and cos/sin,
+# int64 ids (tests/kernels/test_sm12x_resources.py).
+_D16 = "i32:16"     # the strides that are multiples of 16 at Flash dims (the JIT specialises them)
+_CACHE_TYPES = {0: ("*u8", "*u8", "*u8"), 1: ("*bf16", "*bf16", "*bf16"), 2: ("*u8", "*u8", "*bf16")}
+
+
+def _flash_config(ratio, d_c, mode):
+    c, cs8, cr = _CACHE_TYPES[mode]
+    types = dict(kv_ptr="*fp32", sc_ptr="*fp32", ape_ptr="*fp32", pos_ptr="*i64", rows_ptr="*i64",
+                 valid_ptr="*u8", slot_ptr="*i64", rkv_ptr="*fp32", rsc_ptr="*fp32",
+                 w_ptr="*bf16", cs_ptr="*fp32", out_ptr="*bf16", c_ptr=c, cscale_ptr=cs8,
+                 crope_ptr=cr, T="i32", RING="i32", n_slots="i32", N_ENT="i32", max_pos="i32",
+                 stride_x=_D16, stride_s=_D16, stride_ape=_D16, stride_rr=_D16, stride_rs=_D16,
+                 stride_cs=_D16, stride_ob=_D16, stride_oj=_D16, stride_cr=_D16, stride_ce=_D16,
+                 stride_sr="i32", stride_se="i32", stride_pr=_D16, stride_pe=_D16, eps="fp32")
+    p = compress_plan(ratio, d_c)
+    return compile_config(_compress_kernel, types,
+                          dict(CR=ratio, COFF=coff_of(ratio), DC=d_c, ROPE=64, NCAND=2 if ratio == 4
+                               else 1, ROWS=p.rows, MODE=mode, SOFT=False), p.num_warps)
+
+
+for _op, _mode in (("compress", 0), ("compress_store", 1), ("compress_store_fp8", 2)):
+    add_compile_configs(_op, [_flash_config(r, 512, _mode) for r in (4, 128)])
+add_compile_configs("compress_store", [_flash_config(4, 128, 1)])
