@@ -336,7 +336,7 @@ def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constex
                     mask=hm[:, None] & (offs_d[None, :] < D), other=0.0)
         num += w[:, None] * a
     dt = o_ptr.dtype.element_ty
-    o = round_to(num / den[:, None], dt, SOFT).to(dt)
+    o = round_to(num / tl.where(hm, den, 1.0)[:, None], dt, SOFT).to(dt)   # split 0 holds l >= 1
     tl.store(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o,
              mask=hm[:, None] & (offs_d[None, :] < D))
 
