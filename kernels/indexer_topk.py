@@ -31,6 +31,9 @@ and writes the selected indices in ascending order (one prefix-sum pass).
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -73,11 +76,197 @@ def indexer_topk_reference(q: torch.Tensor, weights: torch.Tensor, k_cache: torc
 
 
 # ----------------------------------------------------------------------------------------------
+# Plan
+# ----------------------------------------------------------------------------------------------
+
+SM_COUNT_HINT = 132      # H200: sizes the score grid for the compile configs and CPU plans
+TARGET_WAVES = 2
+BLOCK_E = 64             # keys per dot: [64 heads x 128] x [128 x 64 keys]
+SELECT_BLOCK = 1024      # scores per step of the select passes
+NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class IndexerTopkPlan:
+    """Launch choices of one (tokens, NE) shape: `e_blocks` blocks of `block_e` keys per score
+    program (the grid covers ~TARGET_WAVES waves of SMs at the cache's capacity), the select
+    kernel's chunk of scores."""
+    block_e: int
+    e_blocks: int
+    select_block: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=None)
+def indexer_topk_plan(tokens: int, n_entries: int, interpret: bool = False,
+                      sm_count: int = SM_COUNT_HINT) -> IndexerTopkPlan:
+    if interpret:   # the interpreter pays per operation: small blocks keep the tests' shapes
+        return IndexerTopkPlan(16, 2, 64, 4)
+    blocks = triton.cdiv(n_entries, BLOCK_E)
+    chunks = triton.cdiv(TARGET_WAVES * sm_count, max(tokens, 1))
+    return IndexerTopkPlan(BLOCK_E, max(1, triton.cdiv(blocks, chunks)), SELECT_BLOCK, NUM_WARPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _visible(rows_ptr, pos_ptr, tok, T, R, NE, ratio):
+    """Entries token `tok` may select: min(NE, (P + 1) // ratio); 0 for an inert row."""
+    row = tl.load(rows_ptr + tok // T).to(tl.int64)
+    P = tl.load(pos_ptr + tok).to(tl.int64)
+    ok = (row >= 0) & (row < R) & (P >= 0)
+    return row, tl.where(ok, tl.minimum((P + 1) // ratio, NE), 0)
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, pos_ptr, s_ptr, T, R, NE, HI, ratio,
+                         stride_qt, stride_qh, stride_wt, stride_kr, stride_ke, stride_st,
+                         DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+                         BLOCK_E: tl.constexpr, E_BLOCKS: tl.constexpr, SOFT: tl.constexpr):
+    """scores[tok, e] = sum_h w[h] relu(q[h] . k[e]) for the visible e of this program's chunk
+    (programs: token fastest, so a row's tokens read a chunk's keys while they are in L2)."""
+    tok = tl.program_id(0).to(tl.int64)
+    e0 = tl.program_id(1) * (BLOCK_E * E_BLOCKS)
+    row, nvis = _visible(rows_ptr, pos_ptr, tok, T, R, NE, ratio)
+    if e0 < nvis:
+        dt: tl.constexpr = tl.float32 if SOFT else q_ptr.dtype.element_ty
+        offs_h = tl.arange(0, BLOCK_HI)
+        offs_d = tl.arange(0, BLOCK_DI)
+        hm = offs_h < HI
+        dm = offs_d < DI
+        q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=hm[:, None] & dm[None, :], other=0.0).to(dt)
+        w = tl.load(w_ptr + tok * stride_wt + offs_h, mask=hm, other=0.0).to(tl.float32)
+        for b in range(E_BLOCKS):
+            e = e0 + b * BLOCK_E + tl.arange(0, BLOCK_E)
+            em = e < nvis
+            k = tl.load(k_ptr + row * stride_kr + e[:, None] * stride_ke + offs_d[None, :],
+                        mask=em[:, None] & dm[None, :], other=0.0).to(dt)
+            d = tl.dot(q, tl.trans(k), input_precision="ieee")
+            logits = tl.where(d < 0.0, 0.0, d)     # relu that keeps NaN, as torch.relu does
+            score = tl.sum(logits * w[:, None], 0)
+            tl.store(s_ptr + tok * stride_st + e, score, mask=em)
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32-ordered int64 key: larger float, larger key; -0 == +0; NaN above +inf."""
+    x = tl.where(x == 0.0, 0.0, x)
+    b = x.to(tl.int32, bitcast=True)
+    k = tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64) + 2147483648
+    return tl.where(x != x, 4294967295, k)
+
+
+@triton.jit
+def _topk_select_kernel(s_ptr, rows_ptr, pos_ptr, idx_ptr, T, R, NE, ratio, stride_st,
+                        stride_it, K: tl.constexpr, BLOCK: tl.constexpr):
+    """The K best visible scores of a token (score desc, index asc), listed ascending, -1 after:
+    radix select of the K-th largest key, 8 bits per pass over the token's scores, then one
+    pass that writes the chosen indices in order (keys above the threshold, and the first
+    `need` entries equal to it)."""
+    tok = tl.program_id(0).to(tl.int64)
+    _, nvis = _visible(rows_ptr, pos_ptr, tok, T, R, NE, ratio)
+    srow = s_ptr + tok * stride_st
+    NEG_INF_KEY: tl.constexpr = 8388607   # _order_key(-inf): never selected
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    n_valid = tl.zeros([], tl.int32)
+    for c in range(0, nvis, BLOCK):
+        u = _order_key(tl.load(srow + c + offs, mask=c + offs < nvis, other=float("-inf")))
+        n_valid += tl.sum((u != NEG_INF_KEY).to(tl.int32), 0)
+    need = tl.minimum(n_valid, K)
+    prefix = tl.zeros([], tl.int64)
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for c in range(0, nvis, BLOCK):
+            u = _order_key(tl.load(srow + c + offs, mask=c + offs < nvis, other=float("-inf")))
+            m = (u != NEG_INF_KEY) & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=m)
+        above = tl.cumsum(hist, 0, reverse=True)                  # keys with this digit or more
+        d = tl.max(tl.where(above >= need, bins, 0), 0)
+        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix += d.to(tl.int64) << shift
+    # prefix: the K-th largest key; `need` of the entries equal to it are taken, lowest first
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c in range(0, nvis, BLOCK):
+        e = c + offs
+        u = _order_key(tl.load(srow + e, mask=e < nvis, other=float("-inf")))
+        valid = u != NEG_INF_KEY
+        tie = valid & (u == prefix)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - tie.to(tl.int32)
+        sel = valid & ((u > prefix) | (tie & (tie_rank < need)))
+        at = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(idx_ptr + tok * stride_it + at, e, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        ties += tl.sum(tie.to(tl.int32), 0)
+    for c in range(0, K, BLOCK):
+        j = c + offs
+        tl.store(idx_ptr + tok * stride_it + j, tl.full([BLOCK], -1, tl.int64),
+                 mask=(j >= taken) & (j < K))
+
+
+# ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
-def indexer_topk_launch(q, weights, k_cache, rows, pos, topk, ratio, plan=None):
-    return indexer_topk_reference(q, weights, k_cache, rows, pos, topk, ratio)
+_Q_DTYPES = (torch.bfloat16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check(q, weights, k_cache, rows, pos, topk, ratio):
+    if q.dim() != 4 or q.dtype not in _Q_DTYPES:
+        raise ValueError(f"q must be bf16 / fp32 [B, T, H_i, d_i], got {q.dtype} {tuple(q.shape)}")
+    B, T, HI, DI = q.shape
+    if weights.shape != (B, T, HI) or not weights.dtype.is_floating_point:
+        raise ValueError(f"weights must be float [{B}, {T}, {HI}], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if k_cache.dim() != 3 or k_cache.shape[2] != DI or k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache must be {q.dtype} [R, NE, {DI}], got {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)}")
+    if k_cache.stride(2) != 1:
+        raise ValueError("k_cache must have a contiguous last dim (it is the cache as stored)")
+    if rows.shape != (B,) or rows.dtype not in _INT_DTYPES:
+        raise ValueError(f"rows must be int [{B}], got {rows.dtype} {tuple(rows.shape)}")
+    if pos.shape != (B, T) or pos.dtype not in _INT_DTYPES:
+        raise ValueError(f"pos must be int [{B}, {T}], got {pos.dtype} {tuple(pos.shape)}")
+    if topk < 1 or ratio < 1:
+        raise ValueError(f"topk ({topk}) and ratio ({ratio}) must be >= 1")
+
+
+def indexer_topk_launch(q, weights, k_cache, rows, pos, topk, ratio,
+                        plan: IndexerTopkPlan | None = None):
+    """The Triton path (fp64 runs the reference). `plan` overrides indexer_topk_plan (tests)."""
+    if q.dtype == torch.float64:
+        return indexer_topk_reference(q, weights, k_cache, rows, pos, topk, ratio)
+    _check(q, weights, k_cache, rows, pos, topk, ratio)
+    B, T, HI, DI = q.shape
+    R, NE = k_cache.shape[:2]
+    K = min(topk, NE)
+    idx = torch.empty((B * T, K), dtype=torch.int64, device=q.device)
+    if B * T == 0:
+        return idx.view(B, T, K)
+    q3 = q.reshape(B * T, HI, DI)
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
+    w2 = weights.reshape(B * T, HI).contiguous()
+    pos1 = pos.reshape(-1)
+    scores = torch.empty((B * T, NE), dtype=torch.float32, device=q.device)
+    sk = _index_scores_kernel
+    p = plan or indexer_topk_plan(B * T, NE, interpreting(sk))
+    chunk = p.block_e * p.e_blocks
+    launch(sk)[(B * T, triton.cdiv(NE, chunk))](
+        q3, w2, k_cache, rows, pos1, scores, T, R, NE, HI, ratio, q3.stride(0), q3.stride(1),
+        w2.stride(0), k_cache.stride(0), k_cache.stride(1), scores.stride(0), DI=DI,
+        BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_E=p.block_e,
+        E_BLOCKS=p.e_blocks, SOFT=interpreting(sk), num_warps=p.num_warps)
+    tk = _topk_select_kernel
+    launch(tk)[(B * T,)](scores, rows, pos1, idx, T, R, NE, ratio, scores.stride(0),
+                         idx.stride(0), K=K, BLOCK=p.select_block, num_warps=p.num_warps)
+    return idx.view(B, T, K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,3 +281,20 @@ def _indexer_topk_fake(q, weights, k_cache, rows, pos, topk, ratio):
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
                  rows: torch.Tensor, pos: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
     return indexer_topk_launch(q, weights, k_cache, rows, pos, topk, ratio)
+
+
+# SM12x readiness: Flash (64 indexer heads x 128, bf16 q and keys, fp32 weights, top-512).
+_D16 = "i32:16"
+_FLASH_PLAN = indexer_topk_plan(6, 8192)
+add_compile_configs("indexer_topk", [
+    compile_config(_index_scores_kernel, dict(
+        q_ptr="*bf16", w_ptr="*fp32", k_ptr="*bf16", rows_ptr="*i64", pos_ptr="*i64",
+        s_ptr="*fp32", T="i32", R="i32", NE=_D16, HI=_D16, ratio="i32", stride_qt=_D16,
+        stride_qh=_D16, stride_wt=_D16, stride_kr=_D16, stride_ke=_D16, stride_st=_D16),
+        dict(DI=128, BLOCK_HI=64, BLOCK_DI=128, BLOCK_E=_FLASH_PLAN.block_e,
+             E_BLOCKS=_FLASH_PLAN.e_blocks, SOFT=False), _FLASH_PLAN.num_warps),
+    compile_config(_topk_select_kernel, dict(
+        s_ptr="*fp32", rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64", T="i32", R="i32",
+        NE=_D16, ratio="i32", stride_st=_D16, stride_it=_D16),
+        dict(K=512, BLOCK=_FLASH_PLAN.select_block), _FLASH_PLAN.num_warps),
+])
