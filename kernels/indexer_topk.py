@@ -122,9 +122,9 @@ def _visible(rows_ptr, pos_ptr, tok, T, R, NE, ratio):
 
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, pos_ptr, s_ptr, T, R, NE, HI, ratio,
-                         stride_qt, stride_qh, stride_wt, stride_kr, stride_ke, stride_st,
-                         DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
-                         BLOCK_E: tl.constexpr, E_BLOCKS: tl.constexpr, SOFT: tl.constexpr):
+                         E_BLOCKS, stride_qt, stride_qh, stride_wt, stride_kr, stride_ke,
+                         stride_st, DI: tl.constexpr, BLOCK_HI: tl.constexpr,
+                         BLOCK_DI: tl.constexpr, BLOCK_E: tl.constexpr, SOFT: tl.constexpr):
     """scores[tok, e] = sum_h w[h] relu(q[h] . k[e]) for the visible e of this program's chunk
     (programs: token fastest, so a row's tokens read a chunk's keys while they are in L2)."""
     tok = tl.program_id(0).to(tl.int64)
@@ -160,8 +160,8 @@ def _order_key(x):
 
 
 @triton.jit
-def _topk_select_kernel(s_ptr, rows_ptr, pos_ptr, idx_ptr, T, R, NE, ratio, stride_st,
-                        stride_it, K: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_select_kernel(s_ptr, rows_ptr, pos_ptr, idx_ptr, T, R, NE, ratio, K, stride_st,
+                        stride_it, BLOCK: tl.constexpr):
     """The K best visible scores of a token (score desc, index asc), listed ascending, -1 after:
     radix select of the K-th largest key, 8 bits per pass over the token's scores, then one
     pass that writes the chosen indices in order (keys above the threshold, and the first
@@ -179,7 +179,7 @@ def _topk_select_kernel(s_ptr, rows_ptr, pos_ptr, idx_ptr, T, R, NE, ratio, stri
     need = tl.minimum(n_valid, K)
     prefix = tl.zeros([], tl.int64)
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([256], tl.int32)
         for c in range(0, nvis, BLOCK):
             u = _order_key(tl.load(srow + c + offs, mask=c + offs < nvis, other=float("-inf")))
@@ -259,13 +259,13 @@ def indexer_topk_launch(q, weights, k_cache, rows, pos, topk, ratio,
     p = plan or indexer_topk_plan(B * T, NE, interpreting(sk))
     chunk = p.block_e * p.e_blocks
     launch(sk)[(B * T, triton.cdiv(NE, chunk))](
-        q3, w2, k_cache, rows, pos1, scores, T, R, NE, HI, ratio, q3.stride(0), q3.stride(1),
-        w2.stride(0), k_cache.stride(0), k_cache.stride(1), scores.stride(0), DI=DI,
-        BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_E=p.block_e,
-        E_BLOCKS=p.e_blocks, SOFT=interpreting(sk), num_warps=p.num_warps)
+        q3, w2, k_cache, rows, pos1, scores, T, R, NE, HI, ratio, p.e_blocks, q3.stride(0),
+        q3.stride(1), w2.stride(0), k_cache.stride(0), k_cache.stride(1), scores.stride(0),
+        DI=DI, BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)),
+        BLOCK_E=p.block_e, SOFT=interpreting(sk), num_warps=p.num_warps)
     tk = _topk_select_kernel
-    launch(tk)[(B * T,)](scores, rows, pos1, idx, T, R, NE, ratio, scores.stride(0),
-                         idx.stride(0), K=K, BLOCK=p.select_block, num_warps=p.num_warps)
+    launch(tk)[(B * T,)](scores, rows, pos1, idx, T, R, NE, ratio, K, scores.stride(0),
+                         idx.stride(0), BLOCK=p.select_block, num_warps=p.num_warps)
     return idx.view(B, T, K)
 
 
@@ -289,12 +289,13 @@ _FLASH_PLAN = indexer_topk_plan(6, 8192)
 add_compile_configs("indexer_topk", [
     compile_config(_index_scores_kernel, dict(
         q_ptr="*bf16", w_ptr="*fp32", k_ptr="*bf16", rows_ptr="*i64", pos_ptr="*i64",
-        s_ptr="*fp32", T="i32", R="i32", NE=_D16, HI=_D16, ratio="i32", stride_qt=_D16,
-        stride_qh=_D16, stride_wt=_D16, stride_kr=_D16, stride_ke=_D16, stride_st=_D16),
-        dict(DI=128, BLOCK_HI=64, BLOCK_DI=128, BLOCK_E=_FLASH_PLAN.block_e,
-             E_BLOCKS=_FLASH_PLAN.e_blocks, SOFT=False), _FLASH_PLAN.num_warps),
+        s_ptr="*fp32", T="i32", R="i32", NE=_D16, HI=_D16, ratio="i32", E_BLOCKS="i32",
+        stride_qt=_D16, stride_qh=_D16, stride_wt=_D16, stride_kr=_D16, stride_ke=_D16,
+        stride_st=_D16),
+        dict(DI=128, BLOCK_HI=64, BLOCK_DI=128, BLOCK_E=_FLASH_PLAN.block_e, SOFT=False),
+        _FLASH_PLAN.num_warps),
     compile_config(_topk_select_kernel, dict(
         s_ptr="*fp32", rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64", T="i32", R="i32",
-        NE=_D16, ratio="i32", stride_st=_D16, stride_it=_D16),
-        dict(K=512, BLOCK=_FLASH_PLAN.select_block), _FLASH_PLAN.num_warps),
+        NE=_D16, ratio="i32", K=_D16, stride_st=_D16, stride_it=_D16),
+        dict(BLOCK=_FLASH_PLAN.select_block), _FLASH_PLAN.num_warps),
 ])
