@@ -75,6 +75,31 @@ def test_partial_copies_pass():
     assert_no_whole_cache_copy(ep, ["cache"])
 
 
+def _test_op(name: str, fn):
+    """A dspark:: op for these tests only (not a registered kernel: no KERNELS entry)."""
+    if not hasattr(torch.ops.dspark, name):
+        op = torch.library.custom_op(f"dspark::{name}", fn, mutates_args=())
+        op.register_fake(fn)
+    return getattr(torch.ops.dspark, name)
+
+
+def _reads_cache(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return x.new_zeros(64, 8) + cache.sum()          # 512 elements out of a 48-element cache
+
+
+def _returns_cache_copy(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return cache + 0
+
+
+def test_dspark_op_reading_a_whole_cache_passes_and_one_returning_a_copy_fails():
+    # an attention kernel reads the caches as stored and returns more than a small cache holds
+    read = _test_op("_test_reads_cache", _reads_cache)
+    assert_no_whole_cache_copy(export(lambda x, c, s: read(x, c).sum()), ["cache"])
+    copy = _test_op("_test_returns_cache_copy", _returns_cache_copy)
+    with pytest.raises(WholeCacheCopyError, match="_test_returns_cache_copy.*full shape"):
+        assert_no_whole_cache_copy(export(lambda x, c, s: copy(x, c).sum()), ["cache"])
+
+
 def test_unknown_state_name():
     with pytest.raises(ValueError, match=r"state inputs \['kv'\] are not user inputs"):
         assert_no_whole_cache_copy(export(in_place), ["kv"])
