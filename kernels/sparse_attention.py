@@ -306,8 +306,10 @@ def _sparse_attention_kernel(
     else:
         W: tl.constexpr = NOPE + ROPE + 2
         w_rows = ws_ptr + ((sp * tl.num_programs(1) + tok) * H + offs_h[:, None]) * W
-        tl.store(w_rows + offs_d[None, :], acc_n, mask=mn)
-        tl.store(w_rows + NOPE + offs_r[None, :], acc_r, mask=mr)
+        # a split without blocks (short context) stores only m = NEG, l = 0; the combine gives
+        # it weight 0 and never reads its numerator
+        tl.store(w_rows + offs_d[None, :], acc_n, mask=mn & (lo < hi))
+        tl.store(w_rows + NOPE + offs_r[None, :], acc_r, mask=mr & (lo < hi))
         tl.store(w_rows + NOPE + ROPE + tl.arange(0, 2)[None, :],
                  tl.where(tl.arange(0, 2)[None, :] == 0, m[:, None], l[:, None]),
                  mask=hm[:, None])
@@ -333,7 +335,7 @@ def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constex
         w = tl.exp2(tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30) - big)
         den += w * tl.load(rows + s * stride_s + D + 1, mask=hm, other=0.0)
         a = tl.load(rows[:, None] + s * stride_s + offs_d[None, :],
-                    mask=hm[:, None] & (offs_d[None, :] < D), other=0.0)
+                    mask=(hm & (w > 0))[:, None] & (offs_d[None, :] < D), other=0.0)
         num += w[:, None] * a
     dt = o_ptr.dtype.element_ty
     o = round_to(num / tl.where(hm, den, 1.0)[:, None], dt, SOFT).to(dt)   # split 0 holds l >= 1
