@@ -199,3 +199,35 @@ def test_bf16_linear_keeps_the_weight_bf16():
     assert torch.equal(lin(x, out_dtype=torch.float32), want)
     assert torch.equal(bf16_linear(x.double(), lin.weight, torch.float64, torch.float64),
                        x.double() @ lin.weight.double().T)
+
+
+# Flash shapes (N, K, groups): wq_b, wkv, wo_a (8 groups), wo_b, draft.main_proj
+FLASH_SHAPES = [(32768, 1024, 1), (512, 4096, 1), (8192, 4096, 8), (4096, 8192, 1),
+                (4096, 12288, 1)]
+
+
+def _on_cuda(*ts):
+    return [t.cuda() if t is not None else None for t in ts]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,groups", FLASH_SHAPES)
+def test_gpu_flash_shapes_match_reference_and_replay_in_a_graph(N, K, groups):
+    """Every M bucket's plan (swap-AB and split-K at decode, 64-row tiles at prefill) on the
+    GPU against the reference on the same device, bf16 and fp32 out; the op captured in a CUDA
+    graph replays to the same bits on fresh inputs copied into its buffers."""
+    w, w_s = _on_cuda(*_weights(N, K, 3))
+    for M in (1, 6, 24, 96, 384):
+        x, x_s = _on_cuda(*_acts(M, groups * K, M))
+        atol = _fp32_atol(x, x_s, w, w_s, groups)
+        for dtype in (torch.bfloat16, torch.float32):
+            y = OP(x, x_s, w, w_s, groups, dtype)
+            _assert_matches(y, fl.fp8_linear_reference(x, x_s, w, w_s, groups, dtype), atol, dtype)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g = OP(x, x_s, w, w_s, groups, torch.bfloat16)
+        x2, x2_s = _on_cuda(*_acts(M, groups * K, M + 1000))
+        x.copy_(x2)
+        x_s.copy_(x2_s)
+        graph.replay()
+        assert torch.equal(y_g, OP(x2, x2_s, w, w_s, groups, torch.bfloat16)), M
