@@ -136,6 +136,13 @@ def test_batch_one_and_odd_shapes():
     assert_close(*run_both(make(c, seed=3)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nope_not_a_power_of_two(dtype):
+    """3 quant groups (Flash has 7: 448 dims) padded to a 256-wide tile."""
+    c = Case(H=17, nope=192, rope=64, ratio=128, NE=3, dtype=dtype)
+    assert_close(*run_both(make(c, seed=3, start=[[300], [260], [100]])))
+
+
 def test_padded_rows_are_inert():
     """Rows outside [0, R) (-1, R) read nothing and give o = 0; the NaN cache row of an
     out-of-range row never leaks in."""
