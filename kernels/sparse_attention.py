@@ -153,8 +153,7 @@ def sparse_attention_plan(tokens: int, heads: int, n_candidates: int, interpret:
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
 
-LOG2E = 1.4426950408889634
-NEG = -1.0e30            # running max of a split that has seen nothing (finite: exp2(NEG - NEG) = 1)
+LOG2E = 1.4426950408889634   # scores and the sink in base 2 (exp2 in the kernel)
 
 
 @triton.jit
@@ -219,6 +218,60 @@ def _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT: tl.constex
 
 
 @triton.jit
+def _swa_entries(blk, P, row, row_ok, window, RING, BLOCK_N: tl.constexpr):
+    """Block `blk` of the SWA window: (flat cache entries, valid). Candidate c is position
+    P - window + 1 + c, at ring slot position % RING."""
+    c = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_c = P - window + 1 + c
+    ok = (c < window) & (p_c >= 0) & row_ok
+    return row * RING + tl.where(ok, p_c, 0) % RING, ok
+
+
+@triton.jit
+def _cmp_entries(blk, idx_row, row, n_c, visible, NE, K, CMP: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Block `blk` of the compressed candidates: (flat cache entries, valid). C128 (CMP 1):
+    entries 0 .. n_c - 1; C4 (CMP 2): the list's entries, valid when in [0, min(NE, visible))."""
+    c = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    if CMP == 1:
+        e = c.to(tl.int64)
+        ok = c < n_c
+    else:
+        e = tl.load(idx_row + c, mask=c < K, other=-1).to(tl.int64)
+        ok = (e >= 0) & (e < NE) & (e < visible)
+    return row * NE + tl.where(ok, e, 0), ok
+
+
+@triton.jit
+def _store_o(o_rows, acc_n, acc_r, l, hm, NOPE: tl.constexpr, ROPE: tl.constexpr,
+             BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr, SOFT: tl.constexpr):
+    """o = acc / l, rounded once to o's dtype."""
+    dt = o_rows.dtype.element_ty
+    offs_d = tl.arange(0, BLOCK_NOPE)
+    offs_r = tl.arange(0, BLOCK_R)
+    tl.store(o_rows + offs_d[None, :], round_to(acc_n / l[:, None], dt, SOFT).to(dt),
+             mask=hm[:, None] & (offs_d[None, :] < NOPE))
+    tl.store(o_rows + NOPE + offs_r[None, :], round_to(acc_r / l[:, None], dt, SOFT).to(dt),
+             mask=hm[:, None] & (offs_r[None, :] < ROPE))
+
+
+@triton.jit
+def _store_partial(w_rows, acc_n, acc_r, m, l, hm, has, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                   BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One split's (numerator | m | l) per head in fp32. A split without blocks (short
+    context: `has` false) stores only m = -1e30, l = 0; the combine gives it weight 0 and never
+    reads its numerator."""
+    offs_d = tl.arange(0, BLOCK_NOPE)
+    offs_r = tl.arange(0, BLOCK_R)
+    tl.store(w_rows + offs_d[None, :], acc_n, mask=hm[:, None] & (offs_d[None, :] < NOPE) & has)
+    tl.store(w_rows + NOPE + offs_r[None, :], acc_r,
+             mask=hm[:, None] & (offs_r[None, :] < ROPE) & has)
+    two = tl.arange(0, 2)[None, :]
+    tl.store(w_rows + NOPE + ROPE + two, tl.where(two == 0, m[:, None], l[:, None]),
+             mask=hm[:, None])
+
+
+@triton.jit
 def _sparse_attention_kernel(
         q_ptr, o_ptr, ws_ptr, sink_ptr, rows_ptr, pos_ptr, idx_ptr,
         swn_ptr, sws_ptr, swr_ptr, cn_ptr, cs_ptr, cr_ptr,
@@ -254,7 +307,8 @@ def _sparse_attention_kernel(
     q_r = tl.load(q_rows + NOPE + offs_r[None, :], mask=hm[:, None] & (offs_r[None, :] < ROPE),
                   other=0.0).to(DOT_DT)
     sink = tl.load(sink_ptr + offs_h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
-    # the sink is one more softmax term (value 0) in split 0 only
+    # the sink is one more softmax term (value 0) in split 0 only; the other splits start from a
+    # finite -1e30 so that exp2(m - m_new) is 1, not NaN, while they have seen nothing
     m = tl.where(sp == 0, sink, -1.0e30)
     l = tl.where(sp == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
     acc_n = tl.zeros([BLOCK_H, BLOCK_NOPE], tl.float32)
@@ -273,46 +327,26 @@ def _sparse_attention_kernel(
     lo = sp * per
     hi = tl.minimum(lo + per, n_blocks)
     for blk in tl.range(lo, tl.minimum(hi, nb_swa), num_stages=NUM_STAGES):
-        c = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        p_c = P - window + 1 + c                                     # candidate positions
-        ok = (c < window) & (p_c >= 0) & row_ok
-        ent = row * RING + tl.where(ok, p_c, 0) % RING
+        ent, ok = _swa_entries(blk, P, row, row_ok, window, RING, BLOCK_N)
         kn, kr = _load_block(swn_ptr, sws_ptr, swr_ptr, ent, ok, sw_n, sw_s, sw_r, FP8, NOPE,
                              ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
         m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
                                      DOT_DT, SOFT)
     for blk in tl.range(tl.maximum(lo, nb_swa), hi, num_stages=NUM_STAGES):
-        c = (blk - nb_swa) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if CMP == 1:
-            e = c
-            ok = c < n_c
-        else:
-            e = tl.load(idx_ptr + tok * stride_it + c, mask=c < K, other=-1).to(tl.int64)
-            ok = (e >= 0) & (e < NE) & (e < visible)
-        ent = row * NE + tl.where(ok, e, 0)
+        ent, ok = _cmp_entries(blk - nb_swa, idx_ptr + tok * stride_it, row, n_c, visible, NE,
+                               K, CMP, BLOCK_N)
         kn, kr = _load_block(cn_ptr, cs_ptr, cr_ptr, ent, ok, c_n, c_s, c_r, FP8, NOPE, ROPE,
                              BLOCK_NOPE, BLOCK_R, SOFT)
         m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
                                      DOT_DT, SOFT)
 
-    mn = hm[:, None] & (offs_d[None, :] < NOPE)
-    mr = hm[:, None] & (offs_r[None, :] < ROPE)
     if not PARTIAL:
-        dt = o_ptr.dtype.element_ty
-        o_rows = o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh
-        tl.store(o_rows + offs_d[None, :], round_to(acc_n / l[:, None], dt, SOFT).to(dt), mask=mn)
-        tl.store(o_rows + NOPE + offs_r[None, :], round_to(acc_r / l[:, None], dt, SOFT).to(dt),
-                 mask=mr)
+        _store_o(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh, acc_n, acc_r, l, hm,
+                 NOPE, ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
     else:
         W: tl.constexpr = NOPE + ROPE + 2
-        w_rows = ws_ptr + ((sp * tl.num_programs(1) + tok) * H + offs_h[:, None]) * W
-        # a split without blocks (short context) stores only m = NEG, l = 0; the combine gives
-        # it weight 0 and never reads its numerator
-        tl.store(w_rows + offs_d[None, :], acc_n, mask=mn & (lo < hi))
-        tl.store(w_rows + NOPE + offs_r[None, :], acc_r, mask=mr & (lo < hi))
-        tl.store(w_rows + NOPE + ROPE + tl.arange(0, 2)[None, :],
-                 tl.where(tl.arange(0, 2)[None, :] == 0, m[:, None], l[:, None]),
-                 mask=hm[:, None])
+        _store_partial(ws_ptr + ((sp * tl.num_programs(1) + tok) * H + offs_h[:, None]) * W,
+                       acc_n, acc_r, m, l, hm, lo < hi, NOPE, ROPE, BLOCK_NOPE, BLOCK_R)
 
 
 @triton.jit
