@@ -27,8 +27,13 @@ Bytes one call must move (Flash: H = 64, D = 512 = 448 + 64, 583 B per cached en
 C128 candidates of a row's T tokens overlap (the window slides by one per token), so a row's
 floor holds the union: (window + T - 1) SWA entries + (P + 1) // 128 C128 entries, read once; C4
 adds the union of its tokens' top-k lists (<= T * 512 entries) plus the lists (8 B per entry).
-At B = 64, T = 6, C4 at 8k context: 64 x (6 x 128 KB + 133 x 583 B + 3072 x 583 B) = 169 MB,
-35 us at 4.8 TB/s.
+At B = 64, T = 6, C4 at 8k context (lists of random visible entries: ~1685 distinct per row):
+64 x (6 x 128 KB + (133 + 1685) x 583 B) + lists = 120 MB, 25 us at 4.8 TB/s.
+
+The MMA work is 2 x 2 x H x D = 131 kFLOP per (token, candidate): at that shape 384 tokens x
+640 candidates = 32 GFLOP, 33 us at the H200's ~990 TFLOP/s dense bf16, above the byte floor;
+SWA-only layers (128 candidates) 6.4 GFLOP against 50 MB (q + o), C128 at 32k (384) 19 GFLOP
+against 65 MB. The byte target holds where B * T is small; at B = 64 the MMA rate bounds it.
 
 Kernel: one program per (token, split) takes all H heads of the token (BLOCK_H = H rows of the
 MMA: the candidates' bytes are read once for the heads) and runs an online softmax over blocks of
