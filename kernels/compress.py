@@ -286,12 +286,11 @@ def _store_fp8(y, nope_row, scale_row, rope_row, DC: tl.constexpr, ROPE: tl.cons
 @triton.jit
 def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, valid_ptr, slot_ptr, rkv_ptr,
                      rsc_ptr, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr,
-                     T, RING, n_slots, N_ENT, max_pos, stride_x, stride_s, stride_ape, stride_rr,
-                     stride_rs, stride_cs, stride_ob, stride_oj, stride_cr, stride_ce,
+                     T, NCAND, RING, n_slots, N_ENT, max_pos, stride_x, stride_s, stride_ape,
+                     stride_rr, stride_rs, stride_cs, stride_ob, stride_oj, stride_cr, stride_ce,
                      stride_sr, stride_se, stride_pr, stride_pe, eps,
                      CR: tl.constexpr, COFF: tl.constexpr, DC: tl.constexpr, ROPE: tl.constexpr,
-                     NCAND: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
-                     SOFT: tl.constexpr):
+                     ROWS: tl.constexpr, MODE: tl.constexpr, SOFT: tl.constexpr):
     """MODE 0: entries to out [B, NCAND, DC]; 1: into the float cache c; 2: into the FP8 triple."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -444,10 +443,10 @@ def compress_launch(kv, score, ape, positions, rows, valid, ring_slots, ring_kv,
     positions = positions.contiguous()
     launch(kernel)[(B, n + T)](
         kv, score, ape, positions, rows, valid.view(torch.uint8), ring_slots, ring_kv,
-        ring_score, norm_weight, cos_sin, out, c, cscale, crope, T, ring_kv.shape[1],
+        ring_score, norm_weight, cos_sin, out, c, cscale, crope, T, n, ring_kv.shape[1],
         ring_kv.shape[0] * ring_kv.shape[1], NE, cos_sin.shape[0], kv.stride(0), score.stride(0),
         ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), cos_sin.stride(0), out.stride(0),
-        out.stride(1), *cstr, float(eps), CR=CR, COFF=coff, DC=d_c, ROPE=R, NCAND=n, ROWS=p.rows,
+        out.stride(1), *cstr, float(eps), CR=CR, COFF=coff, DC=d_c, ROPE=R, ROWS=p.rows,
         MODE=mode, SOFT=interpreting(kernel), num_warps=p.num_warps)
     return out if mode == 0 else None
 
@@ -521,16 +520,17 @@ def _flash_config(ratio, d_c, mode):
     types = dict(kv_ptr="*fp32", sc_ptr="*fp32", ape_ptr="*fp32", pos_ptr="*i64", rows_ptr="*i64",
                  valid_ptr="*u8", slot_ptr="*i64", rkv_ptr="*fp32", rsc_ptr="*fp32",
                  w_ptr="*bf16", cs_ptr="*fp32", out_ptr="*bf16", c_ptr=c, cscale_ptr=cs8,
-                 crope_ptr=cr, T="i32", RING="i32", n_slots="i32", N_ENT="i32", max_pos="i32",
+                 crope_ptr=cr, T="i32", NCAND="i32", RING="i32", n_slots="i32", N_ENT="i32",
+                 max_pos="i32",
                  stride_x=_D16, stride_s=_D16, stride_ape=_D16, stride_rr=_D16, stride_rs=_D16,
                  stride_cs=_D16, stride_ob=_D16, stride_oj=_D16, stride_cr=_D16, stride_ce=_D16,
                  stride_sr="i32", stride_se="i32", stride_pr=_D16, stride_pe=_D16, eps="fp32")
     p = compress_plan(ratio, d_c)
     return compile_config(_compress_kernel, types,
-                          dict(CR=ratio, COFF=coff_of(ratio), DC=d_c, ROPE=64, NCAND=2 if ratio == 4
-                               else 1, ROWS=p.rows, MODE=mode, SOFT=False), p.num_warps)
+                          dict(CR=ratio, COFF=coff_of(ratio), DC=d_c, ROPE=64, ROWS=p.rows,
+                               MODE=mode, SOFT=False), p.num_warps)
 
 
 for _op, _mode in (("compress", 0), ("compress_store", 1), ("compress_store_fp8", 2)):
-    add_compile_configs(_op, [_flash_config(r, 512, _mode) for r in (4, 128)])
-add_compile_configs("compress_store", [_flash_config(4, 128, 1)])
+    _shapes = [(4, 512), (128, 512)] + ([(4, 128)] if _mode != 2 else [])
+    add_compile_configs(_op, [_flash_config(r, d_c, _mode) for r, d_c in _shapes])
