@@ -106,6 +106,7 @@ class MoePlan:
     block_p: int = 64      # pairs per routing step: a [64, 256] one-hot (sm_120: 127 registers)
     block_d: int = 1024    # output columns per combine program
     num_warps: int = 4
+    swap_ab: bool = False  # weight rows on the MMA's M side (moe_kernels._mac)
 
 
 BIG_BLOCK_FROM = 48        # pairs per touched expert from which 64-row blocks pay (prefill)
@@ -199,10 +200,10 @@ def moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu
     launch(mk._moe_gate_up_kernel)[(nb, triton.cdiv(I, bn))](
         x2, _u8(w1), _u8(s1), _u8(w3), _u8(s3), h, *route, D, I, k, x2.stride(0),
         float(swiglu_limit), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, SOFT=soft,
-        num_warps=plan.num_warps)
+        SWAP=plan.swap_ab, num_warps=plan.num_warps)
     launch(mk._moe_down_kernel)[(nb, triton.cdiv(D, bn))](
         h, _u8(w2), _u8(s2), wt, y_pair, *route, D, I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        IEEE=ieee, SOFT=soft, num_warps=plan.num_warps)
+        IEEE=ieee, SOFT=soft, SWAP=plan.swap_ab, num_warps=plan.num_warps)
     launch(mk._moe_combine_kernel)[(T, triton.cdiv(D, plan.block_d))](
         y_pair, ids, y, D, E, k, BLOCK_D=plan.block_d, num_warps=plan.num_warps)
     return y
@@ -233,14 +234,16 @@ def _compile_configs():
         out.append(compile_config(mk._moe_route_kernel, dict(
             ids_ptr="*i64", P="i32", E=D16, MAX_BLOCKS="i32", **route),
             dict(BLOCK_M=bm, BLOCK_P=64, E_P2=256), 4))
-        for dt, ieee, bk in (("*bf16", False, 128), ("*fp32", True, 64)):
+        # swap_ab only where it is a candidate (bf16 decode blocks; not yet a plan choice)
+        kinds = [("*bf16", False, 128, False), ("*fp32", True, 64, False)]
+        for dt, ieee, bk, swap in kinds + ([("*bf16", False, 128, True)] if bm == 16 else []):
+            knobs = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False, SWAP=swap)
             out.append(compile_config(mk._moe_gate_up_kernel, dict(
                 x_ptr=dt, w1_ptr=ptr8, s1_ptr=ptr8, w3_ptr=ptr8, s3_ptr=ptr8, h_ptr=dt, D=D16,
-                I=D16, K_TOP="i32", stride_xt=D16, limit="fp32", **route),
-                dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False), 4))
+                I=D16, K_TOP="i32", stride_xt=D16, limit="fp32", **route), knobs, 4))
             out.append(compile_config(mk._moe_down_kernel, dict(
                 h_ptr=dt, w2_ptr=ptr8, s2_ptr=ptr8, wt_ptr="*fp32", y_ptr="*fp32", D=D16, I=D16,
-                **route), dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False), 4))
+                **route), knobs, 4))
     out.append(compile_config(mk._moe_combine_kernel, dict(
         y_pair_ptr="*fp32", ids_ptr="*i64", y_ptr="*fp32", D=D16, E=D16, K_TOP="i32"),
         dict(BLOCK_D=1024), 4))

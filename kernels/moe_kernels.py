@@ -86,25 +86,24 @@ def _block_rows(pair_ptr, blk_expert_ptr, blk_rows_ptr, b, BLOCK_M: tl.constexpr
 
 @triton.jit
 def _e2m1(c):
-    """4-bit e2m1 code (int32 0..15) -> fp32 value from its bits (sign 8, exponent 6, mantissa
-    1)."""
-    e = (c >> 1) & 3
-    m = c & 1
-    mag = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    v = mag.to(tl.float32, bitcast=True)
-    return tl.where((c & 8) != 0, -v, v)
+    """4-bit e2m1 code (int32 0..15) -> fp32 value from its bits: with t = the low 3 bits
+    (exponent e, mantissa m), t >= 2 is 2^(e-1) (1 + m/2), i.e. fp32 bits (t << 22) + (126 << 23);
+    t = 1 is 0.5 and t = 0 is 0; bit 3 is the sign (8 integer ops, no float compare)."""
+    t = c & 7
+    mag = tl.where(t < 2, t * 0x3F000000, (t << 22) + 0x3F000000)
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _mxfp4_tile(w_ptr, s_ptr, rows, rmask, kb0, KB, BN: tl.constexpr, BKH: tl.constexpr,
                 DT: tl.constexpr):
     """Weight rows `rows` [BN] at packed bytes kb0..kb0+BKH of rows of KB bytes -> (even, odd)
-    elements [BKH, BN] in DT: e2m1(code) * 2^(scale byte - 127), exact in DT (<= 2 significant
+    elements [BN, BKH] in DT: e2m1(code) * 2^(scale byte - 127), exact in DT (<= 2 significant
     bits). Scale byte 0 is 2^-127 (an fp32 subnormal), 255 gives inf, as the reference.
 
-    Loaded as [BN, BKH] (each row's bytes contiguous: 64-byte runs at BLOCK_K 128) and
-    transposed in registers: a [BKH, BN] load walks rows KB bytes apart, one byte per
-    transaction. Each row's BKH / 16 scale bytes are loaded once and broadcast."""
+    Each row's bytes are contiguous (64-byte runs at BLOCK_K 128; a [BKH, BN] load would walk
+    rows KB bytes apart, one byte per transaction), and its BKH / 16 scale bytes are loaded once
+    and broadcast."""
     kb = kb0 + tl.arange(0, BKH)
     byte = tl.load(w_ptr + rows[:, None] * KB + kb[None, :], mask=rmask[:, None], other=0)
     ks = kb0 // 16 + tl.arange(0, BKH // 16)
@@ -115,7 +114,7 @@ def _mxfp4_tile(w_ptr, s_ptr, rows, rmask, kb0, KB, BN: tl.constexpr, BKH: tl.co
     b = byte.to(tl.int32)
     lo = (_e2m1(b & 15) * scale).to(DT)
     hi = (_e2m1(b >> 4) * scale).to(DT)
-    return tl.trans(lo), tl.trans(hi)
+    return lo, hi
 
 
 @triton.jit
@@ -125,6 +124,36 @@ def _act_tile(a_ptr, row_off, rmask, k0, BLOCK_K: tl.constexpr):
     ptr = a_ptr + row_off[:, None] + kk[None, :]
     return (tl.load(ptr, mask=rmask[:, None], other=0.0),
             tl.load(ptr + 1, mask=rmask[:, None], other=0.0))
+
+
+@triton.jit
+def _mac(x_ptr, x_off, live, k0, w_ptr, s_ptr, w_rows, nmask, KB, acc, BLOCK_K: tl.constexpr,
+         BLOCK_N: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr):
+    """acc += x[rows, k0:k0+BLOCK_K] . W[w_rows, same K]^T, acc [BM, BN], or its transpose
+    [BN, BM] with SWAP (the weight rows on the MMA's M side: decode blocks hold 1-2 live rows
+    of 16, so the 16-row side then wastes the activations' rows, not the weights')."""
+    lo, hi = _mxfp4_tile(w_ptr, s_ptr, w_rows, nmask, k0 // 2, KB, BLOCK_N, BLOCK_K // 2, DT)
+    xe, xo = _act_tile(x_ptr, x_off, live, k0, BLOCK_K)
+    if SWAP:
+        return _dot(hi, tl.trans(xo), _dot(lo, tl.trans(xe), acc, IEEE), IEEE)
+    else:
+        return _dot(xo, tl.trans(hi), _dot(xe, tl.trans(lo), acc, IEEE), IEEE)
+
+
+@triton.jit
+def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _acc_rows_first(acc, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
 
 
 @triton.jit
@@ -142,7 +171,7 @@ def _dot(a, w, acc, IEEE: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, blk_expert_ptr,
                         blk_rows_ptr, count_ptr, D, I, K_TOP, stride_xt, limit,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE: tl.constexpr, SOFT: tl.constexpr):
+                        IEEE: tl.constexpr, SOFT: tl.constexpr, SWAP: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return                                  # padding block of the worst-case grid
@@ -152,17 +181,16 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
     nmask = n < I
     w_rows = e * I + n
     DT = x_ptr.dtype.element_ty
-    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    u = _acc_init(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, D, BLOCK_K):
-        xe, xo = _act_tile(x_ptr, x_off, live, k0, BLOCK_K)
-        lo, hi = _mxfp4_tile(w1_ptr, s1_ptr, w_rows, nmask, k0 // 2, D // 2, BLOCK_N, BLOCK_K // 2, DT)
-        g = _dot(xo, hi, _dot(xe, lo, g, IEEE), IEEE)
-        lo, hi = _mxfp4_tile(w3_ptr, s3_ptr, w_rows, nmask, k0 // 2, D // 2, BLOCK_N, BLOCK_K // 2, DT)
-        u = _dot(xo, hi, _dot(xe, lo, u, IEEE), IEEE)
+        g = _mac(x_ptr, x_off, live, k0, w1_ptr, s1_ptr, w_rows, nmask, D // 2, g, BLOCK_K,
+                 BLOCK_N, DT, IEEE, SWAP)
+        u = _mac(x_ptr, x_off, live, k0, w3_ptr, s3_ptr, w_rows, nmask, D // 2, u, BLOCK_K,
+                 BLOCK_N, DT, IEEE, SWAP)
     # the reference rounds both GEMMs to x's dtype, clamps (NaN stays NaN), silu in fp32
-    g = round_to(g, DT, SOFT)
-    u = round_to(u, DT, SOFT)
+    g = round_to(_acc_rows_first(g, SWAP), DT, SOFT)
+    u = round_to(_acc_rows_first(u, SWAP), DT, SOFT)
     if limit > 0:
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
@@ -176,7 +204,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_ptr,
                      blk_rows_ptr, count_ptr, D, I, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     SOFT: tl.constexpr):
+                     SOFT: tl.constexpr, SWAP: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return
@@ -186,14 +214,13 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_
     nmask = n < D
     w_rows = e * D + n
     DT = h_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _acc_init(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, I, BLOCK_K):
-        he, ho = _act_tile(h_ptr, h_off, live, k0, BLOCK_K)
-        lo, hi = _mxfp4_tile(w2_ptr, s2_ptr, w_rows, nmask, k0 // 2, I // 2, BLOCK_N, BLOCK_K // 2, DT)
-        acc = _dot(ho, hi, _dot(he, lo, acc, IEEE), IEEE)
+        acc = _mac(h_ptr, h_off, live, k0, w2_ptr, s2_ptr, w_rows, nmask, I // 2, acc, BLOCK_K,
+                   BLOCK_N, DT, IEEE, SWAP)
     # epilogue: the expert's output rounded to the activation dtype, times the routing weight
     wt = tl.load(wt_ptr + pair, mask=live, other=0.0)
-    o = round_to(acc, DT, SOFT) * wt[:, None]
+    o = round_to(_acc_rows_first(acc, SWAP), DT, SOFT) * wt[:, None]
     tl.store(y_ptr + pair[:, None] * D + n[None, :], o, mask=live[:, None] & nmask[None, :])
 
 

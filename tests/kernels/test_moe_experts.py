@@ -11,6 +11,7 @@ to bf16 like the reference, and a different fp32 summation order may flip one of
 roundings by a bf16 ulp, 2^-8 relative). NaN and inf positions must match exactly (NaN never
 passes a comparison), finite elements must be finite on both sides.
 """
+import dataclasses
 import math
 import os
 import sys
@@ -160,9 +161,15 @@ def test_matches_reference(T, k, kind, dtype, experts64):
 
 @pytest.mark.parametrize("plan", [moe.MoePlan(block_m=64, block_n=32, block_k=64, block_d=64),
                                   moe.MoePlan(block_m=16, block_n=64, block_k=32, block_p=16,
-                                              block_d=32)])
+                                              block_d=32),
+                                  moe.MoePlan(block_m=16, block_n=32, block_k=64, block_d=64,
+                                              swap_ab=True),
+                                  moe.MoePlan(block_m=64, block_n=64, block_k=32, block_d=64,
+                                              swap_ab=True)],
+                         ids=["bm64", "bk32", "swap", "swap-bm64"])
 def test_gpu_tilings(plan, experts128):
-    """64-row blocks, narrow N, K split into several steps, several combine programs a row."""
+    """64-row blocks, narrow N, K split into several steps, several combine programs a row,
+    the weight rows on the MMA's M side (swap_ab)."""
     x = _x(21, 128, torch.bfloat16, seed=4)
     ids, w = _routing(21, 3, "random", seed=5)
     y, ref = _run(x, ids, w, experts128, plan=plan)
@@ -292,8 +299,9 @@ def test_benchmark_cases_build_and_run_on_cpu():
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap", [False, True], ids=["plan", "swap_ab"])
 @pytest.mark.parametrize("T", [6, 384])
-def test_gpu_flash_shapes_and_graph_replay(T):
+def test_gpu_flash_shapes_and_graph_replay(T, swap):
     dev, D, Ie, En, k = "cuda", 4096, 2048, 256, 6
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, generator=g, device=dev)
@@ -303,7 +311,8 @@ def test_gpu_flash_shapes_and_graph_replay(T):
     x = torch.randn(T, D, generator=g, device=dev).bfloat16()
     ids = torch.rand(T, En, generator=g, device=dev).topk(k, -1).indices
     w = torch.rand(T, k, generator=g, device=dev)
-    op = lambda: torch.ops.dspark.moe_experts(x, ids, w, *ex, LIMIT)
+    plan = dataclasses.replace(moe.moe_plan(T * k, En, D, Ie), swap_ab=swap)
+    op = lambda: moe.moe_experts_launch(x, ids, w, *ex, LIMIT, plan=plan)
     _assert_close(op().cpu(), moe.moe_experts_reference(x, ids, w, *ex, LIMIT).cpu(),
                   torch.bfloat16)
     torch.cuda.synchronize()
