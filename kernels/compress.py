@@ -33,13 +33,18 @@ coff·CR rows of d_c, at most) and write the entry:
 per row and a C128 entry in 6 of 128 steps; the worst case (every row closing a C128 block at
 once) reads 512 KB per row.
 
-Kernel (one launch): grid (B, n + T). Program (b, j < n) pools candidate j of row b: it loads
-the pooled rows in tiles of ROWS (the rows of this chunk from the kv / score inputs, the earlier
-ones from the ring: the ring rows this launch writes are exactly this chunk's, so the program
-never reads a slot another program writes), an online softmax per channel in fp32, RMSNorm,
-RoPE, then the store. Candidates that do not close, and rows that are not valid, are skipped
-(`compress` writes zeros there; the reference pools whatever the ring holds, which no caller
-stores). Programs (b, n + t) copy token t's kv and score + ape into the rings.
+Kernel: grid (B, n·split + T). Program (b, j < n·split) pools channel block j mod split of
+candidate j // split of row b: it loads the pooled rows in tiles of ROWS (the rows of this chunk
+from the kv / score inputs, the earlier ones from the ring: the ring rows this launch writes are
+exactly this chunk's, so no program reads a slot another program writes), an online softmax
+per channel in fp32; with split 1 (C4, the indexer: one launch) the same program applies
+RMSNorm, RoPE and the store; with split > 1 (C128, whose 128 pooled rows of 512 channels are
+512 KB: split 8, each program 64 channels) the pooled channels go to an fp32 scratch and a
+second launch of one program per entry finishes them -- the same bytes either way, as the
+pooling is per channel. Candidates that do not close, and rows that are not valid, are
+skipped (`compress` writes zeros there; the reference pools whatever the ring holds, which no
+caller stores). Programs (b, n·split + t) copy token t's kv and score + ape into the rings.
+The plan (`compress_plan`) holds ROWS and split.
 """
 from __future__ import annotations
 
@@ -164,25 +169,35 @@ def compress_store_fp8_reference(kv, score, ape, positions, rows, valid, ring_sl
 
 @dataclass(frozen=True)
 class CompressPlan:
-    """Launch choices of one (ratio, d_c) compressor: `rows` pooled rows per loop step (a
-    [rows, d_c] fp32 tile of kv and of scores per step), `num_warps`."""
+    """Launch choices of one (ratio, d_c) compressor.
+
+    `split` programs share an entry's d_c channels (the softmax runs per channel), each pooling
+    d_c / split of them; split > 1 writes the pooled channels to an fp32 scratch [B, n, d_c] and a
+    second launch (one program per entry) applies the norm, RoPE and store, so the entry's rows
+    stream through `split` SMs. `rows` pooled rows per loop step (a [rows, d_c / split] fp32 tile
+    of kv and of scores), `num_warps` of the pooling launch."""
     rows: int
+    split: int
     num_warps: int
 
 
-# fp32 elements of one [rows, d_c] tile: 4096 = 32 registers a thread per tile at 4 warps
-# (kv and scores: 64), so C4's 8 rows of 512 are one step and C128's 128 rows are 16.
+# fp32 elements of one [rows, channels] tile: 4096 = 32 registers a thread per tile at 4 warps
+# (kv and scores: 64), so C4's 8 rows of 512 are one step. C128 pools 128 rows of 512 per entry
+# (512 KB of fp32 ring rows): on one SM that is the step's longest program, so its channels are
+# split over SPLIT_C128 programs of 64 channels (64 KB each, two 64-row steps).
 TILE_ELEMS = 4096
 NUM_WARPS = 4
+SPLIT_C128 = 8
 
 
 def compress_plan(ratio: int, d_c: int, interpreted: bool = False) -> CompressPlan:
     """The plan for a compressor; the interpreter pays per operation, so it takes every pooled
-    row in one step."""
+    row and every channel in one step (tests pass split plans explicitly)."""
     pooled = coff_of(ratio) * ratio
     if interpreted:
-        return CompressPlan(pooled, NUM_WARPS)
-    return CompressPlan(max(1, min(pooled, TILE_ELEMS // d_c)), NUM_WARPS)
+        return CompressPlan(pooled, 1, NUM_WARPS)
+    split = SPLIT_C128 if pooled > 16 and d_c % (16 * SPLIT_C128) == 0 else 1
+    return CompressPlan(max(1, min(pooled, TILE_ELEMS * split // d_c)), split, NUM_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,15 +220,16 @@ def _ring_write(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, rkv_ptr, rsc_ptr, to
 
 
 @triton.jit
-def _pool(kv_ptr, sc_ptr, ape_ptr, rkv_ptr, rsc_ptr, b, row, pos0, first, T, RING, stride_x,
+def _pool(kv_ptr, sc_ptr, ape_ptr, rkv_ptr, rsc_ptr, b, row, pos0, first, c0, T, RING, stride_x,
           stride_s, stride_ape, stride_rr, stride_rs, CR: tl.constexpr, COFF: tl.constexpr,
-          DC: tl.constexpr, ROWS: tl.constexpr):
-    """Σ_rows softmax_rows(S) ⊙ K per channel (fp32) over the COFF·CR rows from `first`: rows of
-    this chunk from the inputs (score + ape), earlier ones from the ring, positions < 0 masked."""
-    d = tl.arange(0, DC)
-    m = tl.full([DC], float("-inf"), tl.float32)
-    l = tl.zeros([DC], tl.float32)
-    acc = tl.zeros([DC], tl.float32)
+          DC: tl.constexpr, CB: tl.constexpr, ROWS: tl.constexpr):
+    """Σ_rows softmax_rows(S) ⊙ K for the CB channels from c0 (fp32) over the COFF·CR rows from
+    `first`: rows of this chunk from the inputs (score + ape), earlier ones from the ring,
+    positions < 0 masked."""
+    d = c0 + tl.arange(0, CB)
+    m = tl.full([CB], float("-inf"), tl.float32)
+    l = tl.zeros([CB], tl.float32)
+    acc = tl.zeros([CB], tl.float32)
     for r0 in range(0, COFF * CR, ROWS):
         r = r0 + tl.arange(0, ROWS)
         p = first + r                                   # positions, int64
@@ -284,21 +300,9 @@ def _store_fp8(y, nope_row, scale_row, rope_row, DC: tl.constexpr, ROPE: tl.cons
 
 
 @triton.jit
-def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, valid_ptr, slot_ptr, rkv_ptr,
-                     rsc_ptr, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr,
-                     T, NCAND, RING, n_slots, N_ENT, max_pos, stride_x, stride_s, stride_ape,
-                     stride_rr, stride_rs, stride_cs, stride_ob, stride_oj, stride_cr, stride_ce,
-                     stride_sr, stride_se, stride_pr, stride_pe, eps,
-                     CR: tl.constexpr, COFF: tl.constexpr, DC: tl.constexpr, ROPE: tl.constexpr,
-                     ROWS: tl.constexpr, MODE: tl.constexpr, SOFT: tl.constexpr):
-    """MODE 0: entries to out [B, NCAND, DC]; 1: into the float cache c; 2: into the FP8 triple."""
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    if j >= NCAND:
-        _ring_write(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, rkv_ptr, rsc_ptr,
-                    b * T + (j - NCAND), n_slots, stride_x, stride_s, stride_ape, stride_rs, CR,
-                    COFF * DC)
-        return
+def _entry(pos_ptr, rows_ptr, valid_ptr, b, j, T, N_ENT, CR: tl.constexpr, MODE: tl.constexpr):
+    """Candidate j of row b: (first position of the chunk, block id, state row, whether it is
+    computed: it closes in a valid row, and for a store it fits the cache)."""
     pos0 = tl.load(pos_ptr + b * T).to(tl.int64)
     off = (CR - 1 - pos0 % CR) % CR + CR * j
     blk = (pos0 + off) // CR
@@ -306,26 +310,88 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, valid_ptr, slot
     go = (tl.load(valid_ptr + b) != 0) & (off < T)
     if MODE != 0:
         go = go & (blk < N_ENT)
+    return pos0, blk, row, go
+
+
+@triton.jit
+def _finish(x, b, j, blk, row, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr, max_pos,
+            stride_cs, stride_ob, stride_oj, stride_cr, stride_ce, stride_sr, stride_se,
+            stride_pr, stride_pe, eps, CR: tl.constexpr, DC: tl.constexpr, ROPE: tl.constexpr,
+            MODE: tl.constexpr, SOFT: tl.constexpr):
+    """Norm + RoPE of the pooled entry x [DC], then MODE 0: out[b, j]; 1: the float cache's
+    entry; 2: the FP8 triple's."""
     ODT = out_ptr.dtype.element_ty
+    cs_row = cs_ptr + tl.minimum(blk * CR, max_pos - 1) * stride_cs
+    y = _norm_rope(x, w_ptr, cs_row, eps, DC, ROPE, ODT, SOFT)
+    d = tl.arange(0, DC)
+    if MODE == 0:
+        tl.store(out_ptr + b * stride_ob + j * stride_oj + d, y.to(ODT))
+    elif MODE == 1:
+        cdt = c_ptr.dtype.element_ty
+        tl.store(c_ptr + row * stride_cr + blk * stride_ce + d, round_to(y, cdt, SOFT).to(cdt))
+    else:
+        _store_fp8(y, c_ptr + row * stride_cr + blk * stride_ce,
+                   cscale_ptr + row * stride_sr + blk * stride_se,
+                   crope_ptr + row * stride_pr + blk * stride_pe, DC, ROPE, SOFT)
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, rows_ptr, valid_ptr, slot_ptr, rkv_ptr,
+                     rsc_ptr, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr, pool_ptr,
+                     T, NCAND, RING, n_slots, N_ENT, max_pos, stride_x, stride_s, stride_ape,
+                     stride_rr, stride_rs, stride_cs, stride_ob, stride_oj, stride_cr, stride_ce,
+                     stride_sr, stride_se, stride_pr, stride_pe, eps,
+                     CR: tl.constexpr, COFF: tl.constexpr, DC: tl.constexpr, ROPE: tl.constexpr,
+                     ROWS: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr,
+                     SOFT: tl.constexpr):
+    """Programs (b, j < NCAND·SPLIT) pool candidate j // SPLIT's channel block j % SPLIT, and
+    with SPLIT 1 finish it (norm, RoPE, store); SPLIT > 1 leaves the pooled channels in
+    pool_ptr [B, NCAND, DC] for _compress_finish_kernel. Programs (b, NCAND·SPLIT + t) write
+    token t into the rings."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    if j >= NCAND * SPLIT:
+        _ring_write(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, rkv_ptr, rsc_ptr,
+                    b * T + (j - NCAND * SPLIT), n_slots, stride_x, stride_s, stride_ape,
+                    stride_rs, CR, COFF * DC)
+        return
+    CB: tl.constexpr = DC // SPLIT
+    jc = j // SPLIT
+    c0 = (j % SPLIT) * CB
+    pos0, blk, row, go = _entry(pos_ptr, rows_ptr, valid_ptr, b, jc, T, N_ENT, CR, MODE)
     if go:
-        x = _pool(kv_ptr, sc_ptr, ape_ptr, rkv_ptr, rsc_ptr, b, row, pos0, (blk - (COFF - 1)) * CR,
-                  T, RING, stride_x, stride_s, stride_ape, stride_rr, stride_rs, CR, COFF, DC,
-                  ROWS)
-        cs_row = cs_ptr + tl.minimum(blk * CR, max_pos - 1) * stride_cs
-        y = _norm_rope(x, w_ptr, cs_row, eps, DC, ROPE, ODT, SOFT)
-        d = tl.arange(0, DC)
-        if MODE == 0:
-            tl.store(out_ptr + b * stride_ob + j * stride_oj + d, y.to(ODT))
-        elif MODE == 1:
-            cdt = c_ptr.dtype.element_ty
-            tl.store(c_ptr + row * stride_cr + blk * stride_ce + d, round_to(y, cdt, SOFT).to(cdt))
+        x = _pool(kv_ptr, sc_ptr, ape_ptr, rkv_ptr, rsc_ptr, b, row, pos0,
+                  (blk - (COFF - 1)) * CR, c0, T, RING, stride_x, stride_s, stride_ape,
+                  stride_rr, stride_rs, CR, COFF, DC, CB, ROWS)
+        if SPLIT == 1:
+            _finish(x, b, jc, blk, row, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr,
+                    max_pos, stride_cs, stride_ob, stride_oj, stride_cr, stride_ce, stride_sr,
+                    stride_se, stride_pr, stride_pe, eps, CR, DC, ROPE, MODE, SOFT)
         else:
-            _store_fp8(y, c_ptr + row * stride_cr + blk * stride_ce,
-                       cscale_ptr + row * stride_sr + blk * stride_se,
-                       crope_ptr + row * stride_pr + blk * stride_pe, DC, ROPE, SOFT)
+            tl.store(pool_ptr + (b * NCAND + jc) * DC + c0 + tl.arange(0, CB), x)
+    elif MODE == 0 and SPLIT == 1:
+        tl.store(out_ptr + b * stride_ob + jc * stride_oj + tl.arange(0, DC),
+                 tl.zeros([DC], tl.float32).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _compress_finish_kernel(pos_ptr, rows_ptr, valid_ptr, w_ptr, cs_ptr, out_ptr, c_ptr,
+                            cscale_ptr, crope_ptr, pool_ptr, T, NCAND, N_ENT, max_pos, stride_cs,
+                            stride_ob, stride_oj, stride_cr, stride_ce, stride_sr, stride_se,
+                            stride_pr, stride_pe, eps, CR: tl.constexpr, DC: tl.constexpr,
+                            ROPE: tl.constexpr, MODE: tl.constexpr, SOFT: tl.constexpr):
+    """Program (b, j): norm, RoPE and store of candidate j pooled by a SPLIT > 1 launch."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    pos0, blk, row, go = _entry(pos_ptr, rows_ptr, valid_ptr, b, j, T, N_ENT, CR, MODE)
+    if go:
+        x = tl.load(pool_ptr + (b * NCAND + j) * DC + tl.arange(0, DC))
+        _finish(x, b, j, blk, row, w_ptr, cs_ptr, out_ptr, c_ptr, cscale_ptr, crope_ptr, max_pos,
+                stride_cs, stride_ob, stride_oj, stride_cr, stride_ce, stride_sr, stride_se,
+                stride_pr, stride_pe, eps, CR, DC, ROPE, MODE, SOFT)
     elif MODE == 0:
         tl.store(out_ptr + b * stride_ob + j * stride_oj + tl.arange(0, DC),
-                 tl.zeros([DC], tl.float32).to(ODT))
+                 tl.zeros([DC], tl.float32).to(out_ptr.dtype.element_ty))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,16 +504,27 @@ def compress_launch(kv, score, ape, positions, rows, valid, ring_slots, ring_kv,
         return out if mode == 0 else None
     kernel = _compress_kernel
     p = plan or compress_plan(CR, d_c, interpreting(kernel))
+    if d_c % p.split or not _pow2(d_c // p.split):
+        raise ValueError(f"plan.split = {p.split} must leave a power-of-two share of d_c = {d_c}")
     kv, score, ape, cos_sin = (t if t.stride(-1) == 1 else t.contiguous()
                                for t in (kv, score, ape, cos_sin))
     positions = positions.contiguous()
-    launch(kernel)[(B, n + T)](
-        kv, score, ape, positions, rows, valid.view(torch.uint8), ring_slots, ring_kv,
-        ring_score, norm_weight, cos_sin, out, c, cscale, crope, T, n, ring_kv.shape[1],
+    pool = torch.empty((B, n, d_c) if p.split > 1 else (1,), dtype=torch.float32, device=kv.device)
+    valid8 = valid.view(torch.uint8)
+    tail = (out.stride(0), out.stride(1), *cstr, float(eps))
+    launch(kernel)[(B, n * p.split + T)](
+        kv, score, ape, positions, rows, valid8, ring_slots, ring_kv, ring_score, norm_weight,
+        cos_sin, out, c, cscale, crope, pool, T, n, ring_kv.shape[1],
         ring_kv.shape[0] * ring_kv.shape[1], NE, cos_sin.shape[0], kv.stride(0), score.stride(0),
-        ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), cos_sin.stride(0), out.stride(0),
-        out.stride(1), *cstr, float(eps), CR=CR, COFF=coff, DC=d_c, ROPE=R, ROWS=p.rows,
-        MODE=mode, SOFT=interpreting(kernel), num_warps=p.num_warps)
+        ape.stride(0), ring_kv.stride(0), ring_kv.stride(1), cos_sin.stride(0), *tail,
+        CR=CR, COFF=coff, DC=d_c, ROPE=R, ROWS=p.rows, SPLIT=p.split, MODE=mode,
+        SOFT=interpreting(kernel), num_warps=p.num_warps)
+    if p.split > 1:
+        fin = _compress_finish_kernel
+        launch(fin)[(B, n)](
+            positions, rows, valid8, norm_weight, cos_sin, out, c, cscale, crope, pool, T, n, NE,
+            cos_sin.shape[0], cos_sin.stride(0), *tail, CR=CR, DC=d_c, ROPE=R, MODE=mode,
+            SOFT=interpreting(fin), num_warps=NUM_WARPS)
     return out if mode == 0 else None
 
 
@@ -516,21 +593,26 @@ _CACHE_TYPES = {0: ("*u8", "*u8", "*u8"), 1: ("*bf16", "*bf16", "*bf16"), 2: ("*
 
 
 def _flash_config(ratio, d_c, mode):
+    """The pooling launch's configuration, and the finishing launch's when the plan splits."""
     c, cs8, cr = _CACHE_TYPES[mode]
-    types = dict(kv_ptr="*fp32", sc_ptr="*fp32", ape_ptr="*fp32", pos_ptr="*i64", rows_ptr="*i64",
-                 valid_ptr="*u8", slot_ptr="*i64", rkv_ptr="*fp32", rsc_ptr="*fp32",
-                 w_ptr="*bf16", cs_ptr="*fp32", out_ptr="*bf16", c_ptr=c, cscale_ptr=cs8,
-                 crope_ptr=cr, T="i32", NCAND="i32", RING="i32", n_slots="i32", N_ENT="i32",
-                 max_pos="i32",
-                 stride_x=_D16, stride_s=_D16, stride_ape=_D16, stride_rr=_D16, stride_rs=_D16,
-                 stride_cs=_D16, stride_ob=_D16, stride_oj=_D16, stride_cr=_D16, stride_ce=_D16,
-                 stride_sr="i32", stride_se="i32", stride_pr=_D16, stride_pe=_D16, eps="fp32")
+    ids = dict(pos_ptr="*i64", rows_ptr="*i64", valid_ptr="*u8", w_ptr="*bf16", cs_ptr="*fp32",
+               out_ptr="*bf16", c_ptr=c, cscale_ptr=cs8, crope_ptr=cr, pool_ptr="*fp32",
+               stride_cs=_D16, stride_ob=_D16, stride_oj=_D16, stride_cr=_D16, stride_ce=_D16,
+               stride_sr="i32", stride_se="i32", stride_pr=_D16, stride_pe=_D16, eps="fp32",
+               T="i32", NCAND="i32", N_ENT="i32", max_pos="i32")
+    types = dict(ids, kv_ptr="*fp32", sc_ptr="*fp32", ape_ptr="*fp32", slot_ptr="*i64",
+                 rkv_ptr="*fp32", rsc_ptr="*fp32", RING="i32", n_slots="i32", stride_x=_D16,
+                 stride_s=_D16, stride_ape=_D16, stride_rr=_D16, stride_rs=_D16)
     p = compress_plan(ratio, d_c)
-    return compile_config(_compress_kernel, types,
-                          dict(CR=ratio, COFF=coff_of(ratio), DC=d_c, ROPE=64, ROWS=p.rows,
-                               MODE=mode, SOFT=False), p.num_warps)
+    shape = dict(CR=ratio, DC=d_c, ROPE=64, MODE=mode, SOFT=False)
+    out = [compile_config(_compress_kernel, types,
+                          dict(shape, COFF=coff_of(ratio), ROWS=p.rows, SPLIT=p.split),
+                          p.num_warps)]
+    if p.split > 1:
+        out.append(compile_config(_compress_finish_kernel, ids, shape, NUM_WARPS))
+    return out
 
 
 for _op, _mode in (("compress", 0), ("compress_store", 1), ("compress_store_fp8", 2)):
     _shapes = [(4, 512), (128, 512)] + ([(4, 128)] if _mode != 2 else [])
-    add_compile_configs(_op, [_flash_config(r, d_c, _mode) for r, d_c in _shapes])
+    add_compile_configs(_op, [cfg for r, d_c in _shapes for cfg in _flash_config(r, d_c, _mode)])

@@ -181,14 +181,30 @@ def test_compress_matches_reference(ratio, d_c, R, starts, T, dtype, mode):
         assert (e_k[~_closing(d)] == 0).all()
 
 
-def test_several_entries_close_in_one_chunk_and_gpu_row_tiles():
-    """A prefill chunk closing 4 C4 blocks per row, with the GPU's row tiling (2 rows a step)."""
+def test_several_entries_close_in_one_chunk_and_gpu_plans():
+    """A prefill chunk closing 4 C4 blocks per row, with the GPU's row tiling (2 rows a step)
+    and with the channels split over programs (norm, RoPE and store in the second launch)."""
     d = _inputs(4, 128, 64, [0, 7], 16, seed=5)
     assert _closing(d).sum() == 8
-    for plan in (None, ck.CompressPlan(rows=2, num_warps=4)):
+    for plan in (None, ck.CompressPlan(rows=2, split=1, num_warps=4),
+                 ck.CompressPlan(rows=4, split=4, num_warps=4)):
         ker, ref, before, e_k, e_r = _run(d, torch.bfloat16, "fp8", 8, plan=plan)
         _assert_entries(e_k, e_r, _closing(d), torch.bfloat16)
         _assert_caches(ker, before, e_k, d, "fp8", 8)
+
+
+@pytest.mark.parametrize("mode", ["entries", "fp8"])
+def test_c128_channel_split_equals_one_program(mode):
+    """The GPU plan of C128 (8 programs of d_c / 8 channels, then the finishing launch) gives
+    the single program's bytes exactly: the pooling is per channel either way."""
+    d = _inputs(128, 128, 64, [125, 3, 250], 6, seed=13)
+    assert _closing(d).sum() == 2
+    one = _run(d, torch.bfloat16, mode, 2, plan=ck.CompressPlan(128, 1, 4))
+    split = _run(d, torch.bfloat16, mode, 2, plan=ck.CompressPlan(32, 8, 4))
+    for a, b in zip(one[:1] + one[3:4], split[:1] + split[3:4]):   # final state, entries
+        for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else [(a, b)]):
+            assert torch.equal(_u8(x), _u8(y))
+    _assert_entries(split[3], split[4], _closing(d), torch.bfloat16)
 
 
 def test_no_entry_closes_and_all_rows_padded_write_nothing():
