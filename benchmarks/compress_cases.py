@@ -10,7 +10,8 @@ Every case is one verify forward of T = 6 tokens per row (N + 1, dspark_block_si
 rows; row b's last position is about the context length (ctx + (37 b mod 128) - 6 .. + 5, so the
 rows' phases modulo 4 and 128 differ and a C128 case closes the blocks of the rows whose chunk
 crosses a multiple of 128, as a step does). Variants: `eager` (the reference: the plain
-PyTorch the model ran before these ops), `compile` (torch.compile of it), `ours` (the op).
+PyTorch the model ran before these ops), `compile` (torch.compile of it), `ours` (the op);
+C128 also `ours-split1` (one program per entry instead of the plan's 8-way channel split).
 
 compress (kernels/compress.py; the ops the layers call once attention.py hands the insert to
 them: compress_store_fp8 for the main compressors, compress_store for the indexer's bf16 K):
@@ -165,10 +166,26 @@ def _compress_check(make, fp8):
     return check
 
 
+def _ours_plan(fp8, plan):
+    """ours with an explicit plan (tuning variants)."""
+    def fn(d):
+        base = {k: v for k, v in d.items() if not k.startswith("cache")}
+        if fp8:
+            return ck.compress_launch(**base, eps=EPS, out_dtype=torch.bfloat16, plan=plan,
+                                      fp8_cache=(d["cache_nope"], d["cache_scale"],
+                                                 d["cache_rope"]))
+        return ck.compress_launch(**base, eps=EPS, out_dtype=torch.bfloat16, plan=plan,
+                                  cache=d["cache"])
+    return fn
+
+
 def compress_cases(batches):
     out = []
     for name, (ratio, d_c, fp8, close_all) in COMPRESSORS.items():
         ref, ours = _compress_fns(fp8)
+        extra = {}
+        if ratio == 128:    # tuning data: C128 in one program per entry (no channel split)
+            extra["ours-split1"] = _ours_plan(fp8, ck.CompressPlan(8, 1, ck.NUM_WARPS))
         for ctx in CONTEXTS:
             for B in batches:
                 make, starts = _compress_inputs(B, ctx, ratio, d_c, fp8, close_all)
@@ -176,7 +193,7 @@ def compress_cases(batches):
                 out.append(Case("compress", name, {"B": B, "T": B * T, "ctx": ctx,
                                                    "closing": closing},
                                 make, ref, ours, compress_floor(starts, ratio, d_c, fp8),
-                                check=_compress_check(make, fp8)))
+                                check=_compress_check(make, fp8), extra=extra))
     return out
 
 
