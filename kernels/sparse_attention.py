@@ -35,10 +35,12 @@ The MMA work is 2 x 2 x H x D = 131 kFLOP per (token, candidate): at that shape 
 SWA-only layers (128 candidates) 6.4 GFLOP against 50 MB (q + o), C128 at 32k (384) 19 GFLOP
 against 65 MB. The byte target holds where B * T is small; at B = 64 the MMA rate bounds it.
 
-Kernel: one program per (token, split) takes all H heads of the token (BLOCK_H = H rows of the
-MMA: the candidates' bytes are read once for the heads) and runs an online softmax over blocks of
-BLOCK_N candidates, SWA blocks first, then compressed ones; each block's fp8 bytes are
-dequantized in registers (byte * 2^(e - 127) per 64 dims, exact in bf16). When the grid would
+Kernel: one program per (head block, token, split) takes BLOCK_H = 32 heads of the token as the
+MMA's rows (64 heads with their 512-wide fp32 accumulator need more than SM12x's 99 KB of shared
+memory; the two head blocks of a token are neighbours in launch order, so the second reads the
+candidates from L2) and runs an online softmax over blocks of BLOCK_N candidates, SWA blocks
+first, then compressed ones; each block's fp8 bytes are dequantized in registers (byte *
+2^(e - 127) per 64 dims, exact in bf16), never through a cache-sized temporary. When the grid would
 leave the GPU idle (few tokens, long candidate lists) the blocks are split over programs
 (`SparseAttentionPlan.split`); each split writes its (max, denominator, numerator) partial in
 fp32 and one combine launch merges them in split order (deterministic: no atomics). The sink
@@ -47,7 +49,6 @@ enters split 0 only.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
