@@ -3,6 +3,8 @@
     engine/
       manifest.json              what was built, with what, and a checksum of every file
       programs/step_b{B}.pt2     one torch.export program per batch bucket B
+      programs/prefill_c{C}.pt2  optional: one prefill program per chunk length C
+                                 (models/prefill_chunk.py; manifest `prefill_programs`)
       weights.safetensors        every weight once, shared by all programs
       kernels/sm_XY/...          optional build reports (e.g. kernel resource usage)
 
@@ -64,7 +66,8 @@ _ALIGN = 64  # bytes; what torch's allocators give every fresh tensor
 
 # Computed by save_engine; a caller's manifest_fields may not set them.
 _COMPUTED = {"format_version", "dspark_compile_version", "torch_version", "triton_version",
-             "cuda_version", "buckets", "programs", "weights", "files", "dspark_ops",
+             "cuda_version", "buckets", "programs", "prefill_programs", "weights", "files",
+             "dspark_ops",
              "graph_memory_bytes", "created_utc", "checksum"}
 _REQUIRED = ("model_config_hash", "passes")
 # Dtypes safetensors can write but not read back: stored as a same-size integer view.
@@ -82,6 +85,25 @@ class ArtifactError(RuntimeError):
 
 def program_path(bucket: int) -> str:
     return f"{PROGRAM_DIR}/step_b{bucket}.pt2"
+
+
+def prefill_key(chunk: int) -> str:
+    """A prefill program's name: its file stem, and its key where programs of both kinds are
+    listed together (pass statistics, compile jobs)."""
+    return f"prefill_c{chunk}"
+
+
+def prefill_program_path(chunk: int) -> str:
+    return f"{PROGRAM_DIR}/{prefill_key(chunk)}.pt2"
+
+
+def _program_file(key) -> str:
+    """The engine path of a program keyed by bucket (int) or by prefill_key (str)."""
+    return f"{PROGRAM_DIR}/{key}.pt2" if isinstance(key, str) else program_path(key)
+
+
+def _label(key) -> str:
+    return key if isinstance(key, str) else f"for bucket {key}"
 
 
 # --------------------------------------------------------------------------- hashing
@@ -173,12 +195,12 @@ def _plan_weights(programs: dict, weights: Optional[dict]):
         for name, (t, _) in _weight_entries(ep).items():
             if name not in collected:
                 if weights is not None:
-                    raise ArtifactError(f"program for bucket {b} uses weight '{name}', which is "
+                    raise ArtifactError(f"program {_label(b)} uses weight '{name}', which is "
                                         "not in `weights`", field="weights")
                 collected[name] = t
             elif not _same_tensor(collected[name], t):
                 raise ArtifactError(
-                    f"weight '{name}' of the program for bucket {b} differs from the one being "
+                    f"weight '{name}' of the program {_label(b)} differs from the one being "
                     f"stored ({tuple(t.shape)} {t.dtype} vs {tuple(collected[name].shape)} "
                     f"{collected[name].dtype} or different values)", field="weights")
             names.append(name)
@@ -268,7 +290,8 @@ def _save_program(ep, path: Path, shared: list) -> None:
             table[name] = t
 
 
-def _attach_weights(ep, shared: list, weights: dict, bucket: int) -> None:
+def _attach_weights(ep, shared: list, weights: dict, bucket) -> None:
+    """`bucket`: the program's key (a bucket, or a prefill program's prefill_key)."""
     entries = _weight_entries(ep)
     for name in shared:
         if name in ep.state_dict:
@@ -276,20 +299,20 @@ def _attach_weights(ep, shared: list, weights: dict, bucket: int) -> None:
         elif name in ep.constants:
             table = ep.constants
         else:
-            raise ArtifactError(f"program for bucket {bucket} has no weight '{name}' that the "
-                                "manifest says it shares", path=program_path(bucket))
+            raise ArtifactError(f"program {_label(bucket)} has no weight '{name}' that the "
+                                "manifest says it shares", path=_program_file(bucket))
         w = weights[name]
         ref = table[name]
         if tuple(ref.shape) != tuple(w.shape) or ref.dtype != w.dtype:
-            raise ArtifactError(f"weight '{name}': program for bucket {bucket} expects "
+            raise ArtifactError(f"weight '{name}': program {_label(bucket)} expects "
                                 f"{tuple(ref.shape)} {ref.dtype}, {WEIGHTS_FILE} has "
                                 f"{tuple(w.shape)} {w.dtype}", path=WEIGHTS_FILE)
         table[name] = torch.nn.Parameter(w, requires_grad=False) if entries.get(
             name, (None, False))[1] else w
     missing = [k for k in _weight_entries(ep) if k not in shared]
     if missing:  # every parameter/buffer is shared at build time; a stand-in must not survive
-        raise ArtifactError(f"program for bucket {bucket} has weights {missing} that the "
-                            "manifest does not list as shared", path=program_path(bucket))
+        raise ArtifactError(f"program {_label(bucket)} has weights {missing} that the "
+                            "manifest does not list as shared", path=_program_file(bucket))
 
 
 # --------------------------------------------------------------------------- files
@@ -341,10 +364,14 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
 # --------------------------------------------------------------------------- save
 def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                 manifest_fields: Optional[dict] = None,
-                extra_files: Optional[dict] = None) -> dict:
+                extra_files: Optional[dict] = None,
+                prefill_programs: Optional[dict] = None) -> dict:
     """Write an engine directory atomically; returns the manifest.
 
     programs: {bucket B (int > 0): ExportedProgram}.
+    prefill_programs: {chunk length C (int > 0): ExportedProgram} (models/prefill_chunk.py),
+        stored like the steps (shared weights, checksummed) and listed under
+        `prefill_programs`.
     weights: {FQN: tensor} to store once and share; None = every program's parameters and
         buffers. Every program's parameters/buffers must be in it with identical values.
     manifest_fields: must hold "model_config_hash" (or "model_config", hashed here) and
@@ -362,12 +389,22 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         if not isinstance(ep, torch.export.ExportedProgram):
             raise ArtifactError(f"program for bucket {b} is a {type(ep).__name__}, not an "
                                 "ExportedProgram", field="programs")
+    prefill_programs = dict(prefill_programs or {})
+    for c, ep in prefill_programs.items():
+        if isinstance(c, bool) or not isinstance(c, int) or c <= 0:
+            raise ArtifactError(f"prefill chunk keys must be positive ints, got {c!r}",
+                                field="prefill_programs")
+        if not isinstance(ep, torch.export.ExportedProgram):
+            raise ArtifactError(f"prefill program for chunk {c} is a {type(ep).__name__}, not "
+                                "an ExportedProgram", field="prefill_programs")
+    # one table for the weights and the ops: steps by bucket, prefill programs by prefill_key
+    every = {**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()}}
     fields = dict(manifest_fields or {})
     if "model_config" in fields:
         fields.setdefault("model_config_hash", config_hash(fields["model_config"]))
     # the programs' device decides where the engine runs: a CPU program is "cpu" even when this
     # machine has a GPU
-    fields.setdefault("target_sm", target_sm(_programs_device(programs)))
+    fields.setdefault("target_sm", target_sm(_programs_device(every)))
     bad = sorted(set(fields) & _COMPUTED)
     if bad:
         raise ArtifactError(f"manifest_fields may not set computed fields {bad}", field=bad[0])
@@ -385,11 +422,11 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
     tmp = temp_dir(out_dir)
     try:
-        store, shared = _plan_weights(programs, weights)
+        store, shared = _plan_weights(every, weights)
         (tmp / PROGRAM_DIR).mkdir()
         buckets = sorted(programs)
-        for b in buckets:
-            _save_program(programs[b], tmp / program_path(b), shared[b])
+        for key, ep in every.items():
+            _save_program(ep, tmp / _program_file(key), shared[key])
         tensors = _save_weights(store, tmp / WEIGHTS_FILE)
         for rel, content in extra_files.items():
             p = tmp / rel
@@ -406,8 +443,12 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                                   "user_inputs": list(programs[b].graph_signature.user_inputs)}
                          for b in buckets},
             "weights": {"file": WEIGHTS_FILE, "tensors": tensors},
-            "dspark_ops": _dspark_ops(programs),
+            "dspark_ops": _dspark_ops(every),
             "graph_memory_bytes": {str(b): None for b in buckets},
+            **({"prefill_programs": {
+                str(c): {"path": prefill_program_path(c), "shared_weights": shared[prefill_key(c)],
+                         "user_inputs": list(ep.graph_signature.user_inputs)}
+                for c, ep in sorted(prefill_programs.items())}} if prefill_programs else {}),
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
         }
@@ -526,6 +567,17 @@ def _check_structure(manifest: dict) -> None:
         if entry.get("path") not in files:
             raise ArtifactError(f"manifest field 'programs': bucket {b}'s program "
                                 f"'{entry.get('path')}' is not in the file table", field="programs")
+    prefill = manifest.get("prefill_programs", {})
+    if not isinstance(prefill, dict):
+        raise ArtifactError("manifest field 'prefill_programs' is not a table",
+                            field="prefill_programs")
+    for c, entry in prefill.items():
+        if not (isinstance(entry, dict) and c.isdigit() and int(c) > 0
+                and entry.get("path") == prefill_program_path(int(c)) and entry["path"] in files):
+            raise ArtifactError(f"manifest field 'prefill_programs': chunk {c!r}'s program "
+                                f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
+                                "not a prefill program in the file table",
+                                field="prefill_programs")
     if manifest.get("weights", {}).get("file") not in files:
         raise ArtifactError("manifest field 'weights': the weights file is not in the file table",
                             field="weights")
@@ -613,6 +665,21 @@ def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
                             path=entry["path"]) from e
     _attach_weights(ep, entry["shared_weights"], weights, bucket)
     return ep
+
+
+def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
+    """{chunk length: ExportedProgram} of a validated manifest's prefill programs (none for an
+    engine built without them), with the shared `weights` attached."""
+    out = {}
+    for c, entry in sorted(manifest.get("prefill_programs", {}).items(), key=lambda kv: int(kv[0])):
+        try:
+            ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
+        except Exception as e:
+            raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
+                                path=entry["path"]) from e
+        _attach_weights(ep, entry["shared_weights"], weights, prefill_key(int(c)))
+        out[int(c)] = ep
+    return out
 
 
 def update_manifest_field(engine_dir, field: str, value) -> dict:

@@ -24,6 +24,9 @@ class BuildConfig:
     max_rows: int = 0               # concurrent request rows; 0 = the largest bucket
     max_seq_len: int = 1024         # positions per request (models/config.py request_positions)
     prefill_chunk: int = 64         # tokens per eager prefill forward
+    # chunk lengths with a prefill program each (models/prefill_chunk.py); () = none, the
+    # runtime prefills with the eager reference
+    prefill_chunks: tuple = ()
     dtype: str = "float32"          # compute dtype of activations
     act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
     kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches
@@ -63,6 +66,7 @@ class BuildConfig:
                              f"{self.max_rows}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.prefill_chunks = _chunk_lengths(self.prefill_chunks, self.max_seq_len)
 
     def precision(self):
         from dspark_compile.models.config import Precision
@@ -71,7 +75,32 @@ class BuildConfig:
     def cache(self, block: int):
         from dspark_compile.models.config import CacheConfig
         return CacheConfig(max_rows=self.max_rows, max_seq_len=self.max_seq_len,
-                           max_step_tokens=max(self.prefill_chunk, block + 1))
+                           max_step_tokens=max(self.prefill_chunk, block + 1,
+                                               *self.prefill_chunks))
+
+    def rope_positions(self, block: int) -> int:
+        """RoPE table length of the built programs: the step's (models/config.py) plus the
+        largest prefill chunk, whose padded tail runs on past the last prompt position
+        (models/prefill_chunk.py)."""
+        from dspark_compile.models.config import rope_positions
+        return rope_positions(self.max_seq_len, block) + max(self.prefill_chunks, default=0)
 
     def to_manifest(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k not in NOT_RECORDED}
+
+
+def _chunk_lengths(chunks, max_seq_len) -> tuple:
+    """prefill_chunks as sorted distinct ints in [1, max_seq_len]; (0,) and () mean none."""
+    if isinstance(chunks, (int, str)) or not hasattr(chunks, "__iter__"):
+        raise ValueError(f"prefill_chunks must be a sequence of chunk lengths, got {chunks!r}")
+    chunks = tuple(chunks)
+    if chunks == (0,):
+        return ()
+    # the upper bound only once max_seq_len is an int (build_checks names a bad one)
+    top = max_seq_len if isinstance(max_seq_len, int) and not isinstance(max_seq_len, bool) \
+        else float("inf")
+    bad = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= top]
+    if bad:
+        raise ValueError(f"prefill_chunks must be ints in [1, max_seq_len={max_seq_len}] (0 "
+                         f"alone: none), got {list(chunks)}")
+    return tuple(sorted(set(chunks)))

@@ -140,6 +140,14 @@ def _buckets(text: str) -> tuple[int, ...]:
     return b
 
 
+def _chunks(text: str) -> tuple[int, ...]:
+    try:
+        c = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated chunk lengths, got {text!r}") from None
+    return () if c == (0,) else c
+
+
 def _build_args(p: argparse.ArgumentParser) -> None:
     from dspark_compile.build_config import DEFAULT_BUCKETS
     p.add_argument("checkpoint")
@@ -149,6 +157,9 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
                    help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
     p.add_argument("--max-rows", type=int, default=0, help="concurrent requests (default: largest bucket)")
+    p.add_argument("--prefill-chunks", type=_chunks, default=(), metavar="C1,C2",
+                   help="chunk lengths with a compiled prefill program each (e.g. 64,512; "
+                        "default 0: none, prompts prefill with the eager reference)")
     p.add_argument("--max-seq-len", type=int, default=1024,
                    help="positions per request: prompt + new tokens + the step's lookahead "
                         "(the draft block + 2)")
@@ -176,7 +187,8 @@ def _build_args(p: argparse.ArgumentParser) -> None:
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args,
          flags={"max_seq_len": "--max-seq-len", "max_rows": "--max-rows", "buckets": "--buckets",
                 "out_dir": "--out", "compile_workers": "--compile-workers",
-                "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs"})
+                "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs",
+                "prefill_chunks": "--prefill-chunks"})
 def cmd_build(args) -> int:
     from dspark_compile.artifact import MANIFEST
     from dspark_compile.build_config import BuildConfig
@@ -186,7 +198,8 @@ def cmd_build(args) -> int:
                      dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
                      disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
                      dump_dir=args.dump_graphs, arch=args.arch, device=str(device(args.device)),
-                     backend=args.backend or "", compile_workers=args.compile_workers)
+                     backend=args.backend or "", compile_workers=args.compile_workers,
+                     prefill_chunks=args.prefill_chunks)
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")

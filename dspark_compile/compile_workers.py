@@ -48,9 +48,13 @@ def _empty(meta: dict, device) -> torch.Tensor:
 
 
 def variants_of(ep) -> list[str]:
-    """The variants the runtime loads for this program (dspark_compile/variants.py)."""
+    """The variants the runtime loads for this program (dspark_compile/variants.py). A prefill
+    program (models/prefill_chunk.py: first input `inputs`) has none: its one draft block is a
+    small part of a chunk's forward."""
     from dspark_compile.artifact import register_kernel_ops
     from dspark_compile.variants import markov_nodes
+    if ep.graph_signature.user_inputs[0] == "inputs":
+        return ["full"]
     register_kernel_ops()        # markov_nodes names the sampler op
     return ["full", "greedy"] if markov_nodes(ep.graph_module) else ["full"]
 
@@ -61,6 +65,14 @@ def variant_graph(ep, variant: str) -> torch.fx.GraphModule:
     from dspark_compile.compiled import lifted_graph
     from dspark_compile.variants import lifted_sampler_variant
     return lifted_graph(ep) if variant == "full" else lifted_sampler_variant(ep)
+
+
+def example_input(ep, device) -> torch.Tensor:
+    """A tensor of the program's first user input's shape and dtype (a step's rows [B]: 0..B-1;
+    a prefill chunk's packed inputs [C + 3]); the compile never reads its values."""
+    name = ep.graph_signature.user_inputs[0]
+    val = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name).meta["val"]
+    return torch.arange(val.numel(), device=device).to(val.dtype).view(tuple(val.shape))
 
 
 def default_workers(n_jobs: int) -> int:
@@ -101,13 +113,15 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
     {bucket: {variant: compile seconds}}, the number of workers used). `workers`: 0 = one per
     job up to half the CPU cores, 1 = in this process."""
     from dspark_compile.compiled import compiled_path
-    jobs = [(b, v) for b in sorted(programs) for v in variants_of(programs[b])]
+    # buckets (ints) first, then named programs (prefill chunks: "prefill_c64")
+    keys = sorted(programs, key=lambda k: (isinstance(k, str), k))
+    jobs = [(b, v) for b in keys for v in variants_of(programs[b])]
     workers = workers or default_workers(len(jobs))
     files, seconds = {}, {}
     if workers <= 1:
         from dspark_compile.compiled import compile_program
         for b, v in jobs:
-            rows = torch.arange(b, device=_device(state))
+            rows = example_input(programs[b], _device(state))
             data, secs = compile_program(variant_graph(programs[b], v), programs[b], rows, state)
             files[compiled_path(b, v)] = data
             seconds.setdefault(str(b), {})[v] = round(secs, 2)
@@ -115,7 +129,7 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
         return files, seconds, 1
     with tempfile.TemporaryDirectory(prefix="dspark-compile-") as tmp:
         per_worker = 0
-        for b in sorted(programs):
+        for b in keys:
             per_worker = max(per_worker, _write_job(programs[b], b, state, Path(tmp) / f"b{b}"))
         n = min(workers, len(jobs), _memory_cap(_device(state), per_worker))
         threads = max(1, (os.cpu_count() or 2) // n)
@@ -176,7 +190,7 @@ def _worker(job: Path, variant: str, threads: int) -> None:
     weights = {n: _empty(m, device) for n, m in meta["weights"].items()}
     _attach_weights(ep, sorted(weights), weights, b)
     state = {k: _empty(m, device) for k, m in meta["state"].items()}
-    data, seconds = compile_program(variant_graph(ep, variant), ep, torch.arange(b, device=device), state)
+    data, seconds = compile_program(variant_graph(ep, variant), ep, example_input(ep, device), state)
     (job / f"{variant}.bin").write_bytes(data)
     (job / f"{variant}.json").write_text(json.dumps({"seconds": round(seconds, 2)}))
 

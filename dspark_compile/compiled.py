@@ -35,9 +35,11 @@ BACKENDS = ("inductor", "aten")
 VARIANTS = ("full", "greedy")
 
 
-def compiled_path(bucket: int, variant: str) -> str:
+def compiled_path(bucket, variant: str) -> str:
+    """A bucket's (int) compiled step, or a named program's (str: "prefill_c64")."""
     suffix = "" if variant == "full" else f"_{variant}"
-    return f"{COMPILED_DIR}/step_b{bucket}{suffix}.bin"
+    name = bucket if isinstance(bucket, str) else f"step_b{bucket}"
+    return f"{COMPILED_DIR}/{name}{suffix}.bin"
 
 
 def weight_inputs(ep: torch.export.ExportedProgram) -> list[torch.Tensor]:

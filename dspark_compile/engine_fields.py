@@ -29,6 +29,8 @@ def engine_configs(manifest: dict):
     bc = dict(manifest["build_config"])
     # engines written before the field existed ran their exported programs op by op
     bc.setdefault("backend", "aten")
+    # engines written before prefill_chunks existed prefill with the eager reference
+    bc.setdefault("prefill_chunks", ())
     want = [f.name for f in dataclasses.fields(BuildConfig) if f.name not in NOT_RECORDED]
     missing = [k for k in want if k not in bc]
     unknown = sorted(set(bc) - set(want))

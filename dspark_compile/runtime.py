@@ -6,8 +6,9 @@
       and its greedy variant (dspark_compile/variants.py) → allocate the decode
       state once → (CUDA) capture every bucket's step and its greedy variant, largest first,
       into one memory pool on one capture stream, after warm-up runs on padded rows only
-    Engine.generate(prompts, params) → per request: eager prefill into a free state row (the
-      rebuilt reference model, same weights) → per step: split the live rows into groups of at
+    Engine.generate(prompts, params) → per request: prefill into a free state row (the
+      engine's prefill programs, dspark_compile/prefill_programs.py, when it has them and runs
+      on CUDA or is an aten engine; else the rebuilt reference model, same weights) → per step: split the live rows into groups of at
       most the largest bucket, pad each group to its bucket with the trash row, replay (the
       greedy variant when every live row is greedy), read the
       committed tokens → requests that finish (stop id, max tokens) free their rows; waiting
@@ -60,7 +61,8 @@ class StepTimes:
 
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
-                 device: torch.device, use_graphs: bool, greedy_variants: bool = True):
+                 device: torch.device, use_graphs: bool, greedy_variants: bool = True,
+                 prefill: str | None = None):
         from dspark_compile.engine_fields import engine_configs
         from dspark_compile.models.state import allocate_state
 
@@ -85,6 +87,7 @@ class Engine:
                 from dspark_compile.variants import sampler_mode_variant
                 self.greedy_modules = {b: m for b, ep in programs.items()
                                        if (m := sampler_mode_variant(ep)) is not None}
+        self.prefill_programs = self._load_prefill(weights, prefill)
         self.graphs: dict[int, _Graph] = {}
         self.greedy_graphs: dict[int, _Graph] = {}
         self.capture_seconds: dict[int, float] = {}
@@ -98,12 +101,16 @@ class Engine:
     @classmethod
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
              record_graph_memory: bool = True, greedy_variants: bool = True,
-             backend: str | None = None) -> "Engine":
+             backend: str | None = None, prefill: str | None = None) -> "Engine":
         """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
         draft-sampler plan, used for steps whose live rows are all greedy. `backend`: refuse an
         engine built with another --backend (manifest field 'build_config.backend'); None =
-        either."""
+        either. `prefill`: "programs" (the engine's prefill programs), "eager" (the reference
+        model) or None: the programs when the engine has them, unless it is an Inductor
+        engine on CPU."""
         t0 = time.perf_counter()
+        if prefill not in (None, "programs", "eager"):
+            raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
         if backend is not None:
             from dspark_compile.compiled import BACKENDS
             if backend not in BACKENDS:
@@ -125,7 +132,8 @@ class Engine:
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
-        eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants)
+        eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
+                  prefill)
         eng.load_seconds = time.perf_counter() - t0
         if use_graphs and record_graph_memory:
             eng._record_load()
@@ -147,6 +155,25 @@ class Engine:
             self.compiled_load_seconds[b] = seconds
         return full, greedy
 
+    def _load_prefill(self, weights: dict, prefill: str | None):
+        """The engine's prefill programs bound to the state, or None: prefill runs the eager
+        reference (an engine without them, `prefill="eager"`, or by default an Inductor engine
+        on CPU, whose eager reference is the CPU path)."""
+        chunks = self.build.prefill_chunks
+        if prefill not in (None, "programs", "eager"):
+            raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
+        if prefill == "programs" and not chunks:
+            raise ValueError(f"prefill='programs': engine {self.dir} has no prefill programs "
+                             "(build --prefill-chunks)")
+        if prefill == "eager" or not chunks or (
+                prefill is None and self.device.type != "cuda" and self.backend != "aten"):
+            return None
+        from dspark_compile.artifact import load_prefill_programs
+        from dspark_compile.prefill_programs import PrefillPrograms
+        return PrefillPrograms(self.dir, self.manifest,
+                               load_prefill_programs(self.dir, self.manifest, weights),
+                               self.state, self.device, self.backend, chunks)
+
     def _record_load(self) -> None:
         """Write this load's graph memory and timings into the manifest (docs/architecture.md,
         "Honest artifacts"). A read-only engine directory is not an error: the engine runs, the
@@ -158,6 +185,9 @@ class Engine:
                  "compiled_load_seconds": {str(b): round(s, 3)
                                            for b, s in self.compiled_load_seconds.items()},
                  "graph_pool_total_bytes": int(sum(self.graph_pool_bytes.values()))}
+        if self.prefill_programs is not None:
+            stats["prefill_capture_seconds"] = {
+                str(c): round(s, 4) for c, s in self.prefill_programs.capture_seconds.items()}
         try:
             update_manifest_field(self.dir, "graph_memory_bytes",
                                   {str(b): self.graph_pool_bytes[b] for b in self.buckets})
@@ -216,6 +246,8 @@ class Engine:
                                   f"the full program")
             self.capture_seconds[b] = time.perf_counter() - t
             self.graph_pool_bytes[b] = int(added)
+        if self.prefill_programs is not None:
+            self.prefill_programs.capture(pool, stream, self.trash, warmup)
 
     def _capture(self, fn, b: int, pool, stream, warmup: int):
         """Warm up `fn` on bucket b's padded rows, capture it into the shared pool; returns the
@@ -316,11 +348,24 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
+    def prefill(self, row: int, prompt: list[int]) -> int:
+        """The prompt's forward into state row `row` (its sampling parameters set): the
+        engine's prefill programs (`self.prefill_programs`) or the eager reference; returns
+        the first generated token."""
+        from dspark_compile.models.state import check_prefill
+        from dspark_compile.models.step import prefill
+        if self.prefill_programs is None:
+            return prefill(self.model, self.state, row, prompt, self.cache.max_step_tokens,
+                           speculative=True)
+        check_prefill(self.model, self.state, row, prompt, max(self.prefill_programs.chunks),
+                      True)
+        return self.prefill_programs.prefill(row, prompt)
+
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params):
         from dspark_compile.models.generate import (
             GenerationResult, SamplingParams, append_committed, check_request_positions,
             set_row_sampling, validate_prompts)
-        from dspark_compile.models.step import prefill
 
         cfg = self.cfg
         if isinstance(params, SamplingParams):
@@ -341,8 +386,7 @@ class Engine:
             while waiting and free:
                 req, row = waiting.pop(0), free.pop(0)
                 set_row_sampling(self.state, row, params[req])
-                first = prefill(self.model, self.state, row, prompts[req], self.cache.max_step_tokens,
-                                speculative=True)
+                first = self.prefill(row, prompts[req])
                 if append_committed(res.tokens[req], [first], params[req]):
                     free.append(row)
                 else:

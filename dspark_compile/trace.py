@@ -8,6 +8,10 @@ row for padding) and `state` is the dict of preallocated decode-state tensors, u
 (the program runs on the IR as exported: `run_decompositions()` would functionalise every cache
 update into a whole-cache copy: docs/architecture.md, "Toolchain facts"). Shapes are static
 per bucket.
+
+With `prefill_chunks`, one prefill program per chunk length C goes the same way (export, the
+same pass pipeline, the same lowering): `PrefillChunk` (models/prefill_chunk.py), inputs
+`(inputs [C + 3], state)`.
 """
 from __future__ import annotations
 
@@ -19,9 +23,8 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.artifact import save_engine
+from dspark_compile.artifact import prefill_key, save_engine
 from dspark_compile.build_config import BuildConfig
-from dspark_compile.models.config import rope_positions
 from dspark_compile.models.random_requests import prefilled_state
 
 
@@ -36,14 +39,26 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
         return torch.export.export(step, (torch.arange(bucket, device=state["row.last_pos"].device), state), strict=False)
 
 
+def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:
+    """One static prefill program for chunks of `chunk` tokens (models/prefill_chunk.py);
+    traced like export_step, so the fusion passes find the same regions."""
+    from dspark_compile.models.prefill_chunk import HEADER, PrefillChunk
+    inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=state["row.last_pos"].device)
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+        return torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False)
+
+
 def state_input_names(ep) -> list[str]:
-    """User-input names of the program that are state tensors (everything but `rows`)."""
+    """User-input names of the program that are state tensors (everything but the first input:
+    a step's `rows`, a prefill program's packed inputs)."""
     return [n for n in ep.graph_signature.user_inputs][1:]
 
 
 def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
     """Every program and its variants Inductor-compiled (dspark_compile/compile_workers.py);
-    the manifest's `compiled` table, plus "files" {engine path: artifact bytes}."""
+    the manifest's `compiled` table, plus "files" {engine path: artifact bytes}. Bucket keys
+    (ints) are the steps; prefill programs (prefill_key) are listed apart, under
+    `prefill_programs` and `prefill_compile_seconds`."""
     from dspark_compile.compile_workers import compile_programs
     from dspark_compile.compiled import compiled_path
     t = time.perf_counter()
@@ -52,24 +67,49 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
     total = sum(s for per in seconds.values() for s in per.values())
     log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "
         f"{workers} workers)")
-    table = {b: {v: compiled_path(int(b), v) for v in per} for b, per in seconds.items()}
-    return {"programs": table, "compile_seconds": seconds, "workers": workers,
-            "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
-            "files": files}
+    steps = {k: per for k, per in seconds.items() if k.isdigit()}
+    chunks = {k: per for k, per in seconds.items() if not k.isdigit()}
+    out = {"programs": {b: {v: compiled_path(int(b), v) for v in per} for b, per in steps.items()},
+           "compile_seconds": steps, "workers": workers,
+           "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
+           "files": files}
+    if chunks:
+        out["prefill_programs"] = {k: {v: compiled_path(k, v) for v in per}
+                                   for k, per in chunks.items()}
+        out["prefill_compile_seconds"] = chunks
+    return out
 
 
-def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log):
-    """Bucket b's step exported and run through the pass pipeline; (program, pass stats)."""
+def _prefill_inputs(model, cache, chunk: int, seed: int) -> tuple:
+    """--verify-passes inputs of a prefill program: a random request's state (one row
+    prefilled, so the chunk lands behind live caches) and a chunk of fresh ids whose tail is
+    padding."""
+    import random
+    from dspark_compile.models.prefill_chunk import chunk_inputs
+    rows, state = prefilled_state(model, cache, 1, seed)
+    rng = random.Random(seed)
+    row, start = int(rows[0]), int(state["row.last_pos"][rows[0]]) + 1
+    ids = [rng.randrange(model.cfg.vocab_size) for _ in range(rng.randint(1, chunk))]
+    x = chunk_inputs(row, start, ids, chunk).to(state["row.last_pos"].device)
+    return tuple(pytree.tree_flatten((x, state))[0])
+
+
+def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, chunk: int = 0):
+    """Bucket b's step (or with `chunk`, the prefill program for that chunk length) exported
+    and run through the pass pipeline; (program, pass stats)."""
+    what = f"prefill chunk {chunk}" if chunk else f"bucket {b}"
     t = time.perf_counter()
-    ep = export_step(model, state, b)
-    log(f"[export] bucket {b}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
+    ep = export_prefill(model, state, chunk) if chunk else export_step(model, state, b)
+    log(f"[export] {what}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
     factory = None
     if bc.verify_passes:
         def factory(seed):
+            if chunk:
+                return _prefill_inputs(model, cache, chunk, seed)
             return tuple(pytree.tree_flatten(prefilled_state(model, cache, b, seed))[0])
     rows = pm.run(ep, input_factory=factory, state_inputs=state_input_names(ep))
     for r in rows:
-        log(f"[pass] bucket {b}: {r['name']:<28} {r['time_ms']:>9.1f} ms  nodes "
+        log(f"[pass] {what}: {r['name']:<28} {r['time_ms']:>9.1f} ms  nodes "
             f"{r['nodes_before']:>6} -> {r['nodes_after']:<6} matches {r['matches']}"
             + ("  verified" if r.get("verified") else ""))
     # export keeps the example inputs (here: the whole decode state, ~100 MB even for the
@@ -95,7 +135,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
     raw_config = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
     prec = bc.precision()
-    model = load_model(None, prec, rope_positions(bc.max_seq_len, cfg.dspark_block_size), True, bc.device,
+    # one model for every program: the step and prefill programs share its weight tensors
+    model = load_model(None, prec, bc.rope_positions(cfg.dspark_block_size), True, bc.device,
                        tensors=tensors, cfg=cfg)
     del tensors
     cache = bc.cache(cfg.dspark_block_size)
@@ -109,12 +150,19 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         state = allocate_state(cfg, cache, prec, bc.device)
         pm = PassManager(bc.passes, pconf)
         programs[b], stats[str(b)] = _export_bucket(model, state, cache, b, pm, bc, log)
+    prefill_programs = {}
+    for c in sorted(bc.prefill_chunks, reverse=True):
+        state = allocate_state(cfg, cache, prec, bc.device)
+        pm = PassManager(bc.passes, pconf)
+        prefill_programs[c], stats[prefill_key(c)] = _export_bucket(model, state, cache, 0, pm, bc,
+                                                                    log, chunk=c)
 
     # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch)
     extra = {}
     compiled = None
     if bc.backend == "inductor":
-        compiled = _compile(programs, state, bc, log)
+        compiled = _compile({**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()}},
+                            state, bc, log)
         extra.update(compiled.pop("files"))
     if bc.arch:
         from dspark_compile.kernels.sm12x import resource_report
@@ -132,7 +180,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()
-    manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra)
+    manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra,
+                           prefill_programs=prefill_programs)
     log(f"[write] {out} in {time.perf_counter() - t:.1f}s (total {time.perf_counter() - t0:.1f}s)")
     log(pm.format_stats(stats[str(max(bc.buckets))]))
     return manifest

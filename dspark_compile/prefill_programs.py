@@ -1,0 +1,101 @@
+"""An engine's prefill programs at run time (`build --prefill-chunks`, models/prefill_chunk.py).
+
+    load:    per chunk length C: the exported program's module (aten) or its Inductor-compiled
+             program from compiled/ (inductor), one static input buffer [C + 3]
+    capture: (CUDA) per C, largest first, after warm-up runs on the trash row, into the step
+             graphs' pool: a chunk's forward is thousands of kernel launches, which a replay
+             issues at once
+    prefill: a prompt of L tokens is chunk_schedule(L) calls, each replaying (or running) its
+             length's program; only the last call's output (the first token) is read back, so
+             the chunks queue on the stream without a host sync between them
+
+A graph's input buffer lives outside the pool and its output inside it (valid until the next
+replay of any graph of the pool): `prefill` reads the first token at once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark_compile.artifact import ArtifactError, prefill_key
+
+
+def compiled_prefill_paths(manifest: dict, chunks) -> dict:
+    """{C: engine path of the compiled prefill program} of an Inductor engine; ArtifactError
+    naming the field when one is missing."""
+    table = (manifest.get("compiled") or {}).get("prefill_programs")
+    out = {}
+    for c in chunks:
+        entry = table.get(prefill_key(c)) if isinstance(table, dict) else None
+        path = entry.get("full") if isinstance(entry, dict) else None
+        if path not in manifest.get("files", {}):
+            raise ArtifactError(f"manifest field 'compiled.prefill_programs': chunk {c} has no "
+                                "compiled program in the file table — rebuild",
+                                field="compiled.prefill_programs")
+        out[c] = path
+    return out
+
+
+class PrefillPrograms:
+    """The prefill programs of one loaded engine, bound to its decode state."""
+
+    def __init__(self, engine_dir: Path, manifest: dict, programs: dict, state: dict,
+                 device: torch.device, backend: str, chunks: tuple):
+        from dspark_compile.models.prefill_chunk import HEADER
+        if sorted(programs) != sorted(chunks):
+            raise ArtifactError(f"manifest field 'prefill_programs': programs for chunks "
+                                f"{sorted(programs)}, build_config.prefill_chunks says "
+                                f"{list(chunks)} — rebuild", field="prefill_programs")
+        self.chunks = sorted(programs)
+        self.state = state
+        self.inputs = {c: torch.zeros(c + HEADER, dtype=torch.int64, device=device)
+                       for c in self.chunks}
+        if backend == "inductor":
+            from dspark_compile.compiled import CompiledStep
+            paths = compiled_prefill_paths(manifest, self.chunks)
+            self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
+                                            self.inputs[c], state) for c in self.chunks}
+        else:
+            self.modules = {c: ep.module() for c, ep in programs.items()}
+        self.graphs: dict[int, tuple] = {}     # C -> (CUDAGraph, output first [1])
+        self.capture_seconds: dict[int, float] = {}
+
+    def capture(self, pool, stream, trash: int, warmup: int = 2) -> None:
+        """One graph per chunk length, largest first, into `pool` on `stream`; warm-up and
+        capture run on the trash row, so no request's state is touched."""
+        import time
+        from dspark_compile.models.prefill_chunk import chunk_inputs
+        for c in sorted(self.chunks, reverse=True):
+            t = time.perf_counter()
+            x, fn = self.inputs[c], self.modules[c]
+            x.copy_(chunk_inputs(trash, 0, [0], c))
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _ in range(warmup):
+                    fn(x, self.state)
+            torch.cuda.current_stream(x.device).wait_stream(stream)
+            torch.cuda.synchronize(x.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
+                first = fn(x, self.state)
+            torch.cuda.synchronize(x.device)
+            self.graphs[c] = (graph, first)
+            self.capture_seconds[c] = time.perf_counter() - t
+
+    @torch.no_grad()
+    def prefill(self, row: int, prompt: list[int], use_graphs: bool = True) -> int:
+        """Prefill `prompt` into state row `row` (its sampling parameters already set): every
+        cache of the row, the draft context, row.tokens / draft_logits / last_pos, as
+        models/step.py `prefill` writes them; returns the first generated token."""
+        from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule
+        first = None
+        for start, n, c in chunk_schedule(len(prompt), self.chunks):
+            x = chunk_inputs(row, start, prompt[start:start + n], c)
+            if use_graphs and c in self.graphs:
+                graph, first = self.graphs[c]
+                self.inputs[c].copy_(x)
+                graph.replay()
+            else:
+                first = self.modules[c](x.to(self.inputs[c].device), self.state)
+        return int(first[0])

@@ -1,0 +1,310 @@
+"""The engine's prefill programs (build --prefill-chunks, models/prefill_chunk.py) against the
+eager reference prefill (models/step.py `prefill`), on the CPU in float64, through an engine
+built with one step bucket and one chunk length C = 8 and loaded from disk.
+
+What "writes what the reference writes" means here, per state tensor, with every tensor filled
+with random bytes first (a reused row holds its previous request's data):
+- every other state row (the trash row aside: scratch by design) is bit-equal to before;
+- in the prefilled row, every element the reference left as it was is bit-equal to before: the
+  padded tail of the last chunk writes nothing;
+- every element the reference wrote is bit-equal to the reference's, except the compressor's
+  state (rings, compressed entries, indexer keys) of a last chunk the prompt does not fill:
+  MKL's fp64 GEMM rounds rows differently for fewer than 16 rows (measured: the compressor's
+  wkv / wgate for 1..15 rows differ from the same rows of a 16-row product in the last bit), and
+  the reference multiplies the n live rows where the program multiplies all C. Those elements
+  agree within 1e-12 (a few ulps); prompts of whole chunks are bit-equal everywhere.
+"""
+import contextlib
+import io
+import random
+import shutil
+
+import pytest
+import torch
+
+from dspark_compile.lossless import check_lossless
+from dspark_compile.models.generate import SamplingParams, set_row_sampling
+from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule
+from dspark_compile.models.step import prefill
+
+C = 8
+SEQ = 48
+ROW = 1            # the prefilled state row; row 0 and the others must stay as they were
+LENGTHS = (1, C - 1, C, C + 1, 2 * C + 3)
+# state written from the compressor's fp64 GEMMs (module docstring)
+COMPRESSOR_KEYS = (".cmp_", ".idx_", ".ckv_")
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@pytest.fixture(scope="session")
+def chunk_engine(tiny_ckpt, tmp_path_factory):
+    """(manifest, Engine): session-scoped like tests/runtime/conftest.py's engines (the suite
+    shuffles tests across modules; a module fixture would be rebuilt)."""
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.runtime import Engine
+    from dspark_compile.trace import build_engine
+    out = tmp_path_factory.mktemp("rt_prefill") / "engine"
+    manifest = build_engine(tiny_ckpt, out, BuildConfig(buckets=(1,), max_rows=2, max_seq_len=SEQ,
+                                                        dtype="float64", prefill_chunks=(C,)),
+                            log=lambda s: None)
+    return manifest, Engine.load(out, device="cpu")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t if not t.is_floating_point() else t.view(_BITS[t.element_size()])
+
+
+def _fill_random(state: dict, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for v in state.values():
+        if v.is_floating_point():
+            v.copy_(torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
+        else:
+            v.copy_(torch.randint(0, 3, v.shape, generator=g).to(v.dtype))
+
+
+def _compare(before: dict, ref: dict, got: dict, row: int, trash: int, exact: bool) -> None:
+    for k in before:
+        b, r, g = _bits(before[k]), _bits(ref[k]), _bits(got[k])
+        others = [i for i in range(trash) if i != row]
+        assert torch.equal(g[others], b[others]), f"{k}: another row changed"
+        wrote = r[row] != b[row]
+        assert torch.equal(g[row][~wrote], b[row][~wrote]), \
+            f"{k}: the program wrote elements the reference did not (the padded tail?)"
+        if exact or not any(s in k for s in COMPRESSOR_KEYS):
+            assert torch.equal(g[row][wrote], r[row][wrote]), f"{k}: differs from the reference"
+        else:
+            x, y = got[k][row][wrote].double(), ref[k][row][wrote].double()
+            assert torch.allclose(x, y, rtol=0, atol=1e-12), \
+                f"{k}: max difference {float((x - y).abs().max())}"
+
+
+def test_chunk_schedule():
+    assert chunk_schedule(1, (8,)) == [(0, 1, 8)]
+    assert chunk_schedule(19, (8,)) == [(0, 8, 8), (8, 8, 8), (16, 3, 8)]
+    # full chunks of the largest length, then the smallest length that holds the rest
+    assert chunk_schedule(1100, (64, 512)) == [(0, 512, 512), (512, 512, 512), (1024, 76, 512)]
+    assert chunk_schedule(1060, (64, 512)) == [(0, 512, 512), (512, 512, 512), (1024, 36, 64)]
+    assert chunk_schedule(100, (512, 64)) == [(0, 100, 512)]
+    assert chunk_schedule(64, (64, 512)) == [(0, 64, 64)]
+    with pytest.raises(ValueError, match="no chunk lengths"):
+        chunk_schedule(3, ())
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_prefill_program_writes_what_the_reference_writes(chunk_engine, length):
+    from dspark_compile.models.state import snapshot_state
+    _, eng = chunk_engine
+    assert eng.prefill_programs is not None and eng.prefill_programs.chunks == [C]
+    rng = random.Random(length)
+    prompt = [rng.randrange(eng.cfg.vocab_size) for _ in range(length)]
+    _fill_random(eng.state, length)
+    set_row_sampling(eng.state, ROW, SamplingParams(temperature=0.8, top_k=5, seed=length))
+    before = snapshot_state(eng.state)
+    ref = snapshot_state(eng.state)
+    first_ref = prefill(eng.model, ref, ROW, prompt, C, speculative=True)
+    first = eng.prefill(ROW, prompt)
+    assert first == first_ref
+    _compare(before, ref, eng.state, ROW, eng.trash, exact=length % C == 0)
+    # the first token and the first draft block, the next step's inputs
+    assert torch.equal(eng.state["row.tokens"][ROW], ref["row.tokens"][ROW])
+    assert int(eng.state["row.last_pos"][ROW]) == length - 1
+
+
+def test_padded_tail_writes_nothing(chunk_engine):
+    """One chunk of 3 live tokens twice from the same state, once with padding ids 0 and
+    once with random ids in the padded tail: the same state and the same first token."""
+    from dspark_compile.models.state import restore_state, snapshot_state
+    _, eng = chunk_engine
+    pp = eng.prefill_programs
+    _fill_random(eng.state, 7)
+    set_row_sampling(eng.state, ROW, SamplingParams())
+    start = snapshot_state(eng.state)
+    x = chunk_inputs(ROW, 5, [11, 12, 13], C)
+    first = pp.modules[C](x, eng.state)
+    after = snapshot_state(eng.state)
+    restore_state(eng.state, start)
+    x[3 + 3:] = torch.randint(0, eng.cfg.vocab_size, (C - 3,))
+    again = pp.modules[C](x, eng.state)
+    assert torch.equal(first, again)
+    for k in after:
+        assert torch.equal(_bits(after[k][:eng.trash]), _bits(eng.state[k][:eng.trash])), k
+
+
+def test_generation_through_prefill_programs_is_lossless(chunk_engine):
+    _, eng = chunk_engine
+    pp = eng.prefill_programs
+    calls = []
+    module = pp.modules[C]
+    pp.modules[C] = lambda x, state: (calls.append(int(x[2])), module(x, state))[1]
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(eng.cfg.vocab_size) for _ in range(n)] for n in (2, 2 * C + 1)]
+        params = [SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=5)]
+        res = eng.generate(prompts, params)
+    finally:
+        pp.modules[C] = module
+    assert calls == [2, C, C, 1], "the prompts did not run the prefill programs"
+    report = check_lossless(eng.model, prompts, params, res.tokens)
+    assert report.ok, report.line()
+    assert [len(t) for t in res.tokens] == [6, 5]
+
+
+def test_manifest_records_the_prefill_programs(chunk_engine):
+    from dspark_compile.artifact import prefill_program_path
+    m, eng = chunk_engine
+    assert m["build_config"]["prefill_chunks"] == [C]
+    entry = m["prefill_programs"][str(C)]
+    assert entry["path"] == prefill_program_path(C) and entry["path"] in m["files"]
+    assert entry["user_inputs"][0] == "inputs" and entry["shared_weights"]
+    assert entry["shared_weights"] == m["programs"]["1"]["shared_weights"], \
+        "the step and the prefill program share one set of weights"
+    names = [r["name"] for r in m["pass_stats"][f"prefill_c{C}"]]
+    assert names == [r["name"] for r in m["pass_stats"]["1"]]
+    assert "check_state_in_place" in names
+    # the fused kernels run in the prefill program too
+    ops = {n.target._schema.name for n in eng.prefill_programs.modules[C].graph.nodes
+           if n.op == "call_function" and hasattr(n.target, "_schema")}
+    assert {"dspark::hc_post_pre", "dspark::qkv_postprocess", "dspark::markov_sample"} <= ops
+
+
+@pytest.mark.parametrize("bad", [(-1,), (0, 8), (True,), ("8",), (SEQ + 1,), 8])
+def test_bad_prefill_chunks_are_named(bad):
+    from dspark_compile.build_config import BuildConfig
+    with pytest.raises(ValueError, match="prefill_chunks"):
+        BuildConfig(max_seq_len=SEQ, prefill_chunks=bad)
+
+
+def test_prefill_chunks_flag_and_old_engines(chunk_engine, tmp_path):
+    from dspark_compile.artifact import ArtifactError, load_manifest, update_manifest_field
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.cli import main
+    from dspark_compile.engine_fields import engine_configs
+    assert BuildConfig(prefill_chunks=(0,)).prefill_chunks == ()
+    assert BuildConfig(prefill_chunks=[512, 64, 64]).prefill_chunks == (64, 512)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(["build", "ckpt", "--out", str(tmp_path / "e"), "--prefill-chunks", "8,x"])
+    assert e.value.code == 2 and "--prefill-chunks" in err.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["build", str(tmp_path / "none"), "--out", str(tmp_path / "e"),
+                   "--prefill-chunks", "-4"])
+    assert rc == 1 and "--prefill-chunks must be" in err.getvalue()
+    m, eng = chunk_engine
+    # an engine written before the field: no prefill programs, eager prefill
+    old = {**m, "build_config": {k: v for k, v in m["build_config"].items()
+                                 if k != "prefill_chunks"}}
+    assert engine_configs(old)[1].prefill_chunks == ()
+    bad = {**m, "build_config": {**m["build_config"], "prefill_chunks": [0, 4]}}
+    with pytest.raises(ArtifactError, match="prefill_chunks"):
+        engine_configs(bad)
+    # a prefill program the file table does not hold is named
+    copy = tmp_path / "engine"
+    shutil.copytree(eng.dir, copy)
+    update_manifest_field(copy, "prefill_programs.16",
+                          {"path": "programs/prefill_c16.pt2", "shared_weights": []})
+    with pytest.raises(ArtifactError, match="prefill_programs") as e:
+        load_manifest(copy)
+    assert e.value.field == "prefill_programs"
+
+
+def test_prefill_choice_is_checked_before_loading(chunk_engine):
+    from dspark_compile.runtime import Engine
+    _, eng = chunk_engine
+    with pytest.raises(ValueError, match="prefill must be"):
+        Engine.load(eng.dir, device="cpu", prefill="fast")
+
+
+# ---------------------------------------------------------------------------------------- GPU
+GPU_SEQ = 320
+GPU_CHUNKS = (16, 64)
+GPU_LENGTHS = (1, 15, 16, 17, 67, 200)     # 200: C128 blocks close (at 127), one in a chunk
+
+
+@pytest.fixture(scope="session")
+def gpu_chunk_engine(tmp_path_factory, request):
+    """float32 on the GPU, the backend the GPU engine tests take (--gpu-engine-backend)."""
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.models.synth import synth_checkpoint
+    from dspark_compile.runtime import Engine
+    from dspark_compile.trace import build_engine
+    root = tmp_path_factory.mktemp("gpu_prefill")
+    ckpt = synth_checkpoint("tiny", root / "ckpt", seed=0)
+    build_engine(ckpt, root / "engine", BuildConfig(
+        buckets=(1, 4), max_rows=4, max_seq_len=GPU_SEQ, dtype="float32", device="cuda",
+        backend=request.config.getoption("--gpu-engine-backend"), prefill_chunks=GPU_CHUNKS),
+        log=lambda s: None)
+    return Engine.load(root / "engine", device="cuda")
+
+
+def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> None:
+    """Inertness bit for bit (other rows, elements the reference left); written elements within
+    fp32 tolerance, FP8 / scale bytes: at most 1% flipped by a rounding decision."""
+    for k in before:
+        b, r, g = _bits(before[k]), _bits(ref[k]), _bits(got[k])
+        others = [i for i in range(trash) if i != row]
+        assert torch.equal(g[others], b[others]), f"{k}: another row changed"
+        wrote = r[row] != b[row]
+        assert torch.equal(g[row][~wrote], b[row][~wrote]), f"{k}: the program wrote more"
+        x, y = got[k][row][wrote], ref[k][row][wrote]
+        if not x.numel():
+            continue
+        if x.is_floating_point() and x.element_size() > 1:
+            assert torch.allclose(x.double(), y.double(), rtol=1e-3, atol=1e-4), \
+                f"{k}: max difference {float((x.double() - y.double()).abs().max())}"
+        elif x.element_size() == 1:
+            flipped = (_bits(x) != _bits(y)).double().mean().item()
+            assert flipped <= 0.01, f"{k}: {flipped:.2%} of the written bytes differ"
+        else:
+            assert torch.equal(x, y), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", GPU_LENGTHS)
+def test_gpu_prefill_program_matches_the_reference(gpu_chunk_engine, length):
+    """The captured prefill programs vs the eager reference prefill on the GPU (its dspark::
+    ops run the same Triton kernels; the glue is eager), chunked at the same boundaries:
+    chunk_schedule only pads the last chunk, so the reference's chunk is the largest length."""
+    from dspark_compile.models.state import snapshot_state
+    eng = gpu_chunk_engine
+    assert sorted(eng.prefill_programs.graphs) == list(GPU_CHUNKS)
+    rng = random.Random(length)
+    prompt = [rng.randrange(eng.cfg.vocab_size) for _ in range(length)]
+    _fill_random(eng.state, length)
+    set_row_sampling(eng.state, ROW, SamplingParams())
+    before = snapshot_state(eng.state)
+    ref = snapshot_state(eng.state)
+    first_ref = prefill(eng.model, ref, ROW, prompt, max(GPU_CHUNKS), speculative=True)
+    first = eng.prefill(ROW, prompt)
+    assert first == first_ref
+    _gpu_compare(before, ref, eng.state, ROW, eng.trash)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graph_equals_the_uncaptured_program(gpu_chunk_engine):
+    from dspark_compile.models.state import restore_state, snapshot_state
+    eng = gpu_chunk_engine
+    pp = eng.prefill_programs
+    prompt = list(range(3, 3 + 90))
+    _fill_random(eng.state, 1)
+    set_row_sampling(eng.state, ROW, SamplingParams(temperature=0.9, top_p=0.9, seed=4))
+    start = snapshot_state(eng.state)
+    first = pp.prefill(ROW, prompt, use_graphs=True)
+    captured = snapshot_state(eng.state)
+    restore_state(eng.state, start)
+    assert pp.prefill(ROW, prompt, use_graphs=False) == first
+    for k in captured:
+        assert torch.equal(_bits(captured[k][:eng.trash]), _bits(eng.state[k][:eng.trash])), k
+
+
+@pytest.mark.gpu
+def test_gpu_generation_through_prefill_graphs_is_lossless(gpu_chunk_engine):
+    eng = gpu_chunk_engine
+    rng = random.Random(5)
+    prompts = [[rng.randrange(eng.cfg.vocab_size) for _ in range(n)] for n in (5, 40, 130, 17)]
+    params = [SamplingParams(max_new_tokens=16) for _ in prompts]
+    res = eng.generate(prompts, params)
+    report = check_lossless(eng.model, prompts, params, res.tokens, device="cuda")
+    # float32: a divergence is accepted only at a near-tie of the target's logits
+    assert report.ok or report.relative_margin < 1e-3, report.line()
