@@ -7,9 +7,9 @@ models/step.py `prefill`.
 Runs the target over ids[:n] at positions start .. start+n-1 of state row `row` (tokens n..C-1
 are padding), seeds the draft context from the chunk's aux states, samples the token after
 position start+n-1 and drafts the first block there, and writes row.tokens, row.draft_logits
-and row.last_pos as `prefill` does. A prompt of L tokens is ceil(L / C)-ish calls in order (the
-runtime chooses the lengths); every call writes those three per-row fields, so the last call's
-values are what the step starts from: prefill's, since that call's n ends at L.
+and row.last_pos as `prefill` does. A prompt is the calls `chunk_schedule` lists, in order
+(full chunks, then one padded); every call writes those three per-row fields, so the last
+call's values, whose n ends at the prompt's end, are what the step starts from: prefill's.
 
 Padding is inert: a padded token writes no cache entry. Ring writes (SWA KV, compressor rings,
 draft context) take slot -1 (`_ChunkBatch.ring_slots`); compressed entries whose block closes
