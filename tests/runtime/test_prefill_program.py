@@ -240,7 +240,8 @@ def gpu_chunk_engine(tmp_path_factory, request):
 
 def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> None:
     """Inertness bit for bit (other rows, elements the reference left); written elements within
-    fp32 tolerance, FP8 / scale bytes: at most 1% flipped by a rounding decision."""
+    tolerance (the glue's rounding differs from the eager reference's: fp32 1e-3, bf16 1e-2),
+    FP8 / scale bytes: at most 1% flipped by a rounding decision."""
     for k in before:
         b, r, g = _bits(before[k]), _bits(ref[k]), _bits(got[k])
         others = [i for i in range(trash) if i != row]
@@ -251,7 +252,9 @@ def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> No
         if not x.numel():
             continue
         if x.is_floating_point() and x.element_size() > 1:
-            assert torch.allclose(x.double(), y.double(), rtol=1e-3, atol=1e-4), \
+            # bf16 (the FP8 caches' rope part): one rounding step is 2^-8 relative
+            tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-3
+            assert torch.allclose(x.double(), y.double(), rtol=tol, atol=tol / 10), \
                 f"{k}: max difference {float((x.double() - y.double()).abs().max())}"
         elif x.element_size() == 1:
             flipped = (_bits(x) != _bits(y)).double().mean().item()
