@@ -191,9 +191,8 @@ def _cuda(d):
 @pytest.mark.parametrize("ctx", [64, 1024, 8192, 32768])
 def test_gpu_flash_shapes_exact(B, ctx):
     """Integer-valued inputs: exact scores, so exactly the reference's entries (ties too)."""
-    d = _flash(B, ctx, True, seed=13)
-    o = torch.ops.dspark.indexer_topk(**_cuda(d)).cpu()
-    assert torch.equal(o, it.indexer_topk_reference(**d))
+    d = _cuda(_flash(B, ctx, True, seed=13))
+    assert torch.equal(torch.ops.dspark.indexer_topk(**d), it.indexer_topk_reference(**d))
 
 
 @pytest.mark.gpu

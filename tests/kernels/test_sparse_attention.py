@@ -263,9 +263,9 @@ def _cuda(d):
 @pytest.mark.parametrize("ctx,ratio,K", [(64, 0, 0), (1024, 128, 0), (8192, 4, 512),
                                          (32768, 128, 0)])
 def test_gpu_flash_shapes(B, ctx, ratio, K):
-    d = _flash(B, 6, ctx, ratio, K, seed=12)
-    o = torch.ops.dspark.sparse_attention(**_cuda(d)).cpu()
-    assert_close(o, sa.sparse_attention_reference(**d))
+    d = _cuda(_flash(B, 6, ctx, ratio, K, seed=12))
+    assert_close(torch.ops.dspark.sparse_attention(**d).cpu(),
+                 sa.sparse_attention_reference(**d).cpu())
 
 
 @pytest.mark.gpu
