@@ -286,13 +286,12 @@ def _sparse_attention_kernel(
         sw_n, sw_s, sw_r, c_n, c_s, c_r,
         FP8: tl.constexpr, CMP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NOPE: tl.constexpr,
-        BLOCK_R: tl.constexpr, PARTIAL: tl.constexpr, NUM_STAGES: tl.constexpr,
-        SOFT: tl.constexpr):
+        BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr, SOFT: tl.constexpr):
     """Program (head block, token, split): head blocks of a token, then the tokens of a row,
     are neighbours in launch order, so their shared candidates come from L2. CMP: 0 SWA only,
-    1 every visible compressed entry (C128), 2 the listed entries (C4). PARTIAL (split > 1)
-    writes fp32 partials (acc | m | l per head) to ws [split, tokens, H, NOPE + ROPE + 2];
-    otherwise o."""
+    1 every visible compressed entry (C128), 2 the listed entries (C4). With a split (grid axis 2
+    > 1) the programs write fp32 partials (acc | m | l per head) to ws [split, tokens, H,
+    NOPE + ROPE + 2]; otherwise o (one compiled kernel for both: the branch is per program)."""
     hb = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -346,7 +345,7 @@ def _sparse_attention_kernel(
         m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
                                      DOT_DT, SOFT)
 
-    if not PARTIAL:
+    if SPLIT == 1:
         _store_o(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh, acc_n, acc_r, l, hm,
                  NOPE, ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
     else:
@@ -471,8 +470,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, c
     p = plan or sparse_attention_plan(B * T, H, window + (K if mode == 2 else NE if mode else 0),
                                       soft)
     n_hb = triton.cdiv(H, p.block_h)
-    ws = o if p.split == 1 else torch.empty((p.split, B * T, H, D + 2), dtype=torch.float32,
-                                            device=q.device)
+    ws = torch.empty((p.split, B * T, H, D + 2) if p.split > 1 else (1,), dtype=torch.float32,
+                     device=q.device)
     idx = cmp_idx.reshape(B * T, -1) if mode == 2 else rows
     block_d = next_pow2(nope)
     launch(kernel)[(n_hb, B * T, p.split)](
@@ -481,7 +480,7 @@ def sparse_attention_launch(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, c
         float(scale) * LOG2E, q3.stride(0), q3.stride(1), o.stride(0), o.stride(1),
         idx.stride(0), *(t.stride(0) for t in sw), *(t.stride(0) for t in cv),
         FP8=fp8, CMP=mode, NOPE=nope, ROPE=rope, BLOCK_H=p.block_h, BLOCK_N=p.block_n,
-        BLOCK_NOPE=block_d, BLOCK_R=max(16, next_pow2(rope)), PARTIAL=p.split > 1,
+        BLOCK_NOPE=block_d, BLOCK_R=max(16, next_pow2(rope)),
         NUM_STAGES=p.num_stages, SOFT=soft, num_warps=p.num_warps)
     if p.split > 1:
         ck = _combine_kernel
@@ -511,7 +510,7 @@ def sparse_attention(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale: torch.Ten
 
 
 # SM12x readiness: the Flash launches (H = 64, D = 448 fp8 + 64 bf16 rope; bf16 q; the float
-# cache of --no-kv-fp8 in bf16) for each compressed mode, with and without split, + the combine.
+# cache of --no-kv-fp8 in bf16) for each compressed mode (split or not: one kernel), + the combine.
 _D16 = "i32:16"
 
 
@@ -521,20 +520,18 @@ def _configs():
     for fp8, cache_t in ((True, "*u8"), (False, "*bf16")):
         nope, rope = (448, 64) if fp8 else (512, 0)
         for mode in (0, 1, 2):
-            for partial in (False, True):
-                types = dict(q_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32" if partial else "*bf16",
-                             sink_ptr="*fp32", rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64",
-                             swn_ptr=cache_t, sws_ptr="*u8" if fp8 else cache_t,
-                             swr_ptr="*bf16", cn_ptr=cache_t, cs_ptr="*u8" if fp8 else cache_t,
-                             cr_ptr="*bf16", T="i32", H=_D16, R="i32", RING=_D16, NE=_D16,
-                             K=_D16, window=_D16, ratio="i32", qk_scale="fp32",
-                             stride_qt=_D16, stride_qh=_D16, stride_ot=_D16, stride_oh=_D16,
-                             stride_it=_D16, sw_n=_D16, sw_s="i32", sw_r=_D16, c_n=_D16,
-                             c_s="i32", c_r=_D16)
-                out.append(compile_config(_sparse_attention_kernel, types, dict(
-                    FP8=fp8, CMP=mode, NOPE=nope, ROPE=rope, BLOCK_H=p.block_h,
-                    BLOCK_N=p.block_n, BLOCK_NOPE=512, BLOCK_R=max(16, next_pow2(rope)),
-                    PARTIAL=partial, NUM_STAGES=p.num_stages, SOFT=False), p.num_warps))
+            types = dict(q_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32", sink_ptr="*fp32",
+                         rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64", swn_ptr=cache_t,
+                         sws_ptr="*u8" if fp8 else cache_t, swr_ptr="*bf16", cn_ptr=cache_t,
+                         cs_ptr="*u8" if fp8 else cache_t, cr_ptr="*bf16", T="i32", H=_D16,
+                         R="i32", RING=_D16, NE=_D16, K=_D16, window=_D16, ratio="i32",
+                         qk_scale="fp32", stride_qt=_D16, stride_qh=_D16, stride_ot=_D16,
+                         stride_oh=_D16, stride_it=_D16, sw_n=_D16, sw_s="i32", sw_r=_D16,
+                         c_n=_D16, c_s="i32", c_r=_D16)
+            out.append(compile_config(_sparse_attention_kernel, types, dict(
+                FP8=fp8, CMP=mode, NOPE=nope, ROPE=rope, BLOCK_H=p.block_h, BLOCK_N=p.block_n,
+                BLOCK_NOPE=512, BLOCK_R=max(16, next_pow2(rope)), NUM_STAGES=p.num_stages,
+                SOFT=False), p.num_warps))
     out.append(compile_config(_combine_kernel, dict(ws_ptr="*fp32", o_ptr="*bf16", H=_D16,
                                                     SPLIT="i32", stride_ot=_D16, stride_oh=_D16),
                               dict(D=512, BLOCK_H=COMBINE_HEADS, BLOCK_D=512, SOFT=False), 4))
