@@ -287,19 +287,20 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
     return indexer_topk_launch(q, weights, k_cache, rows, pos, topk, ratio)
 
 
-# SM12x readiness: Flash (64 indexer heads x 128, bf16 q and keys, fp32 weights, top-512).
+# SM12x readiness: Flash (64 indexer heads x 128, bf16 q and keys, fp32 weights, top-512);
+# the cache's entry count (max_seq_len / 4) and what derives from it need not be 16-aligned.
 _D16 = "i32:16"
 _FLASH_PLAN = indexer_topk_plan(6, 8192)
 add_compile_configs("indexer_topk", [
     compile_config(_index_scores_kernel, dict(
         q_ptr="*bf16", w_ptr="*fp32", k_ptr="*bf16", rows_ptr="*i64", pos_ptr="*i64",
-        s_ptr="*fp32", T="i32", R="i32", NE=_D16, HI=_D16, ratio="i32", E_BLOCKS="i32",
+        s_ptr="*fp32", T="i32", R="i32", NE="i32", HI=_D16, ratio="i32", E_BLOCKS="i32",
         stride_qt=_D16, stride_qh=_D16, stride_wt=_D16, stride_kr=_D16, stride_ke=_D16,
-        stride_st=_D16),
+        stride_st="i32"),
         dict(DI=128, BLOCK_HI=64, BLOCK_DI=128, BLOCK_E=_FLASH_PLAN.block_e, SOFT=False),
         _FLASH_PLAN.num_warps),
     compile_config(_topk_select_kernel, dict(
         s_ptr="*fp32", rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64", T="i32", R="i32",
-        NE=_D16, ratio="i32", K=_D16, stride_st=_D16, stride_it=_D16),
+        NE="i32", ratio="i32", K="i32", stride_st="i32", stride_it="i32"),
         dict(BLOCK=_FLASH_PLAN.select_block), _FLASH_PLAN.num_warps),
 ])

@@ -524,7 +524,7 @@ def _configs():
                          rows_ptr="*i64", pos_ptr="*i64", idx_ptr="*i64", swn_ptr=cache_t,
                          sws_ptr="*u8" if fp8 else cache_t, swr_ptr="*bf16", cn_ptr=cache_t,
                          cs_ptr="*u8" if fp8 else cache_t, cr_ptr="*bf16", T="i32", H=_D16,
-                         R="i32", RING=_D16, NE=_D16, K=_D16, window=_D16, ratio="i32",
+                         R="i32", RING="i32", NE="i32", K=_D16, window=_D16, ratio="i32",
                          qk_scale="fp32", stride_qt=_D16, stride_qh=_D16, stride_ot=_D16,
                          stride_oh=_D16, stride_it=_D16, sw_n=_D16, sw_s="i32", sw_r=_D16,
                          c_n=_D16, c_s="i32", c_r=_D16)
