@@ -12,7 +12,9 @@ ones, as indexer_topk writes them); indexer 64 heads x 128 over bf16 keys, top 5
 
 Variants: `eager` and `compile` (the reference: the candidates gathered and dequantized to fp32,
 einsum scores, softmax with the sink column; the indexer's einsum + relu + head sum + stable
-sort), `ours` (the op), `ours-split1` (sparse_attention's plan without the split).
+sort), `ours` (the op); sparse_attention's plan varied (tuning, not declared configurations):
+`ours-split1` (no split), `ours-h64` (64 heads a program), `ours-n16` / `ours-n64` (candidates a
+block), `ours-s3` (3 pipeline stages).
 
 bytes_moved (the floors the targets compare with; "KV entries actually visited", each once):
 
@@ -123,12 +125,23 @@ def _attention_ours(d):
     return torch.ops.dspark.sparse_attention(**d)
 
 
-def _attention_split1(d):
+def _attention_plan(d, **changes):
+    """The op's plan for these inputs with `changes` (tuning variants: not declared configs)."""
     B, T_, H, _ = d["q"].shape
     n = d["window"] + (d["cmp_idx"].shape[-1] if d["cmp_idx"] is not None
                        else d["cmp_kv"].shape[1] if d["ratio"] else 0)
-    p = dataclasses.replace(sa.sparse_attention_plan(B * T_, H, n), split=1)
-    return sa.sparse_attention_launch(**d, plan=p)
+    return dataclasses.replace(sa.sparse_attention_plan(B * T_, H, n), **changes)
+
+
+def _variant(**changes):
+    return lambda d: sa.sparse_attention_launch(**d, plan=_attention_plan(d, **changes))
+
+
+# tuning variants: no split; 64 heads a program (the H200's 227 KB of shared memory take it,
+# SM12x's 99 KB do not); 16 or 64 candidates a block; 3 stages
+ATTENTION_VARIANTS = {"ours-split1": _variant(split=1), "ours-h64": _variant(block_h=64),
+                      "ours-n16": _variant(block_n=16), "ours-n64": _variant(block_n=64),
+                      "ours-s3": _variant(num_stages=3)}
 
 
 def _attention_check(make):
@@ -194,7 +207,7 @@ def cases(batches):
                                 dict(params, plan=f"h{p.block_h}n{p.block_n}/split{p.split}"),
                                 make, _attention_ref, _attention_ours,
                                 attention_floor(dims, B, ctx, ratio), check=_attention_check(make),
-                                extra={"ours-split1": _attention_split1}))
+                                extra=dict(ATTENTION_VARIANTS)))
             p = it.indexer_topk_plan(B * T, max(1, ctx // 4))
             out.append(Case("attention", f"indexer_topk{at}",
                             dict(params, plan=f"e{p.block_e}x{p.e_blocks}"),
