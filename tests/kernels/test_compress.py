@@ -219,6 +219,7 @@ def test_no_entry_closes_and_all_rows_padded_write_nothing():
         assert torch.equal(ker[name], before[name]), f"{name} written for padded rows"
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")     # the interpreter's max over a NaN column
 def test_nan_propagates_as_in_the_reference():
     d = _inputs(4, 128, 64, [0, 9], 6, seed=8)
     # row 0 starts at 0: block 0 pools positions -4..3, -4..-1 masked; NaN in ring slots that
