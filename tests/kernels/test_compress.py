@@ -348,9 +348,10 @@ def test_gpu_flash_dims(ratio, d_c, B):
         _assert_rings({k: v.cpu() for k, v in a.items()}, b, d)
         if mode == "fp8":
             NE = math.ceil(4200 / ratio)
-            caches = [torch.zeros(B + 2, NE, 448, dtype=torch.float8_e4m3fn, device="cuda"),
-                      torch.zeros(B + 2, NE, 7, dtype=torch.uint8, device="cuda"),
-                      torch.zeros(B + 2, NE, 64, dtype=torch.bfloat16, device="cuda")]
+            dv = dev["kv"].device
+            caches = [torch.zeros(B + 2, NE, 448, dtype=torch.float8_e4m3fn, device=dv),
+                      torch.zeros(B + 2, NE, 7, dtype=torch.uint8, device=dv),
+                      torch.zeros(B + 2, NE, 64, dtype=torch.bfloat16, device=dv)]
             torch.ops.dspark.compress_store_fp8(*_clone(dev).values(), *caches, EPS, dtype)
             e_g = torch.ops.dspark.compress(*_clone(dev).values(), EPS, dtype)
             slots = ck.entry_slots(dev["rows"], dev["valid"],
