@@ -583,6 +583,27 @@ def _check_structure(manifest: dict) -> None:
                             field="weights")
 
 
+def check_state_layout(programs: dict, state: dict) -> None:
+    """Every program takes exactly the decode state this dspark_compile allocates (its keys, in
+    order): an engine built when the state had other fields (e.g. before `row.verify`, the
+    rejection op's per-row verification) is refused naming them, not failed at the first step."""
+    want = list(state)
+    for b, ep in sorted(programs.items()):
+        try:
+            have = list(ep.call_spec.in_spec.child(0).child(1).context)
+        except (AttributeError, IndexError, TypeError):
+            continue                     # not a (rows, state) program: nothing to compare
+        if have != want:
+            missing = [k for k in want if k not in have]
+            extra = [k for k in have if k not in want]
+            what = " and ".join(
+                ([f"lacks the state fields {missing}"] if missing else [])
+                + ([f"takes state fields {extra} this version does not have"] if extra else [])
+            ) or "orders the state fields differently"
+            raise ArtifactError(f"bucket {b}'s program {what} — rebuild the engine",
+                                field="programs")
+
+
 def _programs_device(programs: dict):
     """The device of the programs' weights and constants (cpu when they hold none)."""
     for ep in programs.values():

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.artifact import MANIFEST, load_engine, update_manifest_field
+from dspark_compile.artifact import (MANIFEST, check_state_layout, load_engine,
+                                     update_manifest_field)
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -72,6 +73,7 @@ class Engine:
         self.model = self._reference_model(weights)
         self.cache = self.build.cache(self.cfg.dspark_block_size)
         self.state = allocate_state(self.cfg, self.cache, self.model.prec, device)
+        check_state_layout(programs, self.state)      # names the fields an old engine lacks
         self.trash = self.cache.max_rows
         self.programs = programs   # the ExportedPrograms as loaded (inspection, checks)
         self.backend = self.build.backend
@@ -404,9 +406,7 @@ class Engine:
                 tokens, num = self._step(group, b, greedy)
                 for i, row in enumerate(group):
                     req, n = live[row], int(num[i])
-                    res.row_steps += 1
-                    for k in range(n - 1):
-                        res.accepted_at[k] += 1
+                    res.record(n, params[req].method)
                     if append_committed(res.tokens[req], tokens[i, :n].tolist(), params[req]):
                         del live[row]
                         free.append(row)

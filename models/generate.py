@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_compile.kernels.sampling.reference import VERIFY
 from dspark_compile.models.config import CacheConfig, request_positions, rope_positions
 from dspark_compile.models.state import allocate_state, trash_row
 from dspark_compile.models.step import DraftVerifyStep, prefill, target_decode_step
@@ -24,8 +25,14 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 32
     stop_ids: tuple = ()
+    # how a sampled row's drafts are verified: "block" (Sun et al., arXiv 2403.10444: the
+    # accepted prefix decided jointly; never fewer accepted in expectation) or "token"
+    # (token-wise rejection); greedy rows ignore it (kernels/sampling/reference.py)
+    verify: str = "block"
 
     def validate(self, vocab: int) -> None:
+        if self.verify not in VERIFY:
+            raise ValueError(f"verify must be one of {sorted(VERIFY)}, got {self.verify!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 < self.top_p <= 1.0:   # NaN fails too
@@ -42,13 +49,24 @@ class SamplingParams:
                 raise ValueError(f"stop id {s} outside [0, {vocab})")
 
 
+    @property
+    def method(self) -> str:
+        """How this request's drafts are verified: "greedy", "token" or "block"."""
+        return "greedy" if self.temperature <= 0 else self.verify
+
+
 @dataclass
-class GenerationResult:
-    tokens: list[list[int]]
-    steps: int = 0
-    # accepted[k] = number of (row, step) pairs where at least k+1 drafts were accepted
+class Acceptance:
+    """Acceptance counts of (row, step) pairs: accepted_at[k] = pairs where at least k+1 drafts
+    were accepted."""
     accepted_at: list[int] = field(default_factory=list)
     row_steps: int = 0
+
+    def add(self, num_sampled: int) -> None:
+        """One (row, step) pair that committed num_sampled tokens (accepted drafts + 1)."""
+        self.row_steps += 1
+        for k in range(num_sampled - 1):
+            self.accepted_at[k] += 1
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -58,6 +76,21 @@ class GenerationResult:
     def mean_accepted_length(self) -> float:
         """E[accepted drafts] + 1: tokens committed per row-step."""
         return (sum(self.accepted_at) / self.row_steps + 1.0) if self.row_steps else 0.0
+
+
+@dataclass
+class GenerationResult(Acceptance):
+    tokens: list[list[int]] = field(default_factory=list)
+    steps: int = 0
+    # the same counts per verification method (SamplingParams.method), in first-seen order
+    by_method: dict = field(default_factory=dict)
+
+    def record(self, num_sampled: int, method: str) -> None:
+        """One (row, step) pair of a request verified by `method`: in the totals and its own."""
+        self.add(num_sampled)
+        if method not in self.by_method:
+            self.by_method[method] = Acceptance([0] * len(self.accepted_at))
+        self.by_method[method].add(num_sampled)
 
 
 def validate_prompts(prompts: list[list[int]], vocab: int) -> None:
@@ -85,6 +118,8 @@ def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
     state["row.top_k"][row] = sp.top_k
     state["row.top_p"][row] = sp.top_p
     state["row.seed"][row] = sp.seed
+    if "row.verify" in state:
+        state["row.verify"][row] = VERIFY[sp.verify]
     if "row.draft_logits" in state:
         # NaN until a step or prefill writes this row's draft logits: the engine's greedy
         # variant never stores them, and a NaN row is exact if a row's sampling changes
@@ -149,9 +184,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
                 if done[r]:
                     continue
                 n = int(num[r])
-                res.row_steps += 1
-                for k in range(n - 1):
-                    res.accepted_at[k] += 1
+                res.record(n, params[r].method)
                 done[r] = append_committed(outs[r], tokens[r, :n].tolist(), params[r])
         else:
             last_tok = torch.tensor([o[-1] for o in outs], device=device)

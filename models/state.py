@@ -81,6 +81,10 @@ def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[s
     specs["row.top_k"] = Spec((R,), torch.int64)
     specs["row.top_p"] = Spec((R,), torch.float32)
     specs["row.seed"] = Spec((R,), torch.int64)
+    if cfg.has_draft:
+        # the rejection op's verification per row: VERIFY_TOKEN or VERIFY_BLOCK
+        # (kernels/sampling/reference.py; models/generate.py SamplingParams.verify)
+        specs["row.verify"] = Spec((R,), torch.int64)
     return specs
 
 

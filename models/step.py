@@ -63,8 +63,9 @@ class DraftVerifyStep(nn.Module):
         batch = Batch.make(rows, last[:, None] + 1 + ar, tok_in, trash, V)
 
         logits, aux = model(batch, state, aux_layers=cfg.dspark_target_layer_ids)
+        verify = state["row.verify"][rows] if "row.verify" in state else None
         tokens, num = rejection_sample_reference(logits, tok_in[:, 1:], state["row.draft_logits"][rows],
-                                                 *sampling_of(state, rows), last + 2)
+                                                 *sampling_of(state, rows), last + 2, verify)
         num = torch.where(batch.valid, num, torch.zeros_like(num))
         tokens = torch.where(batch.valid[:, None] & (ar[None, :] < num[:, None]), tokens,
                              torch.full_like(tokens, -1))

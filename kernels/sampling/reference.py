@@ -230,7 +230,7 @@ def markov_sample_reference(base_logits: torch.Tensor, anchor: torch.Tensor, w1:
 
 
 def check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
-                           seed, start_pos):
+                           seed, start_pos, verify=None):
     if target_logits.dim() != 3 or not target_logits.dtype.is_floating_point:
         raise ValueError(f"target_logits must be a float [B, N+1, V] tensor, got "
                          f"{target_logits.dtype} {tuple(target_logits.shape)}")
@@ -245,6 +245,35 @@ def check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperatur
         raise ValueError(f"draft_logits must be a float [{B}, {N}, {V}] tensor, got "
                          f"{draft_logits.dtype} {tuple(draft_logits.shape)}")
     check_sampling_params(B, temperature, top_k, top_p, seed, start_pos, "start_pos")
+    if verify is not None:
+        _check_rows("verify", verify, B, INTS)
+
+
+# The rejection op's per-request `verify` values (models/generate.py SamplingParams.verify):
+# token-wise rejection (Leviathan / Chen) or block verification (Sun et al., arXiv 2403.10444).
+# Greedy rows ignore it; any nonzero value is block.
+VERIFY_TOKEN = 0
+VERIFY_BLOCK = 1
+VERIFY = {"token": VERIFY_TOKEN, "block": VERIFY_BLOCK}
+
+
+def accept_uniforms(seed: torch.Tensor, start_pos: torch.Tensor, N: int) -> torch.Tensor:
+    """The acceptance tests' uniforms [B, N]: u_i = uniform(seed, 0, start_pos + i,
+    STREAM_ACCEPT), draft i's (token-wise) or eta_{i+1} (block verification)."""
+    pos = start_pos.to(torch.int64)[:, None] + torch.arange(N, device=seed.device)[None, :]
+    zeros = torch.zeros_like(pos)
+    return uniform(seed.to(torch.int64)[:, None], zeros, pos, zeros + STREAM_ACCEPT)
+
+
+def draft_probs(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor):
+    """(p_i(x_i), q_i(x_i), x_i valid) [B, N] of each draft x_i (ids outside [0, V) folded to
+    0 for the gather, and not valid). p: target probabilities [B, >= N, V]; q: draft
+    probabilities [B, N, V]."""
+    N = draft_tokens.shape[1]
+    V = p.shape[-1]
+    d = draft_tokens.to(torch.int64)
+    x = fold_ids(d, V)[..., None]
+    return (p[:, :N].gather(2, x).squeeze(2), q.gather(2, x).squeeze(2), (d >= 0) & (d < V))
 
 
 def sampled_accepts(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor,
@@ -252,23 +281,74 @@ def sampled_accepts(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor
     """Each draft's acceptance test for a sampling request, as if every earlier draft had been
     accepted: bool [B, N], x valid, q(x) > 0 and p(x) >= u q(x). p: target probabilities
     [B, >= N, V]; q: draft probabilities [B, N, V]."""
+    px, qx, valid = draft_probs(p, draft_tokens, q)
+    u = accept_uniforms(seed, start_pos, draft_tokens.shape[1])
+    return valid & (qx > 0) & (px >= u * qx)
+
+
+def block_weights(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Block verification's weights w [B, N + 1] fp32: w_0 = 1, w_i = min(w_{i-1} r_i, 1) with
+    r_i = p_{i-1}(x_{i-1}) / q_{i-1}(x_{i-1}) of draft i - 1 (0-based rows: target row i - 1
+    predicts draft i - 1), r = 0 for a draft out of range or with q(x) = 0. A quotient that
+    overflows is +inf (w -> 1); w = 0 stays 0 (0 * inf would be NaN)."""
+    px, qx, valid = draft_probs(p, draft_tokens, q)
+    ok = valid & (qx > 0)
+    r = torch.where(ok, px / torch.where(ok, qx, torch.ones_like(qx)), torch.zeros_like(px))
+    w = [torch.ones_like(r[:, 0]) if r.shape[1] else r.new_ones(r.shape[0])]
+    for i in range(r.shape[1]):
+        w.append(torch.where(w[-1] > 0, torch.clamp_max(w[-1] * r[:, i], 1.0),
+                             torch.zeros_like(w[-1])))
+    return torch.stack(w, 1)
+
+
+def block_thresholds(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor):
+    """Block verification's acceptance thresholds h [B, N] (h[:, i - 1] = h_i) and weights
+    w [B, N + 1] (block_weights) from target probabilities p [B, N + 1, V] and draft
+    probabilities q [B, N, V]:
+
+        S_i = sum_x max(w_i p_i(x) - q_i(x), 0)           i = 1 .. N-1 (0-based rows i)
+        h_i = S_i / (S_i + 1 - w_i)  (1 if that is 0 / 0: w_i = 1 and S_i = 0),  h_N = w_N
+
+    In p's dtype (S summed by torch: the fused kernel's order differs, so decisions agree
+    except within rounding of eta_i = h_i)."""
+    N = draft_tokens.shape[1]
+    w = block_weights(p, draft_tokens, q)
+    wi = w[:, 1:N]
+    S = (wi[..., None] * p[:, 1:N] - q[:, 1:N]).clamp_min(0.0).sum(-1)
+    den = (S + 1.0) - wi
+    pos = den > 0
+    h = torch.where(pos, S / torch.where(pos, den, torch.ones_like(den)), torch.ones_like(den))
+    return torch.cat((h, w[:, N:]), 1), w
+
+
+def block_accepts(p: torch.Tensor, draft_tokens: torch.Tensor, q: torch.Tensor,
+                  seed: torch.Tensor, start_pos: torch.Tensor):
+    """Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding",
+    arXiv 2403.10444, Algorithm 2) of the N drafts of each request -> (tau [B] int64, the
+    accepted count in [0, N]; w_tau [B], the weight of its residual):
+
+        tau = the largest i with eta_i < h_i (0 if none); eta_i = accept_uniforms[:, i - 1]
+
+    (block_thresholds' h). The token after the accepted prefix is drawn from
+    max(w_tau p_tau - q_tau, 0) (p_N for tau = N), as rejection_sample_reference does. With
+    "<" an h of 0 never accepts, even for eta = 0: a draft the target excludes has w = 0 from
+    there on, so every later h is 0 too."""
     B, N = draft_tokens.shape
-    V = p.shape[-1]
-    d = draft_tokens.to(torch.int64)
-    x = fold_ids(d, V)[..., None]
-    px = p[:, :N].gather(2, x).squeeze(2)
-    qx = q.gather(2, x).squeeze(2)
-    pos = start_pos.to(torch.int64)[:, None] + torch.arange(N, device=p.device)[None, :]
-    zeros = torch.zeros_like(pos)
-    u = uniform(seed.to(torch.int64)[:, None], zeros, pos, zeros + STREAM_ACCEPT)
-    return (d >= 0) & (d < V) & (qx > 0) & (px >= u * qx)
+    if N == 0:
+        return (torch.zeros(B, dtype=torch.int64, device=p.device),
+                torch.ones(B, dtype=p.dtype, device=p.device))
+    h, w = block_thresholds(p, draft_tokens, q)
+    u = accept_uniforms(seed, start_pos, N)
+    i = torch.arange(1, N + 1, device=p.device)[None, :].expand(B, N)
+    tau = torch.where(u < h, i, torch.zeros_like(i)).amax(1)
+    return tau, w.gather(1, tau[:, None]).squeeze(1)
 
 
 @fusable("rejection_sample")
 def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                                draft_logits: torch.Tensor, temperature: torch.Tensor,
                                top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-                               start_pos: torch.Tensor):
+                               start_pos: torch.Tensor, verify: torch.Tensor | None = None):
     """Rejection sampling of the drafts against the target -> (tokens [B, N+1] int64, the
     accepted drafts then the resampled / bonus token, -1 after them; num_sampled [B] in
     [1, N + 1]). Target row i predicts position start_pos + i (draft i's; i = N: the bonus).
@@ -280,10 +360,14 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
       STREAM_ACCEPT); accept x iff q_i(x) > 0 and p_i(x) >= u_i q_i(x). At the first rejection
       sample the residual max(p_i - q_i, 0) (p_i if that is all zero) by Gumbel-max keyed
       (seed, start_pos + i, STREAM_RESAMPLE); all N accepted: the bonus from p_N alike.
+    - Sampled rows with verify[b] != 0 (VERIFY_BLOCK; None: every row token-wise): block
+      verification (block_accepts) with the same p, q and uniforms decides the accepted count
+      a = tau jointly, and the token after it is drawn from max(w_a p_a - q_a, 0) (p_a if that
+      is all zero; p_N for a = N) with the same Gumbel noise. Greedy rows ignore verify.
     - Draft ids outside [0, V) are always rejected and never used as an index.
     """
     check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
-                           seed, start_pos)
+                           seed, start_pos, verify)
     B, N1, V = target_logits.shape
     N = N1 - 1
     dev = target_logits.device
@@ -298,14 +382,19 @@ def rejection_sample_reference(target_logits: torch.Tensor, draft_tokens: torch.
     q = request_probs(draft_logits, temperature, top_k, top_p)
     ok = torch.where(greedy[:, None], (d == target_arg[:, :N]) & (d >= 0) & (d < V),
                      sampled_accepts(p, d, q, seed, start_pos))
-    accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)              # a in [0, N]
+    a = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)                     # a in [0, N]
+    wa = None                               # the residual's weight (token-wise: 1, exactly)
+    if verify is not None:
+        block = ~greedy & (verify != VERIFY_TOKEN)
+        tau, w_tau = block_accepts(p, d, q, seed, start_pos)
+        a = torch.where(block, tau, a)
+        wa = torch.where(block, w_tau, torch.ones_like(w_tau))
 
     # the token after the accepted prefix: resampled at row a (a < N) or the bonus (a = N)
-    a = accepted
     rows = torch.arange(B, device=dev)
     pa, logpa = p[rows, a], logp[rows, a]
     qa = torch.cat((q, q.new_zeros((B, 1, V))), 1)[rows, a]  # q_N = 0 (also when N = 0)
-    resid = (pa - qa).clamp_min(0.0)
+    resid = (pa - qa if wa is None else wa[:, None] * pa - qa).clamp_min(0.0)
     use_p = (resid.sum(-1) <= 0)[:, None] | (a == N)[:, None]
     logw = torch.where(use_p, logpa, torch.log(resid))
     last = gumbel_argmax(logw, seed, start_pos.to(torch.int64) + a, STREAM_RESAMPLE)

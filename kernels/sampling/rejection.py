@@ -3,9 +3,12 @@
 it is also plain target sampling (sample.py).
 
 Dataflow (mode "full"): stats x 2 -> walk -> search x 2 (target rows and, on a side stream,
-draft rows; only the rows the walk flags) -> accept -> resample (rejection_kernels.py). The
-statistics read all B (N + 1) target and B N draft rows once, 4 V bytes each; each searched row
-is read ~3 times more (from L2 at small B). Mode "greedy": each target row read once for its
+draft rows; only the rows the walk flags) -> sums (N >= 2) -> accept -> resample
+(rejection_kernels.py). The statistics read all B (N + 1) target and B N draft rows once, 4 V
+bytes each; each searched row is read ~3 times more (from L2 at small B). A block-verified
+request (verify[b] != 0) has every row searched (its residual masses read whole
+distributions) and its N - 1 middle target and draft rows read once more by sums (8 V bytes a
+row: Flash, N = 5, 4.1 MB a request). Mode "greedy": each target row read once for its
 argmax (Flash, B = 64: 199 MB, ~47 us at 4.2 TB/s), draft_logits never read, no scratch.
 """
 from __future__ import annotations
@@ -20,8 +23,8 @@ from dspark_compile.kernels.sampling.plan import (HIST_BINS, MODES, PDL_BY_REQUE
 from dspark_compile.kernels.sampling.reference import (check_rejection_inputs,
                                                        rejection_sample_reference)
 from dspark_compile.kernels.sampling.rejection_kernels import (
-    _accept_kernel, _bound_walk_kernel, _greedy_accept_kernel, _resample_kernel,
-    _rows_argmax_kernel, _rows_stats_kernel)
+    _accept_kernel, _block_sums_kernel, _bound_walk_kernel, _greedy_accept_kernel,
+    _resample_kernel, _rows_argmax_kernel, _rows_stats_kernel)
 from dspark_compile.kernels.sampling.row_launch import (
     check_int32_index, gated_grid, gated_per_sm, hist_tile, launch_select_refine, mass_scale_bits,
     reduce_compile_config, refine_compile_config, row_list_p2, row_tiling, select_compile_config,
@@ -36,14 +39,16 @@ from dspark_compile.kernels.tl_helpers import (
 # ----------------------------------------------------------------------------------------------
 
 def rejection_sample_mode_reference(target_logits, draft_tokens, draft_logits, temperature,
-                                    top_k, top_p, seed, start_pos, mode: str = "full"):
-    """The reference under the op's mode: "greedy" treats every row as greedy."""
+                                    top_k, top_p, seed, start_pos, mode: str = "full",
+                                    verify=None):
+    """The reference under the op's mode: "greedy" treats every row as greedy (and so ignores
+    verify)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if mode == "greedy":
         temperature = torch.zeros_like(temperature)
     return rejection_sample_reference(target_logits, draft_tokens, draft_logits, temperature,
-                                      top_k, top_p, seed, start_pos)
+                                      top_k, top_p, seed, start_pos, verify)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,20 +56,21 @@ def rejection_sample_mode_reference(target_logits, draft_tokens, draft_logits, t
 # ----------------------------------------------------------------------------------------------
 
 def rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperature, top_k,
-                            top_p, seed, start_pos, plan: SamplerPlan = PLAN):
+                            top_p, seed, start_pos, plan: SamplerPlan = PLAN, verify=None):
     """Run the fused rejection sampler under `plan` (CUDA, or CPU tensors under
-    TRITON_INTERPRET=1): (tokens [B, N + 1], num_sampled [B])."""
+    TRITON_INTERPRET=1): (tokens [B, N + 1], num_sampled [B]). verify: [B] int, nonzero for
+    the requests block verification decides (None: none)."""
     return launch_rejection(plan, STREAM_RESAMPLE, target_logits, draft_tokens, draft_logits,
-                            temperature, top_k, top_p, seed, start_pos)
+                            temperature, top_k, top_p, seed, start_pos, verify)
 
 
 def launch_rejection(plan, stream, target_logits, draft_tokens, draft_logits, temperature,
-                     top_k, top_p, seed, start_pos):
+                     top_k, top_p, seed, start_pos, verify=None):
     """rejection_sample_launch with the residual / bonus noise keyed by `stream`
     (STREAM_TARGET: plain target sampling, sample.py)."""
     plan.check_rejection()
     check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p,
-                           seed, start_pos)
+                           seed, start_pos, verify)
     check_int32_index(target_logits=target_logits, draft_logits=draft_logits)
     B, N1, V = target_logits.shape
     N = N1 - 1
@@ -85,7 +91,9 @@ def launch_rejection(plan, stream, target_logits, draft_tokens, draft_logits, te
     if plan.mode == "greedy":
         _greedy(target_logits, drafts, tokens, num, plan.test_hooks.tile, plan.chunk)
         return tokens, num
-    meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos)]
+    if verify is None:      # every request token-wise
+        verify = torch.zeros((B,), dtype=torch.int64, device=dev)
+    meta = [t.contiguous() for t in (temperature, top_k, top_p, seed, start_pos, verify)]
     args = (target_logits, drafts, draft_logits, N, *meta, tokens, num)
     if not pdl_available(_accept_kernel, dev):
         mode_pdl = 0
@@ -138,14 +146,15 @@ def _stats(logits, temperature, TILE: int):
     return st
 
 
-def _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl=0):
+def _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, verify, need, dneed, dec,
+          pdl=0):
     """The bound walk (one program per request) over the target and draft logits (_rows_views)
     and their statistics, into need [rows], dneed [draft rows] and dec [rows] (int32)."""
     B, N1, V = logits.shape
     NBLK = st["bmax"].shape[1]
     launch(_bound_walk_kernel)[(B,)](
         drafts, logits, st["bmax"], st["bsum"], st["bnan"], dlogits, dst["bmax"], dst["bsum"],
-        dst["bnan"], *flags, seed, start_pos, need, dneed, dec, N1 - 1, V, NBLK,
+        dst["bnan"], *flags, seed, start_pos, verify, need, dneed, dec, N1 - 1, V, NBLK,
         drafts.stride(0), logits.stride(1), dlogits.stride(1), N_P2=next_pow2(N1),
         NBLK_P2=next_pow2(NBLK), SCALE=float(2 ** mass_scale_bits(V)), PDL=pdl, num_warps=4,
         **pdl_launch(pdl))
@@ -218,7 +227,7 @@ def _search_counters(rows: int) -> int:
 
 
 def _parallel(plan, stream, pdl, logits, drafts, dlogits, N, temperature, top_k, top_p, seed,
-              start_pos, tokens, num):
+              start_pos, verify, tokens, num):
     """Mode "full": the module docstring's launches."""
     B, N1, V = logits.shape
     R, RD, dev = B * N1, B * N, logits.device
@@ -267,7 +276,8 @@ def _parallel(plan, stream, pdl, logits, drafts, dlogits, N, temperature, top_k,
     if bounds:
         need = torch.empty((R,), dtype=i32, device=dev)
         dneed = torch.empty((RD,), dtype=i32, device=dev)
-        _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, need, dneed, dec, pdl)
+        _walk(logits, st, dlogits, dst, drafts, flags, seed, start_pos, verify, need, dneed, dec,
+              pdl)
     # the draft rows' thresholds: only those the walk flags are searched
     targ, _ = _side_by_side(
         side, lambda: _search(plan, logits, st, flags, rowf, rowi, rst, thr, cnt_t, need, tiling,
@@ -275,16 +285,26 @@ def _parallel(plan, stream, pdl, logits, drafts, dlogits, N, temperature, top_k,
         lambda: _search(plan, dlogits, dst, flags, drowf, drowi, drst, dthr, cnt_d, dneed,
                         tiling, pdl) if N > 0 else None)
     accepted = torch.empty((B,), dtype=i32, device=dev)
+    weight = torch.empty((B,), dtype=f32, device=dev)      # the residual's weight w_a
     part_f = torch.empty((B, C, 3), dtype=f32, device=dev)
     part_i = torch.empty((B, C, 3), dtype=i32, device=dev)
     sz, sd = logits.stride(1), dlogits.stride(1)
+    NBLK = st["bmax"].shape[1]
+    # block verification's residual masses S_1 .. S_{N-1} (chunk partials; only block requests'
+    # programs work, the others exit: a step of token-wise rows pays one launch)
+    sums = torch.empty((max(B * (N - 1), 1), C), dtype=f32, device=dev)
+    if N > 1:
+        launch(_block_sums_kernel)[(B * (N - 1), C)](
+            drafts, logits, rowf, rowi, dlogits, drowf, drowi, st["bmax"], *flags, verify, sums,
+            N, V, C, CHUNK, NBLK, drafts.stride(0), sz, sd, TILE=TILE, BLOCK=TILE, PDL=pdl,
+            num_warps=4, **pdl_launch(pdl))
     launch(_accept_kernel)[(B,)](
-        drafts, logits, rowf, rowi, dlogits, drowf, drowi, targ, *flags, seed, start_pos, dec,
-        tokens, num, accepted, N, V, drafts.stride(0), tokens.stride(0), sz, sd, PDL=pdl,
-        num_warps=1, **pdl_launch(pdl))
+        drafts, logits, rowf, rowi, dlogits, drowf, drowi, targ, *flags, seed, start_pos, verify,
+        dec, sums, tokens, num, accepted, weight, N, V, C, drafts.stride(0), tokens.stride(0), sz,
+        sd, C_P2=next_pow2(C), PDL=pdl, num_warps=1, **pdl_launch(pdl))
     launch(_resample_kernel)[(B, C)](
         logits, rowf, rowi, dlogits, drowf, drowi, st["bmax"], *flags, seed, start_pos, accepted,
-        tokens, part_f, part_i, cnt_r, N, V, C, CHUNK, st["bmax"].shape[1], tokens.stride(0), sz,
+        weight, tokens, part_f, part_i, cnt_r, N, V, C, CHUNK, NBLK, tokens.stride(0), sz,
         sd, 0, TILE=TILE, BLOCK=TILE, C_P2=next_pow2(C), STREAM=stream, PDL=pdl, num_warps=4,
         **pdl_launch(pdl))
 
@@ -295,7 +315,7 @@ def _parallel(plan, stream, pdl, logits, drafts, dlogits, N, temperature, top_k,
 # ----------------------------------------------------------------------------------------------
 
 def _rejection_fake(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p, seed,
-                    start_pos, mode="full"):
+                    start_pos, mode="full", verify=None):
     B, N1, _ = target_logits.shape
     return (target_logits.new_empty((B, N1), dtype=torch.int64),
             target_logits.new_empty((B,), dtype=torch.int64))
@@ -305,12 +325,14 @@ def _rejection_fake(target_logits, draft_tokens, draft_logits, temperature, top_
 def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                      draft_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
-                     mode: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+                     mode: str = "full", verify: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused rejection sampling; mode "greedy" treats every row as greedy (the module
-    docstring's greedy plan)."""
+    docstring's greedy plan); verify [B] int: VERIFY_BLOCK rows take block verification
+    (None: every row token-wise)."""
     plan = PLAN if mode == PLAN.mode else PLAN.replace(mode=mode)
     return rejection_sample_launch(target_logits, draft_tokens, draft_logits, temperature, top_k,
-                                   top_p, seed, start_pos, plan)
+                                   top_p, seed, start_pos, plan, verify)
 
 
 # SM12x readiness: the configurations the launcher picks at the Flash vocabulary (1024-wide
@@ -338,17 +360,27 @@ def _parallel_configs(stream: int):
             out.append(compile_config(_bound_walk_kernel, dict(
                 drafts_ptr="*i64", z_ptr="*fp32", bmax_ptr="*fp32", bsum_ptr="*fp32",
                 bnan_ptr="*i32", dz_ptr="*fp32", dbmax_ptr="*fp32", dbsum_ptr="*fp32",
-                dbnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64", need_ptr="*i32",
-                dneed_ptr="*i32", dec_ptr="*i32", N="i32", V=d16, NBLK="i32", stride_db="i32",
-                stride_zr=d16, stride_dr=d16),
+                dbnan_ptr="*i32", **flags, seed_ptr="*i64", pos_ptr="*i64", verify_ptr="*i64",
+                need_ptr="*i32", dneed_ptr="*i32", dec_ptr="*i32", N="i32", V=d16, NBLK="i32",
+                stride_db="i32", stride_zr=d16, stride_dr=d16),
                 dict(N_P2=8, NBLK_P2=next_pow2(triton.cdiv(129280, 1024)),
                      SCALE=float(2 ** mass_scale_bits(129280)), PDL=pdl), 4))
-        out.append(compile_config(_accept_kernel, dict(
-            drafts_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
-            dz_ptr="*fp32", drowf_ptr="*fp32", drowi_ptr="*i32", targ_ptr="*i64", **flags,
-            seed_ptr="*i64", pos_ptr="*i64", dec_ptr="*i32", tokens_ptr="*i64", num_ptr="*i64",
-            a_ptr="*i32", N="i32", V=d16, stride_db="i32", stride_tb="i32", stride_zr=d16,
-            stride_dr=d16), dict(PDL=pdl), 1))
+            # block verification's residual masses (Flash's N = 5: rows 1 .. 4)
+            out.append(compile_config(_block_sums_kernel, dict(
+                drafts_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
+                dz_ptr="*fp32", drowf_ptr="*fp32", drowi_ptr="*i32", bmax_ptr="*fp32", **flags,
+                verify_ptr="*i64", part_ptr="*fp32", N="i32", V=d16, C="i32", CHUNK=d16,
+                NBLK="i32", stride_db="i32", stride_zr=d16, stride_dr=d16),
+                dict(TILE=1024, BLOCK=1024, PDL=pdl), 4))
+        # the acceptance chain reads C chunk partials (C_P2) for each tiling below
+        for C in sorted({row_tiling(rows, 129280)[2] for rows in (1, 16, 48)}):
+            out.append(compile_config(_accept_kernel, dict(
+                drafts_ptr="*i64", z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32",
+                dz_ptr="*fp32", drowf_ptr="*fp32", drowi_ptr="*i32", targ_ptr="*i64", **flags,
+                seed_ptr="*i64", pos_ptr="*i64", verify_ptr="*i64", dec_ptr="*i32",
+                part_ptr="*fp32", tokens_ptr="*i64", num_ptr="*i64", a_ptr="*i32",
+                wa_ptr="*fp32", N="i32", V=d16, C="i32", stride_db="i32", stride_tb="i32",
+                stride_zr=d16, stride_dr=d16), dict(C_P2=next_pow2(C), PDL=pdl), 1))
         # the tilings the launcher picks: plain sampling at B = 1 / 16 / 48 rows, rejection at
         # 2 B rows (the walk leaves about two a request to search) for B = 1 / 8 / 24; one
         # program per item (the default: plan.rejection_persistent off)
@@ -363,7 +395,7 @@ def _parallel_configs(stream: int):
             out.append(compile_config(_resample_kernel, dict(
                 z_ptr="*fp32", rowf_ptr="*fp32", rowi_ptr="*i32", dz_ptr="*fp32",
                 drowf_ptr="*fp32", drowi_ptr="*i32", bmax_ptr="*fp32", **flags,
-                seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", tokens_ptr="*i64",
+                seed_ptr="*i64", pos_ptr="*i64", a_ptr="*i32", wa_ptr="*fp32", tokens_ptr="*i64",
                 part_f_ptr="*fp32", part_i_ptr="*i32", done_ptr="*i32", N="i32", V=d16, C=d16,
                 CHUNK=d16, NBLK="i32", stride_tb="i32", stride_zr=d16, stride_dr=d16,
                 done_off="i32"),

@@ -9,7 +9,10 @@ rows, in launches of their own:
            rows whose exact threshold is still read (_bound_walk_kernel)
   search   x 2: reduce, select, refine (row_passes.py, refine.py) over the flagged rows; the
            draft rows' beside the target rows' on a side stream (plan.overlap)
-  accept   grid (B,): the acceptance chain from per-row scalars; a = accepted count
+  sums     grid (B (N - 1), C), N >= 2: block verification's residual masses S_i (only block
+           requests work; _block_sums_kernel)
+  accept   grid (B,): the acceptance chain from per-row scalars (block requests: the joint
+           decision from the ratios and S_i); a = accepted count, w_a = the residual's weight
   resample grid (B, C): residual / bonus Gumbel-max over row a; the last program writes it.
 Greedy plan: _rows_argmax_kernel (each target row read once, packed atomic maxima), then
 _greedy_accept_kernel.
@@ -201,7 +204,7 @@ def _kept_bounds(bm, bs, bn, zx, rv, p, p_on, V, SCALE: tl.constexpr):
 @triton.jit
 def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, dbmax_ptr,
                        dbsum_ptr, dbnan_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
-                       need_ptr, dneed_ptr, dec_ptr, N, V, NBLK, stride_db, stride_zr,
+                       verify_ptr, need_ptr, dneed_ptr, dec_ptr, N, V, NBLK, stride_db, stride_zr,
                        stride_dr, N_P2: tl.constexpr, NBLK_P2: tl.constexpr,
                        SCALE: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
@@ -220,7 +223,10 @@ def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, 
     d = tl.load(drafts_ptr + b * stride_db + i, mask=iv, other=-1).to(tl.int64)
     pbm, pbs, pbn = _block_stats(bmax_ptr, bsum_ptr, bnan_ptr, r, iv, NBLK, NBLK_P2)
     qbm, qbs, qbn = _block_stats(dbmax_ptr, dbsum_ptr, dbnan_ptr, rd, iv, NBLK, NBLK_P2)
-    if (~greedy) & (~k_on):
+    # block verification reads every row's whole distribution (its residual masses): a block
+    # request keeps every target and draft row, like a top-k one
+    blk = tl.load(verify_ptr + b) != 0
+    if (~greedy) & (~k_on) & (~blk):
         dvalid = (d >= 0) & (d < V)
         xf = tl.where(dvalid, d, 0)
         t = row_t(temp_ptr, b, True)
@@ -257,37 +263,146 @@ def _bound_walk_kernel(drafts_ptr, z_ptr, bmax_ptr, bsum_ptr, bnan_ptr, dz_ptr, 
 
 
 @triton.jit
+def _draft_probs(b, i, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, t,
+                 trunc, N, V, stride_db, stride_zr, stride_dr):
+    """(p_i(x), q_i(x), x valid) of request b's draft i (x folded to 0 for the loads): what the
+    acceptance test and block verification's ratios read."""
+    r = b * (N + 1) + i
+    rd = b * N + i
+    d = tl.load(drafts_ptr + b * stride_db + i).to(tl.int64)
+    dvalid = (d >= 0) & (d < V)
+    xf = tl.where(dvalid, d, 0)
+    m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, trunc)
+    px = _kept_prob(load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, xf < V, t, True), m, Zk, tau,
+                    deg)
+    m, Zk, tau, deg = _row_p_params(drowf_ptr, drowi_ptr, rd, trunc)
+    qx = _kept_prob(load_z(dz_ptr + rd.to(tl.int64) * stride_dr + xf, xf < V, t, True), m, Zk,
+                    tau, deg)
+    return px, qx, dvalid
+
+
+@triton.jit
+def _next_weight(w, px, qx, dvalid):
+    """Block verification's w_i = min(w_{i-1} p(x) / q(x), 1) (reference.block_weights): 0 for a
+    draft out of range or with q(x) = 0; an overflowing quotient is +inf (w -> 1); 0 stays 0."""
+    ok = dvalid & (qx > 0.0)
+    r = tl.where(ok, tl.math.div_rn(px, tl.where(ok, qx, 1.0)), 0.0)
+    return tl.where(w > 0.0, tl.minimum(w * r, 1.0), 0.0)
+
+
+@triton.jit
+def _block_weight(b, i, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, t,
+                  trunc, N, V, stride_db, stride_zr, stride_dr):
+    """w_i of request b (drafts 0 .. i - 1), bit for bit as _block_accept's chain computes it."""
+    w = tl.full((), 1.0, tl.float32)
+    for j in range(0, i):
+        px, qx, dvalid = _draft_probs(b, j, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr,
+                                      drowf_ptr, drowi_ptr, t, trunc, N, V, stride_db,
+                                      stride_zr, stride_dr)
+        w = _next_weight(w, px, qx, dvalid)
+    return w
+
+
+@triton.jit
+def _block_sums_kernel(drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr,
+                       bmax_ptr, temp_ptr, topk_ptr, topp_ptr, verify_ptr, part_ptr, N, V, C,
+                       CHUNK, NBLK, stride_db, stride_zr, stride_dr, TILE: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    """Grid (B (N - 1), C): chunk c's part of S_i = sum_x max(w_i p_i(x) - q_i(x), 0) for
+    draft row i in 1 .. N - 1 of a block request (reference.block_accepts), into
+    part[b (N - 1) + i - 1, c]; other requests exit at once. Reads the block rows' target and
+    draft logits once each (2 x 4 V bytes a row; tiles where p = 0 skipped: their residual is 0)
+    and writes C floats a row."""
+    pdl_enter(PDL)
+    j = tl.program_id(0)
+    c = tl.program_id(1)
+    b = j // (N - 1)
+    i = j % (N - 1) + 1
+    greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V)
+    if (~greedy) & (tl.load(verify_ptr + b) != 0):
+        t = row_t(temp_ptr, b, True)
+        trunc = k_on | p_on
+        w = _block_weight(b, i, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr,
+                          drowi_ptr, t, trunc, N, V, stride_db, stride_zr, stride_dr)
+        r = b * (N + 1) + i
+        rd = b * N + i
+        m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, trunc)
+        qm, qZk, qtau, qdeg = _row_p_params(drowf_ptr, drowi_ptr, rd, trunc)
+        zrow = z_ptr + r.to(tl.int64) * stride_zr
+        qrow = dz_ptr + rd.to(tl.int64) * stride_dr
+        acc = tl.zeros((TILE,), tl.float32)
+        for v0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, V), TILE):
+            if (tile_max(bmax_ptr, r, NBLK, v0, TILE, BLOCK) >= tau) & ~deg & (w > 0.0):
+                offs = v0 + tl.arange(0, TILE)
+                vm = offs < V
+                pv = _kept_prob(load_z(zrow + offs, vm, t, True), m, Zk, tau, deg)
+                qv = _kept_prob(load_z(qrow + offs, vm & ~qdeg, t, True), qm, qZk, qtau, qdeg)
+                acc += tl.maximum(w * pv - qv, 0.0)
+        pdl_release(PDL)
+        tl.store(part_ptr + j * C + c, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _block_accept(b, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, t,
+                  trunc, seed, sp, part_ptr, N, V, C, stride_db, stride_zr, stride_dr,
+                  C_P2: tl.constexpr):
+    """Block verification of request b (reference.block_accepts): (tau, w_tau). S_i from
+    _block_sums_kernel's partials, summed in chunk order."""
+    w = tl.full((), 1.0, tl.float32)
+    acc = tl.zeros((), tl.int32)
+    wa = tl.full((), 1.0, tl.float32)
+    co = tl.arange(0, C_P2)
+    for i in range(0, N):                   # eta_{i+1} against h_{i+1}
+        px, qx, dvalid = _draft_probs(b, i, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr,
+                                      drowf_ptr, drowi_ptr, t, trunc, N, V, stride_db,
+                                      stride_zr, stride_dr)
+        w = _next_weight(w, px, qx, dvalid)
+        h = w
+        if i < N - 1:
+            S = tl.sum(tl.load(part_ptr + (b * (N - 1) + i) * C + co, mask=co < C, other=0.0),
+                       axis=0)
+            den = (S + 1.0) - w
+            h = tl.where(den > 0.0, tl.math.div_rn(S, tl.where(den > 0.0, den, 1.0)), 1.0)
+        u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
+        if u < h:
+            acc = i + 1
+            wa = w
+    return acc, wa
+
+
+@triton.jit
 def _accept_kernel(drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, targ_ptr,
-                   temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, dec_ptr, tokens_ptr, num_ptr,
-                   a_ptr, N, V, stride_db, stride_tb, stride_zr, stride_dr,
-                   PDL: tl.constexpr = 0):
+                   temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, verify_ptr, dec_ptr,
+                   part_ptr, tokens_ptr, num_ptr, a_ptr, wa_ptr, N, V, C, stride_db, stride_tb,
+                   stride_zr, stride_dr, C_P2: tl.constexpr, PDL: tl.constexpr = 0):
     pdl_enter(PDL)
     b = tl.program_id(0)
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V)
     seed = tl.load(seed_ptr + b)
     sp = tl.load(pos_ptr + b)
     acc = tl.zeros((), tl.int32)
+    wa = tl.full((), 1.0, tl.float32)       # the residual's weight: 1 but for block requests
     done = tl.zeros((), tl.int1)
+    t = row_t(temp_ptr, b, True)
+    if (~greedy) & (tl.load(verify_ptr + b) != 0):
+        acc, wa = _block_accept(b, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr,
+                                drowi_ptr, t, k_on | p_on, seed, sp, part_ptr, N, V, C,
+                                stride_db, stride_zr, stride_dr, C_P2)
+        done = True
     for i in range(0, N):
         if ~done:
             r = b * (N + 1) + i
             d = tl.load(drafts_ptr + b * stride_db + i).to(tl.int64)
             dvalid = (d >= 0) & (d < V)
-            xf = tl.where(dvalid, d, 0)
             dc = tl.load(dec_ptr + r)           # the bound walk's decision (0: none)
             if greedy:
                 ok = dvalid & (d == tl.load(targ_ptr + r))
             elif dc != 0:
                 ok = dc == 1
             else:
-                t = row_t(temp_ptr, b, True)
-                m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
-                px = _kept_prob(load_z(z_ptr + r.to(tl.int64) * stride_zr + xf, xf < V, t, True),
-                                m, Zk, tau, deg)
-                rd = b * N + i
-                m, Zk, tau, deg = _row_p_params(drowf_ptr, drowi_ptr, rd, k_on | p_on)
-                qx = _kept_prob(load_z(dz_ptr + rd.to(tl.int64) * stride_dr + xf, xf < V, t,
-                                       True), m, Zk, tau, deg)
+                px, qx, dvalid = _draft_probs(b, i, drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr,
+                                              drowf_ptr, drowi_ptr, t, k_on | p_on, N, V,
+                                              stride_db, stride_zr, stride_dr)
                 u = tl_uniform(seed, tl.zeros((), tl.int32), sp + i, _STREAM_ACCEPT)
                 ok = dvalid & (qx > 0.0) & (px >= u * qx)
             if ok:
@@ -295,6 +410,7 @@ def _accept_kernel(drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, dro
             else:
                 done = True
     tl.store(a_ptr + b, acc)
+    tl.store(wa_ptr + b, wa)
     last = tl.load(targ_ptr + b * (N + 1) + acc)          # greedy rows' final token
     for j in range(0, N + 1):
         dj = tl.load(drafts_ptr + b * stride_db + tl.minimum(j, N - 1), mask=j < N,
@@ -306,7 +422,7 @@ def _accept_kernel(drafts_ptr, z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, dro
 
 @triton.jit
 def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bmax_ptr,
-                     temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, a_ptr, tokens_ptr,
+                     temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, a_ptr, wa_ptr, tokens_ptr,
                      part_f_ptr, part_i_ptr, done_ptr, N, V, C, CHUNK, NBLK, stride_tb,
                      stride_zr, stride_dr, done_off,
                      TILE: tl.constexpr, BLOCK: tl.constexpr, C_P2: tl.constexpr,
@@ -318,6 +434,7 @@ def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bm
     greedy, k, p, k_on, p_on = row_flags(temp_ptr, topk_ptr, topp_ptr, b, V)
     if ~greedy:
         a = tl.load(a_ptr + b)
+        wa = tl.load(wa_ptr + b)        # block verification's w_a (1: token-wise, exactly)
         r = b * (N + 1) + a
         m, Zk, tau, deg = _row_p_params(rowf_ptr, rowi_ptr, r, k_on | p_on)
         logz = tl.log(Zk)
@@ -350,7 +467,7 @@ def _resample_kernel(z_ptr, rowf_ptr, rowi_ptr, dz_ptr, drowf_ptr, drowi_ptr, bm
                 keep = (z >= tau) & (z > float("-inf"))
                 pv = _kept_prob(z, m, Zk, tau, deg)
                 qv = _kept_prob(load_z(qrow + offs, vm & ~qdeg, t, True), qm, qZk, qtau, qdeg)
-                res = tl.maximum(pv - qv, 0.0)
+                res = tl.maximum(wa * pv - qv, 0.0)
                 rsum_v += res
                 g = tl_vocab_gumbel(seed, v0, pos, TILE, STREAM)
                 sr = tl.where(res > 0.0, tl.log(tl.where(res > 0.0, res, 1.0)) + g, float("-inf"))

@@ -403,9 +403,10 @@ def _confident_case(seed, B, N, V):
     return logits, drafts, dl
 
 
-def _walk(logits, drafts, dl, T, k, p, seed, pos, tile):
+def _walk(logits, drafts, dl, T, k, p, seed, pos, tile, verify=None):
     """The statistics passes and the bound walk alone: (need [B, N+1], dneed [B, N],
-    dec [B, N]) for target logits [B, N+1, V] and draft logits dl [B, N, V]."""
+    dec [B, N]) for target logits [B, N+1, V] and draft logits dl [B, N, V] (verify: the
+    block-verified requests, none by default)."""
     from dspark_compile.kernels.sampling import rejection as rj
     B, N1, V = logits.shape
     logits, dl = logits.contiguous(), dl.contiguous()
@@ -413,7 +414,9 @@ def _walk(logits, drafts, dl, T, k, p, seed, pos, tile):
     need = torch.full((B * N1,), -1, dtype=torch.int32)
     dneed = torch.full((B * (N1 - 1),), -1, dtype=torch.int32)
     dec = torch.full((B * N1,), -1, dtype=torch.int32)
-    rj._walk(logits, st, dl, dst, drafts, (T, k, p), seed, pos, need, dneed, dec)
+    if verify is None:
+        verify = torch.zeros(B, dtype=torch.int64)
+    rj._walk(logits, st, dl, dst, drafts, (T, k, p), seed, pos, verify, need, dneed, dec)
     return need.view(B, N1), dneed.view(B, N1 - 1), dec.view(B, N1)[:, :N1 - 1]
 
 
