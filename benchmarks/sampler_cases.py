@@ -37,6 +37,10 @@ Cases per B (requests):
   without programmatic dependent launch / with each trigger point; `ours-chunk<n>`: n tokens
   per row-pass program instead of row_tiling's (the searches run on the few rows the walk
   flags).
+- `rejection_block_topp` / `rejection_block_topp_peaked`: the top-p cases with every request
+  block-verified (verify = VERIFY_BLOCK: every target and draft row searched, the residual
+  masses S_1 .. S_4 read the middle rows once more); compare with `rejection_topp(_peaked)`,
+  the same data token-wise. `ours-serial` / `ours-persist` / `ours-chunk<n>` as there.
 - `sample_topp`: plain target sampling of [B, V] fp32 logits, T = 1.0, top-p 0.95.
 
 bytes_moved (fewest bytes one call must move): Markov = 5 reads of W2 (66.2 MB bf16) + the base
@@ -44,7 +48,7 @@ logits (fp32, as the draft head produces them) + the W1 rows + for probabilistic
 draft_logits written once (fp32). The greedy byte floor (~78 us at B = 1) is the W2 part.
 Rejection = per request the target rows up to the first rejection and its draft row (data
 dependent: counted as 2 target rows + 1 draft row, about what the drafts here produce), plus
-tokens.
+tokens; block verification reads every row's distribution: all N + 1 target and N draft rows.
 """
 from __future__ import annotations
 
@@ -240,7 +244,7 @@ def markov_cases(batches):
     return out
 
 
-def _rejection_inputs(B, T, top_p, greedy, peaked=False):
+def _rejection_inputs(B, T, top_p, greedy, peaked=False, block=False):
     def make(device, seed):
         g = _gen(device, seed)
         target = peaked_logits((B, N + 1, V), g, device) if peaked else \
@@ -253,7 +257,11 @@ def _rejection_inputs(B, T, top_p, greedy, peaked=False):
         else:       # from the draft distributions, as the Markov sampler draws them
             q = sampling.request_probs(dl, meta["temperature"], meta["top_k"], meta["top_p"])
             drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, N)
-        return {"target_logits": target, "draft_tokens": drafts, "draft_logits": dl, **meta}
+        d = {"target_logits": target, "draft_tokens": drafts, "draft_logits": dl, **meta}
+        if block:
+            d["verify"] = torch.full((B,), sampling.VERIFY_BLOCK, dtype=torch.int64,
+                                     device=device)
+        return d
     return make
 
 
@@ -291,6 +299,24 @@ def rejection_cases(batches):
                             lambda d: sampling.rejection_sample_reference(**d),
                             lambda d: torch.ops.dspark.rejection_sample(**d),
                             nbytes, check=_rejection_check(make), extra=extra))
+        out += _block_cases(B)
+    return out
+
+
+def _block_cases(B):
+    """Block verification on the top-p cases' data (every request block-verified)."""
+    nbytes = B * (2 * N + 1) * V * 4 + B * (N + 1) * 8 * 2
+    out = []
+    for name, peaked in (("rejection_block_topp", False), ("rejection_block_topp_peaked", True)):
+        make = _rejection_inputs(B, 1.0, TOP_P, False, peaked, block=True)
+        extra = {"ours-serial": lambda d: _rejection(d, overlap=False),
+                 "ours-persist": lambda d: _rejection(d, rejection_persistent=True),
+                 **{f"ours-chunk{n}": (lambda n: lambda d: _rejection(d, chunk=n))(n)
+                    for n in (2048, 4096)}}
+        out.append(Case("sampler", name, {"B": B, "N": N}, make,
+                        lambda d: sampling.rejection_sample_reference(**d),
+                        lambda d: torch.ops.dspark.rejection_sample(**d),
+                        nbytes, check=_rejection_check(make), extra=extra))
     return out
 
 

@@ -20,7 +20,7 @@ PRECISIONS = ("bfloat16", "float32", "float64")
 # SamplingParams' names as its messages spell them -> the flags that set them
 SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
                   "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-                  "stop id": "--stop-ids: id"}
+                  "stop id": "--stop-ids: id", "verify": "--verify"}
 
 
 def _ids(text: str) -> list[int]:
@@ -42,6 +42,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     p.add_argument("--stop-ids", type=_ids, default=None, help="comma-separated stop token ids")
+    p.add_argument("--verify", choices=("block", "token"), default="block",
+                   help="how sampled requests' drafts are verified: block (the default; the "
+                        "accepted prefix decided jointly, Sun et al. 2024) or token (token-wise "
+                        "rejection); greedy requests ignore it")
 
 
 def _params(args):
@@ -51,7 +55,7 @@ def _params(args):
     from dspark_compile.models.generate import SamplingParams
     params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                              seed=args.seed + i, max_new_tokens=args.max_new_tokens,
-                             stop_ids=tuple(args.stop_ids or ()))
+                             stop_ids=tuple(args.stop_ids or ()), verify=args.verify)
               for i in range(len(args.prompt_ids))]
     for sp in params:
         sp.validate(sys.maxsize)
@@ -83,9 +87,19 @@ def _report(res, seconds: float, speculative: bool) -> None:
         acc = " ".join(f"{a:.3f}" for a in res.acceptance_per_position)
         print(f"acceptance per draft position: {acc}")
         print(f"mean accepted length: {res.mean_accepted_length:.3f} tokens/step")
+        for method, a in res.by_method.items():
+            print(acceptance_line(method, a))
     n = sum(len(t) for t in res.tokens)
     print(f"steps: {res.steps}  time: {seconds:.2f}s  ({1e3 * seconds / max(res.steps, 1):.1f} ms/step, "
           f"{n / seconds if seconds else 0:.1f} tok/s)")
+
+
+def acceptance_line(method: str, a) -> str:
+    """One line per verification method (greedy / token / block): the fraction of row-steps
+    that accepted draft k or more, per k, and the mean accepted length."""
+    per = " ".join(f"{x:.3f}" for x in a.acceptance_per_position)
+    return (f"acceptance [{method}]: {per} | mean accepted length {a.mean_accepted_length:.3f} "
+            f"({a.row_steps} row-steps)")
 
 
 # ---- generate (eager reference) ------------------------------------------------------------
