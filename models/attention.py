@@ -22,7 +22,7 @@ from dspark_compile.kernels import sparse_attention as _sparse_attention  # noqa
 from dspark_compile.kernels.act_quant import rmsnorm_quant_reference
 from dspark_compile.kernels.common import masked_row_write, rmsnorm, rope_last
 from dspark_compile.kernels.qkv_postprocess import (
-    kv_quant_reference, qkv_postprocess_reference, qkv_rope_reference)
+    qkv_postprocess_reference, qkv_rope_reference)
 
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.compressor import Compressor
@@ -36,18 +36,6 @@ def kv_cache(state: dict, prefix: str) -> tuple:
     if f"{prefix}_kv" in state:
         return state[f"{prefix}_kv"], None, None
     return state[f"{prefix}_nope"], state[f"{prefix}_scale"], state[f"{prefix}_rope"]
-
-
-def write_kv(state: dict, prefix: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """Store RoPE'd kv rows [M, d] at flat slots (quantized when the cache is FP8)."""
-    if f"{prefix}_kv" in state:
-        masked_row_write(state[f"{prefix}_kv"].flatten(0, 1), slots, kv)
-        return
-    nope = state[f"{prefix}_nope"]
-    q8, sbytes, rope = kv_quant_reference(kv, nope.shape[-1])
-    masked_row_write(nope.flatten(0, 1), slots, q8)
-    masked_row_write(state[f"{prefix}_scale"].flatten(0, 1), slots, sbytes)
-    masked_row_write(state[f"{prefix}_rope"].flatten(0, 1), slots, rope)
 
 
 def norm_and_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, prec: Precision):
@@ -98,11 +86,9 @@ class Indexer(nn.Module):
     def forward(self, x, qr, qr_q, batch: Batch, state: dict, p: str, cos_sin: torch.Tensor):
         cfg, acc = self.cfg, acc_dtype(self.prec.dtype)
         B, T = batch.B, batch.T
-        entries, blk, closes = self.compressor(x, batch, state[f"{p}.idx_kv"], state[f"{p}.idx_score"], cos_sin)
         k_cache = state[f"{p}.idx_k"]
-        n_entries = k_cache.shape[1]
-        masked_row_write(k_cache.flatten(0, 1), Compressor.entry_slots(batch, blk, closes, n_entries),
-                         entries.reshape(-1, cfg.index_head_dim))
+        # the entries that close in this step pooled and inserted by one op
+        self.compressor.store(x, batch, state[f"{p}.idx_kv"], state[f"{p}.idx_score"], cos_sin, k_cache)
         qi = self.wq_b(qr, qr_q).view(B * T, cfg.index_n_heads, cfg.index_head_dim)
         qi = rope_last(qi, cos_sin, batch.flat_pos(), cos_sin.shape[-1]).view(B, T, cfg.index_n_heads, -1)
         w = self.weights_proj(x, out_dtype=acc) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
@@ -171,11 +157,9 @@ class Attention(nn.Module):
         if self.ratio:
             if self.ratio == 4:
                 top_idx, _ = self.indexer(x, qr, qr_q, batch, state, p, cos_sin)
-            entries, blk, closes = self.compressor(x, batch, state[f"{p}.cmp_kv"], state[f"{p}.cmp_score"],
-                                                   cos_sin)
             cmp = kv_cache(state, f"{p}.ckv")
-            write_kv(state, f"{p}.ckv", Compressor.entry_slots(batch, blk, closes, cmp[0].shape[1]),
-                     entries.reshape(-1, cfg.head_dim))
+            self.compressor.store(x, batch, state[f"{p}.cmp_kv"], state[f"{p}.cmp_score"], cos_sin,
+                                  cmp[0] if cmp[1] is None else cmp)
 
         q = q.view(B, T, cfg.num_attention_heads, cfg.head_dim)
         o = torch.ops.dspark.sparse_attention(q, *kv_cache(state, f"{p}.swa"), *cmp, top_idx, batch.rows,

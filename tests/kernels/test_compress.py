@@ -270,7 +270,7 @@ def test_registered_ops_on_cpu_are_the_reference_and_export_as_one_node():
 
 def test_compressor_store_equals_forward_then_insert():
     """models/compressor.py: `store` (one op, insert included) leaves the state `forward` + the
-    caller's insert leaves (attention.py's write_kv: quant + masked row writes)."""
+    caller's insert would leave (the entries quantized and written with masked row writes)."""
     from dspark_compile.kernels.common import masked_row_write
     from dspark_compile.models.compressor import Compressor
     from dspark_compile.models.config import Precision
