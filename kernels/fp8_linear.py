@@ -13,8 +13,12 @@ Numerics (the reference is the definition): dequantize x (`fp8_group_dequant`) a
 `out_dtype`. Every fp8 x fp8 product and every power-of-two scaling is exact in fp32, so the
 kernel -- per K block one dot (fp32 accumulator), times the token scale and the weight scale,
 added in fp32 -- differs from the reference only in summation order. On Hopper an fp8 dot's
-inner accumulation is narrower than fp32; the per-128 promotion into the fp32 accumulator
-bounds it to 4 MMA K-steps, as DeepGEMM does.
+inner accumulation is narrower than fp32 (about 14 significant bits, DeepSeek-V3 §3.3.2; the
+per-128 promotion into the fp32 accumulator bounds it to 4 MMA K-steps, as DeepGEMM does). That
+is far below a bf16 output's own rounding (2^-8), but it breaks an fp32 step's agreement with
+the reference (the H200 GPU test at wq_b's K = 1024 and the fp32 lossless runs saw it), so fp32
+outputs take the plan's `fp8_mma=False` path: both e4m3 operands widened to bf16 in registers
+(exact), a bf16 MMA with fp32 accumulation; the weight bytes read are the same.
 
 Bytes one call must move at Flash dims (models/presets.py FLASH_0731 / FLASH_SLICE: hidden 4096,
 q_lora 1024, heads 64 x 512, o_groups 8 x o_lora 1024, indexer 64 x 128, shared expert 2048,
@@ -102,7 +106,9 @@ class Fp8LinearPlan:
 
     block_m x block_n output tiles, K in blocks of 128; `split_k` programs share a tile's K
     range (kb_per_split blocks each) and write fp32 partials that `_splitk_sum_kernel` adds;
-    `swap_ab` computes the tile as (W x^T) so the weight rows fill the MMA's M side."""
+    `swap_ab` computes the tile as (W x^T) so the weight rows fill the MMA's M side; `fp8_mma`
+    multiplies fp8 x fp8 on the tensor cores (narrow inner accumulation, see the module
+    docstring), else bf16 x bf16 from the exactly widened fp8 values (fp32 outputs)."""
     block_m: int
     block_n: int
     swap_ab: bool
@@ -110,6 +116,7 @@ class Fp8LinearPlan:
     kb_per_split: int
     num_warps: int
     num_stages: int
+    fp8_mma: bool = True
 
 
 # M bucket -> (block_m, block_n, swap_ab, num_warps, num_stages at 1-byte activations).
@@ -130,9 +137,10 @@ def _stages(block_m, block_n, a_bytes, stages):
 
 @functools.lru_cache(maxsize=None)
 def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
-                    sm_count: int = SM_COUNT_HINT) -> Fp8LinearPlan:
-    """The plan for x [M, groups*K] (a_bytes per element) times W [N, K]. M is the step's static
-    token count (one exported bucket), so each linear of a bucket has one plan."""
+                    sm_count: int = SM_COUNT_HINT, fp32_out: bool = False) -> Fp8LinearPlan:
+    """The plan for x [M, groups*K] (a_bytes per element) times W [N, K] into a bf16 output
+    (fp32 with `fp32_out`). M is the step's static token count (one exported bucket), so each
+    linear of a bucket has one plan."""
     n_group = N // groups
     # a tile must not straddle two groups: the largest bucket's tile at most M's whose block_n
     # divides the group (only declared tiles, so every launch has a compile config)
@@ -146,7 +154,8 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
     split = max(1, min(kb // MIN_KB_PER_SPLIT, triton.cdiv(TARGET_WAVES * sm_count, tiles)))
     per = triton.cdiv(kb, split)
     return Fp8LinearPlan(block_m, block_n, swap, triton.cdiv(kb, per), per, warps,
-                         _stages(block_m, block_n, a_bytes, stages))
+                         _stages(block_m, block_n, a_bytes, stages),
+                         fp8_mma=a_bytes == 1 and not fp32_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +189,8 @@ def _fp8_load(ptrs, mask, SOFT: tl.constexpr):
 def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB_PER_SPLIT,
                        stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ys,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FP8: tl.constexpr,
-                       SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr, SOFT: tl.constexpr):
+                       SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_MMA: tl.constexpr,
+                       SOFT: tl.constexpr):
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -205,6 +215,9 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB
         if A_FP8:
             a = _fp8_load(x_rows + k0, mmask[:, None], SOFT)
             sa = tl.load(xs_rows + kb, mask=mmask, other=0.0)
+            if not FP8_MMA and not SOFT:    # e4m3 -> bf16 is exact; bf16 MMAs sum in fp32
+                a = a.to(tl.bfloat16)
+                b = b.to(tl.bfloat16)
         else:   # W8A16: fp8 -> the activation's dtype is exact; fp32 dots stay IEEE (no tf32)
             a = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
             if SOFT:    # the interpreter's bf16 dot is wrong; bf16 -> fp32 is exact
@@ -287,7 +300,8 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
     if M and N:
         kernel = _fp8_linear_kernel
         a_fp8 = xs2 is not None
-        p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size())
+        p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size(),
+                                    fp32_out=out_dtype == torch.float32)
         if p.split_k * p.kb_per_split < K // GROUP or (groups > 1 and (N // groups) % p.block_n):
             raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
         split = p.split_k > 1
@@ -300,7 +314,8 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
             w_s.view(torch.uint8), out, M, N, K, N // groups, p.kb_per_split, x2.stride(0),
             xs_arg.stride(0), w.stride(0), w_s.stride(0), out.stride(-2),
             out.stride(0) if split else 0, BLOCK_M=p.block_m, BLOCK_N=p.block_n, A_FP8=a_fp8,
-            SWAP_AB=p.swap_ab, NUM_STAGES=p.num_stages, SOFT=interpreting(kernel),
+            SWAP_AB=p.swap_ab, NUM_STAGES=p.num_stages, FP8_MMA=a_fp8 and p.fp8_mma,
+            SOFT=interpreting(kernel),
             num_warps=p.num_warps)
         if split:
             sk = _splitk_sum_kernel
@@ -326,12 +341,14 @@ def fp8_linear(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Tensor, w_s: 
 
 # SM12x readiness: every tile of TILES with each activation type and each output the launcher
 # writes there (the compute dtype, or fp32 split-K partials): fp8 / bf16 activations in a bf16
-# step, fp8 / fp32 ones in fp32 compute; and the split-K sum into each output.
+# step (fp8 MMAs, into bf16 or the partials), fp8 / fp32 ones in fp32 compute (bf16 MMAs);
+# and the split-K sum into each output.
 _D16 = "i32:16"   # K, N, strides: multiples of 16 at every model shape (the JIT specialises them)
-_RUNS = [("*u8", "*bf16", True), ("*u8", "*fp32", True), ("*bf16", "*bf16", False),
-         ("*bf16", "*fp32", False), ("*fp32", "*fp32", False)]
+_RUNS = [("*u8", "*bf16", True, True), ("*u8", "*fp32", True, True), ("*u8", "*fp32", True, False),
+         ("*bf16", "*bf16", False, False), ("*bf16", "*fp32", False, False),
+         ("*fp32", "*fp32", False, False)]
 for _bm, (_, _bn, _swap, _warps, _st) in TILES.items():
-    for _xt, _yt, _a8 in _RUNS:
+    for _xt, _yt, _a8, _f8 in _RUNS:
         _ab = 1 if _a8 else int(_xt[-2:]) // 8
         add_compile_configs("fp8_linear", [compile_config(
             _fp8_linear_kernel,
@@ -340,7 +357,7 @@ for _bm, (_, _bn, _swap, _warps, _st) in TILES.items():
                  stride_xm=_D16, stride_xsm="i32", stride_wn=_D16, stride_wsn="i32",
                  stride_ym=_D16, stride_ys="i32"),
             dict(BLOCK_M=_bm, BLOCK_N=_bn, A_FP8=_a8, SWAP_AB=_swap,
-                 NUM_STAGES=_stages(_bm, _bn, _ab, _st), SOFT=False), _warps)])
+                 NUM_STAGES=_stages(_bm, _bn, _ab, _st), FP8_MMA=_f8, SOFT=False), _warps)])
 for _yt in ("*bf16", "*fp32"):
     add_compile_configs("fp8_linear", [compile_config(
         _splitk_sum_kernel, dict(p_ptr="*fp32", y_ptr=_yt, MN="i32", S="i32", stride_ps="i32"),
