@@ -143,7 +143,11 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, rows_ptr, pos_ptr, s_ptr, T, R, NE
         q = tl.load(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                     mask=hm[:, None] & dm[None, :], other=0.0).to(dt)
         w = tl.load(w_ptr + tok * stride_wt + offs_h, mask=hm, other=0.0).to(tl.float32)
-        for b in range(E_BLOCKS):
+        # only the chunk's blocks that hold visible entries: E_BLOCKS is sized from the cache's
+        # capacity, the visible count from this token's position (a short context in a long
+        # cache would otherwise run every block's dot for nothing)
+        n_blocks = tl.minimum((nvis - e0 + BLOCK_E - 1) // BLOCK_E, E_BLOCKS)
+        for b in range(0, n_blocks):
             e = e0 + b * BLOCK_E + tl.arange(0, BLOCK_E)
             em = e < nvis
             k = tl.load(k_ptr + row * stride_kr + e[:, None] * stride_ke + offs_d[None, :],
