@@ -264,10 +264,8 @@ def _moe_tuning_variants(T, dims: MoeDims) -> dict:
              "ours-bm64": dataclasses.replace(base, block_m=64),
              "ours-bk256": dataclasses.replace(base, block_k=256),
              "ours-bk256-bn32": dataclasses.replace(base, block_k=256, block_n=32),
-             "ours-swap": dataclasses.replace(base, swap_ab=True),
-             "ours-swap-bn32": dataclasses.replace(base, swap_ab=True, block_n=32),
-             "ours-swap-bn128": dataclasses.replace(base, swap_ab=True, block_n=128),
-             "ours-swap-w8": dataclasses.replace(base, swap_ab=True, num_warps=8)}
+             "ours-noswap": dataclasses.replace(base, swap_ab=False),
+             "ours-swap-bn128": dataclasses.replace(base, swap_ab=True, block_n=128)}
     return {label: (lambda d, p=p: moe.moe_experts_launch(*_moe_args(d), plan=p))
             for label, p in plans.items() if dims.hidden % p.block_k == dims.inter % p.block_k == 0}
 

@@ -115,12 +115,15 @@ BIG_BLOCK_FROM = 48        # pairs per touched expert from which 64-row blocks p
 def moe_plan(P: int, E: int, D: int, I: int, dtype=torch.bfloat16) -> MoePlan:
     """P = T * k pairs. block_k: the largest of 128, 64, 32 dividing D and I (multiples of 32);
     at most 64 for fp32 activations (64-row blocks at 128 take 113 KB of shared memory on
-    sm_120, over SM12x's 99 KB)."""
+    sm_120, over SM12x's 99 KB). swap_ab for bf16 16-row blocks: on the H200 at Flash dims it
+    took top-6 routing from 715 to 594 us at 6 tokens, 2,380 to 1,910 at 24 and 4,831 to 3,842
+    at 96 (benchmarks/results/README.md, "GEMMs"); fp32 and 64-row blocks are unmeasured."""
     per_expert = P / max(1, min(E, P))
     top = 64 if dtype == torch.float32 else 128
     bk = next(b for b in (128, 64, 32) if b <= top and D % b == 0 and I % b == 0)
-    return MoePlan(block_m=64 if per_expert >= BIG_BLOCK_FROM else 16, block_k=bk,
-                   block_d=min(1024, next_pow2(D)))
+    bm = 64 if per_expert >= BIG_BLOCK_FROM else 16
+    return MoePlan(block_m=bm, block_k=bk, block_d=min(1024, next_pow2(D)),
+                   swap_ab=bm == 16 and dtype != torch.float32)
 
 
 def max_blocks(P: int, E: int, block_m: int) -> int:
@@ -234,9 +237,8 @@ def _compile_configs():
         out.append(compile_config(mk._moe_route_kernel, dict(
             ids_ptr="*i64", P="i32", E=D16, MAX_BLOCKS="i32", **route),
             dict(BLOCK_M=bm, BLOCK_P=64, E_P2=256), 4))
-        # swap_ab only where it is a candidate (bf16 decode blocks; not yet a plan choice)
-        kinds = [("*bf16", False, 128, False), ("*fp32", True, 64, False)]
-        for dt, ieee, bk, swap in kinds + ([("*bf16", False, 128, True)] if bm == 16 else []):
+        # swap_ab where the plan picks it (bf16 16-row blocks)
+        for dt, ieee, bk, swap in (("*bf16", False, 128, bm == 16), ("*fp32", True, 64, False)):
             knobs = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False, SWAP=swap)
             out.append(compile_config(mk._moe_gate_up_kernel, dict(
                 x_ptr=dt, w1_ptr=ptr8, s1_ptr=ptr8, w3_ptr=ptr8, s3_ptr=ptr8, h_ptr=dt, D=D16,

@@ -252,9 +252,11 @@ def test_op_schema_and_cpu_dispatch(experts64):
 
 def test_plan_choices():
     p = moe.moe_plan(36, 256, 4096, 2048)
-    assert p.block_m == 16 and p.block_k == 128 and p.block_d == 1024
-    assert moe.moe_plan(8192 * 6, 256, 4096, 2048).block_m == 64
-    assert moe.moe_plan(36, 256, 4096, 2048, torch.float32).block_k == 64
+    assert p.block_m == 16 and p.block_k == 128 and p.block_d == 1024 and p.swap_ab
+    big = moe.moe_plan(8192 * 6, 256, 4096, 2048)
+    assert big.block_m == 64 and not big.swap_ab
+    f32 = moe.moe_plan(36, 256, 4096, 2048, torch.float32)
+    assert f32.block_k == 64 and not f32.swap_ab
     assert moe.moe_plan(6, 8, 96, 64).block_k == 32
     with pytest.raises(Exception):
         p.block_m = 32                                        # frozen
@@ -299,7 +301,7 @@ def test_benchmark_cases_build_and_run_on_cpu():
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap", [False, True], ids=["plan", "swap_ab"])
+@pytest.mark.parametrize("swap", [False, True], ids=["no_swap", "swap_ab"])
 @pytest.mark.parametrize("T", [6, 384])
 def test_gpu_flash_shapes_and_graph_replay(T, swap):
     dev, D, Ie, En, k = "cuda", 4096, 2048, 256, 6
