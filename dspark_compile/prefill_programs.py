@@ -90,11 +90,15 @@ class PrefillPrograms:
         models/step.py `prefill` writes them; returns the first generated token."""
         from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule
         first = None
+        staged = []     # pinned inputs, alive until the first token is read (after every copy)
         for start, n, c in chunk_schedule(len(prompt), self.chunks):
             x = chunk_inputs(row, start, prompt[start:start + n], c)
             if use_graphs and c in self.graphs:
                 graph, first = self.graphs[c]
-                self.inputs[c].copy_(x)
+                # a copy from pageable memory would wait for the stream (the previous chunk's
+                # replay) first; a pinned one is queued behind it
+                staged.append(x.pin_memory())
+                self.inputs[c].copy_(staged[-1], non_blocking=True)
                 graph.replay()
             else:
                 first = self.modules[c](x.to(self.inputs[c].device), self.state)

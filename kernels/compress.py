@@ -506,6 +506,9 @@ def compress_launch(kv, score, ape, positions, rows, valid, ring_slots, ring_kv,
     p = plan or compress_plan(CR, d_c, interpreting(kernel))
     if d_c % p.split or not _pow2(d_c // p.split):
         raise ValueError(f"plan.split = {p.split} must leave a power-of-two share of d_c = {d_c}")
+    if (coff * CR) % p.rows:      # the pooling loop has no row mask: whole steps only
+        raise ValueError(f"plan.rows = {p.rows} must divide the {coff * CR} pooled rows "
+                         f"(coff {coff} x ratio {CR})")
     kv, score, ape, cos_sin = (t if t.stride(-1) == 1 else t.contiguous()
                                for t in (kv, score, ape, cos_sin))
     positions = positions.contiguous()

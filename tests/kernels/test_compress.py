@@ -193,6 +193,13 @@ def test_several_entries_close_in_one_chunk_and_gpu_plans():
         _assert_caches(ker, before, e_k, d, "fp8", 8)
 
 
+def test_a_plan_whose_rows_do_not_divide_the_pooled_rows_is_refused():
+    # C4 pools coff 2 x 4 = 8 rows; a 16-row step would read past them (no row mask)
+    d = _inputs(4, 128, 64, [0, 7], 16, seed=5)
+    with pytest.raises(ValueError, match=r"plan.rows = 16 must divide the 8 pooled rows"):
+        _run(d, torch.bfloat16, "fp8", 8, plan=ck.CompressPlan(rows=16, split=1, num_warps=4))
+
+
 @pytest.mark.parametrize("mode", ["entries", "fp8"])
 def test_c128_channel_split_equals_one_program(mode):
     """The GPU plan of C128 (8 programs of d_c / 8 channels, then the finishing launch) gives
