@@ -39,8 +39,8 @@ from dspark_compile.kernels.tl_helpers import (
 # ----------------------------------------------------------------------------------------------
 
 def rejection_sample_mode_reference(target_logits, draft_tokens, draft_logits, temperature,
-                                    top_k, top_p, seed, start_pos, mode: str = "full",
-                                    verify=None):
+                                    top_k, top_p, seed, start_pos, verify=None,
+                                    mode: str = "full"):
     """The reference under the op's mode: "greedy" treats every row as greedy (and so ignores
     verify)."""
     if mode not in MODES:
@@ -315,7 +315,7 @@ def _parallel(plan, stream, pdl, logits, drafts, dlogits, N, temperature, top_k,
 # ----------------------------------------------------------------------------------------------
 
 def _rejection_fake(target_logits, draft_tokens, draft_logits, temperature, top_k, top_p, seed,
-                    start_pos, mode="full", verify=None):
+                    start_pos, verify=None, mode="full"):
     B, N1, _ = target_logits.shape
     return (target_logits.new_empty((B, N1), dtype=torch.int64),
             target_logits.new_empty((B,), dtype=torch.int64))
@@ -325,7 +325,7 @@ def _rejection_fake(target_logits, draft_tokens, draft_logits, temperature, top_
 def rejection_sample(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                      draft_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                      top_p: torch.Tensor, seed: torch.Tensor, start_pos: torch.Tensor,
-                     mode: str = "full", verify: torch.Tensor | None = None
+                     verify: torch.Tensor | None = None, mode: str = "full"
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused rejection sampling; mode "greedy" treats every row as greedy (the module
     docstring's greedy plan); verify [B] int: VERIFY_BLOCK rows take block verification

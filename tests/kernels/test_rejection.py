@@ -276,7 +276,7 @@ def test_greedy_mode_equals_reference_on_random_degenerate_and_padded_rows(B, N,
     k, p = torch.full((B,), 3), torch.full((B,), 0.5)
     seed, pos = torch.arange(B), torch.arange(B) * 7
     args = (logits, drafts, q, T, k, p, seed, pos)
-    want = rejection_sample_mode_reference(*args, "greedy")
+    want = rejection_sample_mode_reference(*args, mode="greedy")
     got = launch(*args, "greedy", tile=tile, chunk=chunk)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     if B >= 5:
@@ -285,10 +285,10 @@ def test_greedy_mode_equals_reference_on_random_degenerate_and_padded_rows(B, N,
             assert got[0][1, 0] == 7
     # the same on bf16 target logits, and the registered op (CPU: the mode's reference)
     args16 = (logits.bfloat16(), *args[1:])
-    want16 = rejection_sample_mode_reference(*args16, "greedy")
+    want16 = rejection_sample_mode_reference(*args16, mode="greedy")
     got16 = launch(*args16, "greedy", tile=tile, chunk=chunk)
     assert torch.equal(got16[0], want16[0]) and torch.equal(got16[1], want16[1])
-    op = torch.ops.dspark.rejection_sample(*args, "greedy")
+    op = torch.ops.dspark.rejection_sample(*args, mode="greedy")
     assert torch.equal(op[0], want[0]) and torch.equal(op[1], want[1])
 
 
@@ -312,7 +312,7 @@ def test_op_dispatch_and_errors():
         launch(big, z2[:, None], big[:, :1], torch.zeros(B2), z2,
                                 torch.ones(B2), z2, z2, "greedy")
     with pytest.raises(ValueError, match="mode"):
-        torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos, "fast")
+        torch.ops.dspark.rejection_sample(logits, drafts, q, T, k, p, seed, pos, mode="fast")
 
 
 @pytest.mark.gpu
@@ -351,19 +351,19 @@ def test_gpu_greedy_mode_flash_vocab_and_graph_replay(B):
     T, k, p = (t.to(dev) for t in meta(B, 1.0, 0, 0.95))
     seed, pos = torch.arange(B, device=dev), torch.arange(B, device=dev)
     args = [logits, drafts, q, T, k, p, seed, pos]
-    want = rejection_sample_mode_reference(*args, "greedy")
-    got = torch.ops.dspark.rejection_sample(*args, "greedy")
+    want = rejection_sample_mode_reference(*args, mode="greedy")
+    got = torch.ops.dspark.rejection_sample(*args, mode="greedy")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     static = [a.clone() for a in args]
-    torch.ops.dspark.rejection_sample(*static, "greedy")
+    torch.ops.dspark.rejection_sample(*static, mode="greedy")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.dspark.rejection_sample(*static, "greedy")
+        out = torch.ops.dspark.rejection_sample(*static, mode="greedy")
     new_drafts = drafts.clone()
     new_drafts[:, 0] = (new_drafts[:, 0] + 3) % V               # every request rejects draft 0
     static[1].copy_(new_drafts)
     graph.replay()
-    want = rejection_sample_mode_reference(logits, new_drafts, *args[2:], "greedy")
+    want = rejection_sample_mode_reference(logits, new_drafts, *args[2:], mode="greedy")
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     assert (out[1] == 1).all()
 
