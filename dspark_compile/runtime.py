@@ -161,9 +161,7 @@ class Engine:
         """The engine's prefill programs bound to the state, or None: prefill runs the eager
         reference (an engine without them, `prefill="eager"`, or by default an Inductor engine
         on CPU, whose eager reference is the CPU path)."""
-        chunks = self.build.prefill_chunks
-        if prefill not in (None, "programs", "eager"):
-            raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
+        chunks = self.build.prefill_chunks      # `prefill` itself was checked by load
         if prefill == "programs" and not chunks:
             raise ValueError(f"prefill='programs': engine {self.dir} has no prefill programs "
                              "(build --prefill-chunks)")

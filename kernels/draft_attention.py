@@ -57,9 +57,8 @@ def draft_attention_reference(q: torch.Tensor, kv: torch.Tensor, ring: torch.Ten
     """q [B, N, H, d], kv [B, N, d] (the block's RoPE'd KV), ring [rows, W, d], rows [B],
     last_pos [B], sink [H] -> o [B, N, H, d] in q's dtype.
 
-    The same operations, in the same order, as the draft ran through
-    models/attention.sink_attention: two score sets, one softmax over them and the sink column,
-    the two value sums added."""
+    Two score sets (the context ring, masked where a slot holds no position yet, and the block),
+    one softmax over them and the sink column, the two value sums added."""
     acc = upcast(q).dtype
     B, N, H, _ = q.shape
     W = ring.shape[1]

@@ -46,33 +46,6 @@ def norm_and_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, prec: Prec
     return rmsnorm(x, weight, eps), None
 
 
-def sink_attention(q: torch.Tensor, keys: list, masks: list, sink: torch.Tensor, scale: float,
-                   acc: torch.dtype) -> torch.Tensor:
-    """Softmax over the union of candidate sets with a denominator-only sink.
-
-    q [B, T, H, d]; keys[i] [B, n_i, d] (shared by all T) or [B, T, n_i, d]; masks[i]
-    [B, T, n_i] bool. Returns o [B, T, H, d] in acc dtype (0 where nothing is valid).
-    """
-    qf = q.to(acc)
-    scores, vals = [], []
-    for k, m in zip(keys, masks):
-        eq = "bthd,bnd->bthn" if k.dim() == 3 else "bthd,btnd->bthn"
-        s = torch.einsum(eq, qf, k.to(acc)) * scale
-        scores.append(s.masked_fill(~m[:, :, None, :], float("-inf")))
-        vals.append(k.to(acc))
-    B, T, H, _ = q.shape
-    sink_col = sink.to(acc).view(1, 1, H, 1).expand(B, T, H, 1)
-    p = torch.softmax(torch.cat(scores + [sink_col], dim=-1), dim=-1)
-    o, start = 0, 0
-    for s, v in zip(scores, vals):
-        n = s.shape[-1]
-        ps = p[..., start:start + n]
-        eq = "bthn,bnd->bthd" if v.dim() == 3 else "bthn,btnd->bthd"
-        o = o + torch.einsum(eq, ps, v)
-        start += n
-    return o
-
-
 class Indexer(nn.Module):
     """Lightning indexer of C4 layers: top-k compressed entries per query."""
 

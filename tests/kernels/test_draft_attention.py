@@ -138,23 +138,6 @@ def test_registered_op_on_cpu_is_the_reference_and_exports_as_one_node():
     assert "draft_attention" in KERNELS and KERNELS["draft_attention"].compile_configs
 
 
-def test_reference_equals_the_models_previous_sink_attention():
-    """The draft ran models/attention.sink_attention over [ring[rows], block kv] before this op:
-    the reference computes exactly that (checked while that function keeps its signature)."""
-    from dspark_compile.models import attention
-    sink_attention = getattr(attention, "sink_attention", None)
-    if sink_attention is None:
-        pytest.skip("models/attention.py no longer has sink_attention")
-    d = _inputs(3, 4, 3, 64, 8, torch.float64, seed=7, last=[-1, 3, 40])
-    B, N, W = 3, 4, 8
-    L = d["last_pos"][:, None]
-    slot_pos = L - torch.remainder(L - torch.arange(W), W)
-    o = sink_attention(d["q"], [d["ring"][d["rows"]], d["kv"]],
-                       [(slot_pos >= 0)[:, None, :].expand(B, N, W),
-                        torch.ones(B, N, N, dtype=torch.bool)], d["sink"], d["scale"], torch.float64)
-    assert torch.equal(o, da.draft_attention_reference(**d))
-
-
 def test_bad_inputs_name_the_argument():
     d = _inputs(2, 3, 2, 64, 8, torch.bfloat16, seed=8)
     with pytest.raises(ValueError, match="kv must be"):
