@@ -238,6 +238,18 @@ def gpu_chunk_engine(tmp_path_factory, request):
     return Engine.load(root / "engine", device="cuda")
 
 
+def _worst(got: torch.Tensor, ref: torch.Tensor, wrote: torch.Tensor, tol: float) -> str:
+    """Where a float comparison fails: how many written elements are out of tolerance, the worst
+    one's index in the row's tensor, its two values, and the largest reference magnitude."""
+    g, r = got.double(), ref.double()
+    bad = wrote & ((g - r).abs() > tol / 10 + tol * r.abs())
+    d = torch.where(wrote, (g - r).abs(), torch.zeros_like(g))
+    at = tuple(int(i) for i in torch.unravel_index(d.argmax(), d.shape))
+    return (f"{int(bad.sum())} of {int(wrote.sum())} written elements out of tolerance; worst at "
+            f"{at} (shape {tuple(g.shape)}): program {float(g[at]):.6g}, reference "
+            f"{float(r[at]):.6g}; max |reference| {float(r[wrote].abs().max()):.4g}")
+
+
 def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> None:
     """Inertness bit for bit (other rows, elements the reference left); written elements within
     tolerance (the glue's rounding differs from the eager reference's: fp32 1e-3, bf16 1e-2),
@@ -255,7 +267,7 @@ def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> No
             # bf16 (the FP8 caches' rope part): one rounding step is 2^-8 relative
             tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-3
             assert torch.allclose(x.double(), y.double(), rtol=tol, atol=tol / 10), \
-                f"{k}: max difference {float((x.double() - y.double()).abs().max())}"
+                f"{k}: " + _worst(got[k][row], ref[k][row], wrote, tol)
         elif x.element_size() == 1:
             flipped = (_bits(x) != _bits(y)).double().mean().item()
             assert flipped <= 0.01, f"{k}: {flipped:.2%} of the written bytes differ"
