@@ -82,7 +82,7 @@ def default_workers(n_jobs: int) -> int:
 
 def _write_job(ep, bucket: int, state: dict, job: Path) -> int:
     """The worker's inputs for one bucket; returns the device bytes a worker allocates."""
-    from dspark_compile.artifact import _save_program, _weight_entries
+    from dspark_compile.artifact_weights import _save_program, _weight_entries
     job.mkdir()
     weights = {n: t for n, (t, _) in _weight_entries(ep).items()}
     _save_program(ep, job / "step.pt2", sorted(weights))
@@ -180,7 +180,8 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
 
 
 def _worker(job: Path, variant: str, threads: int) -> None:
-    from dspark_compile.artifact import _attach_weights, register_kernel_ops
+    from dspark_compile.artifact import register_kernel_ops
+    from dspark_compile.artifact_weights import _attach_weights
     from dspark_compile.compiled import compile_program
     torch._inductor.config.compile_threads = threads
     meta = json.loads((job / "job.json").read_text())

@@ -63,7 +63,8 @@ def input_names(ep) -> list:
 
 def load_program(engine_dir, manifest: dict, bucket: int):
     """One bucket's program with the engine's weights attached (load_engine loads them all)."""
-    from dspark_compile.artifact import _load_weights, load_program as load, register_kernel_ops
+    from dspark_compile.artifact import load_program as load, register_kernel_ops
+    from dspark_compile.artifact_weights import _load_weights
     engine_dir = Path(engine_dir)
     register_kernel_ops()
     weights = _load_weights(engine_dir / manifest["weights"]["file"],

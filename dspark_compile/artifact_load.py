@@ -1,0 +1,252 @@
+"""Validated load of an engine directory.
+
+`load_manifest` checks the manifest checksum, format version, toolchain versions, target SM, pass
+source hashes, the schemas of the `dspark::` ops the programs call, any caller expectations, and
+the size and sha256 of every file; each failure raises `ArtifactError` naming the field or file.
+`load_engine` registers the `dspark::` ops (imports every `dspark_compile.kernels` module) before
+`torch.export.load`, and attaches the shared weights (dspark_compile/artifact_weights.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+from dspark_compile.artifact_format import (
+    FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, prefill_key, prefill_program_path,
+    register_kernel_ops, sha256_file)
+from dspark_compile.artifact_weights import _attach_weights, _load_weights
+from dspark_compile.versions import ENV_FIELDS, environment_fields
+
+
+def _read_manifest(engine_dir: Path) -> dict:
+    path = engine_dir / MANIFEST
+    if not engine_dir.is_dir():
+        raise ArtifactError(f"engine directory {engine_dir} does not exist", path=str(engine_dir))
+    if not path.is_file():
+        raise ArtifactError(f"{engine_dir} is not an engine: {MANIFEST} is missing", path=MANIFEST)
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{MANIFEST} is corrupted (not valid JSON: {e})", path=MANIFEST) from e
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{MANIFEST} is corrupted (not a JSON object)", path=MANIFEST)
+    if "checksum" not in manifest:
+        raise ArtifactError(f"{MANIFEST} is corrupted (no 'checksum' field)", path=MANIFEST)
+    if manifest["checksum"] != _checksum(manifest):
+        raise ArtifactError(f"{MANIFEST} is corrupted (checksum mismatch)", path=MANIFEST)
+    return manifest
+
+
+_MISSING = object()
+
+
+def _field(manifest: dict, field: str):
+    """The value at a dotted field path ("build_config.backend"), or _MISSING."""
+    node = manifest
+    for k in field.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return _MISSING
+        node = node[k]
+    return node
+
+
+def _mismatch(field: str, have, want, env: bool) -> ArtifactError:
+    if env:
+        msg = f"manifest field '{field}': engine built with {have}, running {want} — rebuild"
+    else:
+        msg = f"manifest field '{field}': engine has {have!r}, expected {want!r} — rebuild"
+    return ArtifactError(msg, field=field)
+
+
+def _check_passes(manifest: dict) -> None:
+    from dspark_compile.passes import REGISTRY
+
+    for entry in manifest.get("passes", []):
+        name = entry.get("name")
+        if name not in REGISTRY:
+            raise ArtifactError(f"manifest field 'passes': engine was built with pass '{name}', "
+                                "which is not installed — rebuild", field="passes")
+        have, want = entry.get("source_hash"), REGISTRY[name].source_hash
+        if have != want:
+            raise ArtifactError(
+                f"manifest field 'passes': pass '{name}' source hash {str(have)[:12]} in the "
+                f"engine, {want[:12]} installed (the pass changed) — rebuild", field="passes")
+
+
+def _check_ops(manifest: dict) -> None:
+    register_kernel_ops()
+    for qualname, schema in manifest.get("dspark_ops", {}).items():
+        # "dspark::moe_experts.default"
+        op_name, _, overload = qualname.split("::", 1)[-1].partition(".")
+        try:
+            packet = getattr(torch.ops.dspark, op_name)
+            current = str(getattr(packet, overload or "default")._schema)
+        except (AttributeError, RuntimeError):
+            current = None
+        if current is None:
+            raise ArtifactError(f"manifest field 'dspark_ops': op {qualname} is not registered "
+                                "by this dspark_compile — rebuild", field="dspark_ops")
+        if current != schema:
+            raise ArtifactError(f"manifest field 'dspark_ops': op {qualname} schema changed: "
+                                f"engine '{schema}', running '{current}' — rebuild",
+                                field="dspark_ops")
+
+
+def _check_files(engine_dir: Path, manifest: dict) -> None:
+    for rel, info in sorted(manifest.get("files", {}).items()):
+        p = engine_dir / rel
+        if not p.is_file():
+            raise ArtifactError(f"engine file '{rel}' is missing", path=rel)
+        size = p.stat().st_size
+        if size < info["size"]:
+            raise ArtifactError(f"engine file '{rel}' is truncated: {size} of {info['size']} "
+                                "bytes", path=rel)
+        if size != info["size"]:
+            raise ArtifactError(f"engine file '{rel}' has the wrong size: {size} bytes, manifest "
+                                f"says {info['size']}", path=rel)
+        digest, _ = sha256_file(p)
+        if digest != info["sha256"]:
+            raise ArtifactError(f"engine file '{rel}' is corrupted: sha256 {digest[:12]}…, "
+                                f"manifest says {info['sha256'][:12]}…", path=rel)
+
+
+def _check_structure(manifest: dict) -> None:
+    buckets = manifest.get("buckets")
+    progs = manifest.get("programs", {})
+    if not isinstance(buckets, list) or sorted(map(str, buckets)) != sorted(progs):
+        raise ArtifactError(f"manifest field 'buckets': {buckets} does not match the programs "
+                            f"listed {sorted(progs)}", field="buckets")
+    files = manifest.get("files", {})
+    for b, entry in progs.items():
+        if entry.get("path") not in files:
+            raise ArtifactError(f"manifest field 'programs': bucket {b}'s program "
+                                f"'{entry.get('path')}' is not in the file table", field="programs")
+    prefill = manifest.get("prefill_programs", {})
+    if not isinstance(prefill, dict):
+        raise ArtifactError("manifest field 'prefill_programs' is not a table",
+                            field="prefill_programs")
+    for c, entry in prefill.items():
+        if not (isinstance(entry, dict) and c.isdigit() and int(c) > 0
+                and entry.get("path") == prefill_program_path(int(c)) and entry["path"] in files):
+            raise ArtifactError(f"manifest field 'prefill_programs': chunk {c!r}'s program "
+                                f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
+                                "not a prefill program in the file table",
+                                field="prefill_programs")
+    if manifest.get("weights", {}).get("file") not in files:
+        raise ArtifactError("manifest field 'weights': the weights file is not in the file table",
+                            field="weights")
+
+
+def check_state_layout(programs: dict, state: dict) -> None:
+    """Every program takes exactly the decode state this dspark_compile allocates (its keys, in
+    order): an engine built when the state had other fields (e.g. before `row.verify`, the
+    rejection op's per-row verification) is refused naming them, not failed at the first step."""
+    want = list(state)
+    for b, ep in sorted(programs.items()):
+        try:
+            have = list(ep.call_spec.in_spec.child(0).child(1).context)
+        except (AttributeError, IndexError, TypeError):
+            continue                     # not a (rows, state) program: nothing to compare
+        if have != want:
+            missing = [k for k in want if k not in have]
+            extra = [k for k in have if k not in want]
+            what = " and ".join(
+                ([f"lacks the state fields {missing}"] if missing else [])
+                + ([f"takes state fields {extra} this version does not have"] if extra else [])
+            ) or "orders the state fields differently"
+            raise ArtifactError(f"bucket {b}'s program {what} — rebuild the engine",
+                                field="programs")
+
+
+
+def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] = (),
+                  check_files: bool = True, device=None) -> dict:
+    """Read and validate `engine_dir/manifest.json`; returns it.
+
+    Checked against the running environment: format_version, dspark_compile_version,
+    torch_version, triton_version, cuda_version, target_sm, passes (each pass's source hash vs
+    the installed pass) and dspark_ops (op schemas vs the registered ops). `expect` adds or
+    overrides expectations ({"model_config_hash": ..., "buckets": [...], "target_sm": ...,
+    "build_config.backend": ...}: dotted paths name nested fields).
+    `skip` names fields not to check. With `check_files`, every file's size and sha256 is
+    verified (a truncated or corrupted file is named).
+    """
+    engine_dir = Path(engine_dir)
+    skip = set(skip)
+    manifest = _read_manifest(engine_dir)
+    if "format_version" not in skip and manifest.get("format_version") != FORMAT_VERSION:
+        raise _mismatch("format_version", manifest.get("format_version"), FORMAT_VERSION, True)
+    expect = dict(expect or {})
+    # target_sm: that of the device the engine will run on; without one, this machine's GPU
+    # for a GPU engine and "cpu" for a CPU engine (which runs anywhere)
+    if device is None and manifest.get("target_sm") == "cpu":
+        device = "cpu"
+    env = environment_fields(device)
+    for field in ENV_FIELDS:
+        if field in skip or field in expect:
+            continue
+        if manifest.get(field) != env[field]:
+            raise _mismatch(field, manifest.get(field), env[field], True)
+    for field, want in expect.items():
+        if field in skip:
+            continue
+        have = _field(manifest, field)
+        if have is _MISSING:
+            raise ArtifactError(f"manifest field '{field}' is missing (expected {want!r})",
+                                field=field)
+        if have != json.loads(json.dumps(want)):
+            raise _mismatch(field, have, want, False)
+    _check_structure(manifest)
+    if "passes" not in skip:
+        _check_passes(manifest)
+    if "dspark_ops" not in skip:
+        _check_ops(manifest)
+    if check_files:
+        _check_files(engine_dir, manifest)
+    return manifest
+
+
+def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] = (),
+                device="cpu", check_files: bool = True):
+    """Validate and load an engine: returns (manifest, {bucket: ExportedProgram},
+    {FQN: weight tensor}). The weights are loaded once (onto `device`) and the same tensors
+    are attached to every program."""
+    engine_dir = Path(engine_dir)
+    manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=check_files,
+                             device=device)
+    register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
+    weights = _load_weights(engine_dir / manifest["weights"]["file"],
+                            manifest["weights"]["tensors"], device)
+    programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
+    return manifest, programs, weights
+
+
+def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
+    """Bucket's program of a validated manifest, with the shared `weights` attached (the ops
+    must be registered: register_kernel_ops)."""
+    entry = manifest["programs"][str(bucket)]
+    try:
+        ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
+    except Exception as e:
+        raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
+                            path=entry["path"]) from e
+    _attach_weights(ep, entry["shared_weights"], weights, bucket)
+    return ep
+
+
+def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
+    """{chunk length: ExportedProgram} of a validated manifest's prefill programs (none for an
+    engine built without them), with the shared `weights` attached."""
+    out = {}
+    for c, entry in sorted(manifest.get("prefill_programs", {}).items(), key=lambda kv: int(kv[0])):
+        try:
+            ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
+        except Exception as e:
+            raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
+                                path=entry["path"]) from e
+        _attach_weights(ep, entry["shared_weights"], weights, prefill_key(int(c)))
+        out[int(c)] = ep
+    return out
