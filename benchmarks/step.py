@@ -507,11 +507,14 @@ def _l2_flusher(device: torch.device):
 # setup
 # ------------------------------------------------------------------------------------------------
 
-def _engine_matches(engine_dir: Path, args) -> bool:
+def _engine_matches(engine_dir: Path, args, prefill_chunks: tuple = ()) -> bool:
     try:
         m = json.loads((engine_dir / "manifest.json").read_text())
         bc = m["build_config"]
+        # prefill chunks decide a prompt's chunk schedule: a prefill run needs exactly its own
         return (set(args.buckets) <= {int(b) for b in m["buckets"]}
+                and (not prefill_chunks
+                     or tuple(bc.get("prefill_chunks") or ()) == tuple(prefill_chunks))
                 and bc["dtype"] == args.dtype and int(bc["max_seq_len"]) == args.max_seq_len
                 and torch.device(bc["device"]).type == args.device.type
                 and int(bc["max_rows"]) >= max(args.buckets)
@@ -531,8 +534,10 @@ def _preset_hidden(name: str) -> int:
     return preset(name)["hidden_size"]
 
 
-def setup_engine(args, work: Path, log) -> tuple[object, dict]:
-    """The checkpoint and engine under `work` (reused when they fit), loaded."""
+def setup_engine(args, work: Path, log, prefill_chunks: tuple = ()) -> tuple[object, dict]:
+    """The checkpoint and engine under `work` (reused when they fit), loaded. `prefill_chunks`
+    (benchmarks/prefill.py): the build's prefill programs, loaded with the engine; such an
+    engine has a directory of its own."""
     from dspark_compile.build_config import BuildConfig
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
@@ -545,8 +550,8 @@ def setup_engine(args, work: Path, log) -> tuple[object, dict]:
         log(f"[synth] {args.preset} -> {ckpt}")
         synth_checkpoint(args.preset, ckpt, seed=0, device=args.device.type, overwrite=True)
         times["synth_s"] = time.perf_counter() - t
-    engine_dir = work / f"engine_{args.preset}"
-    if not _engine_matches(engine_dir, args):
+    engine_dir = work / (f"engine_{args.preset}" + "".join(f"_p{c}" for c in prefill_chunks))
+    if not _engine_matches(engine_dir, args, prefill_chunks):
         if engine_dir.exists():
             # it lives under --work, made by an earlier run of this script for other options
             import shutil
@@ -555,7 +560,8 @@ def setup_engine(args, work: Path, log) -> tuple[object, dict]:
         t = time.perf_counter()
         build_engine(ckpt, engine_dir, BuildConfig(
             buckets=tuple(args.buckets), max_rows=max(args.buckets), max_seq_len=args.max_seq_len,
-            dtype=args.dtype, device=args.device.type, backend=_backend(args)), log=log)
+            dtype=args.dtype, device=args.device.type, backend=_backend(args),
+            prefill_chunks=tuple(prefill_chunks)), log=log)
         times["build_s"] = time.perf_counter() - t
         if args.device.type == "cuda":    # the build's model (24 GB at flash-slice) is gone
             torch.cuda.empty_cache()
@@ -563,7 +569,8 @@ def setup_engine(args, work: Path, log) -> tuple[object, dict]:
         log(f"[build] reusing {engine_dir}")
     t = time.perf_counter()
     graphs = args.device.type == "cuda" and any(v.startswith("engine") for v in args.variants)
-    eng = Engine.load(engine_dir, device=args.device, use_graphs=graphs, record_graph_memory=False)
+    eng = Engine.load(engine_dir, device=args.device, use_graphs=graphs, record_graph_memory=False,
+                      prefill="programs" if prefill_chunks else None)
     times["load_s"] = time.perf_counter() - t
     times["engine_dir"] = str(engine_dir)
     log(f"[load] {engine_dir} in {times['load_s']:.1f}s (graphs: {graphs})")
@@ -584,10 +591,10 @@ def prefill_case(eng, case: str, args) -> dict:
     return snapshot_state(eng.state)
 
 
-def _default_out(device_name: str) -> Path:
+def _default_out(device_name: str, kind: str = "step") -> Path:
     slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
     day = datetime.date.today().isoformat()
-    return Path(harness.REPO) / "benchmarks" / "results" / f"{slug}_step_{day}"
+    return Path(harness.REPO) / "benchmarks" / "results" / f"{slug}_{kind}_{day}"
 
 
 TABLE = ["case", "B", "variant", "status", "us_median", "us_p10", "us_p90", "launches_total",
