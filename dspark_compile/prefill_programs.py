@@ -66,21 +66,13 @@ class PrefillPrograms:
         capture run on the trash row, so no request's state is touched."""
         import time
         from dspark_compile.models.prefill_chunk import chunk_inputs
+        from dspark_compile.runtime import capture_graph, warm_up
         for c in sorted(self.chunks, reverse=True):
             t = time.perf_counter()
             x, fn = self.inputs[c], self.modules[c]
             x.copy_(chunk_inputs(trash, 0, [0], c))
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _ in range(warmup):
-                    fn(x, self.state)
-            torch.cuda.current_stream(x.device).wait_stream(stream)
-            torch.cuda.synchronize(x.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
-                first = fn(x, self.state)
-            torch.cuda.synchronize(x.device)
-            self.graphs[c] = (graph, first)
+            warm_up(fn, (x, self.state), x.device, stream, warmup)
+            self.graphs[c] = capture_graph(fn, (x, self.state), x.device, pool, stream)
             self.capture_seconds[c] = time.perf_counter() - t
 
     @torch.no_grad()

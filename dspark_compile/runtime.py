@@ -44,6 +44,30 @@ def _build_device(engine_dir: Path) -> str | None:
         return None
 
 
+def warm_up(fn, args: tuple, device: torch.device, stream, warmup: int) -> None:
+    """`warmup` calls fn(*args) on the side stream `stream`, then the device idle: what a capture
+    records must have run once outside it (lazy initialisation, allocations), and on the stream
+    the capture uses. The step graphs and the prefill graphs (dspark_compile/prefill_programs.py)
+    warm up alike."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(warmup):
+            fn(*args)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+
+
+def capture_graph(fn, args: tuple, device: torch.device, pool, stream):
+    """fn(*args) captured into the graph pool `pool` on `stream`, once warmed up (warm_up);
+    returns (the CUDAGraph, fn's outputs: static tensors in the pool, valid until the next replay
+    of any graph of the pool)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = fn(*args)
+    torch.cuda.synchronize(device)
+    return graph, out
+
+
 @dataclass
 class _Graph:
     graph: object
@@ -253,20 +277,14 @@ class Engine:
         """Warm up `fn` on bucket b's padded rows, capture it into the shared pool; returns the
         graph and the pool bytes the capture added."""
         rows = self._padded_rows(b)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(warmup):
-                fn(rows, self.state)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        # torch.cuda.graph empties the allocator cache on entry: do it first, or the warm-up's
-        # freed blocks show up as a negative pool size
+        warm_up(fn, (rows, self.state), self.device, stream, warmup)
+        # only the step graphs measure what their capture adds (graph_pool_bytes; the prefill
+        # graphs do not): torch.cuda.graph empties the allocator cache on entry, so do it first,
+        # or the warm-up's freed blocks show up as a negative pool size
         torch.cuda.empty_cache()
         before = self._reserved()
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
-            out_tokens, out_num = fn(rows, self.state)
-        torch.cuda.synchronize(self.device)
+        graph, (out_tokens, out_num) = capture_graph(fn, (rows, self.state), self.device, pool,
+                                                     stream)
         return _Graph(graph, rows, out_tokens, out_num), self._reserved() - before
 
     # ------------------------------------------------------------------ one step
