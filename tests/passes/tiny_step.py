@@ -97,9 +97,11 @@ def _copy(ep):
 
 
 class TinyStep:
-    def __init__(self, root, dtype: str = "float64", device: str = "cpu"):
+    def __init__(self, root, dtype: str = "float64", device: str = "cpu", fp8: bool = True):
+        """`fp8=False`: no FP8 simulation (activation quant and FP8 KV caches off)."""
         self.ckpt = synth_checkpoint("tiny", root / "tiny", seed=0)
-        self.build = BuildConfig(dtype=dtype, buckets=(BUCKET,), max_seq_len=64, device=device)
+        self.build = BuildConfig(dtype=dtype, buckets=(BUCKET,), max_seq_len=64, device=device,
+                                 act_quant=fp8, kv_fp8=fp8)
         self.cfg, tensors = load_checkpoint(self.ckpt, device=device)
         self.prec = self.build.precision()
         self.model = load_model(None, self.prec,

@@ -222,20 +222,30 @@ GPU_CHUNKS = (16, 64)
 GPU_LENGTHS = (1, 15, 16, 17, 67, 200)     # 200: C128 blocks close (at 127), one in a chunk
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", params=[True, False], ids=["fp8-simulated", "no-fp8"])
 def gpu_chunk_engine(tmp_path_factory, request):
-    """float32 on the GPU, the backend the GPU engine tests take (--gpu-engine-backend)."""
+    """float32 on the GPU, the backend the GPU engine tests take (--gpu-engine-backend); with
+    FP8 simulated (activation quant, FP8 KV caches: the deployment numerics) and without.
+
+    Why both: the programs run fused kernels (hc_post_pre, rmsnorm_quant, ...) where the eager
+    reference runs the unfused ops, ~1e-7 relative apart in fp32. With FP8 simulated, such a
+    difference sometimes moves a value across an FP8 rounding boundary or a top-k tie, and the
+    layers after it then differ by far more than rounding (H200: 2.9 % of one layer's SWA FP8
+    bytes at L = 16, an indexer key 4 % off at L = 200, a greedy divergence at a 1.8 % logit
+    margin): there the programs are checked for what they write where and for the first token;
+    without FP8 every written value is checked against the reference, and decoding is lossless."""
     from dspark_compile.build_config import BuildConfig
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
     from dspark_compile.trace import build_engine
+    fp8 = request.param
     root = tmp_path_factory.mktemp("gpu_prefill")
     ckpt = synth_checkpoint("tiny", root / "ckpt", seed=0)
     build_engine(ckpt, root / "engine", BuildConfig(
         buckets=(1, 4), max_rows=4, max_seq_len=GPU_SEQ, dtype="float32", device="cuda",
-        backend=request.config.getoption("--gpu-engine-backend"), prefill_chunks=GPU_CHUNKS),
-        log=lambda s: None)
-    return Engine.load(root / "engine", device="cuda")
+        backend=request.config.getoption("--gpu-engine-backend"), prefill_chunks=GPU_CHUNKS,
+        act_quant=fp8, kv_fp8=fp8), log=lambda s: None)
+    return fp8, Engine.load(root / "engine", device="cuda")
 
 
 def _worst(got: torch.Tensor, ref: torch.Tensor, wrote: torch.Tensor, tol: float) -> str:
@@ -250,10 +260,10 @@ def _worst(got: torch.Tensor, ref: torch.Tensor, wrote: torch.Tensor, tol: float
             f"{float(r[at]):.6g}; max |reference| {float(r[wrote].abs().max()):.4g}")
 
 
-def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> None:
-    """Inertness bit for bit (other rows, elements the reference left); written elements within
-    tolerance (the glue's rounding differs from the eager reference's: fp32 1e-3, bf16 1e-2),
-    FP8 / scale bytes: at most 1% flipped by a rounding decision."""
+def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int, values: bool) -> None:
+    """Inertness bit for bit (other rows, elements the reference left); `values`: written floats
+    within tolerance (the glue's and the fused kernels' rounding differs from the eager
+    reference's: fp32 1e-3), written integers equal."""
     for k in before:
         b, r, g = _bits(before[k]), _bits(ref[k]), _bits(got[k])
         others = [i for i in range(trash) if i != row]
@@ -261,16 +271,13 @@ def _gpu_compare(before: dict, ref: dict, got: dict, row: int, trash: int) -> No
         wrote = r[row] != b[row]
         assert torch.equal(g[row][~wrote], b[row][~wrote]), f"{k}: the program wrote more"
         x, y = got[k][row][wrote], ref[k][row][wrote]
-        if not x.numel():
+        if not x.numel() or not values:
             continue
-        if x.is_floating_point() and x.element_size() > 1:
-            # bf16 (the FP8 caches' rope part): one rounding step is 2^-8 relative
-            tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-3
+        if x.is_floating_point():
+            assert x.element_size() > 1, f"{k}: an FP8 cache in an engine built without FP8"
+            tol = 1e-3
             assert torch.allclose(x.double(), y.double(), rtol=tol, atol=tol / 10), \
                 f"{k}: " + _worst(got[k][row], ref[k][row], wrote, tol)
-        elif x.element_size() == 1:
-            flipped = (_bits(x) != _bits(y)).double().mean().item()
-            assert flipped <= 0.01, f"{k}: {flipped:.2%} of the written bytes differ"
         else:
             assert torch.equal(x, y), k
 
@@ -282,7 +289,7 @@ def test_gpu_prefill_program_matches_the_reference(gpu_chunk_engine, length):
     ops run the same Triton kernels; the glue is eager), chunked at the same boundaries:
     chunk_schedule only pads the last chunk, so the reference's chunk is the largest length."""
     from dspark_compile.models.state import snapshot_state
-    eng = gpu_chunk_engine
+    fp8, eng = gpu_chunk_engine
     assert sorted(eng.prefill_programs.graphs) == list(GPU_CHUNKS)
     rng = random.Random(length)
     prompt = [rng.randrange(eng.cfg.vocab_size) for _ in range(length)]
@@ -293,13 +300,13 @@ def test_gpu_prefill_program_matches_the_reference(gpu_chunk_engine, length):
     first_ref = prefill(eng.model, ref, ROW, prompt, max(GPU_CHUNKS), speculative=True)
     first = eng.prefill(ROW, prompt)
     assert first == first_ref
-    _gpu_compare(before, ref, eng.state, ROW, eng.trash)
+    _gpu_compare(before, ref, eng.state, ROW, eng.trash, values=not fp8)
 
 
 @pytest.mark.gpu
 def test_gpu_prefill_graph_equals_the_uncaptured_program(gpu_chunk_engine):
     from dspark_compile.models.state import restore_state, snapshot_state
-    eng = gpu_chunk_engine
+    _, eng = gpu_chunk_engine
     pp = eng.prefill_programs
     prompt = list(range(3, 3 + 90))
     _fill_random(eng.state, 1)
@@ -314,8 +321,10 @@ def test_gpu_prefill_graph_equals_the_uncaptured_program(gpu_chunk_engine):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_chunk_engine", [False], ids=["no-fp8"], indirect=True)
 def test_gpu_generation_through_prefill_graphs_is_lossless(gpu_chunk_engine):
-    eng = gpu_chunk_engine
+    """On the engine without FP8 simulation (gpu_chunk_engine says why not with it)."""
+    _, eng = gpu_chunk_engine
     rng = random.Random(5)
     prompts = [[rng.randrange(eng.cfg.vocab_size) for _ in range(n)] for n in (5, 40, 130, 17)]
     params = [SamplingParams(max_new_tokens=16) for _ in prompts]
