@@ -113,16 +113,17 @@ class PrefillChunk(nn.Module):
                  for r, cache in compressed_caches(state, cfg.compress_ratios)]
         kept = [cache.flatten(0, 1)[slots.clamp_min(0)] for cache, slots in tails]
 
-        logits, aux = model(batch, state, aux_layers=cfg.dspark_target_layer_ids)
+        # the token after the last prompt token so far is sampled from the last live token
+        at = (n - 1).clamp(0, C - 1)
+        final, aux = model(batch, state, aux_layers=cfg.dspark_target_layer_ids,
+                           logits_at=at)                                      # [1, V]
         for (cache, slots), old in zip(tails, kept):
             masked_row_write(cache.flatten(0, 1), slots, old)
         ring = state["mtp.0.ctx"].shape[1]
         store_context(model, aux.reshape(C, -1), batch.flat_pos(), batch.ring_slots(ring), state)
 
-        # the token after the last prompt token so far, and the first draft block after it
+        # that token, and the first draft block after it
         last = live_end - 1
-        at = (n - 1).clamp(0, C - 1)
-        final = logits[0].index_select(0, at)                                 # [1, V]
         first = fold_ids(sample_reference(final, *sampling_of(state, row), live_end), V)
         drafts, draft_logits = draft_block(model, state, row, first, last)
         state["row.tokens"].index_put_((row,), torch.cat((first[:, None], drafts), 1))

@@ -107,11 +107,13 @@ def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, specula
         end = min(start + chunk, L)
         pos = torch.arange(start, end, device=dev)[None]
         batch = Batch.make(rows, pos, ids[None, start:end], trash, cfg.vocab_size)
-        logits, aux = model(batch, state, aux_layers=aux_layers)
+        # only the chunk's last token is sampled from (the last chunk's)
+        logits, aux = model(batch, state, aux_layers=aux_layers,
+                            logits_at=torch.tensor([end - start - 1], device=dev))   # [1, V]
         if speculative:
             ring = state["mtp.0.ctx"].shape[1]
             store_context(model, aux.reshape(end - start, -1), batch.flat_pos(), batch.ring_slots(ring), state)
-    first = sample_reference(logits[:, -1], *sampling_of(state, rows), torch.tensor([L], device=dev))
+    first = sample_reference(logits, *sampling_of(state, rows), torch.tensor([L], device=dev))
     first = fold_ids(first, cfg.vocab_size)
     last = torch.tensor([L - 1], device=dev)
     state["row.last_pos"][row] = L - 1
@@ -119,7 +121,7 @@ def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, specula
         drafts, draft_logits = draft_block(model, state, rows, first, last)
         state["row.tokens"][row] = torch.cat((first, drafts[0]))
         state["row.draft_logits"][row] = draft_logits[0]
-    return (int(first), logits[0, -1]) if return_logits else int(first)
+    return (int(first), logits[0]) if return_logits else int(first)
 
 
 @torch.no_grad()

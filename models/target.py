@@ -56,9 +56,14 @@ class DeepseekV4(nn.Module):
         h = rmsnorm(hc_head(X), norm_weight, self.cfg.rms_norm_eps)
         return bf16_linear(h, self.head.weight, self.prec.dtype, acc_dtype(self.prec.dtype))
 
-    def forward(self, batch: Batch, state: dict, aux_layers: tuple = ()):
+    def forward(self, batch: Batch, state: dict, aux_layers: tuple = (),
+                logits_at: torch.Tensor | None = None):
         """Returns logits [B, T, V] and, if asked, the hc-mean of the streams after each layer
-        in `aux_layers` concatenated: [B, T, len * D] (the DSpark draft's conditioning)."""
+        in `aux_layers` concatenated: [B, T, len * D] (the DSpark draft's conditioning).
+
+        `logits_at` [K] (flat token indices into B * T): the logits of those tokens only, [K, V].
+        A prefill chunk samples from one token; the head over all of its C tokens would cost
+        2 C V D FLOPs and C V fp32 logits for nothing (C = 512 at Flash dims: 542 GFLOP, 265 MB)."""
         B, T = batch.B, batch.T
         # shapes only: a static check, also while export traces (no device read)
         step_tokens, _ = state_limits(state, self.cfg)
@@ -73,5 +78,7 @@ class DeepseekV4(nn.Module):
             X = layer(X, tokens, lambda x, xq, a=layer.attn, p=p: a(x, xq, batch, state, p))
             if i in aux_layers:
                 aux.append(X.to(acc_dtype(self.prec.dtype)).mean(1).to(self.prec.dtype))
-        logits = self.logits(X, self.hc_head, self.norm.weight).view(B, T, -1)
-        return logits, (torch.cat(aux, -1).view(B, T, -1) if aux else None)
+        aux = torch.cat(aux, -1).view(B, T, -1) if aux else None
+        if logits_at is not None:
+            return self.logits(X.index_select(0, logits_at), self.hc_head, self.norm.weight), aux
+        return self.logits(X, self.hc_head, self.norm.weight).view(B, T, -1), aux
