@@ -289,15 +289,10 @@ def state_written(model, state: dict, chunk_tokens: list[int]) -> dict:
     starts = [sum(chunk_tokens[:i]) for i in range(len(chunk_tokens))]
     for name, t in state.items():
         row_bytes = step_floor._nbytes(t) // t.shape[0]
-        m, c = step_floor._LAYER.match(name), step_floor._CTX.match(name)
         w = 0
-        if (m or c) and t.dim() >= 3:
-            entry = row_bytes // t.shape[1]
-            stride = 1
-            if m and m.group(2).startswith("ckv_"):
-                stride = cfg.compress_ratios[int(m.group(1))]
-            elif m and m.group(2) == "idx_k":
-                stride = 4
+        ce = step_floor.cache_entry(cfg, name, t)
+        if ce:
+            entry, stride = ce
             for s, n in zip(starts, chunk_tokens):
                 closed = (s + n) // stride - s // stride
                 w += (min(t.shape[1], n) if stride == 1 else closed) * entry
@@ -372,12 +367,9 @@ def run_variant(variant: str, eng, prompt, chunk, ctx, args, ref_first: int) -> 
 
 def main(argv=None) -> int:
     args = _args(argv)
-    torch.set_num_threads(args.threads)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("no CUDA device: use --dry-run for the CPU smoke run", file=sys.stderr)
+    args.device = step.bench_device(args)
+    if args.device is None:
         return 1
-    args.device = torch.device("cpu" if args.dry_run else "cuda", None if args.dry_run else
-                               torch.cuda.current_device())
     log = lambda s: print(s, flush=True)  # noqa: E731
     from dspark_compile.models.generate import SamplingParams, set_row_sampling
     from dspark_compile.models.prefill_chunk import chunk_schedule

@@ -602,14 +602,21 @@ TABLE = ["case", "B", "variant", "status", "us_median", "us_p10", "us_p90", "lau
          "floor_us", "ratio_to_floor", "compile_s"]
 
 
-def main(argv=None) -> int:
-    args = _args(argv)
+def bench_device(args) -> torch.device | None:
+    """The device a run works on (the CPU for --dry-run, else the current CUDA device), after
+    setting --threads; None, with a message, when a timed run finds no CUDA device."""
     torch.set_num_threads(args.threads)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run for the CPU smoke run", file=sys.stderr)
+        return None
+    return torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    args.device = bench_device(args)
+    if args.device is None:
         return 1
-    args.device = torch.device("cpu" if args.dry_run else "cuda", None if args.dry_run else
-                               torch.cuda.current_device())
     log = lambda s: print(s, flush=True)  # noqa: E731
     from dspark_compile.models.state import restore_state
     from dspark_compile.models.step import DraftVerifyStep

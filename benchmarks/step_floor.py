@@ -106,6 +106,21 @@ def _weights(model, routing: dict, B: int, N: int) -> tuple[int, dict]:
                    "n_routed_experts": E}
 
 
+def cache_entry(cfg, name: str, t: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes of one entry of one row, positions per entry) of a per-position cache -- a ring
+    (SWA KV, compressor / indexer rings, draft context: 1 position an entry) or a compressed
+    cache (C4 / C128 KV: the layer's ratio; indexer K: 4) --; None for any other state tensor."""
+    m, c = _LAYER.match(name), _CTX.match(name)
+    if not (m or c) or t.dim() < 3:
+        return None
+    stride = 1
+    if m and m.group(2).startswith("ckv_"):
+        stride = cfg.compress_ratios[int(m.group(1))]
+    elif m and m.group(2) == "idx_k":
+        stride = 4
+    return _nbytes(t) // t.shape[0] // t.shape[1], stride
+
+
 def _state(model, state: dict, rows: list[int], N: int) -> tuple[int, int, dict]:
     cfg = model.cfg
     last = state["row.last_pos"].cpu()
@@ -116,14 +131,9 @@ def _state(model, state: dict, rows: list[int], N: int) -> tuple[int, int, dict]
     for name, t in state.items():
         row_bytes = _nbytes(t) // t.shape[0]
         r = w = 0
-        m, c = _LAYER.match(name), _CTX.match(name)
-        if (m or c) and t.dim() >= 3:
-            entry = row_bytes // t.shape[1]
-            stride = 1
-            if m and m.group(2).startswith("ckv_"):
-                stride = cfg.compress_ratios[int(m.group(1))]
-            elif m and m.group(2) == "idx_k":
-                stride = 4
+        ce = cache_entry(cfg, name, t)
+        if ce:
+            entry, stride = ce
             for row in rows:
                 positions = int(last[row]) + 1 + N + 1
                 r += min(t.shape[1], math.ceil(positions / stride)) * entry
