@@ -30,7 +30,9 @@ the reference's (the prompt cut at the largest chunk length: no padding). Counte
     chunk), a hash gate's tid2eid (its routed tokens), the Markov W1 (N rows), the RoPE tables
     (non-persistent buffers: one row per position);
   - the target's head (hc_head, norm, LM head) and the draft block (mtp.* past the context
-    store): the last chunk only (only the last position's logits are sampled);
+    store): the last chunk only (only the last position's logits are sampled); the programs run
+    them in every chunk (any chunk may be the last), so a prompt of k chunks carries k - 1 head
+    and draft reads above the floor (at flash-slice and 1,024 / 512: one more ~1 GB head read);
 - state written per chunk: min(ring, tokens) entries of each ring (SWA KV, compressor and
   indexer rings, draft context), the entries whose block closes in the chunk (C4 / C128 KV,
   indexer K); row.tokens / draft_logits / last_pos and the sampled fp32 logits once;

@@ -80,5 +80,11 @@ class DeepseekV4(nn.Module):
                 aux.append(X.to(acc_dtype(self.prec.dtype)).mean(1).to(self.prec.dtype))
         aux = torch.cat(aux, -1).view(B, T, -1) if aux else None
         if logits_at is not None:
+            if logits_at.dim() != 1 or logits_at.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"forward: logits_at must be a 1-D integer tensor of flat token "
+                                 f"indices into B * T = {B * T}, got {logits_at.dtype} "
+                                 f"{list(logits_at.shape)}")
+            # X [B*T, m, D]: the selection comes before hc_head, so fuse_mhc keeps the last
+            # layer's hc_post apart from the head (one more launch, C - 1 fewer head rows)
             return self.logits(X.index_select(0, logits_at), self.hc_head, self.norm.weight), aux
         return self.logits(X, self.hc_head, self.norm.weight).view(B, T, -1), aux
