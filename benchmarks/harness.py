@@ -130,26 +130,49 @@ def quantiles(xs):
             "us_min": xs[0]}
 
 
+def _median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    """Median seconds of fn() after 3 untimed calls: CUDA events on a GPU, the host clock on the
+    CPU (dry runs: a smoke value)."""
+    for _ in range(3):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def measure_copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20) -> dict:
     """Device-to-device copy of a large buffer: (bytes read + bytes written) / median time."""
     n = nbytes // 4
     src = torch.rand(n, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    t = statistics.median(times)
+    t = _median_seconds(lambda: dst.copy_(src), reps, src.device)
     del src, dst
     torch.cuda.empty_cache()
     return {"copy_bytes": 2 * n * 4, "copy_s_median": t, "bytes_per_s": 2 * n * 4 / t}
+
+
+def measure_mm_rate(device: torch.device, reps: int = 10) -> dict:
+    """FLOP/s of a large bf16 torch.mm (CUDA: 8192^3, tensor cores): the compute side of a
+    byte-and-FLOP floor (benchmarks/prefill.py). On the CPU a small fp32 one, for dry runs."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    t = _median_seconds(lambda: torch.mm(a, b), reps, device)
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "mm_s_median": t,
+            "flops_per_s": 2 * n ** 3 / t}
 
 
 def num_input_sets(bytes_per_set: int, cfg: TimingConfig) -> int:

@@ -55,7 +55,6 @@ import argparse
 import bisect
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -112,7 +111,8 @@ def _args(argv=None):
     if not a.chunks or a.chunks[0] < 1:
         p.error(f"--chunks must be positive, got {a.chunks}")
     if a.prompt_len < 1 or a.replays < 1 or a.warmup < 0:
-        p.error("--prompt-len and --replays must be >= 1, --warmup >= 0")
+        p.error(f"--prompt-len ({a.prompt_len}) and --replays ({a.replays}) must be >= 1, "
+                f"--warmup ({a.warmup}) >= 0")
     a.dtype = a.dtype or ("float32" if a.dry_run else "bfloat16")
     # room for the prompt, the first draft block and the step's lookahead after it
     a.max_seq_len = max(a.prompt_len + 64, a.chunks[-1])
@@ -305,31 +305,6 @@ def state_written(model, state: dict, chunk_tokens: list[int]) -> dict:
     return {"state_written_bytes": int(total), "state_written_per_tensor": per}
 
 
-def measure_mm_rate(device: torch.device, reps: int = 10) -> dict:
-    """FLOP/s of a large bf16 torch.mm (CUDA: 8192^3, tensor cores); on the CPU a small fp32
-    one, a smoke value for the dry run."""
-    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (256, torch.float32)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    for _ in range(3):
-        torch.mm(a, b)
-    step._sync(device)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            torch.mm(a, b)
-            e1.record()
-            e1.synchronize()
-        else:
-            torch.mm(a, b)
-        ts.append(e0.elapsed_time(e1) * 1e-3 if device.type == "cuda" else time.perf_counter() - t)
-    t = statistics.median(ts)
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "mm_s_median": t,
-            "flops_per_s": 2 * n ** 3 / t}
-
-
 def prefill_floor(model, state, use, routing, L, bw: float, rate: float) -> dict:
     w = weight_floor(model, use, routing)
     s = state_written(model, state, w["chunk_tokens"])
@@ -405,7 +380,7 @@ def main(argv=None) -> int:
                "restore": lambda: restore_state(eng.state, snap)}
         rec["copy_bandwidth"] = (harness.measure_copy_bandwidth() if dev.type == "cuda"
                                  else step._cpu_copy_bandwidth())
-        rec["mm_rate"] = measure_mm_rate(dev)
+        rec["mm_rate"] = harness.measure_mm_rate(dev)
         write()
 
         t = time.perf_counter()

@@ -34,7 +34,6 @@ import os
 import pkgutil
 import re
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -482,13 +481,7 @@ def time_runner(r: Runner, ctx: dict, replays: int, warmup: int) -> dict:
 def _cpu_copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> dict:
     src = torch.rand(nbytes // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        ts.append(time.perf_counter() - t)
-    t = statistics.median(ts)
+    t = harness._median_seconds(lambda: dst.copy_(src), reps, src.device)
     return {"copy_bytes": 2 * nbytes, "copy_s_median": t, "bytes_per_s": 2 * nbytes / t,
             "note": "CPU memcpy (dry run): the floor in µs is only a smoke value"}
 

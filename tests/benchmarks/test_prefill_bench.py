@@ -45,6 +45,12 @@ def test_dry_run_runs_both_variants_and_names_the_floor(tmp_path):
     assert per[2] > per[0] and per[2] > per[1]
     for part, f in floor["weight_flops_by_part"].items():
         assert f > 0, part
+    # counted independently from the config: the head multiplies one token by the LM head
+    # [V, D] and hc_head's fn [m, m D] (the norm is a vector)
+    from dspark_compile.models.presets import preset
+    c = preset("tiny")
+    V, D, m = c["vocab_size"], c["hidden_size"], c["hc_mult"]
+    assert floor["weight_flops_by_part"]["head"] == 2 * (V * D + m * m * D)
     assert floor["attention_flops"] > 0 and floor["state_written_bytes"] > 0
     assert {"head.weight", "embed.weight", "mtp.0.main_proj.weight"} <= set(floor["weights_read"])
     # tiny: 8 routed experts, top-2. Target MoEs route every chunk, the draft's only the last

@@ -40,6 +40,13 @@ def toy_export(toy):
 
 
 @pytest.fixture(scope="session")
+def tiny_step_lib():
+    """tests/passes/tiny_step.py as a module, for tests that build their own TinyStep (the GPU
+    ones): without the session's fp64 CPU export that `tiny_step` makes."""
+    return load_tiny_step()
+
+
+@pytest.fixture(scope="session")
 def tiny_step(tmp_path_factory):
     """The tiny model and its step exported once per session (bucket 2, fp64, FP8 simulated);
     tests take copies (`.program()`, `.cleaned()`)."""

@@ -146,7 +146,7 @@ def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8-simulated", "no-fp8"])
-def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp_path, fp8):
+def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step_lib, tmp_path, fp8):
     """On the GPU the fused ops run their Triton kernels on exactly the values the passes bind
     (views of the state caches, sliced draft tokens, ...). float32: the fused step commits the
     same tokens as the unfused one, moves the same positions and writes only finite values.
@@ -157,7 +157,7 @@ def test_fused_step_on_cuda_commits_what_the_unfused_step_commits(tiny_step, tmp
     moves some value across an FP8 rounding boundary or a top-k tie, and the draft logits a few
     layers later differ by ~1e-2 (H200, fuse_mhc alone: 0.07-0.09 on seed 11, 1e-6 on seeds 12
     and 13): an elementwise tolerance there would test the seed's luck, not the fusion."""
-    ts = tiny_step.lib.TinyStep(tmp_path, dtype="float32", device="cuda", fp8=fp8)
+    ts = tiny_step_lib.TinyStep(tmp_path, dtype="float32", device="cuda", fp8=fp8)
     unfused = ts.cleaned()
     PassManager(["drop_region_markers"]).run(unfused, state_inputs=ts.states(unfused))
     fused = ts.program()
@@ -210,14 +210,14 @@ def _agreement(got, ref) -> str:
 
 
 @pytest.mark.gpu
-def test_every_fused_op_agrees_with_its_reference_on_the_gpu(tiny_step, tmp_path):
+def test_every_fused_op_agrees_with_its_reference_on_the_gpu(tiny_step_lib, tmp_path):
     """Each dspark:: call of the fused step (default pipeline, float32, FP8 simulated), run by
     its Triton kernel on the GPU, against the op's reference on the very same inputs (the step's
     prefilled state, seeds 11-13): every returned tensor agrees (`_agreement`; H200: at most
     8e-7 relative). The kernel tests cover the in-place cache writes."""
     from dspark_compile.kernels.registry import KERNELS
     from dspark_compile.passes.verify import graph_inputs, make_args
-    ts = tiny_step.lib.TinyStep(tmp_path, dtype="float32", device="cuda")
+    ts = tiny_step_lib.TinyStep(tmp_path, dtype="float32", device="cuda")
     fused = ts.program()
     PassManager().run(fused, state_inputs=ts.states(fused))
     gm = fused.graph_module
