@@ -127,13 +127,17 @@ class Engine:
     @classmethod
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
              record_graph_memory: bool = True, greedy_variants: bool = True,
-             backend: str | None = None, prefill: str | None = None) -> "Engine":
+             backend: str | None = None, prefill: str | None = None,
+             kernels: str = "use") -> "Engine":
         """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
         draft-sampler plan, used for steps whose live rows are all greedy. `backend`: refuse an
         engine built with another --backend (manifest field 'build_config.backend'); None =
         either. `prefill`: "programs" (the engine's prefill programs), "eager" (the reference
         model) or None: the programs when the engine has them, unless it is an Inductor
-        engine on CPU."""
+        engine on CPU. `kernels`: the engine's compiled Triton kernels
+        (dspark_compile/kernel_store.py) "use"d when they match this machine's SM and Triton
+        (else one line says so and they compile at first use), "require"d (ArtifactError
+        otherwise) or "ignore"d."""
         t0 = time.perf_counter()
         if prefill not in (None, "programs", "eager"):
             raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
@@ -158,6 +162,8 @@ class Engine:
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
+        from dspark_compile.kernel_store import install
+        install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
                   prefill)
         eng.load_seconds = time.perf_counter() - t0

@@ -1,0 +1,102 @@
+"""The engine's kernel store (dspark_compile/kernel_store.py): kernels compiled into a store are
+found by Triton's own lookup in a process whose Triton cache is empty, so nothing compiles;
+a store for another SM or Triton is named in one line, and refused when required.
+
+The round trip compiles a real kernel of this package for sm_90 (Triton cross-compiles without
+a GPU) through Triton's cache manager, in a fresh process: this one runs kernels in Triton's
+interpreter, which patches triton.language while it runs (kernels/sm12x.py, compile_entry).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dspark_compile import kernel_store
+from dspark_compile.artifact_format import ArtifactError
+
+_ROUND_TRIP = r"""
+import json, sys
+from pathlib import Path
+from triton import knobs
+from dspark_compile import kernel_store as ks
+from dspark_compile.kernels import sm12x
+from dspark_compile.kernels.registry import KERNELS
+sm12x.import_all_kernel_modules()
+entry = KERNELS["act_quant"].compile_configs[0]
+tmp = Path(sys.argv[1])
+knobs.cache.dir = str(tmp / "cache_a")
+with ks.record() as seen:
+    first = sm12x.compile_entry(entry, 90)
+after_build = ks.compiles()
+files, meta = ks.collect(seen, {"sm": "90", "triton": "x", "cuda": ""})
+engine = tmp / "engine"
+for rel, data in files.items():
+    p = engine / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data if isinstance(data, bytes) else data.encode())
+knobs.cache.dir = str(tmp / "cache_b")          # a fresh machine: nothing cached
+ks.use_store(engine / meta["path"])
+hits = ks._PROC.store_hits
+again = sm12x.compile_entry(entry, 90)
+print(json.dumps({"compiled_at_build": after_build, "compiled_at_load": ks.compiles() - after_build,
+                  "store_hits": ks._PROC.store_hits - hits, "meta": meta,
+                  "same_binary": again.asm["cubin"] == first.asm["cubin"],
+                  "cache_b_groups": [p.name for p in (tmp / "cache_b").rglob("__grp__*")]}))
+"""
+
+
+def test_a_stored_kernel_is_found_with_an_empty_triton_cache(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _ROUND_TRIP, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["compiled_at_build"] == 1
+    assert out["compiled_at_load"] == 0, out
+    assert out["store_hits"] >= 1
+    assert out["same_binary"]
+    assert out["cache_b_groups"] == []          # nothing written to the fresh cache
+    meta = out["meta"]
+    assert meta["kernels"] == 1 and meta["entries"] == 1 and meta["bytes"] > 1000
+    assert meta["path"] == "kernels/triton/sm90-tritonx"
+    # group files name their members relative to the entry, never the build machine's paths
+    grp = next((tmp_path / "engine" / meta["path"]).rglob("__grp__*"))
+    assert all("/" not in n for n in json.loads(grp.read_text())["child_paths"].values())
+
+
+def _manifest(sm="90", triton="3.6.0"):
+    return {"kernel_store": {"path": f"kernels/triton/sm{sm}-triton{triton}", "sm": sm,
+                             "triton": triton, "cuda": "13.0", "entries": 3, "kernels": 3,
+                             "bytes": 1}}
+
+
+def test_check_names_what_does_not_match():
+    here = {"sm": "120", "triton": "3.7.1", "cuda": "13.0"}
+    why = kernel_store.check(_manifest(), here)
+    assert "sm 90 (this machine: 120)" in why and "triton 3.6.0 (this machine: 3.7.1)" in why
+    assert "\n" not in why
+    assert kernel_store.check(_manifest("120", "3.7.1"), here) is None
+    assert "carries no compiled kernels" in kernel_store.check({}, here)
+
+
+def test_install_refuses_a_mismatch_only_when_required(tmp_path, monkeypatch):
+    import torch
+    monkeypatch.setattr(kernel_store, "toolchain",
+                        lambda device: {"sm": "120", "triton": "3.7.1", "cuda": "13.0"})
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ArtifactError, match="sm 90 .this machine: 120.") as e:
+        kernel_store.install(tmp_path, _manifest(), cuda, policy="require")
+    assert e.value.field == "kernel_store"
+    with pytest.warns(UserWarning, match="compiles the kernels at first use"):
+        assert kernel_store.install(tmp_path, _manifest(), cuda) is False
+    # matching toolchain, but the store's folder is gone: named, not a lookup of nothing
+    with pytest.raises(ArtifactError, match="kernel store .* is missing"):
+        kernel_store.install(tmp_path, _manifest("120", "3.7.1"), cuda, policy="require")
+    assert kernel_store.install(tmp_path, _manifest(), cuda, policy="ignore") is False
+    assert kernel_store.install(tmp_path, _manifest(), torch.device("cpu")) is False
+    with pytest.raises(ValueError, match="policy must be one of"):
+        kernel_store.install(tmp_path, _manifest(), cuda, policy="sometimes")
