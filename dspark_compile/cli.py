@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dspark_compile import cli_engine  # noqa: F401  (registers generate, build, run, inspect)
+from dspark_compile.serve import cli as serve_cli  # noqa: F401  (registers serve)
 from dspark_compile.cli_common import (COMMANDS, PROG, USER_ERRORS, Command, Terminated,  # noqa: F401
                                        command, device, sigterm_raises, to_flags)
 
@@ -28,6 +30,16 @@ from dspark_compile.cli_common import (COMMANDS, PROG, USER_ERRORS, Command, Ter
 # such load `generate` ran 2.8x slower with torch's default (a thread per core in every
 # process, all contending for the same cores) than with one thread per process.
 DEFAULT_THREADS = 1
+
+
+def max_threads() -> int:
+    """--threads' bound: the CPUs of this machine (os.cpu_count()). More intra-op threads than
+    CPUs only contend for them, and far more crash the process: torch's OpenMP runtime
+    (libgomp) sets up a parallel region's threads on its own stack, so --threads 100000
+    segfaulted (exit 139) at the first parallel op, and 20000 aborted ("Thread creation
+    failed") on a 2-CPU machine."""
+    import os
+    return os.cpu_count() or 1
 
 # ---- synth ---------------------------------------------------------------------------------
 
@@ -39,14 +51,15 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, choices=SYNTH_PRESETS,
                    help="built-in configuration (flash-slice writes ~24 GB)")
     p.add_argument("--out", required=True, help="output directory (created atomically)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed, a 64-bit signed int like run's --seed (default 0)")
     p.add_argument("--shard-size", type=float, default=None, metavar="MB",
                    help="shard the safetensors at this many MB (default: one file up to 4 GiB)")
     p.add_argument("--device", default="cpu",
                    help="device that generates the values (e.g. cuda for flash-slice; default cpu)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out that holds a checkpoint (config.json + "
-                        "safetensors only)")
+                        "safetensors only, no subdirectory)")
 
 
 @command("synth", "write a synthetic DeepSeek-V4 + DSpark checkpoint", _synth_args,
@@ -54,6 +67,14 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
 def cmd_synth(args: argparse.Namespace) -> int:
     from dspark_compile.models.synth import synth_checkpoint
 
+    from dspark_compile.build_checks import writable_sibling
+    if not -(1 << 63) <= args.seed < (1 << 63):
+        raise ValueError(f"--seed must fit in 64 bits (a signed int64, as run's --seed), got "
+                         f"{args.seed}")
+    out = Path(args.out)
+    if (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    writable_sibling(out, "--out")
     dev = device(args.device)
     shard = None
     if args.shard_size is not None:
@@ -76,6 +97,9 @@ def _threads(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    if n > max_threads():
+        raise argparse.ArgumentTypeError(f"must be <= {max_threads()} (os.cpu_count(), the CPUs "
+                                         f"of this machine), got {n}")
     return n
 
 
@@ -108,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
         p.add_argument("--threads", type=_threads, default=DEFAULT_THREADS, metavar="N",
-                       help=f"torch CPU threads (default {DEFAULT_THREADS}: one per process)")
+                       help=f"torch CPU threads, 1 to the CPU count ({max_threads()} here; "
+                            f"default {DEFAULT_THREADS}: one per process)")
         p.set_defaults(_run=cmd.run)
     return parser
 

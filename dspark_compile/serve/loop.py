@@ -1,0 +1,150 @@
+"""The engine thread: the one caller of GenerationStream.step().
+
+Continuous batching is the stream's: a request added between two steps joins at the next one
+(prefill into a free state row), a finished or cancelled one frees its row before the next.
+This thread only loops step() while there is work, sleeps on an event while there is none, and
+hands each StreamEvent to the asyncio queue of the HTTP handler that owns the request
+(`loop.call_soon_threadsafe`: the handler's event loop is another thread).
+
+Admission is bounded: at most `max_rows` running plus `max_queue` waiting requests are in
+flight; one more is refused (QueueFull -> HTTP 429) rather than queued without bound.
+
+Registration is atomic with respect to dispatch: submit() holds the lock from add() until the
+request's ticket is registered, and the engine thread takes the lock to dispatch a step's
+events, so no event can arrive for a request the thread does not know yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+IDLE_WAIT_S = 0.5     # an idle thread re-checks this often (a submit wakes it at once)
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineDown(Exception):
+    pass
+
+
+@dataclass
+class Ticket:
+    request: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # StreamEvent | BaseException
+
+
+class EngineLoop:
+    def __init__(self, stream, max_rows: int, max_queue: int, metrics=None):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.stream, self.metrics = stream, metrics
+        self.max_rows, self.max_queue = max_rows, max_queue
+        self.capacity = max_rows + max_queue
+        self._lock = threading.Lock()
+        self._tickets: dict[int, Ticket] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None    # why the engine thread stopped, if it failed
+        self.steps = 0
+
+    # ---- HTTP side (any thread)
+    def submit(self, prompt: list[int], params, loop: asyncio.AbstractEventLoop) -> Ticket:
+        """Add a request; raises QueueFull, EngineDown, or the stream's ValueError."""
+        with self._lock:
+            if self.error is not None or self._stopping.is_set():
+                raise EngineDown(self._down_reason())
+            if len(self._tickets) >= self.capacity:
+                raise QueueFull(f"{len(self._tickets)} requests in flight: {self.max_rows} "
+                                f"state rows and a queue of {self.max_queue} are full")
+            rid = self.stream.add(prompt, params)
+            ticket = Ticket(rid, loop, asyncio.Queue())
+            self._tickets[rid] = ticket
+            self._gauge()
+        self._wake.set()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The request's row is freed before the next step; its ticket leaves when the stream
+        reports the cancellation."""
+        self.stream.cancel(ticket.request)
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._tickets)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- lifecycle
+    def start(self) -> "EngineLoop":
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the step in progress; requests still in flight get EngineDown."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all(EngineDown("the server is shutting down"))
+
+    # ---- engine thread
+    def _run(self) -> None:
+        stream = self.stream
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                if not stream.has_work:
+                    self._wake.wait(IDLE_WAIT_S)
+                    continue
+                events = stream.step()
+                self.steps += 1
+                if self.metrics is not None:
+                    self.metrics.engine_counters(stream.counters(), time.monotonic())
+                if events:
+                    self._dispatch(events)
+        except BaseException as e:  # noqa: BLE001 -- reported to every waiting handler
+            self.error = e
+            self._fail_all(EngineDown(self._down_reason()))
+
+    def _dispatch(self, events) -> None:
+        with self._lock:
+            for ev in events:
+                ticket = (self._tickets.pop(ev.request, None) if ev.finished
+                          else self._tickets.get(ev.request))
+                if ticket is not None:
+                    _deliver(ticket, ev)
+            self._gauge()
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            tickets, self._tickets = list(self._tickets.values()), {}
+            self._gauge()
+        for t in tickets:
+            _deliver(t, err)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.in_flight.set(len(self._tickets))
+
+    def _down_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine failed: {type(self.error).__name__}: {str(self.error)[:300]}"
+        return "the server is shutting down"
+
+
+def _deliver(ticket: Ticket, item) -> None:
+    try:
+        ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, item)
+    except RuntimeError:      # the handler's event loop is closed: nobody is listening
+        pass

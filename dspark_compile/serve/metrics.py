@@ -1,0 +1,165 @@
+"""/metrics: the server's Prometheus registry.
+
+Names follow what operators of vLLM and SGLang already watch (their speculative-decoding
+counters: drafts, draft tokens, accepted tokens, accepted tokens per draft position), with a
+`dspark_` prefix:
+
+    dspark_requests_total{outcome}          stop | length | cancelled | queue_full | invalid | error
+    dspark_requests_running / _waiting      state rows in use / requests waiting for one (queue depth)
+    dspark_requests_in_flight               admitted, not finished (running + waiting)
+    dspark_queue_capacity                   --max-queue
+    dspark_steps_total{bucket}              engine steps per batch bucket
+    dspark_greedy_variant_steps_total       of which ran the bucket's greedy variant
+    dspark_greedy_variant_share             greedy_variant_steps / steps
+    dspark_spec_decode_num_drafts_total     drafts verified (one per live row per step)
+    dspark_spec_decode_num_draft_tokens_total
+    dspark_spec_decode_num_accepted_tokens_total
+    dspark_spec_decode_num_accepted_tokens_per_pos_total{position}   1-based draft position
+    dspark_spec_decode_acceptance_per_position{position}            accepted_at[k] / drafts
+    dspark_spec_decode_mean_acceptance_length                       1 + accepted / drafts
+    dspark_prompt_tokens_total / dspark_generation_tokens_total
+    dspark_generation_tokens_per_second     committed tokens per second over the last 10 s
+    dspark_time_to_first_token_seconds      histogram: request arrival -> first token
+    dspark_inter_token_latency_seconds      histogram, one observation per token: the gap
+                                            since the request's previous tokens / tokens committed
+    dspark_request_latency_seconds          histogram: arrival -> last token
+
+The engine's counters (GenerationStream.counters()) are read by the engine thread after each
+step and exposed from that snapshot at scrape time, so a scrape never touches the stream.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OUTCOMES = ("stop", "length", "cancelled", "queue_full", "invalid", "error")
+RATE_WINDOW_S = 10.0
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25,
+               0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self, block: int, max_queue: int):
+        self.block, self.max_queue = block, max_queue
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("dspark_requests", "Requests by outcome", ["outcome"],
+                                registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(o)
+        self.prompt_tokens = Counter("dspark_prompt_tokens", "Prompt tokens of admitted "
+                                     "requests", registry=r)
+        self.in_flight = Gauge("dspark_requests_in_flight", "Requests admitted and not "
+                               "finished (running + waiting)", registry=r)
+        self.ttft = Histogram("dspark_time_to_first_token_seconds", "Request arrival to its "
+                              "first token", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("dspark_inter_token_latency_seconds", "Per token: the gap since "
+                             "the request's previous tokens over the tokens committed",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("dspark_request_latency_seconds", "Request arrival to its last "
+                             "token", buckets=E2E_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._snapshot: dict = {}
+        self._samples: collections.deque = collections.deque()   # (time, committed tokens)
+        r.register(_EngineCollector(self))
+
+    # ---- written by the engine thread
+    def engine_counters(self, snapshot: dict, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._snapshot = snapshot
+            s = self._samples
+            committed = int(snapshot.get("committed_tokens", 0))
+            if not s or now - s[-1][0] >= 0.1 or committed != s[-1][1]:
+                s.append((now, committed))
+            while len(s) > 2 and now - s[1][0] > RATE_WINDOW_S:
+                s.popleft()
+
+    # ---- written by the HTTP handlers
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def tokens_per_second(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            s = list(self._samples)
+        if not s:
+            return 0.0
+        last_t, last_c = s[-1]
+        # the oldest sample within the window (the one just before it if none is inside)
+        start = next(((t, c) for t, c in s if now - t <= RATE_WINDOW_S), s[-1])
+        span = now - start[0]
+        return (last_c - start[1]) / span if span > 0 else 0.0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._snapshot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The engine's counters, from the last snapshot the engine thread stored."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = self.m.snapshot()
+        block = self.m.block
+        steps, greedy = int(c.get("steps", 0)), int(c.get("greedy_steps", 0))
+        per_bucket = CounterMetricFamily("dspark_steps", "Engine steps per batch bucket",
+                                         labels=["bucket"])
+        for b, n in sorted((c.get("steps_per_bucket") or {}).items(), key=lambda kv: int(kv[0])):
+            per_bucket.add_metric([str(b)], int(n))
+        yield per_bucket
+        yield CounterMetricFamily("dspark_greedy_variant_steps", "Steps that ran the bucket's "
+                                  "greedy variant (every live row greedy)", value=greedy)
+        yield GaugeMetricFamily("dspark_greedy_variant_share", "Greedy-variant steps / steps",
+                                value=greedy / steps if steps else 0.0)
+        drafts = int(c.get("row_steps", 0))
+        accepted = int(c.get("accepted_tokens", 0))
+        yield CounterMetricFamily("dspark_spec_decode_num_drafts", "Drafts verified (one per "
+                                  "live row per step)", value=drafts)
+        yield CounterMetricFamily("dspark_spec_decode_num_draft_tokens", "Draft tokens "
+                                  "proposed", value=int(c.get("draft_tokens", 0)))
+        yield CounterMetricFamily("dspark_spec_decode_num_accepted_tokens", "Draft tokens "
+                                  "accepted", value=accepted)
+        at = list(c.get("accepted_at") or [0] * block)
+        per_pos = CounterMetricFamily("dspark_spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this 1-based position was "
+                                      "accepted", labels=["position"])
+        rate = GaugeMetricFamily("dspark_spec_decode_acceptance_per_position", "Fraction of "
+                                 "drafts that accepted the draft token at this position",
+                                 labels=["position"])
+        for k, n in enumerate(at):
+            per_pos.add_metric([str(k + 1)], int(n))
+            rate.add_metric([str(k + 1)], n / drafts if drafts else 0.0)
+        yield per_pos
+        yield rate
+        yield GaugeMetricFamily("dspark_spec_decode_mean_acceptance_length", "Tokens committed "
+                                "per draft: 1 + accepted / drafts",
+                                value=1.0 + accepted / drafts if drafts else 0.0)
+        yield CounterMetricFamily("dspark_generation_tokens", "Tokens committed",
+                                  value=int(c.get("committed_tokens", 0)))
+        yield GaugeMetricFamily("dspark_generation_tokens_per_second", "Tokens committed per "
+                                f"second over the last {RATE_WINDOW_S:g} s",
+                                value=self.m.tokens_per_second())
+        yield GaugeMetricFamily("dspark_requests_running", "Requests holding a state row",
+                                value=int(c.get("running", 0)))
+        yield GaugeMetricFamily("dspark_requests_waiting", "Requests waiting for a state row "
+                                "(queue depth)", value=int(c.get("waiting", 0)))
+        yield GaugeMetricFamily("dspark_queue_capacity", "Requests that may wait for a state "
+                                "row (--max-queue)", value=self.m.max_queue)

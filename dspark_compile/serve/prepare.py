@@ -1,0 +1,107 @@
+"""A validated CompletionRequest -> the engine's jobs, one per prompt: token ids, SamplingParams
+and stop strings, checked against what the engine can hold (vocabulary, positions per request)
+so every refusal is a 400 naming the API's field, before anything reaches the engine.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from dspark_compile.models.config import request_positions
+from dspark_compile.models.generate import SamplingParams
+from dspark_compile.serve.protocol import INT64, CompletionRequest
+
+
+class BadRequest(ValueError):
+    """A request the server refuses: `status` (400, 404), the field it names, one line."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.message, self.status = param, message, status
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request must fit (read once from the loaded engine)."""
+    vocab_size: int
+    max_seq_len: int        # positions per state row: prompt + new tokens + the lookahead
+    block: int              # dspark_block_size
+    eos_token_id: int | None
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of this length can get (<= 0: the prompt alone is too
+        long)."""
+        return self.max_seq_len - request_positions(prompt_len, 0, self.block)
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int                    # the choice's index in the response
+    prompt: list[int]
+    params: SamplingParams
+    stop_strings: tuple[str, ...]
+
+
+# SamplingParams' own messages name its fields; the API's names for them
+API_FIELDS = {"max_new_tokens": "max_tokens", "stop id": "stop_token_ids",
+              "stop_ids": "stop_token_ids"}
+
+
+def api_field(message: str) -> str | None:
+    """The API field a runtime ValueError names (its message starts with the library name)."""
+    for lib, api in API_FIELDS.items():
+        if lib in message:
+            return api
+    for name in ("temperature", "top_k", "top_p", "seed", "verify", "prompt"):
+        if name in message:
+            return name
+    return None
+
+
+def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> list[Job]:
+    prompts = req.prompts
+    if isinstance(prompts[0], str):
+        if tokenizer is None:
+            raise BadRequest("prompt", "this engine has no tokenizer.json: send token ids")
+        prompts = [tokenizer.encode(p) for p in prompts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise BadRequest("prompt", f"prompt {i} encodes to no tokens")
+    if req.stop and tokenizer is None:
+        raise BadRequest("stop", "stop strings need the engine's tokenizer.json (none in this "
+                                 "engine): use stop_token_ids")
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise BadRequest("prompt", f"prompt {i}: token ids {bad[:5]} outside "
+                                       f"[0, {limits.vocab_size})")
+    stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
+    bad = [t for t in stop_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise BadRequest("stop_token_ids", f"ids {bad[:5]} outside [0, {limits.vocab_size})")
+    if not req.ignore_eos and limits.eos_token_id is not None and limits.eos_token_id not in stop_ids:
+        stop_ids += (limits.eos_token_id,)
+    # one prompt after another gets seed, seed + 1, ... (the CLI's convention)
+    seed = secrets.randbits(62) if req.seed is None else req.seed
+    if seed + len(prompts) - 1 > INT64[1]:
+        raise BadRequest("seed", f"seed + {len(prompts) - 1} (one per prompt) must fit in 64 bits")
+    jobs = []
+    for i, p in enumerate(prompts):
+        room = limits.max_new_tokens(len(p))
+        if room < 1:
+            raise BadRequest("prompt", f"prompt {i}: {len(p)} tokens leave no room for a new "
+                                       f"token in the engine's {limits.max_seq_len} positions")
+        max_new = room if req.max_tokens is None else req.max_tokens
+        if max_new > room:
+            raise BadRequest("max_tokens", f"{max_new} new tokens after the {len(p)}-token "
+                                           f"prompt {i} exceed the engine's {limits.max_seq_len} "
+                                           f"positions: at most {room}")
+        sp = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0),
+                            top_p=req.top_p, seed=seed + i, max_new_tokens=max_new,
+                            stop_ids=stop_ids, verify=req.verify)
+        try:
+            sp.validate(limits.vocab_size)
+        except ValueError as e:
+            raise BadRequest(api_field(str(e)), str(e)) from None
+        jobs.append(Job(i, list(p), sp, req.stop))
+    return jobs

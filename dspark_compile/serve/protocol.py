@@ -1,0 +1,240 @@
+"""The HTTP API as data: request and response schemas of the OpenAI completions API (the subset
+an engine serves, plus the extensions vLLM's clients already send), apart from the serving
+logic, so a malformed request is refused by construction with the field it got wrong.
+
+Extensions over OpenAI's completions schema (sent through the `openai` client's `extra_body`):
+
+- `top_k` (0 or -1: off), `stop_token_ids` (token ids that end a request), `ignore_eos`
+  (by default the model's eos id ends a request), `verify` ("block" or "token": how a sampled
+  request's drafts are verified, SamplingParams.verify);
+- every choice carries `token_ids`, the ids behind its `text` (the only output of an engine
+  without a tokenizer); stream chunks carry the ids they add.
+
+Fields of OpenAI's schema that an engine cannot honour (`n` > 1, `best_of` > 1, `echo`,
+`logprobs`, `suffix`, `logit_bias`, penalties) are refused by name rather than ignored.
+Unknown fields are refused too, so a misspelt `top_k` is a 400, not a silent default.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT64 = (-(1 << 63), (1 << 63) - 1)     # the decode state keeps a request's seed as int64
+MAX_STOP_STRINGS = 16
+
+
+class _Request(BaseModel):
+    # strict: "yes" is not a bool and "5" not an int (JSON's own types; an int is a float)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    model: str
+    # a string, a list of token ids, or a list of either (one choice per prompt); normalised
+    # to list[str] or list[list[int]] by the validator
+    prompt: Any
+    max_tokens: Optional[int] = Field(16, ge=1)   # None: as many as the positions allow
+    temperature: float = Field(1.0, ge=0.0)       # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                   # 0 or -1: off
+    seed: Optional[int] = Field(None, ge=INT64[0], le=INT64[1])   # None: a random seed
+    stop: Optional[Union[str, list[str]]] = Field(None, validate_default=True)  # -> tuple
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    verify: Literal["block", "token"] = "block"
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # OpenAI fields accepted only at the value that means "off"
+    n: int = 1
+    best_of: Optional[int] = None
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            return [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("expected a string, a non-empty list of token ids, or a non-empty "
+                             "list of strings or of token-id lists")
+        if all(_is_id(t) for t in v):
+            return [list(v)]
+        if all(isinstance(p, str) for p in v):
+            return list(v)
+        if all(isinstance(p, list) for p in v):
+            for i, p in enumerate(v):
+                if not p or not all(_is_id(t) for t in p):
+                    raise ValueError(f"prompt {i}: expected a non-empty list of integer token "
+                                     "ids")
+            return [list(p) for p in v]
+        raise ValueError("expected a string, a list of token ids, or a list of strings or of "
+                         "token-id lists (not a mixture)")
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite(cls, v):
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return ()
+        v = [v] if isinstance(v, str) else v
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+        return tuple(dict.fromkeys(v))
+
+    @field_validator("n", "best_of")
+    @classmethod
+    def _one(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("only 1 is supported (one choice per prompt)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs", "suffix")
+    @classmethod
+    def _none(cls, v):
+        if v is not None:
+            raise ValueError("not supported (send null or leave it out)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("not supported (send null or {})")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        if v != 0:
+            raise ValueError("not supported (only 0)")
+        return v
+
+    @property
+    def prompts(self) -> list:
+        """list[str] or list[list[int]] (the validator's normal form)."""
+        return self.prompt
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[FinishReason] = None     # None in a stream chunk until the last
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    system_fingerprint: Optional[str] = None          # the engine's fingerprint
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dspark-compile"
+    max_model_len: int                                # positions per request (max_seq_len)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorBody(message=message, type=ERROR_TYPES.get(status, "error"),
+                                         param=param, code=code)).model_dump()
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(one-line message, the first offending field) from pydantic's / FastAPI's error list;
+    a location is ('body', field, index...) for a request body."""
+    parts, first = [], None
+    for e in errors[:3]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # a union's member name (e.g. 'str', 'list[str]') is noise in the location
+        loc = [x for x in loc if "[" not in x and x not in _TYPE_TAGS]
+        field = ".".join(loc) or "body"
+        first = first or field
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        elif e.get("type") == "missing":
+            msg = "field required"
+        elif e.get("type") == "json_invalid":
+            field, msg = "body", f"invalid JSON ({e.get('ctx', {}).get('error', msg)})"
+            first = "body"
+        parts.append(f"{field}: {msg}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(parts) + more, first

@@ -1,0 +1,164 @@
+"""Text out of committed token ids, a step at a time.
+
+- :class:`Detokenizer`: incremental detokenization. Decoding each new token alone is wrong
+  twice over: a multi-byte character split over byte-level tokens decodes to U+FFFD until its
+  last byte arrives, and decoders that strip a leading space (SentencePiece's metaspace) lose
+  the space between words. So each delta is the difference of two decodes that start at the
+  same earlier token (the window `tokens[prefix:]` minus `tokens[prefix:read]`), and text ending
+  in U+FFFD is held until it completes (Hugging Face TGI / vLLM do the same). The window
+  starts in the prompt's last tokens, so the first word gets its space.
+- :class:`StopMatcher`: stop strings matched across step boundaries. A step commits several
+  tokens, and a stop string may span tokens of different steps, so text that could be the
+  start of a stop string is held back until it is known not to be; the text before the first
+  stop string is the output, the stop string is not.
+- :class:`TextStream`: one job's tokens -> (text delta, token ids delta, stopped), token by
+  token, so a stop string ends the ids at the token that completed it.
+
+The invariant the tests check: the concatenated deltas equal the non-streamed text (the same
+class produces both), and equal the whole decode of the output ids when no stop string
+intervenes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TOKENIZER_FILE = "tokenizer.json"
+PROMPT_CONTEXT = 5        # prompt tokens the detokenization window starts with (vLLM uses 5)
+
+
+class Tokenizer:
+    """A Hugging Face `tokenizers` file; ids the file does not know decode to nothing."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    @classmethod
+    def load(cls, path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+        path = Path(path)
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # noqa: BLE001 -- the library raises bare Exceptions on bad files
+            raise ValueError(f"{path}: not a Hugging Face tokenizers file "
+                             f"({str(e).splitlines()[0][:200]})") from None
+
+    @classmethod
+    def of_engine(cls, engine_dir) -> "Tokenizer | None":
+        path = Path(engine_dir) / TOKENIZER_FILE
+        return cls.load(path) if path.is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int] = ()):
+        self.tok = tokenizer
+        self.ids = list(prompt[-PROMPT_CONTEXT:])
+        self.prefix = 0                 # window start
+        self.read = len(self.ids)       # ids up to here are already in the text given out
+        self.context = len(self.ids)
+
+    def add(self, token: int) -> str:
+        """The text `token` completes (often '', while a character's bytes are incomplete)."""
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            delta = now[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: what is still held (an incomplete character decodes as U+FFFD)."""
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):] if now.startswith(before) else ""
+
+
+class StopMatcher:
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(stops)
+        self.held = ""
+        self.longest = max((len(s) for s in self.stops), default=0)
+
+    def add(self, text: str) -> tuple[str, bool]:
+        """(text that can be given out, whether a stop string ended the output)."""
+        if not self.stops:
+            return text, False
+        pending = self.held + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return pending[:min(hits)], True
+        keep = self._prefix_tail(pending)
+        self.held = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+    def _prefix_tail(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        for n in range(min(len(text), self.longest - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+
+class TextStream:
+    """One job's output as it streams; without a tokenizer the text stays empty."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt: list[int],
+                 stops: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()):
+        self.detok = Detokenizer(tokenizer, prompt) if tokenizer is not None else None
+        self.matcher = StopMatcher(stops)
+        self.stop_ids = frozenset(stop_ids)
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False          # a stop id or a stop string ended it
+
+    def add(self, tokens: list[int]) -> tuple[str, list[int]]:
+        """(text delta, ids delta) for newly committed `tokens`; after a stop string the rest
+        of the step's tokens are dropped and `stopped` is set."""
+        text, ids = [], []
+        for t in tokens:
+            if self.stopped:
+                break
+            ids.append(t)
+            if t in self.stop_ids:          # the stop id is in the ids, not in the text
+                self.stopped = True
+                text.append(self._final(self._flush_detok()))
+                break
+            piece = self.detok.add(t) if self.detok is not None else ""
+            out, hit = self.matcher.add(piece)
+            text.append(out)
+            self.stopped = hit
+        self.ids += ids
+        delta = "".join(text)
+        self.text += delta
+        return delta, ids
+
+    def finish(self) -> str:
+        """The text still held at the end of the request (none after a stop string)."""
+        if self.stopped:            # settled when it stopped
+            return ""
+        out = self._final(self._flush_detok())
+        self.text += out
+        return out
+
+    def _final(self, text: str) -> str:
+        """The output's last text: a stop string may still end it; else what was held."""
+        out, hit = self.matcher.add(text)
+        self.stopped = self.stopped or hit
+        return out if hit else out + self.matcher.flush()
+
+    def _flush_detok(self) -> str:
+        return self.detok.flush() if self.detok is not None else ""
