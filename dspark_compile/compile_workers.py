@@ -1,4 +1,6 @@
-"""Compile a build's programs with Inductor, several at a time, in worker processes.
+"""Compile a build's programs with Inductor, several at a time, in worker processes (what
+each compile is, and how, is dspark_compile/compiled.py's `compile_variant`; this file only
+runs them side by side).
 
 Inductor spends most of one program's compile in single-threaded Python (lowering, the
 scheduler's fusion search, code generation: 47 s + 78 s of the tiny step's 208 s at bucket 1 on
@@ -47,34 +49,6 @@ def _empty(meta: dict, device) -> torch.Tensor:
                                device=device)
 
 
-def variants_of(ep) -> list[str]:
-    """The variants the runtime loads for this program (dspark_compile/variants.py). A prefill
-    program (models/prefill_chunk.py: first input `inputs`) has none: its one draft block is a
-    small part of a chunk's forward."""
-    from dspark_compile.artifact import register_kernel_ops
-    from dspark_compile.variants import markov_nodes
-    if ep.graph_signature.user_inputs[0] == "inputs":
-        return ["full"]
-    register_kernel_ops()        # markov_nodes names the sampler op
-    return ["full", "greedy"] if markov_nodes(ep.graph_module) else ["full"]
-
-
-def variant_graph(ep, variant: str) -> torch.fx.GraphModule:
-    """The lifted graph compiled for `variant`: the program's own, or its greedy sampler
-    variant."""
-    from dspark_compile.compiled import lifted_graph
-    from dspark_compile.variants import lifted_sampler_variant
-    return lifted_graph(ep) if variant == "full" else lifted_sampler_variant(ep)
-
-
-def example_input(ep, device) -> torch.Tensor:
-    """A tensor of the program's first user input's shape and dtype (a step's rows [B]: 0..B-1;
-    a prefill chunk's packed inputs [C + 3]); the compile never reads its values."""
-    name = ep.graph_signature.user_inputs[0]
-    val = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name).meta["val"]
-    return torch.arange(val.numel(), device=device).to(val.dtype).view(tuple(val.shape))
-
-
 def default_workers(n_jobs: int) -> int:
     """One worker per job, two CPU cores each (a worker's kernel builds use the second)."""
     return max(1, min(n_jobs, (os.cpu_count() or 2) // 2))
@@ -112,17 +86,15 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
     """Compile every program and its variants; returns ({engine path: artifact bytes},
     {bucket: {variant: compile seconds}}, the number of workers used). `workers`: 0 = one per
     job up to half the CPU cores, 1 = in this process."""
-    from dspark_compile.compiled import compiled_path
+    from dspark_compile.compiled import compile_variant, compiled_path, variants_of
     # buckets (ints) first, then named programs (prefill chunks: "prefill_c64")
     keys = sorted(programs, key=lambda k: (isinstance(k, str), k))
     jobs = [(b, v) for b in keys for v in variants_of(programs[b])]
     workers = workers or default_workers(len(jobs))
     files, seconds = {}, {}
     if workers <= 1:
-        from dspark_compile.compiled import compile_program
         for b, v in jobs:
-            rows = example_input(programs[b], _device(state))
-            data, secs = compile_program(variant_graph(programs[b], v), programs[b], rows, state)
+            data, secs = compile_variant(programs[b], v, state)
             files[compiled_path(b, v)] = data
             seconds.setdefault(str(b), {})[v] = round(secs, 2)
             log(f"[compile] bucket {b} {v}: {secs:.1f}s, {len(data) / 1e6:.1f} MB")
@@ -182,7 +154,7 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
 def _worker(job: Path, variant: str, threads: int) -> None:
     from dspark_compile.artifact import register_kernel_ops
     from dspark_compile.artifact_weights import _attach_weights
-    from dspark_compile.compiled import compile_program
+    from dspark_compile.compiled import compile_variant
     torch._inductor.config.compile_threads = threads
     meta = json.loads((job / "job.json").read_text())
     device, b = torch.device(meta["device"]), meta["bucket"]
@@ -191,7 +163,7 @@ def _worker(job: Path, variant: str, threads: int) -> None:
     weights = {n: _empty(m, device) for n, m in meta["weights"].items()}
     _attach_weights(ep, sorted(weights), weights, b)
     state = {k: _empty(m, device) for k, m in meta["state"].items()}
-    data, seconds = compile_program(variant_graph(ep, variant), ep, example_input(ep, device), state)
+    data, seconds = compile_variant(ep, variant, state)
     (job / f"{variant}.bin").write_bytes(data)
     (job / f"{variant}.json").write_text(json.dumps({"seconds": round(seconds, 2)}))
 

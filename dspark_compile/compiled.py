@@ -1,8 +1,14 @@
 """The glue between the fused ops, compiled by Inductor at build time (`--backend inductor`).
 
-    build:  post-pass ExportedProgram ──lifted graph──► torch._inductor.standalone_compile
-              ──► CompiledArtifact.save(format="binary") ──► engine/compiled/step_b{B}[_greedy].bin
+    build:  post-pass ExportedProgram ──lifted graph (variants_of: the full program, and the
+              greedy sampler variant of a step, dspark_compile/variants.py)──►
+              torch._inductor.standalone_compile ──► CompiledArtifact.save(format="binary")
+              ──► engine/compiled/step_b{B}[_greedy].bin
     load:   CompiledArtifact.load ──► CompiledStep(rows, state) ──► captured in the bucket's graph
+
+Everything the backend compiles is decided here (`compile_variant`: which graph, which example
+inputs, the compile); dspark_compile/compile_workers.py only runs those compiles side by side in
+processes, and dspark_compile/variants.py only rewrites graphs.
 
 What is compiled is the program's *lifted* graph: its inputs are the weights (parameters,
 buffers, lifted constants), then `rows`, then the state tensors, all flat. Weights stay inputs,
@@ -106,6 +112,48 @@ def compile_program(gm: torch.fx.GraphModule, ep: torch.export.ExportedProgram,
         path = Path(d) / "step.bin"
         art.save(path=str(path), format="binary")
         return path.read_bytes(), seconds
+
+
+def variants_of(ep: torch.export.ExportedProgram) -> list[str]:
+    """The variants the runtime loads for this program (dspark_compile/variants.py). A prefill
+    program (models/prefill_chunk.py: first input `inputs`) has none: its one draft block is a
+    small part of a chunk's forward."""
+    from dspark_compile.artifact import register_kernel_ops
+    from dspark_compile.variants import markov_nodes
+    if ep.graph_signature.user_inputs[0] == "inputs":
+        return ["full"]
+    register_kernel_ops()        # markov_nodes names the sampler op
+    return ["full", "greedy"] if markov_nodes(ep.graph_module) else ["full"]
+
+
+def variant_graph(ep: torch.export.ExportedProgram, variant: str) -> torch.fx.GraphModule:
+    """The lifted graph compiled for `variant`: the program's own, or a copy with the sampler
+    calls switched to the greedy plan (variants.switch_sampler_mode)."""
+    from dspark_compile.variants import GREEDY, markov_nodes, switch_sampler_mode
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    gm = lifted_graph(ep)
+    if variant == "full":
+        return gm
+    if not markov_nodes(ep.graph_module):
+        raise ValueError("the program has no dspark::markov_sample call: no greedy variant")
+    return switch_sampler_mode(gm, GREEDY)
+
+
+def example_input(ep: torch.export.ExportedProgram, device) -> torch.Tensor:
+    """A tensor of the program's first user input's shape and dtype (a step's rows [B]: 0..B-1;
+    a prefill chunk's packed inputs [C + 3]); the compile never reads its values."""
+    name = ep.graph_signature.user_inputs[0]
+    val = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name).meta["val"]
+    return torch.arange(val.numel(), device=device).to(val.dtype).view(tuple(val.shape))
+
+
+def compile_variant(ep: torch.export.ExportedProgram, variant: str,
+                    state: dict) -> tuple[bytes, float]:
+    """One variant of one program compiled for `state`'s shapes and device: (the saved
+    artifact's bytes, compile seconds). What a build worker runs."""
+    device = next(iter(state.values())).device
+    return compile_program(variant_graph(ep, variant), ep, example_input(ep, device), state)
 
 
 class CompiledStep:

@@ -7,7 +7,9 @@
              issues at once
     prefill: a prompt of L tokens is chunk_schedule(L) calls, each replaying (or running) its
              length's program; only the last call's output (the first token) is read back, so
-             the chunks queue on the stream without a host sync between them
+             the chunks queue on the stream without a host sync between them; `launch` enqueues
+             some of the calls (the scheduler spreads a long prompt over several steps) and
+             reads nothing
 
 A graph's input buffer lives outside the pool and its output inside it (valid until the next
 replay of any graph of the pool): `prefill` reads the first token at once.
@@ -66,7 +68,7 @@ class PrefillPrograms:
         capture run on the trash row, so no request's state is touched."""
         import time
         from dspark_compile.models.prefill_chunk import chunk_inputs
-        from dspark_compile.runtime import capture_graph, warm_up
+        from dspark_compile.graphs import capture_graph, warm_up
         for c in sorted(self.chunks, reverse=True):
             t = time.perf_counter()
             x, fn = self.inputs[c], self.modules[c]
@@ -80,18 +82,27 @@ class PrefillPrograms:
         """Prefill `prompt` into state row `row` (its sampling parameters already set): every
         cache of the row, the draft context, row.tokens / draft_logits / last_pos, as
         models/step.py `prefill` writes them; returns the first generated token."""
-        from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule
-        first = None
-        staged = []     # pinned inputs, alive until the first token is read (after every copy)
-        for start, n, c in chunk_schedule(len(prompt), self.chunks):
+        from dspark_compile.models.prefill_chunk import chunk_schedule
+        return int(self.launch(row, prompt, chunk_schedule(len(prompt), self.chunks),
+                               use_graphs)[0])
+
+    @torch.no_grad()
+    def launch(self, row: int, prompt: list[int], calls, use_graphs: bool = True):
+        """Enqueue `calls` ((start, n, C) entries of chunk_schedule, in order) on state row `row`
+        without reading anything back; returns the last call's output (the token after
+        start + n - 1: the first token once the calls reach the prompt's end), on the device:
+        a graph's output is valid until the next replay of any graph of the pool."""
+        from dspark_compile.models.prefill_chunk import chunk_inputs
+        out = None
+        for start, n, c in calls:
             x = chunk_inputs(row, start, prompt[start:start + n], c)
             if use_graphs and c in self.graphs:
-                graph, first = self.graphs[c]
+                graph, out = self.graphs[c]
                 # a copy from pageable memory would wait for the stream (the previous chunk's
-                # replay) first; a pinned one is queued behind it
-                staged.append(x.pin_memory())
-                self.inputs[c].copy_(staged[-1], non_blocking=True)
+                # replay) first; a pinned one is queued behind it, and the caching host
+                # allocator keeps its block until the copy has run
+                self.inputs[c].copy_(x.pin_memory(), non_blocking=True)
                 graph.replay()
             else:
-                first = self.modules[c](x.to(self.inputs[c].device), self.state)
-        return int(first[0])
+                out = self.modules[c](x.to(self.inputs[c].device), self.state)
+        return out

@@ -1,4 +1,10 @@
-"""Runtime: load an engine, capture one CUDA graph per bucket, generate.
+"""Runtime: load an engine, capture one CUDA graph per bucket, run steps, generate.
+
+The runtime in three parts (the split of nano-vllm's engine/): who runs next
+(dspark_compile/scheduler.py: requests, rows, admission, the loop of GenerationStream), how a
+step runs (this file's Engine: programs, graphs, buffers, one launch per program call;
+dspark_compile/graphs.py: capture), and what a user calls (Engine.stream / open_stream /
+generate, built on the scheduler).
 
     Engine.load(dir) → validate manifest → register ops → load programs + shared weights →
       per bucket the step to run: the Inductor-compiled step from the engine's compiled/
@@ -6,19 +12,19 @@
       and its greedy variant (dspark_compile/variants.py) → allocate the decode
       state once → (CUDA) capture every bucket's step and its greedy variant, largest first,
       into one memory pool on one capture stream, after warm-up runs on padded rows only
-    Engine.generate(prompts, params) → per request: prefill into a free state row (the
-      engine's prefill programs, dspark_compile/prefill_programs.py, when it has them and runs
-      on CUDA or is an aten engine; else the rebuilt reference model, same weights) → per step: split the live rows into groups of at
-      most the largest bucket, pad each group to its bucket with the trash row, replay (the
-      greedy variant when every live row is greedy), read the
-      committed tokens → requests that finish (stop id, max tokens) free their rows; waiting
-      requests are admitted into free rows.
+    Engine.launch(rows, bucket, greedy) → the rows into the graph's static input (one pinned,
+      asynchronous host-to-device copy), replay, the packed outputs [n, N+2] into pinned host
+      memory (one asynchronous device-to-host copy), an event; nothing waits for the device.
+      Every input of the next step (tokens, drafts, positions) is in the state on the device,
+      so the scheduler launches step n + 1 before it reads step n's tokens.
+    Engine.run_step(rows) → one launch, waited for: (tokens, num) on the host.
 
 Warm-up and capture run with every batch row pointing at the trash row, so they never touch a
-live request's state. On CPU the programs run directly (no graphs).
+live request's state. On CPU the programs run directly (no graphs, nothing asynchronous).
 
 A graph's outputs are static tensors in the shared pool: they are valid until the next replay of
-any bucket's graph, so `run_step` copies them to the host before it returns.
+any bucket's graph; the launch's device-to-host copy is enqueued right behind the replay, so it
+reads them before any later replay writes them.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ import torch
 
 from dspark_compile.artifact import (MANIFEST, check_state_layout, load_engine,
                                      update_manifest_field)
+# warm_up / capture_graph: imported here too for callers of the runtime's old names
+from dspark_compile.graphs import StepGraph, capture_graph, packed, unpack, warm_up  # noqa: F401
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -44,44 +52,35 @@ def _build_device(engine_dir: Path) -> str | None:
         return None
 
 
-def warm_up(fn, args: tuple, device: torch.device, stream, warmup: int) -> None:
-    """`warmup` calls fn(*args) on the side stream `stream`, then the device idle: what a capture
-    records must have run once outside it (lazy initialisation, allocations), and on the stream
-    the capture uses. The step graphs and the prefill graphs (dspark_compile/prefill_programs.py)
-    warm up alike."""
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(warmup):
-            fn(*args)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-
-
-def capture_graph(fn, args: tuple, device: torch.device, pool, stream):
-    """fn(*args) captured into the graph pool `pool` on `stream`, once warmed up (warm_up);
-    returns (the CUDAGraph, fn's outputs: static tensors in the pool, valid until the next replay
-    of any graph of the pool)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph, pool=pool, stream=stream):
-        out = fn(*args)
-    torch.cuda.synchronize(device)
-    return graph, out
-
-
-@dataclass
-class _Graph:
-    graph: object
-    rows: torch.Tensor
-    out_tokens: torch.Tensor
-    out_num: torch.Tensor
-
-
 @dataclass
 class StepTimes:
+    """Program calls of the engine's steps (run_step, and the launches of a GenerationStream)."""
     steps: int = 0
     greedy_steps: int = 0          # of which ran the greedy draft-sampler variant
-    seconds: float = 0.0
+    seconds: float = 0.0           # host seconds inside the launches and the waits for them
     per_bucket: dict = field(default_factory=dict)
+    # calls launched ahead (GenerationStream's overlap) whose every row had ended by the time
+    # their outputs were read: their tokens went to no request
+    discarded: int = 0
+
+
+@dataclass
+class Launched:
+    """One program call in flight: its packed outputs (graphs.pack: tokens | num, or a
+    prefill's first token) reach `host` once `event` has completed (None: already there)."""
+    host: torch.Tensor
+    event: object = None
+    bucket: int = 0
+    greedy: bool = False
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 class Engine:
@@ -114,8 +113,9 @@ class Engine:
                 self.greedy_modules = {b: m for b, ep in programs.items()
                                        if (m := sampler_mode_variant(ep)) is not None}
         self.prefill_programs = self._load_prefill(weights, prefill)
-        self.graphs: dict[int, _Graph] = {}
-        self.greedy_graphs: dict[int, _Graph] = {}
+        self.graphs: dict[int, StepGraph] = {}
+        self.greedy_graphs: dict[int, StepGraph] = {}
+        self._stream = None      # the open GenerationStream (weak reference), one at a time
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool_bytes: dict[int, int] = {}
         self.load_seconds = 0.0
@@ -283,15 +283,14 @@ class Engine:
         """Warm up `fn` on bucket b's padded rows, capture it into the shared pool; returns the
         graph and the pool bytes the capture added."""
         rows = self._padded_rows(b)
-        warm_up(fn, (rows, self.state), self.device, stream, warmup)
+        warm_up(packed(fn), (rows, self.state), self.device, stream, warmup)
         # only the step graphs measure what their capture adds (graph_pool_bytes; the prefill
         # graphs do not): torch.cuda.graph empties the allocator cache on entry, so do it first,
         # or the warm-up's freed blocks show up as a negative pool size
         torch.cuda.empty_cache()
         before = self._reserved()
-        graph, (out_tokens, out_num) = capture_graph(fn, (rows, self.state), self.device, pool,
-                                                     stream)
-        return _Graph(graph, rows, out_tokens, out_num), self._reserved() - before
+        graph, out = capture_graph(packed(fn), (rows, self.state), self.device, pool, stream)
+        return StepGraph(graph, rows, out), self._reserved() - before
 
     # ------------------------------------------------------------------ one step
     def bucket_for(self, n: int) -> int:
@@ -331,27 +330,48 @@ class Engine:
         return self._step(rows, b, self._use_greedy(live, b, variant), use_graph)
 
     def _step(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True):
-        """run_step once rows, bucket and variant are decided (and valid)."""
-        n = len(rows)
-        padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64)
+        """run_step once rows, bucket and variant are decided (and valid): one launch, waited
+        for."""
         t = time.perf_counter()
+        host = self.launch(rows, b, greedy, use_graph).wait()
+        self.times.seconds += time.perf_counter() - t
+        return unpack(host)
+
+    def launch(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True) -> Launched:
+        """Enqueue one program call of bucket `b` on `rows` (valid state rows, at most b; the
+        rest padded with the trash row) and the copy of its outputs to the host; returns at
+        once (on CUDA). The step reads all its other inputs from the state, which the previous
+        call (stream-ordered) has updated on the device, so calls may be launched back to back
+        without reading their outputs. On CUDA: one host-to-device copy of the rows (pinned,
+        asynchronous) and one device-to-host copy of the packed outputs [n, N+2] (pinned,
+        asynchronous, enqueued before any later replay can overwrite the pool)."""
+        n = len(rows)
+        t = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64, pin_memory=cuda)
         graphs, modules = ((self.greedy_graphs, self.greedy_modules) if greedy
                            else (self.graphs, self.modules))
         if use_graph and b in graphs:
             g = graphs[b]
-            g.rows.copy_(padded)
+            # pinned: the copy is queued behind the previous replay instead of waiting for it
+            g.rows.copy_(padded, non_blocking=True)
             g.graph.replay()
-            tokens, num = g.out_tokens, g.out_num
+            out = g.out
         else:
-            tokens, num = modules[b](padded.to(self.device), self.state)
-        # the graph's outputs live in the shared pool: copy them out before any other replay
-        tokens, num = tokens[:n].cpu(), num[:n].cpu()
+            out = packed(modules[b])(padded.to(self.device, non_blocking=True), self.state)
+        event = None
+        if cuda:
+            host = torch.empty((n, out.shape[1]), dtype=torch.int64, pin_memory=True)
+            host.copy_(out[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = out[:n]
         self.times.steps += 1
-        dt = time.perf_counter() - t
-        self.times.seconds += dt
+        self.times.seconds += time.perf_counter() - t
         self.times.per_bucket[b] = self.times.per_bucket.get(b, 0) + 1
         self.times.greedy_steps += int(greedy)
-        return tokens, num
+        return Launched(host, event, b, greedy)
 
     def _use_greedy(self, live: list[int], bucket: int, variant: str | None) -> bool:
         if variant not in (None, "full", "greedy"):
@@ -385,54 +405,116 @@ class Engine:
                       True)
         return self.prefill_programs.prefill(row, prompt)
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params):
-        from dspark_compile.models.generate import (
-            GenerationResult, SamplingParams, append_committed, check_request_positions,
-            set_row_sampling, validate_prompts)
+    def prefill_calls(self, prompt: list[int]) -> list[tuple[int, int, int]]:
+        """The prefill calls of `prompt`: [(start, live tokens n, tokens the call computes)]
+        (the prefill programs' chunk_schedule; one call for the whole prompt on the eager
+        reference)."""
+        if self.prefill_programs is None:
+            return [(0, len(prompt), len(prompt))]
+        from dspark_compile.models.prefill_chunk import chunk_schedule
+        return chunk_schedule(len(prompt), self.prefill_programs.chunks)
 
-        cfg = self.cfg
+    @torch.no_grad()
+    def launch_prefill(self, row: int, prompt: list[int], calls: list) -> Launched:
+        """Enqueue `calls` (consecutive entries of prefill_calls(prompt), in order) of the
+        prompt's prefill into state row `row` (its sampling parameters set); when they end the
+        prompt, returns the first token's Launched (its device-to-host copy enqueued like a
+        step's), else a Launched already done. The eager reference runs the whole prompt at
+        once, and synchronously."""
+        if self.prefill_programs is None:
+            return Launched(torch.tensor([self.prefill(row, prompt)]))
+        from dspark_compile.models.state import check_prefill
+        if calls[0][0] == 0:
+            check_prefill(self.model, self.state, row, prompt,
+                          max(self.prefill_programs.chunks), True)
+        first = self.prefill_programs.launch(row, prompt, calls)
+        if calls[-1][0] + calls[-1][1] < len(prompt):
+            return Launched(torch.zeros(1, dtype=torch.int64))
+        if self.device.type != "cuda":
+            return Launched(first)
+        # the graph's output lives in the pool: copied out before any later replay
+        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host.copy_(first, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Launched(host, event)
+
+    # ------------------------------------------------------------------ streams
+    def open_stream(self, overlap: bool | None = None, prefill_tokens: int | None = None):
+        """A GenerationStream over this engine's state rows (dspark_compile/scheduler.py); one
+        per engine at a time. `overlap`: launch step n + 1 before reading step n (default: on
+        CUDA, where the host's work then runs while the GPU replays; on the CPU nothing runs
+        asynchronously and a step launched ahead is only a wasted step when rows end).
+        `prefill_tokens`: the prefill tokens one step() may run while requests decode
+        (default: the largest prefill chunk, or max_step_tokens without prefill programs)."""
+        import weakref
+
+        from dspark_compile.scheduler import GenerationStream
+        if self._stream is not None:
+            old = self._stream()
+            if old is not None and not old.closed:
+                raise RuntimeError("a GenerationStream is already open on this engine (one at "
+                                   "a time): close() it first")
+        overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        if prefill_tokens is None:
+            prefill_tokens = (max(self.prefill_programs.chunks) if self.prefill_programs
+                              else self.cache.max_step_tokens)
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) \
+                or prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
+        s = GenerationStream(self, overlap, prefill_tokens)
+        self._stream = weakref.ref(s)
+        return s
+
+    def _requests(self, prompts, params) -> list:
+        """generate()'s checks of a whole request list (messages name the prompt's index)."""
+        from dspark_compile.models.generate import (SamplingParams, check_request_positions,
+                                                    validate_prompts)
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        validate_prompts(prompts, cfg.vocab_size)
+        validate_prompts(prompts, self.cfg.vocab_size)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        N = cfg.dspark_block_size
         for sp in params:
-            sp.validate(cfg.vocab_size)
-        check_request_positions(prompts, params, self.cache.max_seq_len, N)
-        res = GenerationResult(tokens=[[] for _ in prompts], accepted_at=[0] * N)
-        waiting = list(range(len(prompts)))
-        free = list(range(self.cache.max_rows))
-        live: dict[int, int] = {}   # state row -> request
+            sp.validate(self.cfg.vocab_size)
+        check_request_positions(prompts, params, self.cache.max_seq_len,
+                                self.cfg.dspark_block_size)
+        return params
 
-        def admit():
-            while waiting and free:
-                req, row = waiting.pop(0), free.pop(0)
-                set_row_sampling(self.state, row, params[req])
-                first = self.prefill(row, prompts[req])
-                if append_committed(res.tokens[req], [first], params[req]):
-                    free.append(row)
-                else:
-                    live[row] = req
+    def _run(self, prompts, params, **options):
+        """(the stream, an iterator of its events until every request ended; the stream is
+        closed at the end, or when the iterator is closed early)."""
+        params = self._requests(prompts, params)
+        s = self.open_stream(**options)
+        try:
+            for p, sp in zip(prompts, params):
+                s.add(p, sp)
+        except BaseException:
+            s.close()
+            raise
 
-        admit()
-        big = self.buckets[-1]
-        while live:
-            rows = sorted(live)
-            for start in range(0, len(rows), big):
-                group = rows[start:start + big]
-                b = self.bucket_for(len(group))
-                greedy = b in self.greedy_modules and all(
-                    params[live[r]].temperature <= 0 for r in group)
-                tokens, num = self._step(group, b, greedy)
-                for i, row in enumerate(group):
-                    req, n = live[row], int(num[i])
-                    res.record(n, params[req].method)
-                    if append_committed(res.tokens[req], tokens[i, :n].tolist(), params[req]):
-                        del live[row]
-                        free.append(row)
-            res.steps += 1
-            admit()
+        def events():
+            try:
+                while s.has_work:
+                    yield from s.step()
+            finally:
+                s.close()
+        return s, events()
+
+    def stream(self, prompts: list[list[int]], params, **options):
+        """Generate for `prompts` (params: one SamplingParams for all, or one each), yielding
+        after every step one StreamEvent(request index, new tokens, finished) per request that
+        committed tokens or ended. Requests are checked before anything runs. `options`:
+        open_stream's."""
+        return self._run(prompts, params, **options)[1]
+
+    def generate(self, prompts: list[list[int]], params, **options):
+        """Every request to its end (Engine.stream): a GenerationResult with each request's
+        tokens, the acceptance counts and the scheduling iterations that ran a step."""
+        s, events = self._run(prompts, params, **options)
+        tokens = [[] for _ in prompts]
+        for e in events:
+            tokens[e.request].extend(e.tokens)
+        res = s.result
+        res.tokens = tokens
         return res
-

@@ -6,7 +6,8 @@ plan (mode "full": per-row temperature, top-k, top-p). When every live row of a 
 the sampler can run its greedy plan instead (kernels/sampling/markov.py: one launch per Markov
 step instead of ~7; 90 vs 170 us at B = 1 and 139 vs 391 us at B = 64 on the H200 at Flash
 dims, benchmarks/results/README.md, "Sampler"). The runtime keeps both variants of each
-bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py).
+bucket and picks one per step from the rows' temperatures (dspark_compile/runtime.py); the
+Inductor backend compiles the same switch on the lifted graph (dspark_compile/compiled.py).
 Rejection switches too: its greedy plan (kernels/sampling/rejection.py) reads each target row
 once for its argmax, where the general plan runs the top-k/top-p passes over every row, and it
 never reads the draft logits, which the Markov greedy plan neither computes nor stores.
@@ -71,17 +72,6 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     if not markov_nodes(program.graph_module):     # nothing to switch: build no module
         return None
     return switch_sampler_mode(program.module(), mode)
-
-
-def lifted_sampler_variant(program: torch.export.ExportedProgram,
-                           mode: str = GREEDY) -> Optional[torch.fx.GraphModule]:
-    """`sampler_mode_variant` on a copy of the program's lifted graph (weights as leading flat
-    inputs): what the Inductor backend compiles (dspark_compile/compiled.py)."""
-    from dspark_compile.compiled import lifted_graph
-    _check_mode(mode)
-    if not markov_nodes(program.graph_module):
-        return None
-    return switch_sampler_mode(lifted_graph(program), mode)
 
 
 def switch_sampler_mode(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
