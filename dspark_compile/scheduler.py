@@ -169,6 +169,8 @@ class GenerationStream:
                     self._read(events)     # first tokens: a request ended by it frees its row
                 self._launch(events)
                 self._read(events)
+            if not self.active and not self.waiting:
+                self._read(events)         # steps launched ahead on rows that all ended
         return [StreamEvent(r, toks, done) for r, (toks, done) in events.items()]
 
     def close(self) -> None:
