@@ -37,6 +37,7 @@ import torch
 STORE_ROOT = "kernels/triton"
 GROUP_PREFIX = "__grp__"
 POLICIES = ("use", "require", "ignore")
+_KEPT = (".json", ".cubin", ".hsaco", ".so", ".pyd")    # what a cache hit reads
 
 
 def toolchain(device: torch.device) -> dict:
@@ -208,7 +209,10 @@ def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
     out: dict = {}
     kernels = 0
     for key, files in sorted(entries.items()):
-        members = {f: p for f, p in files.items() if not f.startswith(GROUP_PREFIX) and p}
+        # a load reads the binary and the metadata (and launcher modules); the IRs Triton also
+        # caches (ttir, ttgir, llir, ptx) are 85 % of the bytes and never read back
+        members = {f: p for f, p in files.items() if p and not f.startswith(GROUP_PREFIX)
+                   and f.endswith(_KEPT)}
         data = {}
         for f, p in members.items():
             try:

@@ -161,7 +161,9 @@ class Engine:
         use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
+        from dspark_compile.program_load import faster_deserialization
+        with faster_deserialization():
+            manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
         from dspark_compile.kernel_store import install
         install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
