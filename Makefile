@@ -21,7 +21,8 @@ venv: $(BIN)/.installed
 demo: venv
 	rm -rf $(DEMO_DIR)
 	$(BIN)/dspark-compile synth --preset tiny --out $(DEMO_DIR)/ckpt
-	$(BIN)/dspark-compile build $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/engine --buckets 1,2,4 --max-seq-len 160 --dtype float64
+	$(BIN)/dspark-compile build $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/engine --buckets 1,2,4 --max-seq-len 160 --dtype float64 \
+		--device cpu --prefill-chunks none
 	$(BIN)/dspark-compile run $(DEMO_DIR)/engine --prompt-ids 11,12,13,14,15,16,17,18 --prompt-ids 7,7,7 \
 		--max-new-tokens 32 --check-lossless
 

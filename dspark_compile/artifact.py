@@ -7,6 +7,7 @@
                                  (models/prefill_chunk.py; manifest `prefill_programs`)
       weights.safetensors        every weight once, shared by all programs
       kernels/sm_XY/...          optional build reports (e.g. kernel resource usage)
+      tokenizer.json             optional: the checkpoint's tokenizer, copied as it is
 
 This module writes an engine (`save_engine`, `update_manifest_field`) and is where callers
 import the engine's API from; the rest lives beside it, one concept a module:
@@ -35,7 +36,8 @@ from typing import Optional
 import torch
 
 from dspark_compile.artifact_format import (  # noqa: F401  (re-exported: the engine's API)
-    COMPILED_DIR, FORMAT_VERSION, KERNELS_DIR, MANIFEST, PROGRAM_DIR, WEIGHTS_FILE, _EXTRA_DIRS,
+    COMPILED_DIR, FORMAT_VERSION, KERNELS_DIR, MANIFEST, PROGRAM_DIR, TOKENIZER_FILE, WEIGHTS_FILE,
+    _EXTRA_DIRS,
     ArtifactError, _checksum, _dspark_ops, _program_file, config_hash, prefill_key,
     prefill_program_path, program_path, register_kernel_ops, sha256_file, tensor_sha256)
 from dspark_compile.artifact_load import (  # noqa: F401  (re-exported: the engine's API)
@@ -88,9 +90,22 @@ def _file_table(root: Path) -> dict:
 
 
 def not_an_engine(dest: Path) -> Optional[str]:
-    """Why replacing `dest` would delete something save_engine did not write (None: it may go;
-    the hidden files are _write_json_atomic's temporaries)."""
-    return replace_refusal(dest, "an engine", MANIFEST, {PROGRAM_DIR, WEIGHTS_FILE, *_EXTRA_DIRS},
+    """Why replacing `dest` would delete something save_engine did not write (None: it may go).
+    What it wrote is its manifest's file table (every file but the manifest, the whole tree)
+    plus the manifest and _write_json_atomic's hidden temporaries; a manifest that cannot be
+    read cannot say which files are the engine's, so the directory is refused."""
+    dest = Path(dest)
+    allowed: set[str] = set()
+    path = dest / MANIFEST
+    if dest.is_dir() and path.is_file() and not path.is_symlink():
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return (f"its {MANIFEST} cannot be read ({type(e).__name__}), so which files are "
+                    "the engine's cannot be told")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        allowed = set(files) if isinstance(files, dict) else set()
+    return replace_refusal(dest, "an engine", MANIFEST, allowed,
                            (rf"\.{MANIFEST}\.\d+\.[0-9a-f]{{8}}\.tmp",))
 
 
@@ -117,8 +132,9 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     manifest_fields: must hold "model_config_hash" (or "model_config", hashed here) and
         "passes" (PassManager.manifest_entries()); may hold "target_sm" (default: that of
         the programs' device, "cpu" for CPU programs), "pass_config_hash", "pass_stats" and any other JSON-able field.
-    extra_files: {"kernels/sm_XY/<name>" | "compiled/<name>": bytes | str} build reports and
-        compiled programs (dspark_compile/compiled.py).
+    extra_files: {"kernels/sm_XY/<name>" | "compiled/<name>" | "tokenizer.json": bytes | str}
+        build reports, compiled programs (dspark_compile/compiled.py) and the checkpoint's
+        tokenizer, checksummed like every file.
     """
     out_dir = Path(out_dir).absolute()
     if not programs:
@@ -154,9 +170,11 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     extra_files = dict(extra_files or {})
     for rel in extra_files:
         parts = Path(rel).parts
+        if rel == TOKENIZER_FILE:
+            continue
         if not parts or parts[0] not in _EXTRA_DIRS or ".." in parts or Path(rel).is_absolute():
-            raise ArtifactError(f"extra file '{rel}' must live under one of "
-                                f"{[d + '/' for d in _EXTRA_DIRS]}", path=rel)
+            raise ArtifactError(f"extra file '{rel}' must be {TOKENIZER_FILE} or live under one "
+                                f"of {[d + '/' for d in _EXTRA_DIRS]}", path=rel)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed

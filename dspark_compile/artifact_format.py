@@ -19,6 +19,7 @@ WEIGHTS_FILE = "weights.safetensors"
 PROGRAM_DIR = "programs"
 KERNELS_DIR = "kernels"
 COMPILED_DIR = "compiled"     # dspark_compile/compiled.py's artifacts
+TOKENIZER_FILE = "tokenizer.json"   # the checkpoint's, copied by the build when it has one
 _EXTRA_DIRS = (KERNELS_DIR, COMPILED_DIR)
 _CHUNK = 8 << 20
 

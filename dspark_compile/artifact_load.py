@@ -23,14 +23,24 @@ from dspark_compile.versions import ENV_FIELDS, environment_fields
 
 def _read_manifest(engine_dir: Path) -> dict:
     path = engine_dir / MANIFEST
-    if not engine_dir.is_dir():
+    if not engine_dir.exists():
         raise ArtifactError(f"engine directory {engine_dir} does not exist", path=str(engine_dir))
+    if not engine_dir.is_dir():
+        raise ArtifactError(f"engine directory {engine_dir} is not a directory (an engine is a "
+                            "directory that `dspark-compile build --out` wrote)",
+                            path=str(engine_dir))
+    if path.exists() and not path.is_file():
+        raise ArtifactError(f"{engine_dir} is not an engine: {MANIFEST} is not a file",
+                            path=MANIFEST)
     if not path.is_file():
         raise ArtifactError(f"{engine_dir} is not an engine: {MANIFEST} is missing", path=MANIFEST)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{MANIFEST} is corrupted (not valid JSON: {e})", path=MANIFEST) from e
+    except OSError as e:
+        raise ArtifactError(f"{engine_dir / MANIFEST} cannot be read ({e.strerror or e})",
+                            path=MANIFEST) from e
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{MANIFEST} is corrupted (not a JSON object)", path=MANIFEST)
     if "checksum" not in manifest:
@@ -217,11 +227,28 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=check_files,
                              device=device)
+    configs = _engine_fields(manifest, device)
     register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], device)
     programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
+    if configs is not None:
+        from dspark_compile.engine_fields import check_programs_state
+        check_programs_state(*configs, programs)
     return manifest, programs, weights
+
+
+def _engine_fields(manifest: dict, device=None):
+    """(ModelConfig, BuildConfig) of an engine `dspark-compile build` wrote, checked against
+    the manifest's tables and the device's free memory (dspark_compile/engine_fields.py);
+    None for an engine without those fields (save_engine alone writes such engines)."""
+    if "model_config" not in manifest or "build_config" not in manifest:
+        return None
+    from dspark_compile.engine_fields import check_engine_fields
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+        dev = None
+    return check_engine_fields(manifest, dev)
 
 
 def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
@@ -249,4 +276,8 @@ def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
                                 path=entry["path"]) from e
         _attach_weights(ep, entry["shared_weights"], weights, prefill_key(int(c)))
         out[int(c)] = ep
+    configs = _engine_fields(manifest)
+    if configs is not None:
+        from dspark_compile.engine_fields import check_programs_state
+        check_programs_state(*configs, {prefill_key(c): ep for c, ep in out.items()})
     return out

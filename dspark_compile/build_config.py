@@ -25,8 +25,9 @@ class BuildConfig:
     max_seq_len: int = 1024         # positions per request (models/config.py request_positions)
     prefill_chunk: int = 64         # tokens per eager prefill forward
     # chunk lengths with a prefill program each (models/prefill_chunk.py); () = none, the
-    # runtime prefills with the eager reference
-    prefill_chunks: tuple = ()
+    # runtime prefills with the eager reference; "auto" = default_prefill_chunks(max_seq_len)
+    # (the CLI's default)
+    prefill_chunks: tuple | str = ()
     dtype: str = "float32"          # compute dtype of activations
     act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
     kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches
@@ -37,8 +38,10 @@ class BuildConfig:
     arch: str | None = None         # e.g. "sm_120": store that arch's kernel resource report
     device: str = "cpu"
     # "inductor": the glue between the dspark:: ops compiled by Inductor at build time
-    # (dspark_compile/compiled.py); "aten": the exported program runs op by op. "" = inductor
-    # for CUDA builds, aten for CPU builds (Inductor's CPU code is C++ compiled on the spot)
+    # (dspark_compile/compiled.py); "aten": the exported program runs op by op. "" = aten on
+    # every device: on the H200 machine the Inductor build of one tiny-model step program had
+    # not finished after 465 s (a build compiles two per bucket), while the aten engine builds
+    # in minutes and runs the tiny step in 2.5 ms at B = 1 (README, "Command line")
     backend: str = ""
     # worker processes compiling the programs side by side (dspark_compile/compile_workers.py);
     # 0 = one per program up to half the CPU cores, 1 = in the building process
@@ -47,7 +50,7 @@ class BuildConfig:
     def __post_init__(self):
         from dspark_compile.compiled import BACKENDS
         if not self.backend:
-            self.backend = "inductor" if str(self.device).startswith("cuda") else "aten"
+            self.backend = "aten"
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.compile_workers < 0:
@@ -89,8 +92,28 @@ class BuildConfig:
         return {k: v for k, v in asdict(self).items() if k not in NOT_RECORDED}
 
 
+# The default engine's prefill chunk lengths: powers of two from 64 up to min(512, max_seq_len).
+# 64 covers short prompts with little padding; each doubling halves the calls of a long prompt;
+# past 512 a chunk's forward is long enough that fewer calls no longer pay for the larger state
+# ring (every SWA / compressor ring holds max_step_tokens more entries per row) and build time.
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 64, 512
+
+
+def default_prefill_chunks(max_seq_len: int) -> tuple:
+    """Powers of two from 64 up to min(512, max_seq_len); none when max_seq_len < 64."""
+    out, c = [], PREFILL_CHUNK_MIN
+    while c <= min(PREFILL_CHUNK_MAX, max_seq_len):
+        out.append(c)
+        c *= 2
+    return tuple(out)
+
+
 def _chunk_lengths(chunks, max_seq_len) -> tuple:
-    """prefill_chunks as sorted distinct ints in [1, max_seq_len]; (0,) and () mean none."""
+    """prefill_chunks as sorted distinct ints in [1, max_seq_len]; (0,) and () mean none,
+    "auto" default_prefill_chunks(max_seq_len)."""
+    if chunks == "auto":
+        ok = isinstance(max_seq_len, int) and not isinstance(max_seq_len, bool)
+        return default_prefill_chunks(max_seq_len) if ok else ()
     if isinstance(chunks, (int, str)) or not hasattr(chunks, "__iter__"):
         raise ValueError(f"prefill_chunks must be a sequence of chunk lengths, got {chunks!r}")
     chunks = tuple(chunks)

@@ -23,25 +23,40 @@ SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temper
                   "stop id": "--stop-ids: id", "verify": "--verify"}
 
 
+IDS_RULE = ("comma-separated token ids >= 0; spaces around an id are ignored, an empty item "
+            "(1,,2 or a trailing comma) is refused")
+
+
 def _ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
-    if not ids:
+    """Token ids as IDS_RULE says: an empty item is a typo more often than not (a dropped
+    digit), so it is refused rather than skipped."""
+    items = [t.strip() for t in text.split(",")]
+    if items == [""]:
         raise argparse.ArgumentTypeError("no token ids given")
+    if "" in items:
+        raise argparse.ArgumentTypeError(f"empty item in {text!r} (expected {IDS_RULE})")
+    try:
+        ids = [int(t) for t in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {IDS_RULE}, got {text!r}") from None
+    bad = [t for t in ids if t < 0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {bad[0]} in {text!r}")
     return ids
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", type=_ids, required=True, action="append",
-                   help="comma-separated prompt token ids (repeat for a batch of prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+                   help=f"prompt token ids, {IDS_RULE} (repeat for a batch of prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="new tokens per request at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); finite, >= 0")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default); >= 0")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
-    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
-    p.add_argument("--stop-ids", type=_ids, default=None, help="comma-separated stop token ids")
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompt i samples with seed + i (default 0; seed + i fits in 64 bits)")
+    p.add_argument("--stop-ids", type=_ids, default=None,
+                   help="stop token ids, comma-separated, in the vocabulary (default: none)")
     p.add_argument("--verify", choices=("block", "token"), default="block",
                    help="how sampled requests' drafts are verified: block (the default; the "
                         "accepted prefix decided jointly, Sun et al. 2024) or token (token-wise "
@@ -62,8 +77,10 @@ def _params(args):
     return params
 
 
-def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, block: int = 0):
-    """Prompt ids in the vocabulary and, for an engine, every request within its max_seq_len."""
+def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, block: int = 0,
+                    max_positions: int | None = None):
+    """Prompt ids in the vocabulary and, for an engine, every request within its max_seq_len;
+    for the eager models (`max_positions`), within the model's max_position_embeddings."""
     from dspark_compile.models.config import request_positions
     for i, p in enumerate(args.prompt_ids):
         bad = [t for t in p if not 0 <= t < vocab]
@@ -76,6 +93,13 @@ def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, bl
                              f"{args.max_new_tokens} need {need} positions (with the draft "
                              f"block of {block} and its lookahead); the engine holds "
                              f"max_seq_len={max_seq_len} (build --max-seq-len)")
+        if max_positions is not None and need > max_positions:
+            raise ValueError(f"--prompt-ids (prompt {i}): {len(p)} tokens + --max-new-tokens "
+                             f"{args.max_new_tokens} need {need} positions"
+                             + (f" (with the draft block of {block} and its lookahead)"
+                                if block else "")
+                             + f"; the model's max_position_embeddings is {max_positions} "
+                             "(config.json)")
     for sp in params:
         sp.validate(vocab)
 
@@ -108,8 +132,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
     _sampling_args(p)
     p.add_argument("--no-speculation", action="store_true", help="plain target decoding")
-    p.add_argument("--dtype", choices=PRECISIONS, default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=PRECISIONS, default="float32",
+                   help="compute dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="device the models run on (default cpu)")
 
 
 @command("generate", "decode with the eager reference models (no compilation)", _generate_args,
@@ -131,9 +156,14 @@ def cmd_generate(args) -> int:
     if spec and not cfg.has_draft:
         raise ValueError("the checkpoint has no DSpark draft (config field 'dspark_block_size'): "
                          "pass --no-speculation")
-    _check_requests(args, params, cfg.vocab_size)
     N = cfg.dspark_block_size if spec else 0
+    _check_requests(args, params, cfg.vocab_size, block=N,
+                    max_positions=cfg.max_position_embeddings)
     cache = cache_config_for(args.prompt_ids, params, N)
+    from dspark_compile.models.state import check_state_fits
+    check_state_fits(cfg, cache, Precision(dtype=DTYPES[args.dtype]), dev,
+                     f"{len(args.prompt_ids)} prompts of up to {cache.max_seq_len} positions "
+                     f"(prompt + max_new_tokens + the lookahead)")
     model = load_model(root, Precision(dtype=DTYPES[args.dtype]),
                        rope_positions(cache.max_seq_len, N), with_draft=spec, device=dev)
     t = time.perf_counter()
@@ -154,30 +184,45 @@ def _buckets(text: str) -> tuple[int, ...]:
     return b
 
 
-def _chunks(text: str) -> tuple[int, ...]:
+PREFILL_RULE = ("powers of two from 64 up to min(512, --max-seq-len): 64,128,256,512 at the "
+                "default --max-seq-len")
+
+
+def _chunks(text: str):
+    """--prefill-chunks: lengths, "auto" (PREFILL_RULE) or "none" / "0"."""
+    if text.strip().lower() in ("auto",):
+        return "auto"
+    if text.strip().lower() in ("none", "0"):
+        return ()
     try:
         c = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated chunk lengths, got {text!r}") from None
-    return () if c == (0,) else c
+        raise argparse.ArgumentTypeError(f"expected comma-separated chunk lengths, 'auto' or "
+                                         f"'none', got {text!r}") from None
+    return c
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
     from dspark_compile.build_config import DEFAULT_BUCKETS
-    p.add_argument("checkpoint")
+    from dspark_compile.compiled import BACKENDS
+    p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="engine directory (written atomically)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing engine at --out (only an engine directory)")
+                   help="replace an existing engine at --out (only an engine directory: every "
+                        "file in it one the engine's manifest lists)")
     p.add_argument("--buckets", type=_buckets, default=DEFAULT_BUCKETS,
                    help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
-    p.add_argument("--max-rows", type=int, default=0, help="concurrent requests (default: largest bucket)")
-    p.add_argument("--prefill-chunks", type=_chunks, default=(), metavar="C1,C2",
-                   help="chunk lengths with a compiled prefill program each (e.g. 64,512; "
-                        "default 0: none, prompts prefill with the eager reference)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="concurrent requests, >= the largest bucket (default: the largest bucket)")
+    p.add_argument("--prefill-chunks", type=_chunks, default="auto", metavar="C1,C2|auto|none",
+                   help=f"chunk lengths with a compiled prefill program each (default auto: "
+                        f"{PREFILL_RULE}; none: no prefill programs, prompts prefill with the "
+                        "eager reference)")
     p.add_argument("--max-seq-len", type=int, default=1024,
                    help="positions per request: prompt + new tokens + the step's lookahead "
-                        "(the draft block + 2)")
-    p.add_argument("--dtype", choices=PRECISIONS, default="float32")
+                        "(the draft block + 2); default 1024")
+    p.add_argument("--dtype", choices=PRECISIONS, default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--no-act-quant", action="store_true", help="do not simulate FP8 activation quant")
     p.add_argument("--no-kv-fp8", action="store_true", help="keep KV caches in the compute dtype")
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
@@ -187,15 +232,28 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dump-graphs", metavar="DIR", default=None, help="write graphs before/after each pass")
     p.add_argument("--arch", default=None, help="also compile the kernels for this arch (e.g. sm_120) "
                    "and store their resource report")
-    p.add_argument("--device", default="cpu", help="device the programs are built for")
-    from dspark_compile.compiled import BACKENDS
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="inductor: compile the glue between the fused ops with Inductor at build "
-                        "time; aten: run the exported program op by op (default: inductor for a "
-                        "CUDA --device, aten for cpu)")
-    p.add_argument("--compile-workers", type=int, default=0, metavar="N",
+    p.add_argument("--device", default=None,
+                   help="device the programs are built for (default: cuda when this machine has "
+                        "a CUDA device, else cpu, with a line saying so)")
+    p.add_argument("--backend", choices=BACKENDS, default="aten",
+                   help="aten (the default, every device): run the exported program op by op; "
+                        "inductor: compile the glue between the fused ops with Inductor at build "
+                        "time (slow to build: one tiny-model program took > 465 s on an H200)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="with --backend inductor: processes compiling programs side by side "
                         "(default 0: one per program, up to half the CPU cores; 1: in this process)")
+
+
+def _build_device(args) -> str:
+    """--device, or cuda when this machine has one: the programs run where they are built."""
+    import torch
+    if args.device is not None:
+        return str(device(args.device))
+    if torch.cuda.is_available():
+        return "cuda"
+    print("build: no CUDA device on this machine: building for the CPU (--device cpu)",
+          flush=True)
+    return "cpu"
 
 
 @command("build", "compile a checkpoint into an engine (one program per batch bucket)", _build_args,
@@ -208,11 +266,19 @@ def cmd_build(args) -> int:
     from dspark_compile.build_config import BuildConfig
     from dspark_compile.trace import build_engine
 
-    bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows, max_seq_len=args.max_seq_len,
-                     dtype=args.dtype, act_quant=not args.no_act_quant, kv_fp8=not args.no_kv_fp8,
-                     disabled_passes=tuple(args.disable_pass), verify_passes=args.verify_passes,
-                     dump_dir=args.dump_graphs, arch=args.arch, device=str(device(args.device)),
-                     backend=args.backend or "", compile_workers=args.compile_workers,
+    if args.max_rows is not None and args.max_rows < 1:
+        raise ValueError(f"--max-rows must be >= 1 (leave it out for the largest bucket), got "
+                         f"{args.max_rows}")
+    if args.compile_workers is not None and args.backend != "inductor":
+        raise ValueError(f"--compile-workers {args.compile_workers}: only --backend inductor "
+                         f"compiles programs (this build is --backend {args.backend})")
+    dev = _build_device(args)
+    dtype = args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
+    bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows or 0,
+                     max_seq_len=args.max_seq_len, dtype=dtype, act_quant=not args.no_act_quant,
+                     kv_fp8=not args.no_kv_fp8, disabled_passes=tuple(args.disable_pass),
+                     verify_passes=args.verify_passes, dump_dir=args.dump_graphs, arch=args.arch,
+                     device=dev, backend=args.backend, compile_workers=args.compile_workers or 0,
                      prefill_chunks=args.prefill_chunks)
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
@@ -229,7 +295,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     _sampling_args(p)
     p.add_argument("--check-lossless", action="store_true",
                    help="also decode greedily with the target alone and compare")
-    p.add_argument("--device", default=None, help="default: the device the engine was built for")
+    p.add_argument("--device", default=None,
+                   help="device to run on (default: the device the engine was built for)")
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
 
 
@@ -247,6 +314,14 @@ def cmd_run(args) -> int:
     with engine_errors():
         cfg, build = engine_configs(load_manifest(args.engine, check_files=False, device=dev))
     _check_requests(args, params, cfg.vocab_size, build.max_seq_len, cfg.dspark_block_size)
+    import torch
+
+    from dspark_compile.models.state import check_state_fits
+    target = dev or torch.device(build.device)
+    if target.type == "cpu" or torch.cuda.is_available():   # else Engine.load names the device
+        check_state_fits(cfg, build.cache(cfg.dspark_block_size), build.precision(), target,
+                         f"the engine's max_rows={build.max_rows} and max_seq_len="
+                         f"{build.max_seq_len}")
     t = time.perf_counter()
     with engine_errors():
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None)
@@ -308,12 +383,21 @@ def cmd_inspect(args) -> int:
         check_matplotlib_available()
     if args.bucket and not args.onnx:
         raise ValueError("--bucket selects what --onnx exports; pass --onnx OUT_DIR")
+    # every output path before anything is printed: the summary is 25 lines
+    from dspark_compile.build_checks import writable_dir, writable_file
+    if args.report:
+        writable_file(args.report, "--report")
+    if args.onnx:
+        writable_dir(args.onnx, "--onnx")
     # a stale engine (other toolchain, changed pass or op) is still worth reading: only the
     # checksum, structure and file hashes must hold here; staleness is reported below
     with engine_errors():
         m = load_manifest(args.engine, skip=("torch_version", "triton_version", "cuda_version",
                                              "target_sm", "dspark_compile_version", "passes",
                                              "dspark_ops"))
+    unknown = sorted(set(args.bucket or ()) - set(m.get("buckets", [])))
+    if unknown:
+        raise ValueError(f"--bucket {unknown[0]}: the engine has buckets {m.get('buckets')}")
     try:
         load_manifest(args.engine, check_files=False)
         loadable = "yes"

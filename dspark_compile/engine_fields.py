@@ -3,12 +3,58 @@
 
 An engine missing either, or holding one that does not parse, is refused with an ArtifactError
 naming the field, before anything is allocated; read by the runtime and by `dspark-compile
-run` (which checks the requests against them before loading the programs)."""
+run` (which checks the requests against them before loading the programs).
+
+A manifest is checksummed, but a user fixing a path by hand recomputes the checksum, so the two
+fields are also checked against what they describe (`check_engine_fields`, called by
+load_engine): each build_config field's type, the buckets and prefill chunks against the
+programs listed, the weights' shapes against the model `model_config` builds, and the decode
+state the two fields size against the state every program takes. A field that does not match
+is named; without these checks such an edit failed deep in the load (a shape mismatch against
+the exported program, a TypeError, a `load_state_dict` size mismatch)."""
 from __future__ import annotations
 
 import dataclasses
 
-from dspark_compile.artifact import ArtifactError
+from dspark_compile.artifact_format import ArtifactError
+
+# build_config field -> (accepted JSON types, what the message says it must be)
+_INT, _STR, _BOOL = (int,), (str,), (bool,)
+_TYPES = {
+    "buckets": ((list,), "a list of positive ints"),
+    "max_rows": (_INT, "an int >= 1"),
+    "max_seq_len": (_INT, "an int >= 1"),
+    "prefill_chunk": (_INT, "an int >= 1"),
+    "prefill_chunks": ((list,), "a list of positive ints"),
+    "dtype": (_STR, "a dtype name"),
+    "act_quant": (_BOOL, "true or false"),
+    "kv_fp8": (_BOOL, "true or false"),
+    "passes": ((list, type(None)), "a list of pass names or null"),
+    "disabled_passes": ((list,), "a list of pass names"),
+    "arch": ((str, type(None)), "an arch name or null"),
+    "device": (_STR, "a device name"),
+    "backend": (_STR, "a backend name"),
+}
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(bc: dict) -> None:
+    for name, value in bc.items():
+        types, what = _TYPES.get(name, ((object,), ""))
+        ok = isinstance(value, types) and (bool not in types or isinstance(value, bool))
+        if ok and types == _INT:
+            ok = _int(value) and value >= 1
+        if ok and name in ("buckets", "prefill_chunks"):
+            ok = all(_int(x) and x >= 1 for x in value)
+        if ok and name in ("passes", "disabled_passes") and value is not None:
+            ok = all(isinstance(x, str) for x in value)
+        if not ok:
+            raise ArtifactError(f"manifest field 'build_config.{name}' must be {what}, got "
+                                f"{value!r} — restore it or rebuild", field=f"build_config.{name}")
+
 
 def engine_configs(manifest: dict):
     """(ModelConfig, BuildConfig) of a validated manifest."""
@@ -39,7 +85,9 @@ def engine_configs(manifest: dict):
             + (f"has unknown {unknown}" if unknown else "")
         raise ArtifactError(f"manifest field 'build_config' {what} — rebuild",
                             field=f"build_config.{(missing or unknown)[0]}")
-    bc["buckets"] = tuple(bc["buckets"]) if isinstance(bc["buckets"], list) else bc["buckets"]
+    _check_types({k: list(v) if isinstance(v, tuple) else v for k, v in bc.items()})
+    bc["buckets"] = tuple(bc["buckets"])
+    bc["prefill_chunks"] = tuple(bc["prefill_chunks"])
     try:
         build = BuildConfig(**bc)
     except (TypeError, ValueError) as e:
@@ -48,3 +96,101 @@ def engine_configs(manifest: dict):
         raise ArtifactError("manifest field 'model_config': no DSpark draft (dspark_block_size)",
                             field="model_config")
     return cfg, build
+
+
+def check_engine_fields(manifest: dict, device=None) -> tuple:
+    """model_config and build_config parsed, typed and consistent with the manifest's program
+    and weight tables (no program is loaded; see check_programs_state for the programs), and
+    the decode state they size within `device`'s free memory (skipped without a device).
+    Returns (ModelConfig, BuildConfig)."""
+    cfg, build = engine_configs(manifest)
+    buckets = manifest.get("buckets")
+    if sorted(build.buckets) != sorted(buckets or ()):
+        raise ArtifactError(f"manifest field 'build_config.buckets' is {list(build.buckets)}, "
+                            f"the engine's programs are for buckets {buckets} — restore it or "
+                            "rebuild", field="build_config.buckets")
+    chunks = sorted(int(c) for c in manifest.get("prefill_programs", {}))
+    if sorted(build.prefill_chunks) != chunks:
+        raise ArtifactError(f"manifest field 'build_config.prefill_chunks' is "
+                            f"{list(build.prefill_chunks)}, the engine's prefill programs are for "
+                            f"chunks {chunks} — restore it or rebuild",
+                            field="build_config.prefill_chunks")
+    _check_weights(cfg, build, manifest.get("weights", {}).get("tensors", {}))
+    if device is not None:
+        from dspark_compile.models.state import check_state_fits
+        try:
+            check_state_fits(cfg, build.cache(cfg.dspark_block_size), build.precision(), device,
+                             f"the manifest's build_config.max_rows={build.max_rows} and "
+                             f"build_config.max_seq_len={build.max_seq_len}")
+        except ValueError as e:
+            raise ArtifactError(str(e), field="build_config") from None
+    return cfg, build
+
+
+def _check_weights(cfg, build, tensors: dict) -> None:
+    """The weights table against the model model_config builds (on the meta device: shapes
+    only, nothing allocated)."""
+    import torch
+
+    from dspark_compile.models.config import rope_positions
+    from dspark_compile.models.target import DeepseekV4
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, build.precision(), rope_positions(build.max_seq_len,
+                                                                  cfg.dspark_block_size))
+    want = {f"model.{k}": list(v.shape) for k, v in model.state_dict().items()}
+    for name, info in sorted(tensors.items()):
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if name in want and shape != want[name]:
+            raise ArtifactError(f"manifest field 'model_config' does not describe the engine's "
+                                f"weights: '{name}' is {shape} in the weights file, "
+                                f"{want[name]} for model_config — restore it or rebuild",
+                                field="model_config")
+    absent = sorted(set(want) - set(tensors))
+    if absent:
+        raise ArtifactError(f"manifest field 'model_config' does not describe the engine's "
+                            f"weights: its model has {absent[:3]}, which the weights file lacks "
+                            "— restore it or rebuild", field="model_config")
+
+
+def _blame(key: str, have, want) -> str:
+    """The manifest field that sizes the state dimension where `have` and `want` differ."""
+    if have.dtype != want.dtype:
+        return "build_config.dtype"
+    if have.shape[0] != want.shape[0]:
+        return "build_config.max_rows"
+    if len(have.shape) == len(want.shape) and have.shape[1:2] != want.shape[1:2]:
+        if ".ckv_" in key or key.endswith(".idx_k"):
+            return "build_config.max_seq_len"
+        if any(s in key for s in (".swa_", ".cmp_", ".idx_kv", ".idx_score")):
+            return "build_config.prefill_chunks"
+    return "model_config"
+
+
+def check_programs_state(cfg, build, programs: dict) -> None:
+    """Every program's state inputs have the shapes and dtypes that model_config and
+    build_config give the decode state (models/state.py state_specs). Programs whose state
+    fields differ by name are left to artifact_load.check_state_layout, which names them."""
+    from dspark_compile.models.state import state_specs
+    specs = state_specs(cfg, build.cache(cfg.dspark_block_size), build.precision())
+    for b, ep in sorted(programs.items(), key=lambda kv: str(kv[0])):
+        try:
+            keys = list(ep.call_spec.in_spec.child(0).child(1).context)
+        except (AttributeError, IndexError, TypeError):
+            continue
+        if keys != list(specs):
+            continue
+        names = ep.graph_signature.user_inputs[1:]
+        nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+        for key, name in zip(keys, names):
+            val = nodes[name].meta.get("val") if name in nodes else None
+            if val is None:
+                continue
+            spec = specs[key]
+            if tuple(val.shape) != tuple(spec.shape) or val.dtype != spec.dtype:
+                field = _blame(key, val, spec)
+                what = f"bucket {b}'s" if isinstance(b, int) else f"the {b}"
+                raise ArtifactError(
+                    f"manifest field '{field}' does not match {what} program: state '{key}' is "
+                    f"{list(val.shape)} {str(val.dtype).replace('torch.', '')} in the program, "
+                    f"{list(spec.shape)} {str(spec.dtype).replace('torch.', '')} from the "
+                    "manifest — restore it or rebuild", field=field)

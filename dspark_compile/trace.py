@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.artifact import prefill_key, save_engine
+from dspark_compile.artifact import TOKENIZER_FILE, prefill_key, save_engine
 from dspark_compile.build_config import BuildConfig
 from dspark_compile.models.random_requests import prefilled_state
 
@@ -157,13 +157,18 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         prefill_programs[c], stats[prefill_key(c)] = _export_bucket(model, state, cache, 0, pm, bc,
                                                                     log, chunk=c)
 
-    # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch)
+    # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch),
+    # the tokenizer
     extra = {}
     compiled = None
     if bc.backend == "inductor":
         compiled = _compile({**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()}},
                             state, bc, log)
         extra.update(compiled.pop("files"))
+    # the checkpoint's tokenizer (checked by check_build), checksummed with the engine's files
+    tok = Path(ckpt) / TOKENIZER_FILE
+    if tok.is_file():
+        extra[TOKENIZER_FILE] = tok.read_bytes()
     if bc.arch:
         from dspark_compile.kernels.sm12x import resource_report
         report = resource_report(bc.arch)
@@ -177,6 +182,13 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     }
     if compiled is not None:
         fields["compiled"] = compiled
+    if torch.device(bc.device).type == "cuda":
+        # every Triton kernel the programs launch, compiled here for this SM and stored, so a
+        # load compiles nothing (dspark_compile/kernel_store.py)
+        from dspark_compile.kernel_store import compile_engine_kernels
+        files, fields["kernel_store"] = compile_engine_kernels(
+            programs, prefill_programs, cfg, cache, prec, torch.device(bc.device), log)
+        extra.update(files)
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()

@@ -116,21 +116,47 @@ def move_into_place(tmp: Path, dest: Path) -> None:
 def replace_refusal(dest: Path, what: str, required: str, allowed: set[str],
                     patterns=()) -> str | None:
     """Why replacing the existing `dest` could delete something that is not a `what` (None
-    when `dest` is missing, empty, or holds `required` and otherwise only names in `allowed`
-    or matching one of `patterns`, regular expressions for the whole name)."""
+    when `dest` is missing, empty, or holds the file `required` and otherwise only files its
+    writer writes).
+
+    The whole tree is checked, not only the top level: every file must be `required`, a
+    relative path in `allowed` ("programs/step_b1.pt2", '/'-separated) or, at the top level,
+    a name matching one of `patterns` (regular expressions for the whole name). A symbolic
+    link, a special file or an empty directory is never what a writer leaves, so it is
+    refused too (a user's file below the top level, `ENGINE/programs/mine.txt`, was deleted
+    when only the top level was compared)."""
     dest = Path(dest)
     if not dest.exists():
         return None
     if not dest.is_dir():
         return "it is not a directory"
-    names = sorted(p.name for p in dest.iterdir())
-    if not names:
+    if not any(dest.iterdir()):
         return None
-    if required not in names:
+    if not (dest / required).is_file() or (dest / required).is_symlink():
         return f"it is not {what} directory (no {required})"
-    other = [n for n in names if n not in allowed and n != required
-             and not any(re.fullmatch(r, n) for r in patterns)]
+    other = []
+    for root, dirs, files in os.walk(dest):    # does not follow symbolic links
+        base = Path(root)
+        for name in sorted(dirs):
+            p = base / name
+            rel = p.relative_to(dest).as_posix()
+            if p.is_symlink():
+                other.append(f"{rel} (a symbolic link)")
+            elif not any(p.iterdir()):
+                other.append(f"{rel}/ (an empty directory)")
+        for name in sorted(files):
+            p = base / name
+            rel = p.relative_to(dest).as_posix()
+            if p.is_symlink():
+                other.append(f"{rel} (a symbolic link)")
+            elif not p.is_file():
+                other.append(f"{rel} (not a regular file)")
+            elif not (rel == required or rel in allowed or (
+                    "/" not in rel and any(re.fullmatch(r, rel) for r in patterns))):
+                other.append(rel)
+        dirs[:] = [d for d in dirs if not (base / d).is_symlink()]
     if other:
+        other.sort()
         return (f"it holds more than {what}: {other[:5]}"
                 f"{f' and {len(other) - 5} more' if len(other) > 5 else ''}, which replacing "
                 "it would delete")

@@ -88,6 +88,59 @@ def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[s
     return specs
 
 
+def state_bytes(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> int:
+    """Bytes allocate_state would allocate, from the layout alone (nothing is allocated)."""
+    total = 0
+    for s in state_specs(cfg, cache, prec).values():
+        n = s.dtype.itemsize
+        for d in s.shape:
+            n *= d
+        total += n
+    return total
+
+
+def available_bytes(device) -> tuple[int, str]:
+    """(bytes free for new tensors on `device`, where the number comes from). CPU: MemAvailable
+    of /proc/meminfo (the kernel's estimate of what can be allocated without swapping), else
+    the free physical pages (os.sysconf); CUDA: torch.cuda.mem_get_info's free bytes."""
+    import os
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), "free (torch.cuda.mem_get_info)"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available (MemAvailable, /proc/meminfo)"
+    except OSError:
+        pass
+    return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+            "free (os.sysconf free physical pages)")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_state_fits(cfg: ModelConfig, cache: CacheConfig, prec: Precision, device,
+                     sizes: str = "") -> int:
+    """Refuse, before allocating, a decode state larger than the memory free on `device`
+    (ValueError naming the state's bytes, `sizes` -- the settings that chose them, e.g.
+    "max_rows=64, max_seq_len=1024" -- and the free bytes); returns the state's bytes."""
+    need = state_bytes(cfg, cache, prec)
+    free, source = available_bytes(device)
+    if need > free:
+        what = sizes or (f"max_rows={cache.max_rows}, max_seq_len={cache.max_seq_len}, "
+                         f"max_step_tokens={cache.max_step_tokens}")
+        raise ValueError(f"the decode state for {what} needs {need} bytes ({_size(need)}); "
+                         f"{torch.device(device)} has {free} bytes ({_size(free)}) {source}")
+    return need
+
+
 # The CacheConfig each state was allocated with, keyed by id() of its row.last_pos tensor (a
 # state is a plain dict of tensors: torch.export takes it as an input pytree, so it carries no
 # attributes). Entries go when that tensor does.

@@ -3,6 +3,7 @@ the expensive part: these checkpoints hold only a config.json, so a check that r
 loading the weights would fail with a different error."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,7 +81,12 @@ def test_generate_without_a_draft_names_no_speculation(config_only, capsys):
     (["--max-seq-len", "8"], "--max-seq-len must be an int >= 9"),
     (["--disable-pass", "nosuch"], "--disable-pass: unknown pass 'nosuch'; known passes: "),
     (["--arch", "sm_999"], "--arch must be one of "),
-    (["--max-rows", "-2"], "--max-rows must be >= 1, got -2"),
+    (["--max-rows", "-2"], "--max-rows must be >= 1 (leave it out for the largest bucket), got -2"),
+    (["--max-rows", "0"], "--max-rows must be >= 1 (leave it out for the largest bucket), got 0"),
+    (["--compile-workers", "4"], "--compile-workers 4: only --backend inductor compiles programs "
+                                 "(this build is --backend aten)"),
+    (["--max-seq-len", "5000"], "--max-seq-len=5000 exceeds the model's max_position_embeddings="
+                                "4096 (config.json)"),
     (["--max-rows", "3", "--buckets", "1,4"], "--max-rows must be >= the largest bucket (4), got 3"),
 ])
 def test_bad_build_options_are_named_before_loading(config_only, tmp_path, capsys, flags, says):
@@ -149,7 +155,8 @@ def test_synth_overwrite_replaces_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "ck"
     assert cli.main(["synth", "--preset", "tiny", "--out", str(out), "--seed", "1"]) == 0
     assert cli.main(["synth", "--preset", "tiny", "--out", str(out), "--overwrite"]) == 0
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(set(os.listdir(out)) - {"tokenizer.json"}) == ["config.json",
+                                                                 "model.safetensors"]
     assert sorted(p for p in os.listdir(tmp_path) if p != "ck") == []   # no temporaries left
 
 
@@ -231,3 +238,393 @@ def test_generate_hint_names_the_flag_not_the_python_argument(tmp_path, capsys):
     assert cli.main(["generate", str(ck), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
     line = _one_line(capsys, "generate")
     assert "--no-speculation" in line and "include_draft" not in line
+
+
+# ================================================================== issue 32: the second pass
+# ------------------------------------------------------------------ --overwrite never deletes a
+# user's file, wherever in the tree it is (a property over random trees)
+def _tree(root) -> dict:
+    """Every entry under `root`: relative path -> file bytes, 'dir' or 'link -> target'."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = f"link -> {os.readlink(p)}"
+            elif os.path.isdir(p):
+                out[rel] = "dir"
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+_ENGINE_FILES = ("programs/step_b1.pt2", "programs/step_b2.pt2", "programs/prefill_c64.pt2",
+                 "weights.safetensors", "kernels/sm_120/resources.json", "tokenizer.json",
+                 "compiled/step_b1.full.pt2")
+
+
+def _fake_engine(root):
+    """An engine directory as save_engine leaves it: its files and a manifest listing them."""
+    root.mkdir(parents=True)
+    for rel in _ENGINE_FILES:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rel.encode())
+    (root / "manifest.json").write_text(json.dumps(
+        {"files": {rel: {"sha256": "0" * 64, "size": len(rel)} for rel in _ENGINE_FILES}}))
+
+
+def _fake_checkpoint(root):
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(preset("tiny")))
+    (root / "model.safetensors").write_bytes(b"weights")
+
+
+def _add_user_files(root, rng):
+    """1-3 user entries at random depths: files (some named like the writer's own, in places
+    it never writes them), empty directories, symbolic links."""
+    dirs = sorted({str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir()} | {"."})
+    names = ["mine.txt", "notes.md", "step_b4.pt2", "model.safetensors", "config.json",
+             "weights.safetensors", "resources.json", ".hidden"]
+    added = []
+    for _ in range(rng.randint(1, 3)):
+        base = root / rng.choice(dirs)
+        for _ in range(rng.randint(0, 2)):           # sometimes a new subdirectory
+            base = base / rng.choice(["sub", "x", "programs", "data"])
+        base.mkdir(parents=True, exist_ok=True)
+        kind = rng.choice(["file", "file", "file", "empty_dir", "link"])
+        target = base / rng.choice(names)
+        if target.exists() or target.is_symlink() or (
+                base == root and target.name.endswith(".safetensors")):   # a checkpoint's own
+            continue
+        if kind == "file":
+            target.write_bytes(bytes(rng.randrange(256) for _ in range(rng.randint(0, 16))))
+        elif kind == "empty_dir":
+            target.mkdir()
+        else:
+            target.symlink_to(root.parent / "elsewhere")
+        added.append(target)
+    if not added:                                    # every tree gets at least one
+        (root / "sub").mkdir(exist_ok=True)
+        added.append(root / "sub" / "mine.txt")
+        added[-1].write_text("mine")
+    return added
+
+
+def test_a_plain_engine_and_checkpoint_may_be_replaced(tmp_path):
+    """The control of the property below: without user files --overwrite is allowed."""
+    from dspark_compile.artifact import not_an_engine
+    from dspark_compile.models.synth import _not_a_checkpoint
+    _fake_engine(tmp_path / "engine")
+    _fake_checkpoint(tmp_path / "ck")
+    assert not_an_engine(tmp_path / "engine") is None
+    assert _not_a_checkpoint(tmp_path / "ck") is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overwrite_refuses_any_tree_holding_user_files_and_removes_nothing(tmp_path, capsys,
+                                                                           config_only, seed):
+    import random
+    rng = random.Random(seed)
+    (tmp_path / "elsewhere").write_text("a link's target")
+    eng, ck = tmp_path / "engine", tmp_path / "ck"
+    _fake_engine(eng)
+    _fake_checkpoint(ck)
+    _add_user_files(eng, rng)
+    _add_user_files(ck, rng)
+    before = (_tree(eng), _tree(ck), sorted(os.listdir(tmp_path)))
+    assert cli.main(["build", str(config_only), "--out", str(eng), "--overwrite"]) == 1
+    line = _one_line(capsys, "build")
+    assert f"--out {eng}: it holds more than an engine" in line, line
+    assert cli.main(["synth", "--preset", "tiny", "--out", str(ck), "--overwrite"]) == 1
+    line = _one_line(capsys, "synth")
+    assert f"refusing to replace {ck}: it holds more than a checkpoint" in line, line
+    assert (_tree(eng), _tree(ck), sorted(os.listdir(tmp_path))) == before
+
+
+def test_overwrite_names_the_user_file_below_the_top_level(tmp_path, config_only, capsys):
+    eng = tmp_path / "engine"
+    _fake_engine(eng)
+    (eng / "programs" / "mine.txt").write_text("mine")
+    assert cli.main(["build", str(config_only), "--out", str(eng), "--overwrite"]) == 1
+    assert ("it holds more than an engine: ['programs/mine.txt'], which replacing it would "
+            "delete") in _one_line(capsys, "build")
+    assert (eng / "programs" / "mine.txt").read_text() == "mine"
+
+
+def test_overwrite_refuses_an_engine_whose_manifest_cannot_be_read(tmp_path, config_only, capsys):
+    eng = tmp_path / "engine"
+    _fake_engine(eng)
+    (eng / "manifest.json").write_text("{not json")
+    assert cli.main(["build", str(config_only), "--out", str(eng), "--overwrite"]) == 1
+    assert "its manifest.json cannot be read (JSONDecodeError), so which files are the engine's " \
+           "cannot be told" in _one_line(capsys, "build")
+    assert (eng / "weights.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ --threads
+@pytest.mark.parametrize("argv", [["synth", "--preset", "tiny", "--out", "OUT"],
+                                  ["run", "OUT", "--prompt-ids", "1"], ["inspect", "OUT"],
+                                  ["generate", "OUT", "--prompt-ids", "1"], ["build", "CK", "--out", "OUT"]])
+def test_threads_beyond_the_cpu_count_are_refused_before_anything_runs(tmp_path, capsys, argv):
+    """100000 threads segfaulted (exit 139) in libgomp at the first parallel op, and synth left
+    its temporary directory behind."""
+    argv = [str(tmp_path / "x") if a in ("OUT", "CK") else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["--threads", "100000"])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (f"argument --threads: must be <= {os.cpu_count()} (os.cpu_count(), the CPUs of this "
+            "machine), got 100000") in last
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ sizes nobody can allocate
+def test_state_bytes_is_what_allocate_state_allocates():
+    from dspark_compile.models.config import CacheConfig, ModelConfig, Precision
+    from dspark_compile.models.state import allocate_state, state_bytes
+    cfg = ModelConfig.from_dict(preset("tiny"))
+    for prec in (Precision(dtype=torch.float32), Precision(dtype=torch.float64, kv_fp8=False)):
+        cache = CacheConfig(max_rows=3, max_seq_len=40, max_step_tokens=16)
+        state = allocate_state(cfg, cache, prec)
+        assert state_bytes(cfg, cache, prec) == sum(t.numel() * t.element_size()
+                                                    for t in state.values())
+
+
+@pytest.mark.parametrize("flags, sizes", [
+    (["--buckets", "100000000"], "--max-rows=100000000 rows (--buckets up to 100000000)"),
+    (["--max-rows", "100000000"], "--max-rows=100000000 rows (--buckets up to 64)"),
+    (["--max-seq-len", "1000000000"], "--max-rows=64 rows (--buckets up to 64), "
+                                      "--max-seq-len=1000000000 positions"),
+])
+def test_a_state_nobody_can_allocate_is_refused_with_its_bytes(config_only, tmp_path, capsys,
+                                                               flags, sizes):
+    """The state's bytes from the layout before allocating: the flag, the number and the free
+    memory (was: DefaultCPUAllocator: can't allocate memory, from allocate_state)."""
+    raw = preset("tiny")
+    raw["max_position_embeddings"] = 1 << 31     # so that --max-seq-len reaches the state check
+    (config_only / "config.json").write_text(json.dumps(raw))
+    assert cli.main(["build", str(config_only), "--out", str(tmp_path / "e"), "--device", "cpu"]
+                    + flags) == 1
+    line = _one_line(capsys, "build")
+    assert f"the decode state for {sizes}" in line, line
+    assert " bytes (" in line and "TiB); cpu has " in line and "available (MemAvailable" in line
+    assert not (tmp_path / "e").exists()
+
+
+def test_generate_refuses_a_state_nobody_can_allocate(config_only, capsys):
+    raw = preset("tiny")
+    raw["max_position_embeddings"] = 1 << 40
+    (config_only / "config.json").write_text(json.dumps(raw))
+    assert cli.main(["generate", str(config_only), "--prompt-ids", "1",
+                     "--max-new-tokens", str(1 << 36)]) == 1
+    line = _one_line(capsys, "generate")
+    assert "the decode state for 1 prompts of up to" in line and "cpu has " in line
+
+
+# ------------------------------------------------------------------ output paths, checked first
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("flags, says", [
+    (["--dump-graphs", "/proc/nope"], "--dump-graphs: cannot write /proc/nope: /proc is not "
+                                      "writable"),
+    (["--out", "/proc/e"], "--out: cannot write /proc/e: /proc is not writable"),
+])
+def test_build_outputs_that_cannot_be_written_are_named_before_loading(config_only, tmp_path,
+                                                                       capsys, flags, says):
+    argv = ["build", str(config_only), "--out", str(tmp_path / "e")] + flags
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert says in _error_line(captured.err, "build")
+    assert "[load]" not in captured.out
+
+
+@pytest.mark.parametrize("where, says", [
+    ("dir", "--report: {p} is a directory, not a file name"),
+    ("under_file", "--report: cannot write {p}: {f} is not a directory"),
+    pytest.param("proc", "--report: cannot write {p}: /proc is not writable", marks=needs_proc),
+])
+def test_inspect_report_path_is_checked_before_the_summary(tmp_path, capsys, where, says):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    p = {"dir": tmp_path, "under_file": f / "r.html", "proc": "/proc/r.html"}[where]
+    # the engine does not exist: the output path is refused before it is read
+    assert cli.main(["inspect", str(tmp_path / "nowhere"), "--report", str(p)]) == 1
+    captured = capsys.readouterr()
+    assert says.format(p=p, f=f) in _error_line(captured.err, "inspect")
+    assert captured.out == ""
+
+
+def test_inspect_onnx_dir_under_a_file_is_checked_first(tmp_path, capsys):
+    pytest.importorskip("onnx")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert cli.main(["inspect", str(tmp_path / "nowhere"), "--onnx", str(f / "o")]) == 1
+    captured = capsys.readouterr()
+    assert f"--onnx: cannot create {f / 'o'}: {f} is not a directory" in _error_line(
+        captured.err, "inspect")
+    assert captured.out == ""
+
+
+def test_synth_out_under_a_file_names_the_file(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert cli.main(["synth", "--preset", "tiny", "--out", str(f / "ck")]) == 1
+    assert f"--out: cannot create {f / 'ck'}: {f} is not a directory" in _one_line(capsys, "synth")
+    assert cli.main(["synth", "--preset", "tiny", "--out", str(f)]) == 1
+    assert f"--out {f} exists and is not a directory" in _one_line(capsys, "synth")
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_an_engine_path_that_is_a_file_or_whose_manifest_is_a_directory(tmp_path, capsys,
+                                                                        command):
+    extra = ["--prompt-ids", "1"] if command == "run" else []
+    f = tmp_path / "engine_file"
+    f.write_text("x")
+    assert cli.main([command, str(f)] + extra) == 1
+    assert f"engine directory {f} is not a directory" in _one_line(capsys, command)
+    d = tmp_path / "engine"
+    (d / "manifest.json").mkdir(parents=True)
+    assert cli.main([command, str(d)] + extra) == 1
+    assert f"{d} is not an engine: manifest.json is not a file" in _one_line(capsys, command)
+
+
+# ------------------------------------------------------------------ accepted only by a stated rule
+def test_token_id_lists_follow_the_stated_rule(capsys):
+    from dspark_compile.cli_engine import IDS_RULE, _ids
+    assert _ids(" 1, 2 ") == [1, 2]                  # spaces around an id: ignored
+    for bad, says in (("1,,2", "empty item in '1,,2'"), ("1,2,", "empty item in '1,2,'"),
+                      ("-3", "token ids must be >= 0, got -3"), ("", "no token ids given"),
+                      ("1,x", "expected comma-separated token ids >= 0")):
+        with pytest.raises(Exception, match=re.escape(says)):
+            _ids(bad)
+    for command in ("run", "generate"):
+        parser = cli.build_parser()
+        sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+        assert IDS_RULE in " ".join(sub.format_help().split())
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--prompt-ids", "1,,2", "argument --prompt-ids: empty item in '1,,2'"),
+    ("--stop-ids", "-3", "argument --stop-ids: token ids must be >= 0, got -3"),
+])
+def test_bad_id_lists_are_usage_errors_naming_the_flag(tmp_path, capsys, flag, value, says):
+    argv = ["generate", str(tmp_path), "--prompt-ids", "1"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + [flag, value])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_generate_refuses_a_prompt_past_max_position_embeddings(config_only, capsys):
+    """It ran and printed `steps: 0`."""
+    long = ",".join(["3"] * 4100)
+    assert cli.main(["generate", str(config_only), "--prompt-ids", long]) == 1
+    assert ("--prompt-ids (prompt 0): 4100 tokens + --max-new-tokens 32 need 4139 positions "
+            "(with the draft block of 5 and its lookahead); the model's max_position_embeddings "
+            "is 4096 (config.json)") in _one_line(capsys, "generate")
+
+
+def test_synth_seed_has_run_s_range(tmp_path, capsys):
+    assert cli.main(["synth", "--preset", "tiny", "--out", str(tmp_path / "ck"),
+                     "--seed", str(10 ** 23)]) == 1
+    assert "--seed must fit in 64 bits" in _one_line(capsys, "synth")
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ help states every default
+def _subparsers():
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices
+
+
+def test_every_option_with_a_default_states_it_in_help():
+    import argparse
+    for name, sub in _subparsers().items():
+        for a in sub._actions:
+            if not a.option_strings or a.required or isinstance(a, argparse._HelpAction):
+                continue
+            if a.default in (None, False, [], argparse.SUPPRESS):
+                continue
+            assert a.help and "default" in a.help, (name, a.option_strings, a.help)
+
+
+@pytest.mark.parametrize("command, says", [
+    ("build", ["bfloat16 on CUDA, float32 on the CPU", "default 1024", "default auto",
+               "aten (the default, every device)", "cuda when this machine has a CUDA device"]),
+    ("run", ["(default 32)", "default: the device the engine was built for"]),
+    ("generate", ["(default 32)", "compute dtype (default float32)"]),
+])
+def test_help_shows_the_defaults_the_issue_names(command, says):
+    text = " ".join(_subparsers()[command].format_help().split())
+    for s in says:
+        assert s in text, s
+
+
+# ------------------------------------------------------------------ build's defaults (issue 31)
+def _built_config(monkeypatch, argv):
+    """The BuildConfig `build` hands to build_engine (which is not run)."""
+    import dspark_compile.trace as trace
+    seen = []
+    monkeypatch.setattr(trace, "build_engine", lambda ckpt, out, bc, log: seen.append(bc))
+    assert cli.main(argv) == 0
+    return seen[0]
+
+
+def test_build_defaults_on_a_machine_without_cuda(monkeypatch, tmp_path, capsys):
+    from dspark_compile.build_config import DEFAULT_BUCKETS
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e")])
+    assert capsys.readouterr().out.splitlines() == [
+        "build: no CUDA device on this machine: building for the CPU (--device cpu)"]
+    assert (bc.device, bc.dtype, bc.backend, bc.max_seq_len, bc.buckets, bc.max_rows) == \
+        ("cpu", "float32", "aten", 1024, DEFAULT_BUCKETS, 64)
+    assert bc.prefill_chunks == (64, 128, 256, 512)
+    bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e"), "--device",
+                                     "cpu", "--max-seq-len", "160", "--prefill-chunks", "auto"])
+    assert bc.prefill_chunks == (64, 128) and capsys.readouterr().out == ""
+    for none in ("none", "0"):
+        bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e"),
+                                         "--prefill-chunks", none, "--device", "cpu"])
+        assert bc.prefill_chunks == ()
+
+
+def test_build_defaults_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e")])
+    assert (bc.device, bc.dtype, bc.backend) == ("cuda", "bfloat16", "aten")
+    assert capsys.readouterr().out == ""        # no line: the GPU is the default
+    bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e"), "--device",
+                                     "cpu", "--backend", "inductor", "--compile-workers", "2"])
+    assert (bc.device, bc.dtype, bc.backend, bc.compile_workers) == \
+        ("cpu", "float32", "inductor", 2)
+
+
+def test_default_prefill_chunks_rule():
+    from dspark_compile.build_config import BuildConfig, default_prefill_chunks
+    assert default_prefill_chunks(9) == () and default_prefill_chunks(63) == ()
+    assert default_prefill_chunks(64) == (64,) and default_prefill_chunks(200) == (64, 128)
+    assert default_prefill_chunks(1024) == default_prefill_chunks(1 << 20) == (64, 128, 256, 512)
+    assert BuildConfig(max_seq_len=300, prefill_chunks="auto").prefill_chunks == (64, 128, 256)
+    assert BuildConfig().prefill_chunks == ()   # the library's default: explicit, none
+
+
+@pytest.mark.parametrize("content, says", [
+    ("{not json", "tokenizer.json is not a readable JSON file (JSONDecodeError"),
+    (None, "tokenizer.json is not a file"),
+])
+def test_a_bad_checkpoint_tokenizer_is_named_before_loading(config_only, tmp_path, capsys,
+                                                            content, says):
+    tok = config_only / "tokenizer.json"
+    if content is None:
+        tok.mkdir()
+    else:
+        tok.write_text(content)
+    assert cli.main(["build", str(config_only), "--out", str(tmp_path / "e"), "--device",
+                     "cpu"]) == 1
+    captured = capsys.readouterr()
+    assert says in _error_line(captured.err, "build") and "[load]" not in captured.out

@@ -85,8 +85,11 @@ def small_engine(tiny_ckpt, tmp_path_factory) -> Built:
     stdout, stderr = io.StringIO(), io.StringIO()
     t = time.perf_counter()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        # a CPU engine on any machine; no prefill programs (the CLI's default builds two at
+        # this --max-seq-len, each an export as long as a bucket's: tested elsewhere)
         rc = main(["build", str(tiny_ckpt), "--out", str(out), "--buckets", "2,1",
-                   "--max-rows", "5", "--max-seq-len", str(SEQ), "--dtype", "float64"])
+                   "--max-rows", "5", "--max-seq-len", str(SEQ), "--dtype", "float64",
+                   "--device", "cpu", "--prefill-chunks", "none"])
     TIMINGS["build (1,2) via CLI"] = time.perf_counter() - t
     if rc != 0:
         pytest.fail(f"dspark-compile build failed ({rc}): {stderr.getvalue()[-2000:]}")

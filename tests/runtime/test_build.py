@@ -124,3 +124,38 @@ def test_build_refuses_a_non_engine_output_before_exporting(tiny_ckpt, tmp_path)
     with pytest.raises(ValueError, match="not an engine directory"):
         build_engine(tiny_ckpt, out, BuildConfig(buckets=(1,)), log=lines.append)
     assert lines == [] and (out / "keep.txt").read_text() == "user data"
+
+
+def test_build_copies_the_checkpoint_tokenizer_into_the_checksummed_files(tiny_ckpt, tmp_path,
+                                                                          monkeypatch):
+    """A checkpoint's tokenizer.json lands in the engine as it is, in the manifest's file
+    table: a tampered copy is refused at load, naming the file. The export is replaced by a
+    one-op program (the copy does not depend on it; the real step's build is the fixtures')."""
+    import dspark_compile.trace as trace
+    from dspark_compile.artifact import ArtifactError, load_manifest, not_an_engine, sha256_file
+    from dspark_compile.build_config import BuildConfig
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for p in tiny_ckpt.iterdir():
+        (ck / p.name).symlink_to(p)
+    text = json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}})
+    (ck / "tokenizer.json").write_text(text)
+
+    class OneOp(torch.nn.Module):
+        def forward(self, rows, state):
+            return rows + 1
+
+    def export(model, state, cache, b, pm, bc, log, chunk=0):
+        return torch.export.export(OneOp(), (torch.arange(b), {"x": torch.zeros(1)})), []
+
+    monkeypatch.setattr(trace, "_export_bucket", export)
+    out = tmp_path / "engine"
+    m = trace.build_engine(ck, out, BuildConfig(buckets=(1,), max_seq_len=16), log=lambda s: None)
+    assert (out / "tokenizer.json").read_text() == text
+    assert m["files"]["tokenizer.json"]["sha256"] == sha256_file(out / "tokenizer.json")[0]
+    assert not_an_engine(out) is None                # --overwrite may replace it
+    load_manifest(out)
+    (out / "tokenizer.json").write_text(text.replace("WordLevel", "WordLevsl"))
+    with pytest.raises(ArtifactError, match="engine file 'tokenizer.json' is corrupted"):
+        load_manifest(out)

@@ -179,3 +179,61 @@ def test_engine_load_names_a_missing_manifest_field(small_engine, tmp_path, fiel
     with pytest.raises(ArtifactError, match=f"manifest field '{field}' is missing") as e:
         Engine.load(eng, device="cpu")
     assert e.value.field == field
+
+
+# ------------------------------------------------------------------ manifests edited by hand
+def _edited(small_engine, tmp_path, field: str, value):
+    """A copy of the small engine whose manifest field was edited and its checksum recomputed
+    (what a user fixing a path would do)."""
+    import json
+
+    from dspark_compile.artifact import _checksum
+    eng = tmp_path / "engine"
+    shutil.copytree(small_engine.path, eng)
+    m = json.loads((eng / "manifest.json").read_text())
+    table, key = field.split(".")
+    m[table][key] = value
+    m["checksum"] = _checksum(m)
+    (eng / "manifest.json").write_text(json.dumps(m))
+    return eng
+
+
+@pytest.mark.parametrize("field, value, says", [
+    # a shape mismatch against the exported program (was: deep in the first step)
+    ("build_config.max_seq_len", 2048, "manifest field 'build_config.max_seq_len' does not match "
+     "bucket 1's program: state 'layers.2.ckv_nope' is [6, 40, 64] float8_e4m3fn in the program, "
+     "[6, 512, 64] float8_e4m3fn from the manifest — restore it or rebuild"),
+    ("build_config.max_seq_len", "abc", "manifest field 'build_config.max_seq_len' must be an "
+     "int >= 1, got 'abc' — restore it or rebuild"),          # was: TypeError
+    ("model_config.vocab_size", 1000, "manifest field 'model_config' does not describe the "
+     "engine's weights: 'model.embed.weight' is [512, 256] in the weights file, [1000, 256] "
+     "for model_config"),                                     # was: load_state_dict mismatch
+    ("build_config.buckets", [1, 2, 4], "manifest field 'build_config.buckets' is [1, 2, 4], the "
+     "engine's programs are for buckets [1, 2]"),
+    ("build_config.max_rows", 10 ** 9, "the decode state for the engine's --max-rows=1000000000"),
+])
+def test_a_hand_edited_manifest_names_the_field(small_engine, tmp_path, capsys, field, value,
+                                                says):
+    eng = _edited(small_engine, tmp_path, field, value)
+    assert main(["run", str(eng), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
+    assert says in _one_line_error(capsys.readouterr().err, "run")
+
+
+def test_engine_load_names_a_state_field_the_programs_disagree_with(small_engine, tmp_path):
+    """The library load too (not only the CLI): build_config.dtype edited."""
+    from dspark_compile.artifact import ArtifactError
+    from dspark_compile.runtime import Engine
+    eng = _edited(small_engine, tmp_path, "build_config.dtype", "float32")
+    with pytest.raises(ArtifactError, match="manifest field 'build_config.dtype' does not match "
+                                            "bucket 1's program") as e:
+        Engine.load(eng, device="cpu")
+    assert e.value.field == "build_config.dtype"
+
+
+def test_inspect_checks_bucket_before_printing(small_engine, capsys):
+    pytest.importorskip("onnx")
+    assert main(["inspect", str(small_engine.path), "--onnx", "/tmp/never-written-x",
+                 "--bucket", "3"]) == 1
+    cap = capsys.readouterr()
+    assert "--bucket 3: the engine has buckets [1, 2]" in _one_line_error(cap.err, "inspect")
+    assert cap.out == ""
