@@ -4,9 +4,10 @@
   twice over: a multi-byte character split over byte-level tokens decodes to U+FFFD until its
   last byte arrives, and decoders that strip a leading space (SentencePiece's metaspace) lose
   the space between words. So each delta is the difference of two decodes that start at the
-  same earlier token (the window `tokens[prefix:]` minus `tokens[prefix:read]`), and text ending
-  in U+FFFD is held until it completes (Hugging Face TGI / vLLM do the same). The window
-  starts in the prompt's last tokens, so the first word gets its space.
+  same earlier token (the window `tokens[prefix:]` minus `tokens[prefix:read]`, as Hugging
+  Face TGI and vLLM do), and a trailing U+FFFD run is held until its bytes complete (or the
+  request ends). The window starts in the prompt's last tokens, so the first word gets its
+  space.
 - :class:`StopMatcher`: stop strings matched across step boundaries. A step commits several
   tokens, and a stop string may span tokens of different steps, so text that could be the
   start of a stop string is held back until it is known not to be; the text before the first
@@ -59,26 +60,37 @@ class Detokenizer:
         self.tok = tokenizer
         self.ids = list(prompt[-PROMPT_CONTEXT:])
         self.prefix = 0                 # window start
-        self.read = len(self.ids)       # ids up to here are already in the text given out
-        self.context = len(self.ids)
+        self.read = len(self.ids)       # the text of ids up to here is given out
+        self.sent = ""                  # text of ids[read:] given out already (complete chars)
 
     def add(self, token: int) -> str:
-        """The text `token` completes (often '', while a character's bytes are incomplete)."""
+        """The text `token` completes: all of it but a trailing U+FFFD run, which may be a
+        character whose bytes are still arriving (so a stop string is seen at the token that
+        completes it, not when the next character does)."""
         self.ids.append(token)
         before = self.tok.decode(self.ids[self.prefix:self.read])
         now = self.tok.decode(self.ids[self.prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            delta = now[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-            return delta
-        return ""
+        if not now.startswith(before):       # a decoder that rewrote the window: next token
+            return ""
+        new = now[len(before):]
+        stable = new.rstrip("\ufffd")
+        if not stable.startswith(self.sent):
+            return ""
+        delta = stable[len(self.sent):]
+        if stable == new and new:            # complete: the window moves on
+            self.prefix, self.read, self.sent = self.read, len(self.ids), ""
+        else:
+            self.sent = stable
+        return delta
 
     def flush(self) -> str:
         """At the end: what is still held (an incomplete character decodes as U+FFFD)."""
         before = self.tok.decode(self.ids[self.prefix:self.read])
         now = self.tok.decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return now[len(before):] if now.startswith(before) else ""
+        out = now[len(before):] if now.startswith(before) else ""
+        out, self.sent = (out[len(self.sent):] if out.startswith(self.sent) else ""), ""
+        return out
 
 
 class StopMatcher:

@@ -169,3 +169,31 @@ class FakeEngine:
 
     def open_stream(self):
         return self.fake
+
+
+def start_stream(url: str, body: dict, chunks: int = 1):
+    """POST a streaming completion over a raw socket and read until `chunks` SSE events have
+    arrived; returns (the open socket, the token ids those events carried). Closing the socket
+    is the client's disconnect."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+    u = urlparse(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=60)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    got, ids = b"", []
+    while got.count(b"\n\n") < chunks + 1 and b"[DONE]" not in got:   # headers + events
+        more = s.recv(65536)
+        if not more:
+            break
+        got += more
+    for line in got.decode(errors="replace").splitlines():
+        if line.startswith("data: {"):
+            try:
+                msg = json.loads(line[6:])
+            except ValueError:          # an event cut by the read: not counted
+                continue
+            ids += [t for c in msg.get("choices", []) for t in c["token_ids"]]
+    return s, ids

@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.serve_helpers import FakeEngine, train_tokenizer
+from serve.serve_helpers import FakeEngine, start_stream, train_tokenizer
 
 from dspark_compile.models.generate import SamplingParams
 from dspark_compile.serve.server import Server
@@ -261,19 +261,6 @@ def test_full_queue_is_429_with_a_message_and_nothing_leaks(tmp_path):
         assert m[("dspark_queue_capacity", ())] == 1
 
 
-def open_stream(url, body):
-    """A raw streaming request: returns the socket after the first event arrived."""
-    u = urlparse(url)
-    s = socket.create_connection((u.hostname, u.port), timeout=30)
-    data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(data) + data)
-    got = b""
-    while b"data: " not in got:
-        got += s.recv(65536)
-    return s
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
 def test_client_disconnect_cancels_its_request(tmp_path, stream):
     eng = FakeEngine(tmp_path, max_rows=2)
@@ -287,7 +274,7 @@ def test_client_disconnect_cancels_its_request(tmp_path, stream):
                 "extra_body": None}
         body.pop("extra_body")
         if stream:
-            sock = open_stream(url, body)
+            sock, _ = start_stream(url, body)
         else:
             u = urlparse(url)
             sock = socket.create_connection((u.hostname, u.port), timeout=30)

@@ -125,3 +125,28 @@ def test_a_bad_tokenizer_file_is_one_line_naming_it(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="tokenizer.json: not a Hugging Face tokenizers file"):
         Tokenizer.load(bad)
+
+
+class BytesTokenizer:
+    """Ids are byte strings: decode joins them and replaces invalid UTF-8, as byte-level BPE."""
+
+    def decode(self, ids):
+        return b"".join(ids).decode("utf-8", errors="replace")
+
+
+def test_text_before_an_incomplete_character_is_given_out_at_once():
+    d = Detokenizer(BytesTokenizer(), [b"x"])
+    rocket = "\U0001F680".encode()
+    assert d.add(b"a") == "a"
+    assert d.add(b"b" + rocket[:2]) == "b"          # "b" now, the rocket's bytes held
+    assert d.add(rocket[2:]) == "\U0001F680"
+    assert d.add(b"\xff") == "" and d.flush() == "\ufffd"   # invalid for good: out at the end
+
+
+def test_a_stop_string_is_seen_at_the_token_that_completes_it():
+    rocket = "\U0001F680".encode()
+    ts = TextStream(BytesTokenizer(), [], stops=("ab",))
+    ts.detok = Detokenizer(BytesTokenizer(), [])
+    ts.add([b"a"])
+    delta, ids = ts.add([b"b" + rocket[:2], rocket[2:]])
+    assert ts.stopped and ids == [b"b" + rocket[:2]] and ts.text == ""
