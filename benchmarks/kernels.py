@@ -10,7 +10,9 @@ B requests, T = 6B tokens = B * (N+1) verify rows)
 and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[harness.Case]`
 (benchmarks/README.md). The moe cases (one name per routing: moe_experts:top6-random,
 :one-expert, :every-expert) take bytes_moved = the touched-expert byte floor, and time the
-`bf16-grouped` baseline too; a dry run on a CPU builds them at MOE_DRY_RUN_CPU dims.
+`bf16-grouped` baseline, the new kernels on the checkpoint layout and the previous launcher
+(benchmarks/_moe_previous/, when present) too; a dry run on a CPU builds them at
+MOE_DRY_RUN_CPU dims.
 Writes <out>/kernels.json (environment, copy bandwidth, rows), <out>/kernels.csv and
 <out>/kernels.png (if matplotlib is installed), and prints a table.
 """
@@ -34,6 +36,7 @@ from harness import Case, TimingConfig, compare  # noqa: E402
 
 from dspark_compile.kernels import act_quant as aq  # noqa: E402
 from dspark_compile.kernels import moe  # noqa: E402
+from dspark_compile.kernels import moe_layout  # noqa: E402
 from dspark_compile.kernels import qkv_postprocess as qp  # noqa: E402
 
 # Flash dimensions
@@ -205,7 +208,9 @@ def _moe_ids(T, dims: MoeDims, routing: str) -> torch.Tensor:
 
 def _moe_inputs(T, dims: MoeDims, ids: torch.Tensor):
     """Weights per set (random bytes for the touched experts, zeros elsewhere), so rotating sets
-    reads every touched weight byte from memory, not from L2."""
+    reads every touched weight byte from memory, not from L2; each set holds them in the
+    checkpoint layout (w1, s1, ...) and in the kernel's tiled layout (tiled, layout), as the
+    engine stores them (kernels/moe_layout.py)."""
     E, D, I, k = dims.experts, dims.hidden, dims.inter, dims.top_k
     touched = sorted(set(ids.reshape(-1).tolist()))
 
@@ -223,6 +228,8 @@ def _moe_inputs(T, dims: MoeDims, ids: torch.Tensor):
             sc[t_idx] = torch.randint(118, 124, (len(touched), rows, cols // 32),
                                       dtype=torch.uint8, generator=g, device=device)
             d[name], d["s" + name[1]] = w, sc
+        d["tiled"], d["layout"] = moe_layout.experts_to_kernel(
+            *(d[n] for n in ("w1", "s1", "w3", "s3", "w2", "s2")))
         return d
     return make, touched
 
@@ -230,6 +237,10 @@ def _moe_inputs(T, dims: MoeDims, ids: torch.Tensor):
 def _moe_args(d):
     return (d["x"], d["topk_ids"], d["topk_weights"], d["w1"], d["s1"], d["w3"], d["s3"],
             d["w2"], d["s2"], LIMIT)
+
+
+def _moe_tiled_args(d):
+    return (d["x"], d["topk_ids"], d["topk_weights"], *d["tiled"], LIMIT, d["layout"])
 
 
 def _moe_bf16_grouped(touched, k):
@@ -254,25 +265,41 @@ def _moe_bf16_grouped(touched, k):
     return run
 
 
-def _moe_tuning_variants(T, dims: MoeDims) -> dict:
-    """Tuning data from the same run (moe.MoePlan is untuned): narrower N tiles (the gate/up
-    kernel takes 236 registers on sm_90 at the default), 8 warps, 64-row blocks, 256-wide K
-    steps (128-byte weight runs) where they divide the dims."""
-    base = moe.moe_plan(T * dims.top_k, dims.experts, dims.hidden, dims.inter)
-    plans = {"ours-bn32": dataclasses.replace(base, block_n=32),
-             "ours-w8": dataclasses.replace(base, num_warps=8),
-             "ours-bm64": dataclasses.replace(base, block_m=64),
-             "ours-bk256": dataclasses.replace(base, block_k=256),
-             "ours-bk256-bn32": dataclasses.replace(base, block_k=256, block_n=32),
-             "ours-noswap": dataclasses.replace(base, swap_ab=False),
-             "ours-swap-bn128": dataclasses.replace(base, swap_ab=True, block_n=128)}
-    return {label: (lambda d, p=p: moe.moe_experts_launch(*_moe_args(d), plan=p))
-            for label, p in plans.items() if dims.hidden % p.block_k == dims.inter % p.block_k == 0}
+PREVIOUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_moe_previous")
+
+
+def _moe_previous():
+    """The launcher before the tiled layout (a copy of 96a1af8's kernels/moe.py and
+    moe_kernels.py in benchmarks/_moe_previous/, uncommitted: the same-run baseline of
+    benchmarks/results/h200_moe_2026-12-02/); None when the folder is absent."""
+    if not os.path.isdir(PREVIOUS_DIR):
+        return None
+    sys.path.insert(0, PREVIOUS_DIR)
+    import moe_prev  # noqa: E402
+    return moe_prev
+
+
+def _moe_variants(T, dims: MoeDims) -> dict:
+    """Same-run comparisons: the new kernels on the checkpoint layout (the eager model's), the
+    previous launcher (if present), the plan's stage and warp counts."""
+    base = moe.moe_plan(dims.experts, dims.hidden, dims.inter,
+                        moe_layout.TiledLayout(moe_layout.tile_for(dims.inter, dims.hidden),
+                                               moe_layout.tile_for(dims.hidden, dims.inter)).name)
+    out = {"ours-checkpoint": lambda d: moe.moe_experts_launch(*_moe_args(d))}
+    for label, p in {"ours-st2": dataclasses.replace(base, num_stages=2),
+                     "ours-st4": dataclasses.replace(base, num_stages=4),
+                     "ours-w8": dataclasses.replace(base, num_warps=8)}.items():
+        out[label] = lambda d, p=p: moe.moe_experts_launch(*_moe_tiled_args(d), plan=p)
+    prev = _moe_previous()
+    if prev is not None:
+        out["previous"] = lambda d: prev.moe_experts_launch(*_moe_args(d))
+    return out
 
 
 def moe_cases(batches, dims: MoeDims = MoeDims()):
     """moe_experts at T = 6B tokens per routing; bytes_moved = the touched-expert floor (touched
-    x 3 matrices with their scales) + x, ids, weights read and y (fp32) written."""
+    x 3 matrices with their scales) + x, ids, weights read and y (fp32) written. `ours` is the
+    engine's call: the tiled layout."""
     out = []
     for B in batches:
         T = TOKENS_PER_REQUEST * B
@@ -282,7 +309,7 @@ def moe_cases(batches, dims: MoeDims = MoeDims()):
             nbytes = (len(touched) * dims.expert_bytes() + T * dims.hidden * (2 + 4)
                       + ids.numel() * (8 + 4))
             ref = lambda d: moe.moe_experts_reference(*_moe_args(d))
-            ours = lambda d: torch.ops.dspark.moe_experts(*_moe_args(d))
+            ours = lambda d: torch.ops.dspark.moe_experts(*_moe_tiled_args(d))
             # the eager reference runs every expert on every token (seconds at Flash);
             # torch.compile of its 256-expert loop would take longer than the run
             # one name per routing: one plot panel each (`--ops moe_experts:one-expert`)
@@ -291,7 +318,7 @@ def moe_cases(batches, dims: MoeDims = MoeDims()):
                             make, ref, ours, nbytes,
                             check=_check_against_reference(make, ours, ref),
                             extra={"bf16-grouped": _moe_bf16_grouped(touched, dims.top_k),
-                                   **_moe_tuning_variants(T, dims)},
+                                   **_moe_variants(T, dims)},
                             compile=False))
     return out
 

@@ -2,22 +2,32 @@
 
     y[t] = sum_j w[t, j] * o_j[t],   o_j = W2_e (swiglu(W1_e x[t], W3_e x[t])),   e = topk_ids[t, j]
 
-Weights are MXFP4 exactly as stored: packed e2m1 pairs (int8 bytes, low nibble = even element)
-with one E8M0 scale per 32 consecutive K elements (docs/model.md, "MXFP4 experts").
+Weights are MXFP4: e2m1 values with one E8M0 scale per 32 consecutive K elements, in one of two
+layouts named by the op's `layout` argument: "checkpoint" (packed e2m1 pairs, int8 bytes, low
+nibble = even element, as stored: docs/model.md, "MXFP4 experts"; the eager model) or the
+kernel's tiled layout, applied once at build time (kernels/moe_layout.py; models/moe.py
+`use_kernel_layouts`). The reference is defined on the checkpoint layout; a tiled call is the
+reference of its weights laid back.
 
 W4A16, not W4A8: activations stay in the compute dtype (bf16 in deployment), weights are
 dequantized to it inside the GEMMs' K loops. The step's MoE reads 6-384 tokens, so the op is
 bound by weight bytes (below), which W4A8 does not reduce; it would add an FP8 rounding of x and
 of h between the GEMMs that the model's reference and the HF model (tests/models/
 test_hf_reference.py) do not have, and e2m1 x 2^k is exact in bf16 (<= 2 significant bits), so
-W4A16 loses nothing on the weight side. vLLM runs MXFP4 MoE the same way on Hopper and SM12x.
+W4A16 loses nothing on the weight side. W4A8's one possible gain, a cheaper decode (four e4m3
+bytes a register instead of two bf16), needs the E8M0 scale applied per 32-element group in the
+accumulator; the tiled decode here costs ~1.9 integer / bf16x2 operations a value
+(kernels/moe_layout.py), which the measurement in benchmarks/results/h200_moe_2026-12-02/ puts
+against the byte floor.
 
 Numerics (the reference below is the definition; the kernels match it up to fp32 summation
 order): both GEMMs accumulate in fp32 (fp64 for fp64 x) and round to x's dtype; the SwiGLU clamp
 (kernels/act_quant.py `swiglu`: gate min(g, limit), up clamp(u, -limit, limit), NaN kept) in
 fp32, h rounded to x's dtype; o_j times the fp32 routing weight; the k slots summed in slot
-order in fp32. A slot whose id is outside [0, E) (slot -1) adds nothing; a token contributes
-only through the experts it is routed to (a NaN row stays in its row).
+order in fp32. A slot whose id is outside [0, E) (slot -1), or of a token whose `valid` is
+False (a padded row), adds nothing; a token contributes only through the experts it is routed
+to (a NaN row stays in its row). Batch invariant: a token's output bits do not depend on the
+other tokens of the call (kernels/moe_kernels.py says why).
 
 Bytes moved at Flash dims (E = 256, D = 4096, I = 2048, k = 6): per touched expert w1, w3
 2048 x 2048 B + 2048 x 128 B scales each, w2 4096 x 1024 B + 4096 x 64 B: 13.37 MB; 6 tokens
@@ -28,17 +38,20 @@ fp32) 75 MB, 3 % of the weights. The kernels are in kernels/moe_kernels.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 
 from dspark_compile.kernels import moe_kernels as mk
+from dspark_compile.kernels import moe_layout as ml
 from dspark_compile.kernels.act_quant import swiglu
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, next_pow2
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-MXFP4_BLOCK = 32
+MXFP4_BLOCK = ml.MXFP4_BLOCK
+CHECKPOINT = ml.CHECKPOINT
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -65,14 +78,21 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
 
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                           w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
-                          w2: torch.Tensor, s2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+                          w2: torch.Tensor, s2: torch.Tensor, swiglu_limit: float,
+                          layout: str = CHECKPOINT,
+                          valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [T, D] fp32 (fp64 for fp64 x); the module docstring gives the math.
 
     x [T, D]; topk_ids [T, k] int64 (outside [0, E): no expert); topk_weights [T, k];
-    w1/w3 [E, I, D/2], s1/s3 [E, I, D/32]; w2 [E, D, I/2], s2 [E, D, I/32].
+    checkpoint layout: w1/w3 [E, I, D/2], s1/s3 [E, I, D/32]; w2 [E, D, I/2], s2 [E, D, I/32]
+    (a tiled layout is laid back first); valid [T] bool or None (all valid).
     Fixed shapes (every expert runs on every token, its result kept only where routed): no
     nonzero, no data-dependent shapes.
     """
+    if ml.parse_layout(layout) is not None:
+        w1, s1, w3, s3, w2, s2 = ml.experts_to_checkpoint(w1, s1, w3, s3, w2, s2)
+    if valid is not None:
+        topk_ids = torch.where(valid[:, None], topk_ids, torch.full_like(topk_ids, -1))
     acc = _out_dtype(x)
     T, k = topk_ids.shape
     xa, wt = x.to(acc), topk_weights.to(acc)
@@ -97,118 +117,181 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
 # Plan and launcher
 # ----------------------------------------------------------------------------------------------
 
+# Rows of an expert block, at every token count: tl.dot's smallest N side (the weight rows are
+# its M side). Decode blocks hold ~1-9 pairs; a block size chosen by token count would change a
+# token's K-sum tiles with the batch (issue 30 item 5: batch invariance).
+BLOCK_M = 16
+# Pairs per routing step: a [64, 256] one-hot (sm_120: 127 registers).
+BLOCK_P = 64
+# Output columns per combine program.
+BLOCK_D = 1024
+# Checkpoint-layout tiles: BK 128 (64-row blocks at BK 128 took 113 KB of shared memory on
+# sm_120 for fp32 activations, over SM12x's 99 KB: 64 there).
+CHECKPOINT_MAX_BK = {torch.float32: 64}
+TILED_MAX_BK = {torch.float32: 64}
+
+
 @dataclass(frozen=True)
 class MoePlan:
-    """Launch choices of one call, from its static shapes (not tuned on the H200 yet)."""
-    block_m: int = 16      # rows of an expert block; tl.dot's smallest M. Decode: ~1-9 pairs
-    block_n: int = 64      # output columns per program, both GEMMs
-    block_k: int = 128     # K elements per step (two dots of block_k / 2 packed bytes)
-    block_p: int = 64      # pairs per routing step: a [64, 256] one-hot (sm_120: 127 registers)
-    block_d: int = 1024    # output columns per combine program
-    num_warps: int = 4
-    swap_ab: bool = False  # weight rows on the MMA's M side (moe_kernels._mac)
+    """Launch choices of one call: every field a function of the weights' shapes and layout,
+    none of the token count (batch invariance). `moe_plan` says where each number comes from."""
+    gate_up_tile: tuple = (64, 128)    # (BN, BK) of w1 / w3: the layout's, or tile_for's
+    down_tile: tuple = (64, 128)       # (BN, BK) of w2
+    tiled: bool = False                # weights in the kernel's layout (kernels/moe_layout.py)
+    wide: bool = False                 # a scale byte > 128: two bf16 multiplies a pair
+    block_d: int = BLOCK_D
+    num_warps: int = 4                 # one warpgroup: the 64-row tile's wgmma M
+    num_stages: int = 3                # K steps in flight: 3 x 25 KB at 64 x 256 (bf16)
 
 
-BIG_BLOCK_FROM = 48        # pairs per touched expert from which 64-row blocks pay (prefill)
+def max_bk(dtype, tiled: bool) -> int:
+    return (TILED_MAX_BK if tiled else CHECKPOINT_MAX_BK).get(dtype, 256 if tiled else 128)
 
 
-def moe_plan(P: int, E: int, D: int, I: int, dtype=torch.bfloat16) -> MoePlan:
-    """P = T * k pairs. block_k: the largest of 128, 64, 32 dividing D and I (multiples of 32);
-    at most 64 for fp32 activations (64-row blocks at 128 take 113 KB of shared memory on
-    sm_120, over SM12x's 99 KB). swap_ab for bf16 16-row blocks: on the H200 at Flash dims it
-    took top-6 routing from 715 to 594 us at 6 tokens, 2,380 to 1,910 at 24 and 4,831 to 3,842
-    at 96 (benchmarks/results/README.md, "GEMMs"); fp32 and 64-row blocks are unmeasured."""
-    per_expert = P / max(1, min(E, P))
-    top = 64 if dtype == torch.float32 else 128
-    bk = next(b for b in (128, 64, 32) if b <= top and D % b == 0 and I % b == 0)
-    bm = 64 if per_expert >= BIG_BLOCK_FROM else 16
-    return MoePlan(block_m=bm, block_k=bk, block_d=min(1024, next_pow2(D)),
-                   swap_ab=bm == 16 and dtype != torch.float32)
+def moe_plan(E: int, D: int, I: int, layout: str = CHECKPOINT, dtype=torch.bfloat16) -> MoePlan:
+    """The plan of weights [E] x (I x D, D x I) in `layout`: the tiled layout carries its tiles
+    (chosen at build time by moe_layout.tile_for from the shapes); the checkpoint layout takes
+    tile_for's at BK <= 128 (its per-nibble decode holds twice the registers a value)."""
+    lay = ml.parse_layout(layout)
+    if lay is not None:
+        return MoePlan(lay.gate_up_tile, lay.down_tile, True, lay.wide)
+    bk = max_bk(dtype, False)
+    return MoePlan(ml.tile_for(I, D, bk), ml.tile_for(D, I, bk), False, False,
+                   block_d=min(BLOCK_D, next_pow2(D)))
 
 
-def max_blocks(P: int, E: int, block_m: int) -> int:
+def max_blocks(P: int, E: int, block_m: int = BLOCK_M) -> int:
     """Worst-case live blocks: sum_e ceil(c_e / bm) <= (P + n (bm - 1)) / bm, n <= min(E, P)
     experts hit."""
     return (P + min(E, P) * (block_m - 1)) // block_m
 
 
-def moe_route_launch(topk_ids: torch.Tensor, E: int, block_m: int, block_p: int = 64):
+def _valid_bytes(valid: Optional[torch.Tensor], T: int, device):
+    if valid is None:
+        return torch.empty(1, dtype=torch.uint8, device=device), False
+    if valid.shape != (T,) or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool [{T}] tensor, got {valid.dtype} "
+                         f"{tuple(valid.shape)}")
+    return valid.contiguous().view(torch.uint8), True
+
+
+def moe_route_launch(topk_ids: torch.Tensor, E: int, block_m: int = BLOCK_M,
+                     block_p: int = BLOCK_P, valid: Optional[torch.Tensor] = None):
     """(pair_of_row [max_blocks * bm] int32, block expert [max_blocks] int32 (-1 unused),
     block live rows [max_blocks] int32, live block count [1] int32); rows past a block's live
-    rows are never written."""
+    rows are never written. A pair of a token whose `valid` is False is no pair."""
+    T, k = topk_ids.shape
     ids = topk_ids.reshape(-1).contiguous()
     P = ids.numel()
     nb = max_blocks(P, E, block_m)
     dev = ids.device
+    vb, has_valid = _valid_bytes(valid, T, dev)
     pair = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     blk_e = torch.empty(nb, dtype=torch.int32, device=dev)
     blk_rows = torch.empty(nb, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
     launch(mk._moe_route_kernel)[(1,)](
-        ids, pair, blk_e, blk_rows, count, P, E, nb, BLOCK_M=block_m, BLOCK_P=block_p,
-        E_P2=next_pow2(E), num_warps=4)
+        ids, vb, pair, blk_e, blk_rows, count, P, E, max(k, 1), nb, BLOCK_M=block_m,
+        BLOCK_P=block_p, E_P2=next_pow2(E), HAS_VALID=has_valid, num_warps=4)
     return pair, blk_e, blk_rows, count
 
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2):
+def _shapes(lay, w1, w2):
+    """(E, I, D) from the weights of `lay` (None: the checkpoint layout)."""
+    if lay is None:
+        return w1.shape[0], w1.shape[1], 2 * w1.shape[2]
+    if w1.dim() != 5 or w2.dim() != 5:
+        raise ValueError(f"layout {lay.name}: w1 and w2 must be 5-d tiled tensors, got "
+                         f"{tuple(w1.shape)} and {tuple(w2.shape)}")
+    return w1.shape[0], w1.shape[1] * w1.shape[3], w1.shape[2] * w1.shape[4] * 8
+
+
+def _want(lay, E, I, D):
+    """name -> (shape, dtypes) of the six weight tensors in `lay`."""
+    if lay is None:
+        b = (torch.int8, torch.uint8)
+        return {"w1": ((E, I, D // 2), b), "w3": ((E, I, D // 2), b), "w2": ((E, D, I // 2), b),
+                "s1": ((E, I, D // 32), b), "s3": ((E, I, D // 32), b),
+                "s2": ((E, D, I // 32), b)}
+    out = {}
+    for w, s, (N, K), (bn, bk) in (("w1", "s1", (I, D), lay.gate_up_tile),
+                                   ("w3", "s3", (I, D), lay.gate_up_tile),
+                                   ("w2", "s2", (D, I), lay.down_tile)):
+        out[w] = ((E, N // bn, K // bk, bn, bk // 8), (torch.int32,))
+        out[s] = ((E, N // bn, K // bk, bn, bk // 32), (torch.uint8,))
+    return out
+
+
+def _check(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, layout):
     if x.dim() != 2 or x.dtype not in _KERNEL_DTYPES + (torch.float64,):
         raise ValueError(f"x must be a float [T, D] tensor, got {x.dtype} {tuple(x.shape)}")
     T, D = x.shape
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"topk_ids and topk_weights must both be [{T}, k], got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    E, I = w1.shape[0], w1.shape[1]
-    want = {"w1": (w1, (E, I, D // 2)), "w3": (w3, (E, I, D // 2)), "w2": (w2, (E, D, I // 2)),
-            "s1": (s1, (E, I, D // 32)), "s3": (s3, (E, I, D // 32)), "s2": (s2, (E, D, I // 32))}
-    for name, (t, shape) in want.items():
-        if tuple(t.shape) != shape or t.element_size() != 1:
-            raise ValueError(f"{name} must be 1-byte {list(shape)}, got {t.dtype} {tuple(t.shape)}")
+    lay = ml.parse_layout(layout)
+    E, I, Dw = _shapes(lay, w1, w2)
+    if Dw != D:
+        raise ValueError(f"w1 {tuple(w1.shape)} ({layout}) is for hidden {Dw}, x has {D}")
+    tensors = {"w1": w1, "s1": s1, "w3": w3, "s3": s3, "w2": w2, "s2": s2}
+    for name, (shape, dtypes) in _want(lay, E, I, D).items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or t.element_size() != dtypes[0].itemsize or \
+                (lay is not None and t.dtype not in dtypes):
+            raise ValueError(f"{name} must be {dtypes[0]} {list(shape)} in layout {layout}, got "
+                             f"{t.dtype} {tuple(t.shape)}")
     if D % MXFP4_BLOCK or I % MXFP4_BLOCK:
         raise ValueError(f"hidden {D} and intermediate {I} must be multiples of {MXFP4_BLOCK}")
     return T, D, E, I
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Checkpoint bytes as uint8 (E8M0 / int8 views); tiled int32 words as they are."""
+    t = t.contiguous()
+    return t if t.dtype == torch.int32 else t.view(torch.uint8)
 
 
 def moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu_limit,
-                       plan: MoePlan | None = None):
-    T, D, E, I = _check(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2)
+                       layout: str = CHECKPOINT, valid=None, plan: MoePlan | None = None):
+    T, D, E, I = _check(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, layout)
     if x.dtype == torch.float64:  # exact-precision model runs: no kernel, the reference
         return moe_experts_reference(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2,
-                                     swiglu_limit)
+                                     swiglu_limit, layout, valid)
     k = topk_ids.shape[1]
     P = T * k
     y = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if P == 0:
         return y.zero_()
-    plan = plan or moe_plan(P, E, D, I, x.dtype)
-    bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
-    if D % bk or I % bk:
-        raise ValueError(f"plan.block_k {bk} must divide hidden {D} and intermediate {I}")
+    plan = plan or moe_plan(E, D, I, layout, x.dtype)
+    (gbn, gbk), (dbn, dbk) = plan.gate_up_tile, plan.down_tile
+    if I % gbn or D % gbk or D % dbn or I % dbk:
+        raise ValueError(f"plan tiles {plan.gate_up_tile} / {plan.down_tile} must divide "
+                         f"intermediate {I} and hidden {D}")
     ids = topk_ids.reshape(-1).contiguous()
     wt = topk_weights.reshape(-1).to(torch.float32).contiguous()
     x2 = x if x.stride(1) == 1 else x.contiguous()
-    pair, blk_e, blk_rows, count = moe_route_launch(ids, E, bm, plan.block_p)
+    pair, blk_e, blk_rows, count = moe_route_launch(topk_ids, E, BLOCK_M, BLOCK_P, valid)
+    vb, has_valid = _valid_bytes(valid, T, x.device)
     nb = blk_e.shape[0]
-    h = torch.empty(nb * bm, I, dtype=x.dtype, device=x.device)       # sorted rows
+    h = torch.empty(nb * BLOCK_M, I, dtype=x.dtype, device=x.device)       # sorted rows
     y_pair = torch.empty(P, D, dtype=torch.float32, device=x.device)
     soft = interpreting(mk._moe_gate_up_kernel)
-    ieee = soft or x.dtype == torch.float32       # moe_kernels._dot says why
+    ieee = soft or x.dtype != torch.bfloat16      # moe_kernels._dot says why
     route = (pair, blk_e, blk_rows, count)
-    launch(mk._moe_gate_up_kernel)[(nb, triton.cdiv(I, bn))](
-        x2, _u8(w1), _u8(s1), _u8(w3), _u8(s3), h, *route, D, I, k, x2.stride(0),
-        float(swiglu_limit), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, SOFT=soft,
-        SWAP=plan.swap_ab, num_warps=plan.num_warps)
-    launch(mk._moe_down_kernel)[(nb, triton.cdiv(D, bn))](
-        h, _u8(w2), _u8(s2), wt, y_pair, *route, D, I, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        IEEE=ieee, SOFT=soft, SWAP=plan.swap_ab, num_warps=plan.num_warps)
+    knobs = dict(TILED=plan.tiled, WIDE=plan.wide, IEEE=ieee, SOFT=soft,
+                 num_warps=plan.num_warps, num_stages=plan.num_stages)
+    launch(mk._moe_gate_up_kernel)[(nb, I // gbn)](
+        x2, _raw(w1), _raw(s1), _raw(w3), _raw(s3), h, *route, D, I, k, x2.stride(0),
+        float(swiglu_limit), BLOCK_M=BLOCK_M, BLOCK_N=gbn, BLOCK_K=gbk, **knobs)
+    launch(mk._moe_down_kernel)[(nb, D // dbn)](
+        h, _raw(w2), _raw(s2), wt, y_pair, *route, D, I, BLOCK_M=BLOCK_M, BLOCK_N=dbn,
+        BLOCK_K=dbk, **knobs)
     launch(mk._moe_combine_kernel)[(T, triton.cdiv(D, plan.block_d))](
-        y_pair, ids, y, D, E, k, BLOCK_D=plan.block_d, num_warps=plan.num_warps)
+        y_pair, ids, vb, y, D, E, k, BLOCK_D=plan.block_d, HAS_VALID=has_valid,
+        num_warps=plan.num_warps)
     return y
 
 
@@ -216,39 +299,48 @@ def moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu
 # Registration
 # ----------------------------------------------------------------------------------------------
 
-def _moe_fake(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu_limit):
-    return x.new_empty(x.shape[0], w2.shape[1], dtype=_out_dtype(x))
+def _moe_fake(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu_limit,
+              layout=CHECKPOINT, valid=None):
+    lay = ml.parse_layout(layout)
+    D = x.shape[1] if lay is not None else w2.shape[1]
+    return x.new_empty(x.shape[0], D, dtype=_out_dtype(x))
 
 
 @dspark_op("moe_experts", reference=moe_experts_reference, fake=_moe_fake)
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
-                w2: torch.Tensor, s2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
-    return moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu_limit)
+                w2: torch.Tensor, s2: torch.Tensor, swiglu_limit: float,
+                layout: str = CHECKPOINT, valid: torch.Tensor | None = None) -> torch.Tensor:
+    return moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu_limit,
+                              layout, valid)
 
 
 def _compile_configs():
-    """Every kernel configuration `moe_plan` picks at Flash dims (E = 256), for bf16 (block_k
-    128) and fp32 (block_k 64) activations."""
+    """Every kernel configuration `moe_plan` picks at Flash dims (E = 256, D 4096, I 2048):
+    both layouts, bf16 (tiled 64 x 256, checkpoint 64 x 128) and fp32 (64 x 64) activations,
+    the tiled layout's wide-scale variant for bf16."""
     D16, ptr8, ptr32 = "i32:16", "*u8", "*i32"
     route = dict(pair_ptr=ptr32, blk_expert_ptr=ptr32, blk_rows_ptr=ptr32, count_ptr=ptr32)
-    out = []
-    for bm in (16, 64):
-        out.append(compile_config(mk._moe_route_kernel, dict(
-            ids_ptr="*i64", P="i32", E=D16, MAX_BLOCKS="i32", **route),
-            dict(BLOCK_M=bm, BLOCK_P=64, E_P2=256), 4))
-        # swap_ab where the plan picks it (bf16 16-row blocks)
-        for dt, ieee, bk, swap in (("*bf16", False, 128, bm == 16), ("*fp32", True, 64, False)):
-            knobs = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, IEEE=ieee, SOFT=False, SWAP=swap)
-            out.append(compile_config(mk._moe_gate_up_kernel, dict(
-                x_ptr=dt, w1_ptr=ptr8, s1_ptr=ptr8, w3_ptr=ptr8, s3_ptr=ptr8, h_ptr=dt, D=D16,
-                I=D16, K_TOP="i32", stride_xt=D16, limit="fp32", **route), knobs, 4))
-            out.append(compile_config(mk._moe_down_kernel, dict(
-                h_ptr=dt, w2_ptr=ptr8, s2_ptr=ptr8, wt_ptr="*fp32", y_ptr="*fp32", D=D16, I=D16,
-                **route), knobs, 4))
-    out.append(compile_config(mk._moe_combine_kernel, dict(
-        y_pair_ptr="*fp32", ids_ptr="*i64", y_ptr="*fp32", D=D16, E=D16, K_TOP="i32"),
-        dict(BLOCK_D=1024), 4))
+    out = [compile_config(mk._moe_route_kernel, dict(
+        ids_ptr="*i64", valid_ptr=ptr8, P="i32", E=D16, K_TOP="i32", MAX_BLOCKS="i32", **route),
+        dict(BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, E_P2=256, HAS_VALID=hv), 4) for hv in (False, True)]
+    for dt, tiled, wide in (("*bf16", True, False), ("*bf16", True, True),
+                            ("*bf16", False, False), ("*fp32", True, False),
+                            ("*fp32", False, False)):
+        tdt = torch.bfloat16 if dt == "*bf16" else torch.float32
+        bk = max_bk(tdt, tiled)
+        wptr = ptr32 if tiled else ptr8
+        knobs = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=bk, TILED=tiled, WIDE=wide,
+                     IEEE=dt != "*bf16", SOFT=False)
+        out.append(compile_config(mk._moe_gate_up_kernel, dict(
+            x_ptr=dt, w1_ptr=wptr, s1_ptr=ptr8, w3_ptr=wptr, s3_ptr=ptr8, h_ptr=dt, D=D16,
+            I=D16, K_TOP="i32", stride_xt=D16, limit="fp32", **route), knobs, 4))
+        out.append(compile_config(mk._moe_down_kernel, dict(
+            h_ptr=dt, w2_ptr=wptr, s2_ptr=ptr8, wt_ptr="*fp32", y_ptr="*fp32", D=D16, I=D16,
+            **route), knobs, 4))
+    out += [compile_config(mk._moe_combine_kernel, dict(
+        y_pair_ptr="*fp32", ids_ptr="*i64", valid_ptr=ptr8, y_ptr="*fp32", D=D16, E=D16,
+        K_TOP="i32"), dict(BLOCK_D=BLOCK_D, HAS_VALID=hv), 4) for hv in (False, True)]
     return out
 
 

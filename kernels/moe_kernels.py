@@ -6,19 +6,32 @@ Four launches, every grid static (sized from the shapes), nothing read back by t
    blocks of BLOCK_M rows. Writes `pair_of_row[row]` (pair = token * k + slot), and per block
    its expert, its live row count and, at `count_ptr`, how many blocks are live. Pairs keep
    their pair order within an expert (stable), so the layout is a pure function of topk_ids.
-2. `_moe_gate_up_kernel`, grid (max blocks, I / BLOCK_N): h = swiglu(x W1^T, x W3^T) of one
-   block's rows, written at the block's rows of `h` (sorted layout).
-3. `_moe_down_kernel`, grid (max blocks, D / BLOCK_N): o = h W2^T, times the pair's routing
+   A slot whose id is outside [0, E), or whose token is not `valid`, is no pair.
+2. `_moe_gate_up_kernel`, grid (max blocks, I / BN): h = swiglu(x W1^T, x W3^T) of one
+   block's rows, both GEMMs in one K loop over the same activation tile, written at the
+   block's rows of `h` (sorted layout).
+3. `_moe_down_kernel`, grid (max blocks, D / BN): o = h W2^T, times the pair's routing
    weight, written at the pair's row of `y_pair` [T * k, D] (fp32).
 4. `_moe_combine_kernel`, grid (T, D / BLOCK_D): y[t] = sum over slots j = 0..k-1 of
    y_pair[t * k + j], in slot order. No float atomics: every output element is one program's
    fixed-order sum, so a replay is bit-equal to any other run.
 
+Batch invariance: BLOCK_M is 16 at every token count and the weight tile (BN, BK) is a function
+of the matrix's shape (kernels/moe_layout.py `tile_for`), so every output element is the same
+sequence of MMAs over the same K steps whichever tokens share its block, whichever row it sits
+in, however many blocks the launch has. No split-K.
+
+The MMAs put the weight rows on the M side (acc [BN, BLOCK_M]): decode blocks hold 1-2 live rows
+of 16, so the 16-wide side then wastes activation rows, not weight rows.
+
+Weights come in one of two layouts (`TILED`):
+- the kernel's (kernels/moe_layout.py): a tile's values and scales are two contiguous runs;
+  8 e2m1 values per 32-bit word bit-permuted so that two values decode to a bf16 pair with
+  one or two shifts and masks, and one bf16x2 multiply by 2^(s - 1) applies the E8M0 scale;
+- the checkpoint's (the eager model): row-contiguous packed bytes, each nibble decoded on its
+  own (`_e2m1`), the scale per byte in fp32. About 4x the integer work of the tiled decode.
 Programs of grid blocks at or past the live block count return at once (the padding of the
-worst-case grid). MXFP4 weights are dequantized inside the K loop from their bytes: the even and
-odd K elements of a byte pair multiply the even and odd columns of the activation tile (two dots
-of BLOCK_K / 2), so no interleave is needed; each element's E8M0 scale is loaded per packed byte
-(16 bytes share one).
+worst-case grid).
 """
 from __future__ import annotations
 
@@ -27,16 +40,27 @@ import triton.language as tl
 
 from dspark_compile.kernels.tl_helpers import round_to
 
+# moe_layout.PAIR_SHIFTS and the masks of its bit order (int32 bit patterns)
+_MAG = tl.constexpr(0x01C001C0)            # bf16 bits 6..8 of both lanes
+_SGN = tl.constexpr(-2147450880)           # 0x80008000: bf16 sign bit of both lanes
+_HI16 = tl.constexpr(-65536)               # 0xFFFF0000
+_PAIR_A = tl.constexpr((-3, 0, 3, 6))
+_PAIR_B = tl.constexpr((1, 0, 3, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# routing
+# ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _moe_route_kernel(ids_ptr, pair_ptr, blk_expert_ptr, blk_rows_ptr, count_ptr, P, E,
-                      MAX_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                      E_P2: tl.constexpr):
+def _moe_route_kernel(ids_ptr, valid_ptr, pair_ptr, blk_expert_ptr, blk_rows_ptr, count_ptr, P,
+                      E, K_TOP, MAX_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                      E_P2: tl.constexpr, HAS_VALID: tl.constexpr):
     experts = tl.arange(0, E_P2)
-    # pass 1: pairs per expert (an id outside [0, E) is no pair: slot -1 convention)
+    # pass 1: pairs per expert
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
-        onehot, _, _ = _onehot(ids_ptr, p0, P, E, experts, BLOCK_P)
+        onehot, _, _ = _onehot(ids_ptr, valid_ptr, p0, P, E, K_TOP, experts, BLOCK_P, HAS_VALID)
         counts += tl.sum(onehot, axis=0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
     blk_end = tl.cumsum(nblk, axis=0)
@@ -57,21 +81,31 @@ def _moe_route_kernel(ids_ptr, pair_ptr, blk_expert_ptr, blk_rows_ptr, count_ptr
     # pass 2: row of each pair = its expert's first row + pairs of that expert before it
     seen = blk_start * BLOCK_M
     for p0 in range(0, P, BLOCK_P):
-        onehot, offs, valid = _onehot(ids_ptr, p0, P, E, experts, BLOCK_P)
+        onehot, offs, ok = _onehot(ids_ptr, valid_ptr, p0, P, E, K_TOP, experts, BLOCK_P,
+                                   HAS_VALID)
         before = tl.cumsum(onehot, axis=0) - onehot
         row = tl.sum(onehot * (before + seen[None, :]), axis=1)
-        tl.store(pair_ptr + row, offs, mask=valid)
+        tl.store(pair_ptr + row, offs, mask=ok)
         seen += tl.sum(onehot, axis=0)
 
 
 @triton.jit
-def _onehot(ids_ptr, p0, P, E, experts, BLOCK_P: tl.constexpr):
+def _pair_expert(ids_ptr, valid_ptr, offs, inb, E, K_TOP, HAS_VALID: tl.constexpr):
+    """Expert of pairs `offs` (int32), -1 for none: out of range, or its token not valid."""
+    e = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32)
+    ok = inb & (e >= 0) & (e < E)
+    if HAS_VALID:
+        ok = ok & (tl.load(valid_ptr + offs // K_TOP, mask=inb, other=0) != 0)
+    return tl.where(ok, e, -1), ok
+
+
+@triton.jit
+def _onehot(ids_ptr, valid_ptr, p0, P, E, K_TOP, experts, BLOCK_P: tl.constexpr,
+            HAS_VALID: tl.constexpr):
     """[BLOCK_P, E_P2] int32 one-hot of the experts of pairs p0.., their indices, validity."""
     offs = p0 + tl.arange(0, BLOCK_P)
-    e = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
-    valid = (offs < P) & (e >= 0) & (e < E)
-    e = tl.where(valid, e, -1)
-    return (e[:, None] == experts[None, :]).to(tl.int32), offs, valid
+    e, ok = _pair_expert(ids_ptr, valid_ptr, offs, offs < P, E, K_TOP, HAS_VALID)
+    return (e[:, None] == experts[None, :]).to(tl.int32), offs, ok
 
 
 @triton.jit
@@ -84,6 +118,10 @@ def _block_rows(pair_ptr, blk_expert_ptr, blk_rows_ptr, b, BLOCK_M: tl.constexpr
     return e, r, live, pair
 
 
+# ------------------------------------------------------------------------------------------------
+# weight tiles: [BN, BK] of expert e's rows nt * BN.., K columns kt * BK.., natural K order
+# ------------------------------------------------------------------------------------------------
+
 @triton.jit
 def _e2m1(c):
     """4-bit e2m1 code (int32 0..15) -> fp32 value from its bits: with t = the low 3 bits
@@ -95,144 +133,204 @@ def _e2m1(c):
 
 
 @triton.jit
-def _mxfp4_tile(w_ptr, s_ptr, rows, rmask, kb0, KB, BN: tl.constexpr, BKH: tl.constexpr,
-                DT: tl.constexpr):
-    """Weight rows `rows` [BN] at packed bytes kb0..kb0+BKH of rows of KB bytes -> (even, odd)
-    elements [BN, BKH] in DT: e2m1(code) * 2^(scale byte - 127), exact in DT (<= 2 significant
-    bits). Scale byte 0 is 2^-127 (an fp32 subnormal), 255 gives inf, as the reference.
-
-    Each row's bytes are contiguous (64-byte runs at BLOCK_K 128; a [BKH, BN] load would walk
-    rows KB bytes apart, one byte per transaction), and its BKH / 16 scale bytes are loaded once
-    and broadcast."""
-    kb = kb0 + tl.arange(0, BKH)
-    byte = tl.load(w_ptr + rows[:, None] * KB + kb[None, :], mask=rmask[:, None], other=0)
-    ks = kb0 // 16 + tl.arange(0, BKH // 16)
-    sb = tl.load(s_ptr + rows[:, None] * (KB // 16) + ks[None, :], mask=rmask[:, None],
-                 other=127).to(tl.int32)
+def _checkpoint_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr,
+                     WDT: tl.constexpr):
+    """The checkpoint layout: rows of K / 2 packed bytes (low nibble = even element), one E8M0
+    byte per 32 elements; e2m1(code) * 2^(byte - 127) per nibble in fp32 (byte 0 is 2^-127,
+    an fp32 subnormal; 255 gives inf, as the reference)."""
+    BKH: tl.constexpr = BK // 2
+    rows = (e * N + nt * BN + tl.arange(0, BN)).to(tl.int64)
+    kb = kt * BKH + tl.arange(0, BKH)
+    byte = tl.load(w_ptr + rows[:, None] * (K // 2) + kb[None, :]).to(tl.int32)
+    ks = kt * (BK // 32) + tl.arange(0, BK // 32)
+    sb = tl.load(s_ptr + rows[:, None] * (K // 32) + ks[None, :]).to(tl.int32)
     scale = tl.where(sb == 0, 0x00400000, sb << 23).to(tl.float32, bitcast=True)
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, BKH // 16, 16]), [BN, BKH])
-    b = byte.to(tl.int32)
-    lo = (_e2m1(b & 15) * scale).to(DT)
-    hi = (_e2m1(b >> 4) * scale).to(DT)
-    return lo, hi
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, BK // 32, 16]), [BN, BKH])
+    lo = _e2m1(byte & 15) * scale
+    hi = _e2m1(byte >> 4) * scale
+    return tl.reshape(tl.join(lo, hi), [BN, BK]).to(WDT)
 
 
 @triton.jit
-def _act_tile(a_ptr, row_off, rmask, k0, BLOCK_K: tl.constexpr):
-    """Even and odd columns k0.. of the activation rows at `row_off` -> two [BM, BLOCK_K / 2]."""
-    kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    ptr = a_ptr + row_off[:, None] + kk[None, :]
-    return (tl.load(ptr, mask=rmask[:, None], other=0.0),
-            tl.load(ptr + 1, mask=rmask[:, None], other=0.0))
-
-
-@triton.jit
-def _mac(x_ptr, x_off, live, k0, w_ptr, s_ptr, w_rows, nmask, KB, acc, BLOCK_K: tl.constexpr,
-         BLOCK_N: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr):
-    """acc += x[rows, k0:k0+BLOCK_K] . W[w_rows, same K]^T, acc [BM, BN], or its transpose
-    [BN, BM] with SWAP (the weight rows on the MMA's M side: decode blocks hold 1-2 live rows
-    of 16, so the 16-row side then wastes the activations' rows, not the weights')."""
-    lo, hi = _mxfp4_tile(w_ptr, s_ptr, w_rows, nmask, k0 // 2, KB, BLOCK_N, BLOCK_K // 2, DT)
-    xe, xo = _act_tile(x_ptr, x_off, live, k0, BLOCK_K)
-    if SWAP:
-        return _dot(hi, tl.trans(xo), _dot(lo, tl.trans(xe), acc, IEEE), IEEE)
+def _shift(u, A: tl.constexpr):
+    if A > 0:
+        return u << A
+    elif A < 0:
+        return u >> (-A)           # arithmetic: the filled top bits are masked off
     else:
-        return _dot(xo, tl.trans(hi), _dot(xe, tl.trans(lo), acc, IEEE), IEEE)
+        return u
 
 
 @triton.jit
-def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
-    if SWAP:
-        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+def _pair_bits(u, J: tl.constexpr):
+    """Pair J of every word as two bf16 lanes of e2m1 * 2^-126 (kernels/moe_layout.py)."""
+    A: tl.constexpr = _PAIR_A[J]
+    B: tl.constexpr = _PAIR_B[J]
+    if A == B:
+        return _shift(u, A) & (_MAG | _SGN)
     else:
-        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        return (_shift(u, A) & _MAG) | (_shift(u, B) & _SGN)
 
 
 @triton.jit
-def _acc_rows_first(acc, SWAP: tl.constexpr):
-    if SWAP:
-        return tl.trans(acc)
+def _scaled_pair(u, cw, J: tl.constexpr, WIDE: tl.constexpr, SOFT: tl.constexpr):
+    """(lane 0, lane 1) of pair J times its scale. cw: per word, SOFT: the fp32 multiplier(s),
+    else the bf16x2 multiplier (both lanes). Exact: e2m1 * 2^k has <= 2 significant bits."""
+    r = _pair_bits(u, J)
+    if SOFT:          # the interpreter: no inline PTX; fp32 lanes, the same products
+        lo = (r << 16).to(tl.float32, bitcast=True)
+        hi = (r & _HI16).to(tl.float32, bitcast=True)
+        if WIDE:
+            lo = lo * 8.507059173023462e37          # 2^126
+            hi = hi * 8.507059173023462e37
+        return lo * cw, hi * cw
     else:
-        return acc
+        if WIDE:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; mov.b32 t, 0x7E807E80; mul.rn.bf16x2 t, $1, t; "
+                "mul.rn.bf16x2 $0, t, $2; }", "=r,r,r", [r, cw], dtype=tl.int32, is_pure=True,
+                pack=1)
+        else:
+            r = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, cw],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return lo, hi
 
 
 @triton.jit
-def _dot(a, w, acc, IEEE: tl.constexpr):
-    # fp32 activations: fp32 products as the reference, no TF32. The interpreter also takes
-    # this path for bf16 (its dot multiplies bf16's raw uint16 bits); bf16 products are exact
-    # in fp32, so it is the tensor cores' math.
+def _tiled_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr,
+                WDT: tl.constexpr, WIDE: tl.constexpr, SOFT: tl.constexpr):
+    """The kernel layout (kernels/moe_layout.py): the tile's BN * BK / 8 words and BN * BK / 32
+    scale bytes are two contiguous runs."""
+    W: tl.constexpr = BK // 8
+    G: tl.constexpr = BK // 32
+    tile = (e * (N // BN) + nt) * (K // BK) + kt
+    r = tl.arange(0, BN)
+    u = tl.load(w_ptr + tile * (BN * W) + r[:, None] * W + tl.arange(0, W)[None, :])
+    sb = tl.load(s_ptr + tile * (BN * G) + r[:, None] * G + tl.arange(0, G)[None, :])
+    sb = sb.to(tl.int32)
+    if SOFT:
+        if WIDE:        # 2^(s - 127); byte 0 is the subnormal 2^-127, 255 is inf
+            c = tl.where(sb == 0, 0x00400000, sb << 23).to(tl.float32, bitcast=True)
+        else:           # 2^(s - 1), normal for s <= 128
+            c = ((sb + 126) << 23).to(tl.float32, bitcast=True)
+    else:
+        if WIDE:
+            c = tl.where(sb == 0, 0x40, sb << 7) * 65537
+        else:
+            c = ((sb + 126) << 7) * 65537
+    cw = tl.reshape(tl.broadcast_to(c[:, :, None], [BN, G, 4]), [BN, W])  # 4 words a scale
+    l0, h0 = _scaled_pair(u, cw, 0, WIDE, SOFT)
+    l1, h1 = _scaled_pair(u, cw, 1, WIDE, SOFT)
+    l2, h2 = _scaled_pair(u, cw, 2, WIDE, SOFT)
+    l3, h3 = _scaled_pair(u, cw, 3, WIDE, SOFT)
+    # [.., pair bit 1, pair bit 0, lane]: K offset 2 j + l within the word's 8
+    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+    return tl.reshape(tl.join(lo, hi), [BN, BK]).to(WDT)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr,
+                 WDT: tl.constexpr, TILED: tl.constexpr, WIDE: tl.constexpr,
+                 SOFT: tl.constexpr):
+    if TILED:
+        return _tiled_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN, BK, WDT, WIDE, SOFT)
+    else:
+        return _checkpoint_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN, BK, WDT)
+
+
+@triton.jit
+def _dot(w, a, acc, IEEE: tl.constexpr):
+    """acc [BN, BM] += w [BN, BK] . a [BM, BK]^T. IEEE: fp32 products as the reference (fp32 /
+    fp16 activations, and the interpreter, whose dot multiplies bf16's raw uint16 bits); bf16
+    products are exact in fp32, so either path is the tensor cores' math."""
     if IEEE:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc=acc, input_precision="ieee")
+        return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc=acc,
+                      input_precision="ieee")
     else:
-        return tl.dot(a, w, acc=acc)
+        return tl.dot(w, tl.trans(a), acc=acc)
 
+
+# ------------------------------------------------------------------------------------------------
+# the GEMMs
+# ------------------------------------------------------------------------------------------------
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, blk_expert_ptr,
                         blk_rows_ptr, count_ptr, D, I, K_TOP, stride_xt, limit,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE: tl.constexpr, SOFT: tl.constexpr, SWAP: tl.constexpr):
+                        TILED: tl.constexpr, WIDE: tl.constexpr, IEEE: tl.constexpr,
+                        SOFT: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return                                  # padding block of the worst-case grid
     e, r, live, pair = _block_rows(pair_ptr, blk_expert_ptr, blk_rows_ptr, b, BLOCK_M)
     x_off = (pair // K_TOP) * stride_xt
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
-    w_rows = e * I + n
+    nt = tl.program_id(1)
     DT = x_ptr.dtype.element_ty
-    g = _acc_init(BLOCK_M, BLOCK_N, SWAP)
-    u = _acc_init(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, D, BLOCK_K):
-        g = _mac(x_ptr, x_off, live, k0, w1_ptr, s1_ptr, w_rows, nmask, D // 2, g, BLOCK_K,
-                 BLOCK_N, DT, IEEE, SWAP)
-        u = _mac(x_ptr, x_off, live, k0, w3_ptr, s3_ptr, w_rows, nmask, D // 2, u, BLOCK_K,
-                 BLOCK_N, DT, IEEE, SWAP)
+    WDT = tl.bfloat16 if DT == tl.bfloat16 else tl.float32
+    g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kt in range(0, D // BLOCK_K):
+        kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
+        w = _weight_tile(w1_ptr, s1_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K, WDT, TILED, WIDE,
+                         SOFT)
+        g = _dot(w, a, g, IEEE)
+        w = _weight_tile(w3_ptr, s3_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K, WDT, TILED, WIDE,
+                         SOFT)
+        u = _dot(w, a, u, IEEE)
     # the reference rounds both GEMMs to x's dtype, clamps (NaN stays NaN), silu in fp32
-    g = round_to(_acc_rows_first(g, SWAP), DT, SOFT)
-    u = round_to(_acc_rows_first(u, SWAP), DT, SOFT)
+    g = round_to(tl.trans(g), DT, SOFT)
+    u = round_to(tl.trans(u), DT, SOFT)
     if limit > 0:
         g = tl.where(g > limit, limit, g)
         u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
     silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
     h = round_to(silu * u, DT, SOFT)
+    n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (b * BLOCK_M + r).to(tl.int64)
-    tl.store(h_ptr + rows[:, None] * I + n[None, :], h.to(DT), mask=live[:, None] & nmask[None, :])
+    tl.store(h_ptr + rows[:, None] * I + n[None, :], h.to(DT), mask=live[:, None])
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_ptr,
                      blk_rows_ptr, count_ptr, D, I, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                     SOFT: tl.constexpr, SWAP: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
+                     WIDE: tl.constexpr, IEEE: tl.constexpr, SOFT: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return
     e, r, live, pair = _block_rows(pair_ptr, blk_expert_ptr, blk_rows_ptr, b, BLOCK_M)
     h_off = (b * BLOCK_M + r).to(tl.int64) * I
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < D
-    w_rows = e * D + n
+    nt = tl.program_id(1)
     DT = h_ptr.dtype.element_ty
-    acc = _acc_init(BLOCK_M, BLOCK_N, SWAP)
-    for k0 in range(0, I, BLOCK_K):
-        acc = _mac(h_ptr, h_off, live, k0, w2_ptr, s2_ptr, w_rows, nmask, I // 2, acc, BLOCK_K,
-                   BLOCK_N, DT, IEEE, SWAP)
+    WDT = tl.bfloat16 if DT == tl.bfloat16 else tl.float32
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kt in range(0, I // BLOCK_K):
+        kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(h_ptr + h_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
+        w = _weight_tile(w2_ptr, s2_ptr, e, nt, kt, D, I, BLOCK_N, BLOCK_K, WDT, TILED, WIDE,
+                         SOFT)
+        acc = _dot(w, a, acc, IEEE)
     # epilogue: the expert's output rounded to the activation dtype, times the routing weight
     wt = tl.load(wt_ptr + pair, mask=live, other=0.0)
-    o = round_to(_acc_rows_first(acc, SWAP), DT, SOFT) * wt[:, None]
-    tl.store(y_ptr + pair[:, None] * D + n[None, :], o, mask=live[:, None] & nmask[None, :])
+    o = round_to(tl.trans(acc), DT, SOFT) * wt[:, None]
+    n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + pair[:, None] * D + n[None, :], o, mask=live[:, None])
 
 
 @triton.jit
-def _moe_combine_kernel(y_pair_ptr, ids_ptr, y_ptr, D, E, K_TOP, BLOCK_D: tl.constexpr):
+def _moe_combine_kernel(y_pair_ptr, ids_ptr, valid_ptr, y_ptr, D, E, K_TOP,
+                        BLOCK_D: tl.constexpr, HAS_VALID: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
     y = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in range(0, K_TOP):
         p = t * K_TOP + j
-        e = tl.load(ids_ptr + p)
-        ok = (e >= 0) & (e < E)               # a slot without an expert adds nothing
-        y += tl.load(y_pair_ptr + p * D + d, mask=dmask & ok, other=0.0)
+        _, ok = _pair_expert(ids_ptr, valid_ptr, p, p >= 0, E, K_TOP, HAS_VALID)
+        y += tl.load(y_pair_ptr + p * D + d, mask=dmask & ok, other=0.0)  # no expert: adds 0
     tl.store(y_ptr + t * D + d, y, mask=dmask)

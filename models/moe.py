@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers dspark::moe_experts)
+from dspark_compile.kernels import moe_layout
 from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
 from dspark_compile.kernels.sampling.reference import fold_ids
 
@@ -48,7 +49,11 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts of a layer, stacked: w{1,3} [E, I, D/2], w2 [E, D, I/2] (MXFP4 bytes)."""
+    """All routed experts of a layer, stacked: w{1,3} [E, I, D/2], w2 [E, D, I/2] (MXFP4 bytes),
+    in the checkpoint's layout until `use_kernel_layout` re-lays them out for the kernel; `layout`
+    names the one the buffers hold (the op's `layout` argument)."""
+
+    NAMES = ("w1_weight", "w1_scale", "w3_weight", "w3_scale", "w2_weight", "w2_scale")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -57,6 +62,21 @@ class Experts(nn.Module):
             self.register_buffer(f"{w}_weight", torch.zeros(E, rows, cols // 2, dtype=torch.int8))
             # E8M0 scales held as their raw bytes (see models/linear.py: E8M0_STORAGE)
             self.register_buffer(f"{w}_scale", torch.zeros(E, rows, cols // 32, dtype=E8M0_STORAGE))
+        self.layout = moe_layout.CHECKPOINT
+
+    def tensors(self) -> tuple:
+        return tuple(getattr(self, n) for n in self.NAMES)
+
+    def use_kernel_layout(self, dtype: torch.dtype) -> str:
+        """Replace the buffers by the kernel's tiled layout (kernels/moe_layout.py) for
+        activations of `dtype` (its K tile); an exact permutation, done once at build time.
+        Returns the layout's name. The eager model keeps the checkpoint's layout."""
+        if self.layout == moe_layout.CHECKPOINT:
+            tensors, self.layout = moe_layout.experts_to_kernel(
+                *self.tensors(), max_bk=moe_kernel.max_bk(dtype, tiled=True))
+            for name, t in zip(self.NAMES, tensors):
+                setattr(self, name, t)
+        return self.layout
 
 
 class SharedExpert(nn.Module):
@@ -84,10 +104,17 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = SharedExpert(cfg, prec)
 
-    def forward(self, x: torch.Tensor, xq, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq, tokens: torch.Tensor, valid=None) -> torch.Tensor:
+        """valid [T] bool (None: every row): a padded row's pairs read no expert weights."""
         idx, w = self.gate(x, tokens)
         e = self.experts
-        routed = torch.ops.dspark.moe_experts(x, idx, w, e.w1_weight, e.w1_scale, e.w3_weight, e.w3_scale,
-                                              e.w2_weight, e.w2_scale, float(self.cfg.swiglu_limit))
+        routed = torch.ops.dspark.moe_experts(x, idx, w, *e.tensors(), float(self.cfg.swiglu_limit),
+                                              e.layout, valid)
         acc = acc_dtype(self.prec.dtype)
         return (routed.to(acc) + self.shared_experts(x, xq).to(acc)).to(self.prec.dtype)
+
+
+def use_kernel_layouts(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Every MoE layer's experts of `model` in the kernel's weight layout (the engine build,
+    dspark_compile/trace.py); the layout names, one per layer."""
+    return [m.use_kernel_layout(dtype) for m in model.modules() if isinstance(m, Experts)]

@@ -1,9 +1,12 @@
 """dspark::moe_experts: the Triton kernels (under TRITON_INTERPRET=1 on CPU) against the reference.
 
-Tiny irregular shapes (8 experts, hidden 64 / 128, intermediate 64): 1 token, token counts that
+Tiny irregular shapes (8 experts, hidden 64 / 128, intermediate 64), both weight layouts (the
+checkpoint's and the kernel's tiled one, kernels/moe_layout.py): 1 token, token counts that
 are no multiple of the 16-row block, all pairs on one expert, experts never hit, slots without
-an expert (-1, >= E), padded rows holding garbage, NaN / +-inf activations, hash- and
-score-routed gates, the 64-row / narrow GPU tilings. Routing buffers are compared exactly.
+an expert (-1, >= E), padded rows holding garbage or flagged not `valid`, NaN / +-inf
+activations, wide scale bytes (0, > 128, 255), hash- and score-routed gates, other tilings;
+batch invariance (a token's output bits alone and at every position of larger batches).
+Routing buffers are compared exactly.
 
 Tolerances (outputs are fp32): fp32 activations 1e-5 x the row's largest |y| (fp32 sums in
 another order); bf16 activations 2^-6 x the row's largest |y| (the kernel rounds g, u, h and o
@@ -11,7 +14,6 @@ to bf16 like the reference, and a different fp32 summation order may flip one of
 roundings by a bf16 ulp, 2^-8 relative). NaN and inf positions must match exactly (NaN never
 passes a comparison), finite elements must be finite on both sides.
 """
-import dataclasses
 import math
 import os
 import sys
@@ -21,8 +23,9 @@ import pytest
 import torch
 
 from dspark_compile.kernels import moe
+from dspark_compile.kernels import moe_layout as ml
 from dspark_compile.kernels.registry import KERNELS
-from dspark_compile.models.moe import Gate
+from dspark_compile.models.moe import Experts, Gate, use_kernel_layouts
 from dspark_compile.models.quant_formats import mxfp4_quant
 
 E, I = 8, 64
@@ -71,9 +74,20 @@ def _routing(T, k, kind, seed=2):
     return ids.to(torch.int64), w
 
 
-def _run(x, ids, w, experts, limit=LIMIT, plan=None):
-    y = moe.moe_experts_launch(x, ids, w, *experts, limit, plan=plan)
-    ref = moe.moe_experts_reference(x, ids, w, *experts, limit)
+LAYOUTS = ("checkpoint", "tiled")
+
+
+def _laid_out(experts, layout):
+    """(six tensors, layout name) of checkpoint-layout `experts` in `layout`."""
+    if layout == "checkpoint":
+        return tuple(experts), ml.CHECKPOINT
+    return ml.experts_to_kernel(*experts)
+
+
+def _run(x, ids, w, experts, limit=LIMIT, plan=None, layout="checkpoint", valid=None):
+    tensors, name = _laid_out(experts, layout)
+    y = moe.moe_experts_launch(x, ids, w, *tensors, limit, name, valid, plan=plan)
+    ref = moe.moe_experts_reference(x, ids, w, *experts, limit, valid=valid)
     return y, ref
 
 
@@ -143,54 +157,88 @@ def experts128():
     return _experts(128, seed=3)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T,k,kind", [(1, 2, "random"), (7, 3, "random"), (19, 3, "one"),
                                       (13, 2, "few"), (11, 3, "holes")])
-def test_matches_reference(T, k, kind, dtype, experts64):
+def test_matches_reference(T, k, kind, dtype, layout, experts64):
     x = _x(T, 64, dtype, seed=T)
     ids, w = _routing(T, k, kind, seed=T + 1)
-    y, ref = _run(x, ids, w, experts64)
+    y, ref = _run(x, ids, w, experts64, layout=layout)
     assert ref.isfinite().all() and ref.abs().amax() > 0
     _assert_close(y, ref, dtype)
     if kind == "holes":       # a token whose slots all lack an expert gets exactly 0
         ids2 = ids.clone()
         ids2[0] = -1
-        y2 = moe.moe_experts_launch(x, ids2, w, *experts64, LIMIT)
+        tensors, name = _laid_out(experts64, layout)
+        y2 = moe.moe_experts_launch(x, ids2, w, *tensors, LIMIT, name)
         assert torch.equal(y2[0], torch.zeros(64)) and torch.equal(y2[1:], y[1:])
 
 
-@pytest.mark.parametrize("plan", [moe.MoePlan(block_m=64, block_n=32, block_k=64, block_d=64),
-                                  moe.MoePlan(block_m=16, block_n=64, block_k=32, block_p=16,
-                                              block_d=32),
-                                  moe.MoePlan(block_m=16, block_n=32, block_k=64, block_d=64,
-                                              swap_ab=True),
-                                  moe.MoePlan(block_m=64, block_n=64, block_k=32, block_d=64,
-                                              swap_ab=True)],
-                         ids=["bm64", "bk32", "swap", "swap-bm64"])
-def test_gpu_tilings(plan, experts128):
-    """64-row blocks, narrow N, K split into several steps, several combine programs a row,
-    the weight rows on the MMA's M side (swap_ab)."""
-    x = _x(21, 128, torch.bfloat16, seed=4)
-    ids, w = _routing(21, 3, "random", seed=5)
+def test_layouts_agree_bit_for_bit(experts128):
+    """Both layouts decode to the same exact weights and sum in the same K order, so the
+    tiled kernel's output equals the checkpoint kernel's, bit for bit (same tiles)."""
+    x = _x(9, 128, torch.bfloat16, seed=14)
+    ids, w = _routing(9, 3, "random", seed=15)
+    tensors, name = ml.experts_to_kernel(*experts128)
+    lay = ml.parse_layout(name)
+    plan = moe.MoePlan(lay.gate_up_tile, lay.down_tile)
+    y_ckpt = moe.moe_experts_launch(x, ids, w, *experts128, LIMIT, plan=plan)
+    assert torch.equal(moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name), y_ckpt)
+
+
+def test_other_tilings(experts128):
+    """Narrow N tiles, K in several steps, several combine programs a row; the tiled layout
+    built at the same tiles (its name carries them)."""
+    gu, dn = (32, 64), (32, 32)
+    x = _x(5, 128, torch.bfloat16, seed=4)
+    ids, w = _routing(5, 2, "random", seed=5)
+    plan = moe.MoePlan(gu, dn, block_d=32)
     y, ref = _run(x, ids, w, experts128, plan=plan)
     _assert_close(y, ref, torch.bfloat16)
-    assert torch.equal(y, moe.moe_experts_launch(x, ids, w, *experts128, LIMIT, plan=plan))
+    w1, s1, w3, s3, w2, s2 = experts128
+    laid = ml.to_kernel(w1, s1, gu) + ml.to_kernel(w3, s3, gu) + ml.to_kernel(w2, s2, dn)
+    name = ml.TiledLayout(gu, dn).name
+    assert torch.equal(moe.moe_experts_launch(x, ids, w, *laid, LIMIT, name), y)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu(-huge)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # inf - inf
 # (no finite overflow: where a sum of finite terms overflows depends on the summation order)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("limit", [LIMIT, 0.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nan_inf_propagate_as_reference(limit, dtype, experts64):
+def test_nan_inf_propagate_as_reference(limit, dtype, layout, experts64):
     x = _x(6, 64, dtype, seed=6)
     x[1, 5] = float("nan")
     x[2, 7] = float("inf")
     x[3, 0] = -float("inf")
     ids, w = _routing(6, 2, "random", seed=7)
-    y, ref = _run(x, ids, w, experts64, limit)
+    y, ref = _run(x, ids, w, experts64, limit, layout=layout)
     assert ref[1].isnan().all() and ref[0].isfinite().all() and ref[5].isfinite().all()
     _assert_close(y, ref, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # 0 * inf
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wide_scale_bytes_as_reference(dtype, experts64):
+    """Scale bytes 0 (2^-127), 129..200 (weights up to 6 * 2^13) and 255 (inf: 0 * inf is NaN)
+    in some experts: the tiled layout is named wide and multiplies twice; both layouts give
+    the reference's values, infs and NaNs."""
+    ex = [t.clone() for t in experts64]
+    ex[1][2, :4] = 0                       # w1 of expert 2: tiny
+    ex[1][5, 1, :] = 140                   # w1 of expert 5, row 1: huge
+    ex[3][6, 3, 0] = 255                   # w3 of expert 6, row 3, first 32: inf
+    ex[5][2, :, 1] = 129                   # w2 of expert 2
+    tensors, name = ml.experts_to_kernel(*ex)
+    assert name.endswith(":wide")
+    x = _x(8, 64, dtype, seed=16, scale=1e-3)
+    ids, w = _routing(8, 3, "random", seed=17)
+    ids[0] = torch.tensor([2, 5, 6])
+    ref = moe.moe_experts_reference(x, ids, w, *ex, 0.0)
+    assert not ref[0].isfinite().all() and ref.isfinite().any()
+    for t, lay in ((ex, ml.CHECKPOINT), (tensors, name)):
+        _assert_close(moe.moe_experts_launch(x, ids, w, *t, 0.0, lay), ref, dtype)
 
 
 def test_padded_rows_stay_in_their_rows(experts64):
@@ -204,6 +252,26 @@ def test_padded_rows_stay_in_their_rows(experts64):
     assert torch.equal(y_all[:5], y_live) and y_all[5:].isnan().all()
     ref = moe.moe_experts_reference(live, ids[:5], w[:5], *experts64, LIMIT)
     _assert_close(y_live, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_not_valid_read_no_expert(layout, experts64):
+    """`valid` False (the step's padded rows): the row's pairs are no pairs (no expert block,
+    output 0, NaN garbage never read); the live rows are bit-equal to a run without it."""
+    x = _x(9, 64, torch.bfloat16, seed=18)
+    x[[2, 7]] = float("nan")
+    ids, w = _routing(9, 3, "random", seed=19)
+    valid = torch.ones(9, dtype=torch.bool)
+    valid[[2, 7]] = False
+    y, ref = _run(x, ids, w, experts64, layout=layout, valid=valid)
+    assert torch.equal(y[[2, 7]], torch.zeros(2, 64)) and torch.equal(ref[[2, 7]], y[[2, 7]])
+    _assert_close(y, ref, torch.bfloat16)
+    tensors, name = _laid_out(experts64, layout)
+    gone = ids.clone()
+    gone[[2, 7]] = -1
+    assert torch.equal(y, moe.moe_experts_launch(x, gone, w, *tensors, LIMIT, name))
+    pair, blk_e, blk_rows, count = moe.moe_route_launch(ids, E, valid=valid)
+    assert int(blk_rows.sum()) == 7 * 3                         # 2 rows x 3 slots dropped
 
 
 def _cfg(hash_layer_vocab=50, k=3):
@@ -234,11 +302,13 @@ def test_hash_and_score_routed_gates(hash_layer, experts64):
 # ------------------------------------------------------------------------------------------------
 
 SCHEMA = ("dspark::moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, "
-          "Tensor s1, Tensor w3, Tensor s3, Tensor w2, Tensor s2, float swiglu_limit) -> Tensor")
+          "Tensor s1, Tensor w3, Tensor s3, Tensor w2, Tensor s2, float swiglu_limit, "
+          "str layout=\"checkpoint\", Tensor? valid=None) -> Tensor")
 
 
 def test_op_schema_and_cpu_dispatch(experts64):
-    """Engines record op schemas: the fused kernel kept the op's. CPU runs the reference."""
+    """Engines record op schemas (a change refuses an older engine). CPU runs the reference,
+    for the tiled layout too (laid back first: the same bits)."""
     op = torch.ops.dspark.moe_experts
     assert str(op.default._schema) == SCHEMA
     assert KERNELS["moe_experts"].compile_configs
@@ -248,18 +318,24 @@ def test_op_schema_and_cpu_dispatch(experts64):
     assert ref.dtype == torch.float64
     assert torch.equal(op(x, ids, w.double(), *experts64, LIMIT), ref)
     assert torch.equal(moe.moe_experts_launch(x, ids, w.double(), *experts64, LIMIT), ref)
+    tensors, name = ml.experts_to_kernel(*experts64)
+    assert torch.equal(op(x, ids, w.double(), *tensors, LIMIT, name), ref)
 
 
-def test_plan_choices():
-    p = moe.moe_plan(36, 256, 4096, 2048)
-    assert p.block_m == 16 and p.block_k == 128 and p.block_d == 1024 and p.swap_ab
-    big = moe.moe_plan(8192 * 6, 256, 4096, 2048)
-    assert big.block_m == 64 and not big.swap_ab
-    f32 = moe.moe_plan(36, 256, 4096, 2048, torch.float32)
-    assert f32.block_k == 64 and not f32.swap_ab
-    assert moe.moe_plan(6, 8, 96, 64).block_k == 32
+def test_plan_is_a_function_of_the_weights_only():
+    """Flash dims: the tiled layout's tiles (64 x 256 both GEMMs at bf16, BK 64 at fp32), the
+    checkpoint layout's 64 x 128; no field depends on the token count."""
+    bf = ml.TiledLayout(ml.tile_for(2048, 4096), ml.tile_for(4096, 2048))
+    assert bf.gate_up_tile == bf.down_tile == (64, 256)
+    p = moe.moe_plan(256, 4096, 2048, bf.name)
+    assert p.tiled and not p.wide and p.gate_up_tile == (64, 256) and p.down_tile == (64, 256)
+    assert moe.max_bk(torch.float32, True) == 64 and moe.max_bk(torch.bfloat16, True) == 256
+    ck = moe.moe_plan(256, 4096, 2048)
+    assert not ck.tiled and ck.gate_up_tile == ck.down_tile == (64, 128)
+    assert moe.moe_plan(8, 96, 64).gate_up_tile == (64, 32)
+    assert moe.moe_plan(256, 4096, 2048, bf.name + ":wide").wide
     with pytest.raises(Exception):
-        p.block_m = 32                                        # frozen
+        p.num_warps = 8                                       # frozen
 
 
 def test_bad_inputs_name_the_argument(experts64):
@@ -271,8 +347,69 @@ def test_bad_inputs_name_the_argument(experts64):
         bad = list(experts64)
         bad[4] = bad[4][:, :32]
         moe.moe_experts_launch(x, ids, w, *bad, LIMIT)
-    with pytest.raises(ValueError, match="block_k"):
-        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT, plan=moe.MoePlan(block_k=128))
+    with pytest.raises(ValueError, match="plan tiles"):
+        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT,
+                               plan=moe.MoePlan((64, 128), (64, 64)))
+    tensors, name = ml.experts_to_kernel(*experts64)
+    with pytest.raises(ValueError, match="mxfp4-tiled-v0"):   # a layout this build does not know
+        moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name.replace("v1", "v0"))
+    with pytest.raises(ValueError, match="w1 and w2 must be 5-d"):    # checkpoint bytes, tiled name
+        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT, name)
+    with pytest.raises(ValueError, match="valid"):
+        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT, valid=torch.ones(3, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------------
+# batch invariance: a token's bits do not depend on the rest of the launch
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["tiled"])   # the checkpoint loader shares all but the decode
+def test_a_tokens_output_is_the_same_in_every_batch(layout, experts64):
+    """One token alone, then n copies of it (n = 2, 7, 17, 64: every row of a 16-row block,
+    several blocks of one expert) and inside random batches at the first, a middle and the last
+    position: bit-equal every time."""
+    tensors, name = _laid_out(experts64, layout)
+    run = lambda x, ids, w: moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name)
+    x1 = _x(1, 64, torch.bfloat16, seed=20)
+    ids1, w1 = _routing(1, 3, "random", seed=21)
+    alone = run(x1, ids1, w1)
+    for n in (2, 7, 17, 64):
+        y = run(x1.expand(n, -1), ids1.expand(n, -1), w1.expand(n, -1))
+        assert torch.equal(y, alone.expand(n, -1)), f"{n} copies"
+    for n in (5, 33):
+        x = _x(n, 64, torch.bfloat16, seed=22 + n)
+        ids, w = _routing(n, 3, "random", seed=23 + n)
+        for at in (0, n // 2, n - 1):
+            xb, ib, wb = x.clone(), ids.clone(), w.clone()
+            xb[at], ib[at], wb[at] = x1[0], ids1[0], w1[0]
+            assert torch.equal(run(xb, ib, wb)[at], alone[0]), f"batch {n}, row {at}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the model's experts: the layout applied once, the same outputs
+# ------------------------------------------------------------------------------------------------
+
+def test_experts_module_kernel_layout_gives_the_same_outputs(experts64):
+    """models/moe.py Experts: use_kernel_layout swaps the buffers for the tiled layout and
+    names it; the op's outputs are bit-equal to the checkpoint layout's (interpreted kernels)
+    and to the reference (CPU dispatch)."""
+    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=64, moe_intermediate_size=I)
+    mod = Experts(cfg)
+    for name, t in zip(Experts.NAMES, experts64):
+        getattr(mod, name).copy_(t.view(getattr(mod, name).dtype))
+    x = _x(5, 64, torch.bfloat16, seed=30)
+    ids, w = _routing(5, 3, "random", seed=31)
+    before = moe.moe_experts_launch(x, ids, w, *mod.tensors(), LIMIT, mod.layout)
+    ref = torch.ops.dspark.moe_experts(x, ids, w, *mod.tensors(), LIMIT, mod.layout)
+    holder = torch.nn.Sequential(mod)
+    assert use_kernel_layouts(holder, torch.bfloat16) == [mod.layout]
+    assert mod.layout.startswith(ml.VERSION) and mod.w1_weight.dtype == torch.int32
+    assert dict(holder.named_buffers())["0.w1_weight"] is mod.w1_weight
+    assert torch.equal(moe.moe_experts_launch(x, ids, w, *mod.tensors(), LIMIT, mod.layout),
+                       before)
+    assert torch.equal(torch.ops.dspark.moe_experts(x, ids, w, *mod.tensors(), LIMIT,
+                                                    mod.layout), ref)
+    assert mod.use_kernel_layout(torch.bfloat16) == mod.layout          # idempotent
 
 
 def test_benchmark_cases_build_and_run_on_cpu():
@@ -297,24 +434,35 @@ def test_benchmark_cases_build_and_run_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: Flash shapes, CUDA-graph replay with changing routing
+# GPU: Flash shapes, CUDA-graph replay with changing routing, batch invariance
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("swap", [False, True], ids=["no_swap", "swap_ab"])
-@pytest.mark.parametrize("T", [6, 384])
-def test_gpu_flash_shapes_and_graph_replay(T, swap):
-    dev, D, Ie, En, k = "cuda", 4096, 2048, 256, 6
-    g = torch.Generator(device=dev).manual_seed(0)
+def _flash_experts(dev, seed=0, wide=False):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    D, Ie, En = 4096, 2048, 256
     rnd = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, generator=g, device=dev)
     sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, generator=g, device=dev)
     ex = [rnd(En, Ie, D // 2), sc(En, Ie, D // 32), rnd(En, Ie, D // 2), sc(En, Ie, D // 32),
           rnd(En, D, Ie // 2), sc(En, D, Ie // 32)]
-    x = torch.randn(T, D, generator=g, device=dev).bfloat16()
+    if wide:                       # bytes 0 and 129..131 in a few experts' scales
+        ex[1][:, :, 3] = torch.where(torch.arange(Ie, device=dev) % 7 == 0, 0, ex[1][:, :, 3])
+        ex[5][:, ::5, 2] = 129 + torch.randint(0, 3, ex[5][:, ::5, 2].shape, generator=g,
+                                               device=dev).to(torch.uint8)
+    return ex, g
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["checkpoint", "tiled", "tiled-wide"])
+@pytest.mark.parametrize("T", [6, 384])
+def test_gpu_flash_shapes_and_graph_replay(T, layout):
+    dev, D, En, k = "cuda", 4096, 256, 6
+    ex, g = _flash_experts(dev, wide=layout == "tiled-wide")
+    tensors, name = _laid_out(ex, "checkpoint" if layout == "checkpoint" else "tiled")
+    assert name.endswith(":wide") == (layout == "tiled-wide")
+    x = torch.randn(T, D, generator=g, device=dev).bfloat16() * 0.05
     ids = torch.rand(T, En, generator=g, device=dev).topk(k, -1).indices
     w = torch.rand(T, k, generator=g, device=dev)
-    plan = dataclasses.replace(moe.moe_plan(T * k, En, D, Ie), swap_ab=swap)
-    op = lambda: moe.moe_experts_launch(x, ids, w, *ex, LIMIT, plan=plan)
+    op = lambda: moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name)
     _assert_close(op().cpu(), moe.moe_experts_reference(x, ids, w, *ex, LIMIT).cpu(),
                   torch.bfloat16)
     torch.cuda.synchronize()
@@ -327,3 +475,29 @@ def test_gpu_flash_shapes_and_graph_replay(T, swap):
             ids.fill_(7)                       # every pair on one expert
         graph.replay()
         assert torch.equal(out, op()), "replay differs from the uncaptured op"
+    if layout == "tiled":                      # the checkpoint kernel sums in other K tiles
+        _assert_close(out.cpu(), moe.moe_experts_launch(x, ids, w, *ex, LIMIT).cpu(),
+                      torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariance_at_flash_shapes():
+    """A token alone and at every position of batches of 2..64 (the others random): bit-equal
+    on the tensor cores, tiled layout."""
+    dev, D, En, k = "cuda", 4096, 256, 6
+    ex, g = _flash_experts(dev, seed=1)
+    tensors, name = ml.experts_to_kernel(*ex)
+    run = lambda x, ids, w: moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name)
+    x1 = torch.randn(1, D, generator=g, device=dev).bfloat16() * 0.05
+    ids1 = torch.rand(1, En, generator=g, device=dev).topk(k, -1).indices
+    w1 = torch.rand(1, k, generator=g, device=dev)
+    alone = run(x1, ids1, w1)
+    for n in range(2, 65):
+        x = torch.randn(n, D, generator=g, device=dev).bfloat16() * 0.05
+        ids = torch.rand(n, En, generator=g, device=dev).topk(k, -1).indices
+        ids[n // 3] = ids1[0]                  # a neighbour on the same experts
+        w = torch.rand(n, k, generator=g, device=dev)
+        for at in range(n):
+            xb, ib, wb = x.clone(), ids.clone(), w.clone()
+            xb[at], ib[at], wb[at] = x1[0], ids1[0], w1[0]
+            assert torch.equal(run(xb, ib, wb)[at], alone[0]), f"batch {n}, row {at}"
