@@ -34,6 +34,9 @@ def pytest_addoption(parser):
     parser.addoption("--gpu-engine-backend", default="inductor", choices=("inductor", "aten"),
                      help="--backend of the engine the GPU engine tests build (default inductor, "
                           "the CUDA default)")
+    parser.addoption("--gpu-kernel-store-engine", default="", metavar="DIR",
+                     help="a CUDA engine built on this machine for the kernel-store GPU test "
+                          "(tests/runtime/test_gpu_kernel_store.py); default: it builds one")
     parser.addoption("--shuffle-seed", type=int, default=None, metavar="N",
                      help="run the collected tests in an order shuffled by random.Random(N) "
                           "(the same N gives the same order), to find tests that depend on "
