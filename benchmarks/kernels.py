@@ -279,17 +279,68 @@ def _moe_previous():
     return moe_prev
 
 
+# Tile sweep (tuning data for moe_layout.tile_for): label -> (gate/up tile, down tile, warps,
+# stages); each builds its own layout of the set's weights where the tiles divide the dims.
+MOE_TILE_SWEEP = {"tile-128x128": ((64, 128), (64, 128), 4, 3),
+                  "tile-gu128": ((64, 128), (64, 256), 4, 3),
+                  "tile-dn128": ((64, 256), (64, 128), 4, 3),
+                  "tile-64x64": ((64, 64), (64, 64), 4, 3),
+                  "tile-128x128-st4": ((64, 128), (64, 128), 4, 4),
+                  "tile-128rows-w8": ((128, 128), (128, 128), 8, 3)}
+
+
+def _fits(dims: MoeDims, gu, dn) -> bool:
+    return (dims.inter % gu[0] == dims.hidden % gu[1] == 0
+            and dims.hidden % dn[0] == dims.inter % dn[1] == 0)
+
+
+def _swept_layout(d, gu, dn):
+    """The set's weights in the tiled layout at tiles (gu, dn), built once per set."""
+    key = ("_swept", gu, dn)
+    if key not in d:
+        laid = (moe_layout.to_kernel(d["w1"], d["s1"], gu) + moe_layout.to_kernel(d["w3"], d["s3"], gu)
+                + moe_layout.to_kernel(d["w2"], d["s2"], dn))
+        d[key] = (laid, moe_layout.TiledLayout(gu, dn).name)
+    return d[key]
+
+
+def _moe_part(d, upto: str):
+    """Only the routing kernel, or routing + gate/up, of the engine's call (where its time
+    goes): the launcher's own steps, stopped early."""
+    from dspark_compile.kernels import moe_kernels as mk
+    from dspark_compile.kernels.tl_helpers import launch
+    x, ids = d["x"], d["topk_ids"]
+    w1, s1, w3, s3 = d["tiled"][:4]
+    E = w1.shape[0]
+    route = moe.moe_route_launch(ids, E)
+    if upto == "route":
+        return route[3]
+    plan = moe.moe_plan(E, x.shape[1], w1.shape[1] * w1.shape[3], d["layout"])
+    (bn, bk), I, D = plan.gate_up_tile, w1.shape[1] * w1.shape[3], x.shape[1]
+    h = torch.empty(route[1].shape[0] * moe.BLOCK_M, I, dtype=x.dtype, device=x.device)
+    launch(mk._moe_gate_up_kernel)[(route[1].shape[0], I // bn)](
+        x, w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), h, *route, D, I, ids.shape[1],
+        x.stride(0), LIMIT, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, TILED=True, WIDE=False,
+        IEEE=False, SOFT=False, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return h
+
+
 def _moe_variants(T, dims: MoeDims) -> dict:
     """Same-run comparisons: the new kernels on the checkpoint layout (the eager model's), the
-    previous launcher (if present), the plan's stage and warp counts."""
-    base = moe.moe_plan(dims.experts, dims.hidden, dims.inter,
-                        moe_layout.TiledLayout(moe_layout.tile_for(dims.inter, dims.hidden),
-                                               moe_layout.tile_for(dims.hidden, dims.inter)).name)
-    out = {"ours-checkpoint": lambda d: moe.moe_experts_launch(*_moe_args(d))}
-    for label, p in {"ours-st2": dataclasses.replace(base, num_stages=2),
-                     "ours-st4": dataclasses.replace(base, num_stages=4),
-                     "ours-w8": dataclasses.replace(base, num_warps=8)}.items():
-        out[label] = lambda d, p=p: moe.moe_experts_launch(*_moe_tiled_args(d), plan=p)
+    previous launcher (if present), the tile sweep, and the routing / gate-up parts alone."""
+    out = {"ours-checkpoint": lambda d: moe.moe_experts_launch(*_moe_args(d)),
+           "part-route": lambda d: _moe_part(d, "route"),
+           "part-route-gate-up": lambda d: _moe_part(d, "gate_up")}
+    for label, (gu, dn, warps, stages) in MOE_TILE_SWEEP.items():
+        if not _fits(dims, gu, dn):
+            continue
+        plan = moe.MoePlan(gu, dn, True, False, num_warps=warps, num_stages=stages)
+
+        def run(d, gu=gu, dn=dn, plan=plan):
+            laid, name = _swept_layout(d, gu, dn)
+            return moe.moe_experts_launch(d["x"], d["topk_ids"], d["topk_weights"], *laid, LIMIT,
+                                          name, plan=plan)
+        out[label] = run
     prev = _moe_previous()
     if prev is not None:
         out["previous"] = lambda d: prev.moe_experts_launch(*_moe_args(d))

@@ -429,8 +429,9 @@ def test_benchmark_cases_build_and_run_on_cpu():
         assert c.check(dev) == ""
     d = cases[-1].make_inputs(dev, 0)
     ref = cases[-1].reference(d)
-    for label, fn in cases[-1].extra.items():      # the baseline and the tuning plans
-        assert bench.compare(label, fn(d), ref) == ""
+    for label, fn in cases[-1].extra.items():      # the baselines and the tile sweep
+        if not label.startswith("part-"):          # the parts time pieces (GPU only)
+            assert bench.compare(label, fn(d), ref) == ""
 
 
 # ------------------------------------------------------------------------------------------------
