@@ -23,6 +23,11 @@ all live):
 
 `--dry-run` runs the same code on the CPU without timing: every variant once, launches
 replaced by the aten / dspark ops the profiler sees, the floor, the JSON.
+
+The parts: bench_setup.py (device, checkpoint and engine under --work, output directory),
+step_floor.py (the byte floor), step_variants.py (how each variant runs one step, the compile
+budget, replay timing), step_launches.py (what a step launches, per layer); this file is the
+run that ties them.
 """
 from __future__ import annotations
 

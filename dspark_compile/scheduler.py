@@ -53,7 +53,7 @@ from dspark_compile.models.generate import GenerationResult, SamplingParams, app
 
 class StreamEvent(NamedTuple):
     request: int        # Engine.stream: the prompt's index; GenerationStream: the id add() returned
-    tokens: list        # token ids newly committed to this request by this step (stop ids
+    tokens: list[int]   # token ids newly committed to this request by this step (stop ids
                         # included, as generate() includes them); [] only for a cancelled request
     finished: bool      # the request ended (stop id, max_new_tokens, cancelled)
 

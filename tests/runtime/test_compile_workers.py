@@ -96,3 +96,18 @@ def test_an_unreadable_compiled_program_is_named(programs, tmp_path):
         CompiledStep(bad, eps[1], torch.arange(1), state)
     with pytest.raises(ValueError, match="keys or their order differ"):
         CompiledStep(bad, eps[1], torch.arange(1), {k: state[k] for k in reversed(state)})
+
+
+def test_the_backend_decides_what_each_compile_is(programs):
+    """compiled.py alone decides what a build compiles (the workers only run it): a program
+    without the Markov sampler has only its full variant, a greedy variant of it is refused,
+    and the example input has the program's first input's shape."""
+    from dspark_compile.compiled import example_input, variant_graph, variants_of
+    eps, _ = programs
+    assert variants_of(eps[1]) == ["full"]
+    assert isinstance(variant_graph(eps[1], "full"), torch.fx.GraphModule)
+    with pytest.raises(ValueError, match="no dspark::markov_sample call"):
+        variant_graph(eps[1], "greedy")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        variant_graph(eps[1], "fast")
+    assert example_input(eps[3], "cpu").tolist() == [0, 1, 2]

@@ -255,6 +255,25 @@ def test_greedy_variant_equals_the_full_program(default_loaded):
         eng.run_step([9], variant="fast")
 
 
+def test_the_inductor_greedy_variant_is_the_same_switch(default_loaded):
+    """What the Inductor backend compiles for a bucket's greedy variant (compiled.variant_graph,
+    on the lifted graph) switches the same calls as the runtime's aten variant: both samplers
+    to greedy, the draft logits' store dropped; the full variant is the program's own graph."""
+    from dspark_compile.compiled import variant_graph, variants_of
+    from dspark_compile.variants import _mode_arg, markov_nodes, rejection_nodes
+    ep = default_loaded.programs[1]
+    assert variants_of(ep) == ["full", "greedy"]
+
+    def modes(gm):
+        return [n.args[_mode_arg(n.target)] if len(n.args) > _mode_arg(n.target) else "full"
+                for n in markov_nodes(gm) + rejection_nodes(gm)]
+    full, greedy = variant_graph(ep, "full"), variant_graph(ep, "greedy")
+    assert modes(full) == ["full", "full"] and modes(greedy) == ["greedy", "greedy"]
+    puts = [n for n in full.graph.nodes if n.target is torch.ops.aten.index_put_.default]
+    assert len([n for n in greedy.graph.nodes
+                if n.target is torch.ops.aten.index_put_.default]) == len(puts) - 1
+
+
 @pytest.mark.parametrize("bucket,kernels", [(4, True), (32, False)],
                          ids=["bucket4-kernels", "bucket32-references"])
 def test_a_step_reads_no_memory_it_did_not_write(default_loaded, bucket, kernels, monkeypatch):

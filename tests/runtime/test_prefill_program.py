@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from dspark_compile.lossless import check_lossless
+from dspark_compile.lossless import check_lossless, greedy_reference
 from dspark_compile.models.generate import SamplingParams, set_row_sampling
 from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule
 from dspark_compile.models.step import prefill
@@ -341,3 +341,43 @@ def test_gpu_generation_through_prefill_graphs_is_lossless(gpu_chunk_engine):
     report = check_lossless(eng.model, prompts, params, res.tokens, device="cuda")
     # float32: a divergence is accepted only at a near-tie of the target's logits
     assert report.ok or report.relative_margin < 1e-3, report.line()
+
+
+def test_a_long_prompt_is_spread_over_steps_while_a_request_decodes(chunk_engine):
+    """Through a stream with a budget of C prefill tokens per step: a prompt of 2C + 3 tokens
+    (three chunk calls) joins while a request decodes; each of the next three step() calls runs
+    one of its chunks and the decoding request commits tokens in every one of them; both
+    outputs stay lossless."""
+    _, eng = chunk_engine
+    pp = eng.prefill_programs
+    calls, step_no = [], [0]
+    module = pp.modules[C]
+    pp.modules[C] = lambda x, state: (calls.append((step_no[0], int(x[2]))), module(x, state))[1]
+    rng = random.Random(9)
+    prompts = [[rng.randrange(eng.cfg.vocab_size) for _ in range(n)] for n in (3, 2 * C + 3)]
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=5)]
+    out = {0: [], 1: []}
+    s = eng.open_stream(overlap=True, prefill_tokens=C)
+    try:
+        s.add(prompts[0], params[0])
+        for step_no[0] in range(2):
+            for e in s.step():
+                out[e.request] += e.tokens
+        s.add(prompts[1], params[1])
+        for step_no[0] in range(2, 5):
+            events = s.step()
+            assert any(e.request == 0 and e.tokens for e in events), "the decoding row stalled"
+            for e in events:
+                out[e.request] += e.tokens
+        assert s.cancel(0)       # its tokens so far are checked below; the rest is not needed
+        while s.has_work:
+            for e in s.step():
+                out[e.request] += e.tokens
+    finally:
+        s.close()
+        pp.modules[C] = module
+    assert calls == [(0, 3), (2, C), (3, C), (4, 3)], calls
+    report = check_lossless(eng.model, prompts[1:], params[1:], [out[1]])
+    assert report.ok and len(out[1]) == 5, report.line()
+    assert 0 < len(out[0]) < 30
+    assert out[0] == greedy_reference(eng.model, prompts[0], len(out[0]))[0]
