@@ -44,7 +44,7 @@ def max_threads() -> int:
 # ---- synth ---------------------------------------------------------------------------------
 
 # flash-0731 (167 GB) is left out on purpose: nothing here needs a full-size random checkpoint.
-SYNTH_PRESETS = ("tiny", "flash-slice")
+SYNTH_PRESETS = ("tiny", "tiny-trained", "flash-slice")
 
 
 def _synth_args(p: argparse.ArgumentParser) -> None:

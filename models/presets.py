@@ -1,4 +1,5 @@
-"""Built-in configs for synthetic checkpoints: `tiny` (CPU tests, demo) and `flash-slice`.
+"""Built-in configs for synthetic checkpoints: `tiny` (CPU tests), `tiny-trained` (the tiny shapes,
+trained: models/train.py; the demo model) and `flash-slice`.
 
 Both are written in the real `config.json` layout of DeepSeek-V4-Flash-0731 (compress_ratios
 with the draft's trailing zeros, flat YaRN rope_scaling, dspark_* fields, quantization_config).
@@ -47,6 +48,10 @@ TINY = {
     "dspark_noise_token_id": 500, "eos_token_id": 1,
 }
 
+# The tiny shapes with the tokenizer's special tokens: <|bos|> 0, <|eos|> 1, <|noise|> 2 (the
+# draft's mask token is then a token no text encodes to; models/tokenizer.py).
+TINY_TRAINED = {**copy.deepcopy(TINY), "dspark_noise_token_id": 2}
+
 # Real Flash dimensions, one layer of each type (SWA hash-routed, C4, C128), full 3-layer draft.
 FLASH_SLICE = {
     **copy.deepcopy(FLASH_0731),
@@ -54,7 +59,7 @@ FLASH_SLICE = {
     "dspark_target_layer_ids": [0, 1, 2],
 }
 
-PRESETS = {"tiny": TINY, "flash-slice": FLASH_SLICE, "flash-0731": FLASH_0731}
+PRESETS = {"tiny": TINY, "tiny-trained": TINY_TRAINED, "flash-slice": FLASH_SLICE, "flash-0731": FLASH_0731}
 
 
 def preset(name: str) -> dict:

@@ -25,6 +25,16 @@ never agrees (about 4% at the first position, none after).
 Generation streams per unit: `iter_synth_tensors` holds at most one unit's float source at a
 time, so a Flash slice (~24 GB) can be built directly in GPU memory (`synth_tensors(...,
 device="cuda")`) or written to disk (`synth_checkpoint`) without a second copy.
+
+Every checkpoint `synth_checkpoint` writes holds a `tokenizer.json` (models/tokenizer.py): a
+byte-level BPE of the config's vocabulary trained on a built-in text (random weights say nothing
+about text, but a server can then be tested on text end to end). Vocabularies above
+MAX_BUILTIN_TOKENIZER_VOCAB (flash-slice's 129280) get none: the built-in text holds too few
+merges, and the padding would be a 10 MB file of unused tokens.
+
+The `tiny-trained` preset is not random: `synth_checkpoint("tiny-trained", out)` copies the
+trained checkpoint committed in models/data/tiny-trained (models/train.py makes it), or trains
+one for a seed other than the committed one.
 """
 from __future__ import annotations
 
@@ -52,6 +62,10 @@ from dspark_compile.models.schema import TensorSpec, checkpoint_schema
 DEFAULT_SHARD_BYTES = 4 << 30
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+TOKENIZER_NAME = "tokenizer.json"
+TRAIN_REPORT_NAME = "train_report.json"
+MAX_BUILTIN_TOKENIZER_VOCAB = 4096
+TRAINED_PRESETS = ("tiny-trained",)
 
 
 @dataclass(frozen=True)
@@ -337,6 +351,12 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
     Written into a temporary sibling directory and renamed into place when complete, so
     `out_dir` never holds a partial checkpoint. Returns `out_dir`.
     """
+    if isinstance(preset_or_config, str) and preset_or_config in TRAINED_PRESETS:
+        from dspark_compile.models.train import trained_checkpoint
+        if shard_size_bytes is not None or not include_draft or scales is not None:
+            raise ValueError(f"synth: preset {preset_or_config!r} is a trained checkpoint; "
+                             "shard size, include_draft and scales do not apply to it")
+        return trained_checkpoint(out_dir, seed=seed, overwrite=overwrite)
     if isinstance(preset_or_config, str):
         raw = preset(preset_or_config)
     elif isinstance(preset_or_config, dict):
@@ -377,6 +397,53 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
             index = {"metadata": {"total_size": total},
                      "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if cfg.vocab_size <= MAX_BUILTIN_TOKENIZER_VOCAB:
+            from dspark_compile.models.tokenizer import builtin_text, train_bpe, write_tokenizer
+            write_tokenizer(train_bpe(builtin_text(), cfg), tmp)
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_checkpoint(raw: dict, tensors: dict[str, torch.Tensor], out_dir: str | Path,
+                     overwrite: bool = False, files: dict[str, str] | None = None) -> Path:
+    """config.json (`raw`), one model.safetensors of `tensors` (validated against the schema)
+    and the text `files` (name -> content: tokenizer.json, train_report.json), written into a
+    temporary sibling directory renamed into place. Returns `out_dir`."""
+    cfg = ModelConfig.from_dict(raw)
+    schema = synth_schema(cfg)
+    missing = [n for n, sp in schema.items() if n not in tensors and not sp.optional]
+    extra = [n for n in tensors if n not in schema]
+    if missing or extra:
+        raise ValueError(f"write_checkpoint: tensors do not match the schema (missing "
+                         f"{missing[:3]}, unexpected {extra[:3]})")
+    for n, t in tensors.items():
+        if tuple(t.shape) != schema[n].shape or t.dtype != schema[n].dtype:
+            raise ValueError(f"write_checkpoint: tensor '{n}' is {tuple(t.shape)} {t.dtype}, the "
+                             f"schema says {schema[n].shape} {schema[n].dtype}")
+    allowed = {TOKENIZER_NAME, TRAIN_REPORT_NAME}
+    if set(files or {}) - allowed:
+        raise ValueError(f"write_checkpoint: files {sorted(set(files) - allowed)} are not "
+                         f"checkpoint files ({sorted(allowed)})")
+    out = Path(out_dir)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"output directory {out} exists and is not empty (pass "
+                              "overwrite=True to replace it)")
+    why = _not_a_checkpoint(out)
+    if why:
+        raise FileExistsError(f"refusing to replace {out}: {why}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    tmp = temp_dir(out)
+    try:
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        names = [n for n in schema if n in tensors]
+        write_safetensors(tmp / SINGLE_NAME, [(n, schema[n].shape, schema[n].dtype) for n in names],
+                          {n: tensors[n] for n in names})
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -386,7 +453,9 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
 
 def _not_a_checkpoint(out: Path) -> str | None:
     """Why replacing `out` could delete files that are not a checkpoint: it must hold a
-    config.json and otherwise only safetensors and their index."""
-    return replace_refusal(out, "a checkpoint", "config.json", {INDEX_NAME}, (r".+\.safetensors",))
+    config.json and otherwise only safetensors, their index, the tokenizer and the training
+    report."""
+    return replace_refusal(out, "a checkpoint", "config.json",
+                           {INDEX_NAME, TOKENIZER_NAME, TRAIN_REPORT_NAME}, (r".+\.safetensors",))
 
 

@@ -75,7 +75,7 @@ def load_error(root, **kw) -> CheckpointError:
 # ---- round trips -------------------------------------------------------------------------------
 
 def test_round_trip_single_file(tiny_dir, tiny_synth):
-    assert sorted(os.listdir(tiny_dir)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tiny_dir)) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert json.loads((tiny_dir / "config.json").read_text()) == preset("tiny")
     cfg, tensors = load_checkpoint(tiny_dir)
     assert cfg == TINY
@@ -256,7 +256,7 @@ def test_synth_refuses_non_empty_out_and_overwrites_on_request(tmp_path):
     (out / "keep.txt").unlink()
     synth_checkpoint("tiny", out, seed=1)
     synth_checkpoint("tiny", out, overwrite=True)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # no temp or trash directory left behind
 
 
