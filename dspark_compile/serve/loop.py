@@ -52,6 +52,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None    # why the engine thread stopped, if it failed
         self.steps = 0
+        self.busy_s = 0.0                          # wall time inside step()
 
     # ---- HTTP side (any thread)
     def submit(self, prompt: list[int], params, loop: asyncio.AbstractEventLoop) -> Ticket:
@@ -107,10 +108,13 @@ class EngineLoop:
                 if not stream.has_work:
                     self._wake.wait(IDLE_WAIT_S)
                     continue
+                t = time.perf_counter()
                 events = stream.step()
+                self.busy_s += time.perf_counter() - t
                 self.steps += 1
                 if self.metrics is not None:
-                    self.metrics.engine_counters(stream.counters(), time.monotonic())
+                    self.metrics.engine_counters({**stream.counters(), "busy_s": self.busy_s},
+                                                 time.monotonic())
                 if events:
                     self._dispatch(events)
         except BaseException as e:  # noqa: BLE001 -- reported to every waiting handler

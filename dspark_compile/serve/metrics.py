@@ -19,6 +19,7 @@ counters: drafts, draft tokens, accepted tokens, accepted tokens per draft posit
     dspark_spec_decode_mean_acceptance_length                       1 + accepted / drafts
     dspark_prompt_tokens_total / dspark_generation_tokens_total
     dspark_generation_tokens_per_second     committed tokens per second over the last 10 s
+    dspark_engine_busy_seconds_total        wall time in GenerationStream.step() (utilisation)
     dspark_time_to_first_token_seconds      histogram: request arrival -> first token
     dspark_inter_token_latency_seconds      histogram, one observation per token: the gap
                                             since the request's previous tokens / tokens committed
@@ -157,6 +158,9 @@ class _EngineCollector:
         yield GaugeMetricFamily("dspark_generation_tokens_per_second", "Tokens committed per "
                                 f"second over the last {RATE_WINDOW_S:g} s",
                                 value=self.m.tokens_per_second())
+        yield CounterMetricFamily("dspark_engine_busy_seconds", "Wall time the engine thread "
+                                  "spent in step() (busy / elapsed: the engine's utilisation)",
+                                  value=float(c.get("busy_s", 0.0)))
         yield GaugeMetricFamily("dspark_requests_running", "Requests holding a state row",
                                 value=int(c.get("running", 0)))
         yield GaugeMetricFamily("dspark_requests_waiting", "Requests waiting for a state row "

@@ -172,9 +172,10 @@ class FakeEngine:
 
 
 def start_stream(url: str, body: dict, chunks: int = 1):
-    """POST a streaming completion over a raw socket and read until `chunks` SSE events have
-    arrived; returns (the open socket, the token ids those events carried). Closing the socket
-    is the client's disconnect."""
+    """POST a streaming completion over a raw socket and read until the response's headers
+    and `chunks` SSE events have arrived (chunks=0: the headers only, sent once the request
+    is queued in the engine); returns (the open socket, the token ids those events carried).
+    Closing the socket is the client's disconnect."""
     import json
     import socket
     from urllib.parse import urlparse
@@ -183,12 +184,18 @@ def start_stream(url: str, body: dict, chunks: int = 1):
     data = json.dumps(body).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(data) + data)
-    got, ids = b"", []
-    while got.count(b"\n\n") < chunks + 1 and b"[DONE]" not in got:   # headers + events
+    got = b""
+
+    def events() -> int:
+        head, sep, rest = got.partition(b"\r\n\r\n")
+        return rest.count(b"\n\n") if sep else -1
+
+    while events() < chunks and b"[DONE]" not in got:
         more = s.recv(65536)
         if not more:
             break
         got += more
+    ids = []
     for line in got.decode(errors="replace").splitlines():
         if line.startswith("data: {"):
             try:

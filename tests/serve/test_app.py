@@ -305,7 +305,8 @@ def test_metrics_expose_every_family(served, client):
                  "dspark_spec_decode_mean_acceptance_length",
                  "dspark_time_to_first_token_seconds_count",
                  "dspark_inter_token_latency_seconds_count",
-                 "dspark_request_latency_seconds_count", "dspark_prompt_tokens_total"):
+                 "dspark_request_latency_seconds_count", "dspark_prompt_tokens_total",
+                 "dspark_engine_busy_seconds_total"):
         assert name in names, name
     assert m[("dspark_spec_decode_num_drafts_total", ())] == fake["row_steps"]
     assert m[("dspark_spec_decode_num_draft_tokens_total", ())] == fake["draft_tokens"]
@@ -321,6 +322,7 @@ def test_metrics_expose_every_family(served, client):
     assert m[("dspark_greedy_variant_steps_total", ())] == fake["greedy_steps"]
     assert m[("dspark_generation_tokens_total", ())] == fake["committed_tokens"]
     assert m[("dspark_generation_tokens_per_second", ())] > 0
+    assert 0 < m[("dspark_engine_busy_seconds_total", ())] <= served[0].loop.busy_s
     # one inter-token observation per token after each request's first delivery
     assert m[("dspark_inter_token_latency_seconds_count", ())] > 0
     assert m[("dspark_time_to_first_token_seconds_count", ())] >= 1

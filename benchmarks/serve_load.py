@@ -1,0 +1,393 @@
+"""`dspark-compile serve` under load: tokens/s and inter-token latency vs concurrency, against the
+engine's own stream without a server, on the same requests.
+
+    python benchmarks/serve_load.py --engine ENGINE --out DIR [--concurrency 1,4,16,64]
+    python benchmarks/serve_load.py --dry-run --engine ENGINE --out DIR   # CPU smoke run
+
+Per concurrency c (closed loop: c clients, each sending its next request when the previous one
+ended, `--rounds` requests each; prompts of `--prompt-len` random ids, `--max-tokens` new tokens
+each with eos ignored, so every request has the same length on both sides; seeds by request):
+
+- `engine`: the engine alone, in this process: one GenerationStream (Engine.open_stream, what
+  `Engine.generate` runs on), c requests in flight, one added as one ends; a request's tokens
+  are timed when step() returns them;
+- `server`: the same requests over HTTP to `dspark-compile serve` (`--server subprocess`: its
+  own process, started once the engine here is freed; `thread`: in this process, the same
+  loaded engine), streamed (SSE), timed when each chunk arrives at the client (an asyncio
+  client, raw HTTP/1.1, in this process).
+
+Reported per side: tokens/s (completion tokens / wall time of the level), inter-token latency
+p50 / p99 (one sample per token: the gap since the request's previous delivery over the tokens
+delivered, so a step committing 3 tokens counts 3 samples of a third of its gap), time to first
+token p50 / p99; then the server's overhead, 1 - server tokens/s / engine tokens/s (goal
+<= 5 %), and whether every request's tokens equal the engine's (`tokens_match`: the server adds
+nothing to or takes nothing from a request, greedy or sampled).
+
+Writes serve_load.json (rewritten after every level, "complete": false until the end),
+serve_load.csv and, with matplotlib, serve_load.png (tokens/s and ITL vs concurrency).
+`--dry-run`: CPU, concurrency 1 and 2, one round, 4 tokens (tests/runtime/test_serve_load.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+SCHEMA = "dspark-serve-load-benchmark/1"
+TABLE = ["concurrency", "requests", "engine_tokens_per_s", "server_tokens_per_s",
+         "overhead_pct", "engine_itl_p50_ms", "server_itl_p50_ms", "engine_itl_p99_ms",
+         "server_itl_p99_ms", "server_ttft_p50_ms", "server_ttft_p99_ms", "tokens_match"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", required=True, help="engine directory (dspark-compile build)")
+    p.add_argument("--out", default=None, help="result directory (default benchmarks/results/"
+                                               "<device>_serve_<date>)")
+    p.add_argument("--concurrency", type=_ints, default=None,
+                   help="clients in flight per level (default 1,4,16,64; --dry-run 1,2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="requests per client per level (default 4; --dry-run 1)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 32; --dry-run 4")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 64; --dry-run 4")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); > 0 sampled with --top-p")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--server", choices=("subprocess", "thread"), default=None,
+                   help="the server in its own process (default) or in this one (--dry-run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--dry-run", action="store_true", help="CPU smoke run: 2 levels, 4 tokens")
+    p.add_argument("--git-commit", default=None)
+    a = p.parse_args(argv)
+    d = a.dry_run
+    a.concurrency = a.concurrency or ([1, 2] if d else [1, 4, 16, 64])
+    a.rounds = a.rounds or (1 if d else 4)
+    a.prompt_len = a.prompt_len or (4 if d else 32)
+    a.max_tokens = a.max_tokens or (4 if d else 64)
+    a.server = a.server or ("thread" if d else "subprocess")
+    for name in ("rounds", "prompt_len", "max_tokens"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return a
+
+
+# ---- the workload ------------------------------------------------------------------------------
+
+def workload(args, vocab: int, c: int) -> list[dict]:
+    """The requests of one level, in the order clients take them (client i: i, i + c, ...)."""
+    rng = random.Random(args.seed * 1000 + c)
+    n = c * args.rounds
+    return [{"prompt": [rng.randrange(2, vocab) for _ in range(args.prompt_len)],
+             "seed": args.seed * 100_000 + c * 1000 + i} for i in range(n)]
+
+
+def _params(args, seed: int):
+    from dspark_compile.models.generate import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=seed,
+                          max_new_tokens=args.max_tokens, stop_ids=())
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summary(side: str, tokens: int, wall: float, itl: list[float], ttft: list[float]) -> dict:
+    ms = lambda v: None if v is None else round(v * 1e3, 4)  # noqa: E731
+    return {f"{side}_tokens": tokens, f"{side}_wall_s": round(wall, 4),
+            f"{side}_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
+            f"{side}_itl_p50_ms": ms(_quantile(itl, 0.5)),
+            f"{side}_itl_p99_ms": ms(_quantile(itl, 0.99)),
+            f"{side}_ttft_p50_ms": ms(_quantile(ttft, 0.5)),
+            f"{side}_ttft_p99_ms": ms(_quantile(ttft, 0.99))}
+
+
+# ---- the engine alone --------------------------------------------------------------------------
+
+def run_engine(eng, args, reqs: list[dict], c: int) -> tuple[dict, list[list[int]]]:
+    """Closed loop over one GenerationStream: c requests in flight."""
+    out = [[] for _ in reqs]
+    itl, ttft = [], []
+    with eng.open_stream() as s:
+        ids, start, last, nxt = {}, {}, {}, 0
+
+        def add():
+            nonlocal nxt
+            r = s.add(reqs[nxt]["prompt"], _params(args, reqs[nxt]["seed"]))
+            ids[r], start[r] = nxt, time.perf_counter()
+            nxt += 1
+
+        t0 = time.perf_counter()
+        while nxt < min(c, len(reqs)):
+            add()
+        while s.has_work:
+            events = s.step()
+            now = time.perf_counter()
+            for e in events:
+                i = ids[e.request]
+                if e.tokens:
+                    if e.request in last:
+                        itl += [(now - last[e.request]) / len(e.tokens)] * len(e.tokens)
+                    else:
+                        ttft.append(now - start[e.request])
+                    last[e.request] = now
+                    out[i] += e.tokens
+                if e.finished and nxt < len(reqs):
+                    add()
+        wall = time.perf_counter() - t0
+    return summary("engine", sum(map(len, out)), wall, itl, ttft), out
+
+
+# ---- the server --------------------------------------------------------------------------------
+
+async def _sse_request(host: str, port: int, body: dict) -> dict:
+    """One streamed completion over raw HTTP/1.1 (chunked transfer): its token ids and the
+    arrival time of each chunk."""
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(data))
+                 + data)
+    await writer.drain()
+    status = (await reader.readline()).decode()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if " 200 " not in status:
+        writer.close()
+        raise RuntimeError(f"server answered {status.strip()}")
+    chunked = headers.get("transfer-encoding", "") == "chunked"
+    buf, tokens, arrivals = b"", [], []
+    while True:
+        if chunked:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            piece = await reader.readexactly(size)
+            await reader.readline()
+        else:
+            piece = await reader.read(65536)
+            if not piece:
+                break
+        buf += piece
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            payload = event.decode().removeprefix("data: ")
+            if payload == "[DONE]":
+                continue
+            msg = json.loads(payload)
+            if "error" in msg:
+                raise RuntimeError(msg["error"]["message"])
+            ids = [t for ch in msg["choices"] for t in ch["token_ids"]]
+            if ids:
+                tokens += ids
+                arrivals.append((time.perf_counter(), len(ids)))
+    writer.close()
+    return {"t0": t0, "tokens": tokens, "arrivals": arrivals}
+
+
+async def _server_level(host, port, model, args, reqs, c) -> tuple[dict, list[list[int]]]:
+    out: list = [None] * len(reqs)
+
+    async def client(k: int):
+        for i in range(k, len(reqs), c):
+            body = {"model": model, "prompt": reqs[i]["prompt"], "max_tokens": args.max_tokens,
+                    "temperature": args.temperature, "top_p": args.top_p,
+                    "seed": reqs[i]["seed"], "ignore_eos": True, "stream": True}
+            out[i] = await _sse_request(host, port, body)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(min(c, len(reqs)))))
+    wall = time.perf_counter() - t0
+    itl, ttft = [], []
+    for r in out:
+        prev = None
+        for t, n in r["arrivals"]:
+            if prev is None:
+                ttft.append(t - r["t0"])
+            else:
+                itl += [(t - prev) / n] * n
+            prev = t
+    tokens = [r["tokens"] for r in out]
+    return summary("server", sum(map(len, tokens)), wall, itl, ttft), tokens
+
+
+class _ServerProcess:
+    """`dspark-compile serve ENGINE --port 0` in its own process; the URL from its banner."""
+
+    def __init__(self, engine_dir: str, threads: int, timeout: float = 1800):
+        exe = Path(sys.executable).with_name("dspark-compile")
+        cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli"])
+        self.proc = subprocess.Popen(cmd + ["serve", engine_dir, "--port", "0", "--threads",
+                                            str(threads), "--model-name", "bench"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        self.log = []
+        for line in self.proc.stdout:
+            self.log.append(line)
+            m = re.search(r"on http://(\S+):(\d+)", line)
+            if m:
+                self.host, self.port = m.group(1), int(m.group(2))
+                return
+            if time.monotonic() > deadline:
+                break
+        self.close()
+        raise RuntimeError("the server did not start:\n" + "".join(self.log[-20:]))
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def run(args, eng=None, log=print) -> dict:
+    """The benchmark; `eng`: an already loaded Engine (tests), else --engine is loaded here."""
+    import torch
+
+    from dspark_compile.runtime import Engine
+    env = harness.environment(args.git_commit)
+    out = Path(args.out) if args.out else Path(harness.REPO) / "benchmarks" / "results" / (
+        re.sub(r"[^a-z0-9]+", "_", (env.get("device") or "cpu").lower()).strip("_")
+        + "_serve_" + time.strftime("%Y-%m-%d"))
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
+           "engine": str(args.engine), "server": args.server, "concurrency": args.concurrency,
+           "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+           "temperature": args.temperature, "top_p": args.top_p, "rows": []}
+
+    def write():
+        (out / "serve_load.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+
+    own = eng is None
+    if own:
+        eng = Engine.load(args.engine, device="cpu" if args.dry_run else None)
+    from dspark_compile.models.config import request_positions
+    need = request_positions(args.prompt_len, args.max_tokens, eng.cfg.dspark_block_size)
+    if need > eng.cache.max_seq_len:
+        raise SystemExit(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} need "
+                         f"{need} positions, the engine has {eng.cache.max_seq_len}")
+    rec["max_rows"], rec["device"] = eng.cache.max_rows, str(eng.device)
+    vocab = eng.cfg.vocab_size
+    levels = {c: workload(args, vocab, c) for c in args.concurrency}
+    rows = {c: {"concurrency": c, "requests": len(r)} for c, r in levels.items()}
+    engine_tokens = {}
+    run_engine(eng, args, workload(args, vocab, 1)[:1], 1)        # warm-up, untimed
+    for c, reqs in levels.items():
+        res, engine_tokens[c] = run_engine(eng, args, reqs, c)
+        rows[c].update(res)
+        log(f"[engine] c={c}: {res['engine_tokens_per_s']} tokens/s, ITL p50 "
+            f"{res['engine_itl_p50_ms']} ms")
+    rec["rows"] = list(rows.values())
+    write()
+
+    if args.server == "thread":
+        from dspark_compile.serve.server import Server
+        server = Server(eng, model_name="bench")
+        url = server.start()
+        host, port = re.match(r"http://(\S+):(\d+)", url).groups()
+        port = int(port)
+    else:
+        if own:
+            del eng
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        server = _ServerProcess(str(args.engine), args.threads)
+        host, port = server.host, server.port
+    try:
+        warm = workload(args, vocab, 1)[:1]
+        asyncio.run(_server_level(host, port, "bench", args, warm, 1))
+        for c, reqs in levels.items():
+            res, tokens = asyncio.run(_server_level(host, port, "bench", args, reqs, c))
+            row = rows[c]
+            row.update(res)
+            row["tokens_match"] = tokens == engine_tokens[c]
+            e, s = row["engine_tokens_per_s"], row["server_tokens_per_s"]
+            row["overhead_pct"] = round(100 * (1 - s / e), 2) if e and s else None
+            log(f"[server] c={c}: {s} tokens/s ({row['overhead_pct']} % below the engine), "
+                f"ITL p50 {row['server_itl_p50_ms']} ms, p99 {row['server_itl_p99_ms']} ms, "
+                f"tokens match: {row['tokens_match']}")
+            rec["rows"] = list(rows.values())
+            write()
+    finally:
+        server.close()
+    rec["complete"] = True
+    write()
+    harness.write_csv(str(out / "serve_load.csv"), rec["rows"])
+    log(write_plot(out / "serve_load.png", rec["rows"]))
+    log(harness.format_table(rec["rows"], TABLE))
+    return rec
+
+
+def write_plot(path: Path, rows: list[dict]) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: plot skipped (JSON and CSV written)"
+    cs = [r["concurrency"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for side in ("engine", "server"):
+        a.plot(cs, [r.get(f"{side}_tokens_per_s") for r in rows], marker="o", label=side)
+        for q, style in (("p50", "-"), ("p99", "--")):
+            b.plot(cs, [r.get(f"{side}_itl_{q}_ms") for r in rows], marker="o", linestyle=style,
+                   label=f"{side} {q}")
+    for ax, title, unit in ((a, "throughput", "tokens/s"), (b, "inter-token latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot written: {path}"
+
+
+def main(argv=None) -> int:
+    import torch
+    args = _args(argv)
+    torch.set_num_threads(args.threads)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: use --dry-run for the CPU smoke run", file=sys.stderr)
+        return 1
+    run(args, log=lambda s: print(s, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

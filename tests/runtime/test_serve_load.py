@@ -1,0 +1,44 @@
+"""benchmarks/serve_load.py --dry-run on the CPU, over the session's small engine: every level's
+engine and server numbers, the server's tokens equal to the engine's, the JSON, CSV and plot."""
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("serve_load", REPO / "benchmarks" /
+                                                  "serve_load.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_reports_every_level_and_the_servers_tokens_match(small_engine, small_loaded,
+                                                                   tmp_path):
+    tool = load_tool()
+    args = tool._args(["--dry-run", "--engine", str(small_engine.path), "--out", str(tmp_path)])
+    rec = tool.run(args, eng=small_loaded, log=lambda line: None)
+    saved = json.loads((tmp_path / "serve_load.json").read_text())
+    assert saved["schema"] == "dspark-serve-load-benchmark/1" and saved["complete"]
+    assert saved["rows"] == json.loads(json.dumps(rec["rows"]))
+    assert [r["concurrency"] for r in rec["rows"]] == [1, 2]
+    for r in rec["rows"]:
+        c = r["concurrency"]
+        assert r["requests"] == c * args.rounds
+        # eos ignored: every request runs to max_tokens on both sides
+        assert r["engine_tokens"] == r["server_tokens"] == c * args.rounds * args.max_tokens
+        assert r["tokens_match"] is True
+        for side in ("engine", "server"):
+            assert r[f"{side}_tokens_per_s"] > 0
+            assert 0 < r[f"{side}_itl_p50_ms"] <= r[f"{side}_itl_p99_ms"]
+            assert 0 < r[f"{side}_ttft_p50_ms"] <= r[f"{side}_ttft_p99_ms"]
+        assert r["overhead_pct"] == round(100 * (1 - r["server_tokens_per_s"]
+                                                 / r["engine_tokens_per_s"]), 2)
+    with open(tmp_path / "serve_load.csv") as f:
+        assert [int(r["concurrency"]) for r in csv.DictReader(f)] == [1, 2]
+    assert (tmp_path / "serve_load.png").stat().st_size > 0
+    # the engine went back closed: the next stream opens
+    small_loaded.open_stream().close()
