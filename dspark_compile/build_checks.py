@@ -101,6 +101,8 @@ def check_build(ckpt, out, bc):
         raise ValueError(f"out_dir {out}: {why}; refusing to replace it")
     writable_sibling(out, "out_dir")
     root = Path(ckpt)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} is not a directory (config.json + safetensors)")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {root}")
     cfg = ModelConfig.from_file(root / "config.json")
@@ -129,6 +131,8 @@ def check_build(ckpt, out, bc):
         dev = torch.device(bc.device)
     except RuntimeError as e:
         raise ValueError(f"device {bc.device!r} is not a torch device ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {bc.device!r}: only cpu and cuda devices are supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {bc.device!r}: CUDA is not available on this machine")
     _check_tokenizer(root)

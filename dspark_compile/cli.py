@@ -23,7 +23,7 @@ from pathlib import Path
 from dspark_compile import cli_engine  # noqa: F401  (registers generate, build, run, inspect)
 from dspark_compile.serve import cli as serve_cli  # noqa: F401  (registers serve)
 from dspark_compile.cli_common import (COMMANDS, PROG, USER_ERRORS, Command, Terminated,  # noqa: F401
-                                       command, device, sigterm_raises, to_flags)
+                                       command, device, path_arg, sigterm_raises, to_flags)
 
 # One intra-op thread per process unless --threads says otherwise: the CLI often runs as one
 # of several processes on a shared machine (tests, benchmarks, engines side by side), and under
@@ -50,7 +50,8 @@ SYNTH_PRESETS = ("tiny", "tiny-trained", "flash-slice")
 def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, choices=SYNTH_PRESETS,
                    help="built-in configuration (flash-slice writes ~24 GB)")
-    p.add_argument("--out", required=True, help="output directory (created atomically)")
+    p.add_argument("--out", required=True, type=path_arg,
+                   help="output directory (created atomically)")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed, a 64-bit signed int like run's --seed (default 0)")
     p.add_argument("--shard-size", type=float, default=None, metavar="MB",

@@ -89,9 +89,29 @@ def device(name: str):
         dev = torch.device(name)
     except RuntimeError as e:
         raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
+    if dev.type not in DEVICE_TYPES:
+        # meta, mps, xpu ...: the models, kernels and engines are written for these two; a
+        # meta synth failed deep in the generator, a meta build ran minutes of export first
+        raise ValueError(f"--device {name!r}: only {' and '.join(DEVICE_TYPES)} devices are "
+                         "supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
     return dev
+
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def path_arg(text: str) -> str:
+    """A path argument: an empty one is refused (it meant the current directory, and `synth
+    --out ''` then said the current directory was not empty)."""
+    if not text.strip():
+        import argparse
+        raise argparse.ArgumentTypeError("empty path")
+    return text
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_compile.cli_common import command, device, engine_errors
+from dspark_compile.cli_common import command, device, engine_errors, path_arg
 
 PRECISIONS = ("bfloat16", "float32", "float64")
 
@@ -129,7 +129,8 @@ def acceptance_line(method: str, a) -> str:
 # ---- generate (eager reference) ------------------------------------------------------------
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("checkpoint", type=path_arg,
+                   help="checkpoint directory (config.json + safetensors)")
     _sampling_args(p)
     p.add_argument("--no-speculation", action="store_true", help="plain target decoding")
     p.add_argument("--dtype", choices=PRECISIONS, default="float32",
@@ -149,6 +150,8 @@ def cmd_generate(args) -> int:
     params = _params(args)
     dev = device(args.device)
     root = Path(args.checkpoint)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint {root} is not a directory (config.json + safetensors)")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {root}")
     cfg = ModelConfig.from_file(root / "config.json")
@@ -205,8 +208,10 @@ def _chunks(text: str):
 def _build_args(p: argparse.ArgumentParser) -> None:
     from dspark_compile.build_config import DEFAULT_BUCKETS
     from dspark_compile.compiled import BACKENDS
-    p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
-    p.add_argument("--out", required=True, help="engine directory (written atomically)")
+    p.add_argument("checkpoint", type=path_arg,
+                   help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, type=path_arg,
+                   help="engine directory (written atomically)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing engine at --out (only an engine directory: every "
                         "file in it one the engine's manifest lists)")
@@ -229,7 +234,7 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                    help="leave a pass out of the pipeline (repeatable)")
     p.add_argument("--verify-passes", action="store_true",
                    help="check every pass numerically on fresh random inputs")
-    p.add_argument("--dump-graphs", metavar="DIR", default=None, help="write graphs before/after each pass")
+    p.add_argument("--dump-graphs", metavar="DIR", default=None, type=path_arg, help="write graphs before/after each pass")
     p.add_argument("--arch", default=None, help="also compile the kernels for this arch (e.g. sm_120) "
                    "and store their resource report")
     p.add_argument("--device", default=None,
@@ -291,7 +296,7 @@ def cmd_build(args) -> int:
 # ---- run -------------------------------------------------------------------------------------
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("engine")
+    p.add_argument("engine", type=path_arg, help="engine directory (dspark-compile build)")
     _sampling_args(p)
     p.add_argument("--check-lossless", action="store_true",
                    help="also decode greedily with the target alone and compare")
@@ -320,8 +325,8 @@ def cmd_run(args) -> int:
     target = dev or torch.device(build.device)
     if target.type == "cpu" or torch.cuda.is_available():   # else Engine.load names the device
         check_state_fits(cfg, build.cache(cfg.dspark_block_size), build.precision(), target,
-                         f"the engine's max_rows={build.max_rows} and max_seq_len="
-                         f"{build.max_seq_len}")
+                         f"the manifest's build_config.max_rows={build.max_rows} and "
+                         f"build_config.max_seq_len={build.max_seq_len}")
     t = time.perf_counter()
     with engine_errors():
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None)
@@ -341,15 +346,15 @@ def cmd_run(args) -> int:
 # ---- inspect ---------------------------------------------------------------------------------
 
 def _inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("engine")
+    p.add_argument("engine", type=path_arg, help="engine directory (dspark-compile build)")
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
-    p.add_argument("--onnx", metavar="OUT_DIR", default=None,
+    p.add_argument("--onnx", metavar="OUT_DIR", default=None, type=path_arg,
                    help="write each bucket's optimized program as OUT_DIR/step_b{B}.onnx "
                         "(dspark:: ops as nodes of the custom 'dspark' domain, weights as "
                         "external data); needs the 'onnx' extra")
     p.add_argument("--bucket", type=int, action="append", default=None, metavar="B",
                    help="with --onnx: export only this bucket (repeatable; default: all)")
-    p.add_argument("--report", metavar="HTML", default=None,
+    p.add_argument("--report", metavar="HTML", default=None, type=path_arg,
                    help="write a self-contained HTML build report; needs the 'report' extra")
 
 

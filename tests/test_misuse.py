@@ -628,3 +628,41 @@ def test_a_bad_checkpoint_tokenizer_is_named_before_loading(config_only, tmp_pat
                      "cpu"]) == 1
     captured = capsys.readouterr()
     assert says in _error_line(captured.err, "build") and "[load]" not in captured.out
+
+
+# ------------------------------------------------------------------ found by the 50 more inputs
+@pytest.mark.parametrize("argv, command", [
+    (["synth", "--preset", "tiny", "--out", "OUT", "--device", "meta"], "synth"),
+    (["build", "CK", "--out", "OUT", "--device", "meta"], "build"),
+    (["generate", "CK", "--prompt-ids", "1", "--device", "meta"], "generate"),
+    (["run", "OUT", "--prompt-ids", "1", "--device", "meta"], "run"),
+])
+def test_devices_other_than_cpu_and_cuda_are_named(tmp_path, config_only, capsys, argv, command):
+    """synth --device meta was a traceback; build --device meta exported for minutes first."""
+    argv = [str(config_only) if a == "CK" else str(tmp_path / "o") if a == "OUT" else a
+            for a in argv]
+    assert cli.main(argv) == 1
+    assert "--device 'meta': only cpu and cuda devices are supported" in _one_line(capsys, command)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [["synth", "--preset", "tiny", "--out", ""],
+                                  ["build", "", "--out", "e"], ["build", "ck", "--out", " "],
+                                  ["run", "", "--prompt-ids", "1"], ["inspect", ""],
+                                  ["inspect", "e", "--report", ""]])
+def test_empty_paths_are_usage_errors(capsys, argv):
+    """`synth --out ''` said the current directory `.` was not empty."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(": empty path")
+
+
+@pytest.mark.parametrize("command", ["build", "generate"])
+def test_a_checkpoint_that_is_a_file_is_named(tmp_path, capsys, command):
+    f = tmp_path / "ck"
+    f.write_text("x")
+    argv = [command, str(f)] + (["--out", str(tmp_path / "e")] if command == "build"
+                                else ["--prompt-ids", "1"])
+    assert cli.main(argv) == 1
+    assert f"checkpoint {f} is not a directory" in _one_line(capsys, command)

@@ -210,7 +210,8 @@ def _edited(small_engine, tmp_path, field: str, value):
      "for model_config"),                                     # was: load_state_dict mismatch
     ("build_config.buckets", [1, 2, 4], "manifest field 'build_config.buckets' is [1, 2, 4], the "
      "engine's programs are for buckets [1, 2]"),
-    ("build_config.max_rows", 10 ** 9, "the decode state for the engine's --max-rows=1000000000"),
+    ("build_config.max_rows", 10 ** 9, "the decode state for the manifest's "
+     "build_config.max_rows=1000000000 and build_config.max_seq_len=160 needs "),
 ])
 def test_a_hand_edited_manifest_names_the_field(small_engine, tmp_path, capsys, field, value,
                                                 says):
