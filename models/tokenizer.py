@@ -12,7 +12,7 @@ tests/models/test_train.py).
 Command line (the demo prints text with it):
 
     python -m dspark_compile.models.tokenizer decode CKPT_OR_TOKENIZER_JSON 11,12,13 [...]
-    python -m dspark_compile.models.tokenizer encode CKPT_OR_TOKENIZER_JSON "text"
+    python -m dspark_compile.models.tokenizer encode CKPT_OR_TOKENIZER_JSON "text" [--escapes]
 
 `decode --from-run FILE` ('-' = stdin) decodes the `tokens[i]: 11,12,...` lines that
 `dspark-compile run` and `generate` print.
@@ -131,6 +131,21 @@ def decode(tok, ids: list[int]) -> str:
 _RUN_LINE = re.compile(r"^(tokens\[\d+\]):\s*([-\d,\s]*)$")
 
 
+def _unescape(text: str) -> str:
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in _ESCAPES:
+            out.append(_ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -150,11 +165,14 @@ def main(argv=None) -> int:
     e = sub.add_parser("encode", help="text -> ids")
     e.add_argument("tokenizer")
     e.add_argument("text")
+    e.add_argument("--escapes", action="store_true",
+                   help="read backslash escapes in TEXT (\\n, \\t, \\\\) as the characters")
     args = ap.parse_args(argv)
     try:
         tok = load_tokenizer(args.tokenizer)
         if args.cmd == "encode":
-            print(",".join(str(i) for i in tok.encode(args.text).ids))
+            text = _unescape(args.text) if args.escapes else args.text
+            print(",".join(str(i) for i in tok.encode(text).ids))
             return 0
         groups = [("ids", _parse_ids(s)) for s in args.ids]
         if args.from_run:
