@@ -242,3 +242,45 @@ def test_soak_200_requests_16_clients(served, scenarios, tok):
 
 def small_rows(srv) -> int:
     return srv.engine.cache.max_rows
+
+
+def test_cli_serves_until_sigterm(small_engine):
+    """`dspark-compile serve ENGINE --port 0` in its own process: the banner names the URL,
+    the API answers, SIGTERM ends it with 143 (the CLI's convention) after a clean shutdown."""
+    import json
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("dspark-compile")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli"]
+    proc = subprocess.Popen(cmd + ["serve", str(small_engine.path), "--port", "0",
+                                   "--model-name", "tiny-cli", "--max-queue", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:            # the engine loads first (~20 s here)
+            lines.append(line)
+            if m := re.search(r"serving tiny-cli on (http://127\.0\.0\.1:\d+) \(5 rows, "
+                              r"queue 3, ", line):
+                break
+        assert m, "".join(lines)
+        url = m.group(1)
+        models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=60).read())
+        assert [d["id"] for d in models["data"]] == ["tiny-cli"]
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+            {"model": "tiny-cli", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        ).encode(), headers={"Content-Type": "application/json"})
+        out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert 1 <= len(out["choices"][0]["token_ids"]) <= 2
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 143, "".join(lines) + rest
+        assert "dspark-compile serve: terminated" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
