@@ -367,6 +367,8 @@ def write_plot(path: Path, rows: list[dict]) -> str:
                    label=f"{side} {q}")
     for ax, title, unit in ((a, "throughput", "tokens/s"), (b, "inter-token latency", "ms")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(unit)
         ax.set_title(title)

@@ -157,9 +157,7 @@ class _Run:
                 if self.last is None:
                     m.ttft.observe(now - self.arrival)
                 else:
-                    gap = (now - self.last) / len(item.tokens)
-                    for _ in item.tokens:
-                        m.itl.observe(gap)
+                    m.itl.observe((now - self.last) / len(item.tokens), len(item.tokens))
                 self.last = now
             text, ids = self.text.add(item.tokens)
             if self.text.stopped and not item.finished:   # a stop string: the engine stops too
@@ -223,8 +221,11 @@ async def _disconnected(request: Request) -> None:
 
 
 def _chunk(state: ServeState, rid: str, choices: list, usage=None) -> str:
-    c = Completion(id=rid, model=state.model_name, system_fingerprint=state.fingerprint,
-                   choices=choices, usage=usage)
+    # model_construct: no validation of what the server itself built (a chunk per request per
+    # step on the event loop's thread, which shares the GIL with the engine thread)
+    c = Completion.model_construct(id=rid, model=state.model_name,
+                                   system_fingerprint=state.fingerprint, choices=choices,
+                                   usage=usage)
     return f"data: {c.model_dump_json()}\n\n"
 
 
@@ -253,9 +254,8 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_
                 yield f"data: {_json_error(503, str(item))}\n\n"
             else:
                 text, ids, finish = item
-                yield _chunk(state, rid, [CompletionChoice(index=run.job.index, text=text,
-                                                           token_ids=ids,
-                                                           finish_reason=finish)])
+                yield _chunk(state, rid, [CompletionChoice.model_construct(
+                    index=run.job.index, text=text, token_ids=ids, finish_reason=finish)])
         if req.include_usage:
             yield _chunk(state, rid, [], _usage(runs))
         yield "data: [DONE]\n\n"

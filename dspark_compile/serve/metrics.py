@@ -30,12 +30,13 @@ step and exposed from that snapshot at scrape time, so a scrape never touches th
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OUTCOMES = ("stop", "length", "cancelled", "queue_full", "invalid", "error")
@@ -60,13 +61,15 @@ class Metrics:
                                      "requests", registry=r)
         self.in_flight = Gauge("dspark_requests_in_flight", "Requests admitted and not "
                                "finished (running + waiting)", registry=r)
-        self.ttft = Histogram("dspark_time_to_first_token_seconds", "Request arrival to its "
-                              "first token", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("dspark_inter_token_latency_seconds", "Per token: the gap since "
-                             "the request's previous tokens over the tokens committed",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("dspark_request_latency_seconds", "Request arrival to its last "
-                             "token", buckets=E2E_BUCKETS, registry=r)
+        self.ttft = Hist("dspark_time_to_first_token_seconds", "Request arrival to its first "
+                         "token", TTFT_BUCKETS)
+        self.itl = Hist("dspark_inter_token_latency_seconds", "Per token: the gap since the "
+                        "request's previous tokens over the tokens that arrived together",
+                        ITL_BUCKETS)
+        self.e2e = Hist("dspark_request_latency_seconds", "Request arrival to its last token",
+                        E2E_BUCKETS)
+        for h in (self.ttft, self.itl, self.e2e):
+            r.register(h)
         self._lock = threading.Lock()
         self._snapshot: dict = {}
         self._samples: collections.deque = collections.deque()   # (time, committed tokens)
@@ -106,6 +109,38 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Hist:
+    """A Prometheus histogram whose observe() takes a count: the tokens a delivery brought
+    share its gap, one bisect for all of them (prometheus_client's Histogram observes one
+    value per call, under a lock: 64 rows x 3 tokens a step would be 192 calls on the event
+    loop per step). Observed and scraped on the event loop's thread only."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple):
+        self.name, self.doc, self.buckets = name, doc, tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)      # the last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += n   # le is inclusive
+        self.sum += value * n
+        self.count += n
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        acc, cumulative = 0, []
+        for bound, c in zip(self.buckets + (float("inf"),), self.counts):
+            acc += c
+            cumulative.append((_le(bound), acc))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 class _EngineCollector:
