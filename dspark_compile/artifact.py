@@ -173,8 +173,9 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         if rel == TOKENIZER_FILE:
             continue
         if not parts or parts[0] not in _EXTRA_DIRS or ".." in parts or Path(rel).is_absolute():
-            raise ArtifactError(f"extra file '{rel}' must be {TOKENIZER_FILE} or live under one "
-                                f"of {[d + '/' for d in _EXTRA_DIRS]}", path=rel)
+            raise ArtifactError(f"extra file '{rel}' must live under one of "
+                                f"{[d + '/' for d in _EXTRA_DIRS]} (or be {TOKENIZER_FILE})",
+                                path=rel)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed

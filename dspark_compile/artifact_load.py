@@ -108,6 +108,8 @@ def _check_ops(manifest: dict) -> None:
 def _check_files(engine_dir: Path, manifest: dict) -> None:
     for rel, info in sorted(manifest.get("files", {}).items()):
         p = engine_dir / rel
+        if p.exists() and not p.is_file():
+            raise ArtifactError(f"engine file '{rel}' is not a file", path=rel)
         if not p.is_file():
             raise ArtifactError(f"engine file '{rel}' is missing", path=rel)
         size = p.stat().st_size
@@ -123,7 +125,45 @@ def _check_files(engine_dir: Path, manifest: dict) -> None:
                                 f"manifest says {info['sha256'][:12]}…", path=rel)
 
 
+def _table(manifest: dict, field: str, what: str, check) -> dict:
+    """manifest[field] as a table whose every entry passes `check(key, value)`; the field named
+    otherwise (a hand-edited table failed with a TypeError or AttributeError)."""
+    table = manifest.get(field, {})
+    if not isinstance(table, dict):
+        raise ArtifactError(f"manifest field '{field}' is a {type(table).__name__}, not a table "
+                            f"of {what}", field=field)
+    for k, v in table.items():
+        if not check(k, v):
+            raise ArtifactError(f"manifest field '{field}': entry {k!r} is not {what}: {v!r}",
+                                field=f"{field}.{k}")
+    return table
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(manifest: dict) -> None:
+    """The shapes of the tables the load reads: files, programs, weights, buckets."""
+    _table(manifest, "files", "a file entry (sha256 text, size in bytes)",
+           lambda k, v: isinstance(v, dict) and isinstance(v.get("sha256"), str)
+           and _is_int(v.get("size")) and v["size"] >= 0)
+    _table(manifest, "programs", "a program entry (path, shared_weights)",
+           lambda k, v: isinstance(v, dict) and isinstance(v.get("path"), str)
+           and isinstance(v.get("shared_weights", {}), (dict, list)))
+    weights = manifest.get("weights", {})
+    if not (isinstance(weights, dict) and isinstance(weights.get("file"), str)
+            and isinstance(weights.get("tensors", {}), dict)):
+        raise ArtifactError(f"manifest field 'weights' is not a table with 'file' and 'tensors': "
+                            f"{str(weights)[:80]!r}", field="weights")
+    buckets = manifest.get("buckets")
+    if not isinstance(buckets, list) or not all(_is_int(b) and b > 0 for b in buckets):
+        raise ArtifactError(f"manifest field 'buckets' must be a list of positive ints, got "
+                            f"{buckets!r}", field="buckets")
+
+
 def _check_structure(manifest: dict) -> None:
+    _check_types(manifest)
     buckets = manifest.get("buckets")
     progs = manifest.get("programs", {})
     if not isinstance(buckets, list) or sorted(map(str, buckets)) != sorted(progs):

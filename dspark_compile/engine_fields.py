@@ -95,6 +95,13 @@ def engine_configs(manifest: dict):
     if not cfg.has_draft:
         raise ArtifactError("manifest field 'model_config': no DSpark draft (dspark_block_size)",
                             field="model_config")
+    # the programs' device decided target_sm at the build ("cpu" for CPU programs)
+    sm = manifest.get("target_sm")
+    cpu_device = str(build.device).split(":")[0] == "cpu"
+    if sm is not None and (sm == "cpu") != cpu_device:
+        raise ArtifactError(f"manifest field 'build_config.device' is {build.device!r}, the "
+                            f"programs were built for target_sm {sm!r} — restore it or rebuild",
+                            field="build_config.device")
     return cfg, build
 
 

@@ -238,3 +238,56 @@ def test_inspect_checks_bucket_before_printing(small_engine, capsys):
     cap = capsys.readouterr()
     assert "--bucket 3: the engine has buckets [1, 2]" in _one_line_error(cap.err, "inspect")
     assert cap.out == ""
+
+
+def _set_size(m):
+    m["files"]["weights.safetensors"]["size"] = "abc"
+
+
+def _programs_list(m):
+    m["programs"] = [1]
+
+
+def _weights_text(m):
+    m["weights"] = "w"
+
+
+def _bucket_text(m):
+    m["buckets"] = ["1", "2"]
+
+
+def _device_cuda(m):
+    m["build_config"]["device"] = "cuda"
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_set_size, "manifest field 'files': entry 'weights.safetensors' is not a file entry"),
+    (_programs_list, "manifest field 'programs' is a list, not a table"),
+    (_weights_text, "manifest field 'weights' is not a table with 'file' and 'tensors'"),
+    (_bucket_text, "manifest field 'buckets' must be a list of positive ints, got ['1', '2']"),
+    # was: AssertionError: Torch not compiled with CUDA enabled
+    (_device_cuda, "manifest field 'build_config.device' is 'cuda', the programs were built for "
+                   "target_sm 'cpu'"),
+])
+def test_hand_edited_manifest_tables_are_named(small_engine, tmp_path, capsys, edit, says):
+    import json
+
+    from dspark_compile.artifact import _checksum
+    eng = tmp_path / "engine"
+    shutil.copytree(small_engine.path, eng)
+    m = json.loads((eng / "manifest.json").read_text())
+    edit(m)
+    m["checksum"] = _checksum(m)
+    (eng / "manifest.json").write_text(json.dumps(m))
+    assert main(["run", str(eng), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
+    assert says in _one_line_error(capsys.readouterr().err, "run")
+
+
+def test_an_engine_file_replaced_by_a_directory_is_named(small_engine, tmp_path, capsys):
+    eng = tmp_path / "engine"
+    shutil.copytree(small_engine.path, eng)
+    (eng / "programs" / "step_b1.pt2").unlink()
+    (eng / "programs" / "step_b1.pt2").mkdir()
+    assert main(["run", str(eng), "--prompt-ids", "1"]) == 1
+    assert "engine file 'programs/step_b1.pt2' is not a file" in _one_line_error(
+        capsys.readouterr().err, "run")
