@@ -9,7 +9,7 @@ Per bucket B (all rows live, every request greedy unless --case mixed):
   - replay: B requests prefilled into rows 0..B-1, the state snapshotted; the bucket's graph
     (its greedy variant for an all-greedy batch) replayed --replays times, the state restored
     before each replay outside the timed region, CUDA events around the replay alone;
-  - loop (overlap on, then off): B requests of --max-new-tokens through Engine.open_stream;
+  - loop (--modes: overlap on, then off): B requests of --max-new-tokens through Engine.open_stream;
     wall time between consecutive step() returns over the steady steps (the call launched one
     program call of bucket B and no prefill, every request admitted), and the device time of
     each launch in the loop (CUDA events around the launch's copies and replay: a launch
@@ -53,6 +53,9 @@ def _args(argv=None):
     p.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per request (default: what max_seq_len leaves after the prompt)")
+    p.add_argument("--modes", default="overlap,serial",
+                   help="loops to time: overlap (step n + 1 launched before step n is read, the "
+                        "CUDA default) and/or serial")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--max-seq-len", type=int, default=None, help="for a build (default 256)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float64"))
@@ -69,6 +72,9 @@ def _args(argv=None):
         a.buckets = sorted({int(b) for b in a.buckets.split(",") if b.strip()})
     except ValueError:
         p.error(f"--buckets must be comma-separated ints, got {a.buckets!r}")
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not a.modes or any(m not in ("overlap", "serial") for m in a.modes):
+        p.error(f"--modes must name overlap and/or serial, got {a.modes}")
     if not a.buckets or a.buckets[0] < 1:
         p.error(f"--buckets must be positive, got {a.buckets}")
     if a.prompt_len < 1 or a.replays < 1 or (a.max_new_tokens is not None and a.max_new_tokens < 2):
@@ -209,7 +215,7 @@ def measure(eng, args, log) -> list[dict]:
         prompts, params = _requests(eng, B, args)
         rep = time_replay(eng, B, prompts, params, args.replays)
         log(f"[replay] B={B}: {rep['replay_us']:.1f} us ({rep['replay_method']})")
-        for overlap in (True, False):
+        for overlap in [m == "overlap" for m in args.modes]:
             row = {"B": B, "mode": "overlap" if overlap else "serial", "case": args.case,
                    "prompt_len": args.prompt_len, "max_new_tokens": params[0].max_new_tokens,
                    **rep, **time_loop(eng, B, prompts, params, overlap),

@@ -13,13 +13,14 @@ def test_dry_run_reports_loop_and_replay_per_bucket(small_loaded, tmp_path):
     import host_overhead
     out = tmp_path / "out"
     rc = host_overhead.main(["--dry-run", "--buckets", "2", "--prompt-len", "3",
-                             "--max-new-tokens", "10", "--replays", "1", "--out", str(out)],
+                             "--max-new-tokens", "10", "--replays", "1", "--modes", "overlap",
+                             "--out", str(out)],
                             engine=small_loaded)
     assert rc == 0
     rec = json.loads((out / "host_overhead.json").read_text())
     assert rec["schema"] == "dspark-host-overhead/1" and rec["complete"] and rec["dry_run"]
     rows = {(r["B"], r["mode"]): r for r in rec["rows"]}
-    assert set(rows) == {(2, "overlap"), (2, "serial")}
+    assert set(rows) == {(2, "overlap")}
     for (b, mode), r in rows.items():
         assert r["replay_us"] > 0 and r["replay_method"] == "program/perf_counter"
         assert r["greedy_variant"], "an all-greedy batch times the greedy variant"
