@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve.serve_helpers import FakeEngine, start_stream, train_tokenizer
 
 from dspark_compile.models.generate import SamplingParams
+from dspark_compile.serve.protocol import Completion
 from dspark_compile.serve.server import Server
 from dspark_compile.serve.text import Tokenizer
 
@@ -116,7 +117,9 @@ def test_raw_stream_is_sse_ending_in_done(served):
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     for e in events[:-2]:
         assert e.startswith("data: ")
-        assert json.loads(e[6:])["object"] == "text_completion"
+        # every chunk is the protocol's Completion (the server builds them as plain JSON)
+        c = Completion.model_validate_json(e[6:])
+        assert c.object == "text_completion" and len(c.choices) == 1 and c.usage is None
 
 
 def test_several_prompts_get_one_choice_each_in_order(served, client):
