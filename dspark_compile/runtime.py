@@ -79,9 +79,6 @@ class Launched:
             self.event = None
         return self.host
 
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
-
 
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,

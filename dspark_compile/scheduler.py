@@ -93,7 +93,9 @@ def _counters(N: int) -> dict:
 
 class GenerationStream:
     """Continuous batching over one engine's state rows (Engine.open_stream; one per engine at
-    a time). add() and cancel() may be called from other threads than step()."""
+    a time). add() and cancel() may be called from other threads than step(). `result`: the
+    acceptance counts (per verification method) and the scheduling iterations that ran a step,
+    as GenerationResult holds them (Engine.generate returns it with the tokens filled in)."""
 
     def __init__(self, engine, overlap: bool, prefill_tokens: int):
         self.engine, self.overlap, self.prefill_tokens = engine, overlap, prefill_tokens
