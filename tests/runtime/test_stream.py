@@ -51,12 +51,19 @@ def test_stream_with_overlap_equals_serial_generate(small_loaded):
     params[0] = SamplingParams(max_new_tokens=9, stop_ids=(stop,))
     want = ref.tokens[0][:ref.tokens[0].index(stop) + 1]
     s = eng.open_stream(overlap=True)
+    launches = []
+    eng.launch = lambda rows, b, greedy, launch=eng.launch: (launches.append(list(rows)),
+                                                             launch(rows, b, greedy))[1]
     try:
         assert [s.add(p, sp) for p, sp in zip(prompts, params)] == [0, 1, 2]
         got = _collect(_drain(s))
     finally:
         s.close()
+        del eng.launch
     assert got == {0: (want, True), 1: (ref.tokens[1], True), 2: (ref.tokens[2], True)}
+    # request 0 (row 0, never reused: three requests, five rows) ran a step past its stop id,
+    # launched before the stop was read; that step's tokens went to nobody
+    assert sum(0 in rows for rows in launches) == s.result.by_method["greedy"].row_steps + 1
     # the sampled requests' acceptance is theirs alone: as in the serial run
     assert s.result.by_method["token"].accepted_at == ref.by_method["token"].accepted_at
     assert s.result.by_method["block"].accepted_at == ref.by_method["block"].accepted_at
