@@ -144,19 +144,37 @@ def _check_weights(cfg, build, tensors: dict) -> None:
     with torch.device("meta"):
         model = DeepseekV4(cfg, build.precision(), rope_positions(build.max_seq_len,
                                                                   cfg.dspark_block_size))
-    want = {f"model.{k}": list(v.shape) for k, v in model.state_dict().items()}
+    want = {f"model.{k}": v for k, v in model.state_dict().items()}
     for name, info in sorted(tensors.items()):
+        if name not in want:
+            continue
         shape = info.get("shape") if isinstance(info, dict) else None
-        if name in want and shape != want[name]:
+        dtype = getattr(torch, str(info.get("dtype")), None) if isinstance(info, dict) else None
+        # bytes, not shapes: the build may store a weight in its kernel's layout (the MoE
+        # experts: the module's [E, N, K] int8 as [E, n, 1, 64, k] int32 blocks), which keeps
+        # the bytes and changes the shape and dtype
+        have = _numel(shape) * dtype.itemsize if isinstance(dtype, torch.dtype) else -1
+        v = want[name]
+        if have != v.numel() * v.element_size():
             raise ArtifactError(f"manifest field 'model_config' does not describe the engine's "
-                                f"weights: '{name}' is {shape} in the weights file, "
-                                f"{want[name]} for model_config — restore it or rebuild",
-                                field="model_config")
+                                f"weights: '{name}' is {shape} {info.get('dtype')} in the "
+                                f"weights file, {list(v.shape)} "
+                                f"{str(v.dtype).replace('torch.', '')} for model_config — "
+                                "restore it or rebuild", field="model_config")
     absent = sorted(set(want) - set(tensors))
     if absent:
         raise ArtifactError(f"manifest field 'model_config' does not describe the engine's "
                             f"weights: its model has {absent[:3]}, which the weights file lacks "
                             "— restore it or rebuild", field="model_config")
+
+
+def _numel(shape) -> int:
+    if not isinstance(shape, list):
+        return -1
+    n = 1
+    for d in shape:
+        n *= d if isinstance(d, int) else 0
+    return n
 
 
 def _blame(key: str, have, want) -> str:

@@ -206,8 +206,8 @@ def _edited(small_engine, tmp_path, field: str, value):
     ("build_config.max_seq_len", "abc", "manifest field 'build_config.max_seq_len' must be an "
      "int >= 1, got 'abc' — restore it or rebuild"),          # was: TypeError
     ("model_config.vocab_size", 1000, "manifest field 'model_config' does not describe the "
-     "engine's weights: 'model.embed.weight' is [512, 256] in the weights file, [1000, 256] "
-     "for model_config"),                                     # was: load_state_dict mismatch
+     "engine's weights: 'model.embed.weight' is [512, 256] bfloat16 in the weights file, "
+     "[1000, 256] bfloat16 for model_config"),                                     # was: load_state_dict mismatch
     ("build_config.buckets", [1, 2, 4], "manifest field 'build_config.buckets' is [1, 2, 4], the "
      "engine's programs are for buckets [1, 2]"),
     ("build_config.max_rows", 10 ** 9, "the decode state for the manifest's "
