@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
 import threading
 from collections import deque
@@ -209,14 +210,20 @@ class GenerationStream:
             raise ValueError(f"prompt: token ids {bad[:5]} outside [0, {V})")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ints = {}
         for name in ("max_new_tokens", "top_k", "seed"):
             v = getattr(params, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an int, got {v!r}")
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                ints[name] = operator.index(v)
+            except TypeError:
+                raise ValueError(f"{name} must be an int, got {v!r}") from None
         for name in ("temperature", "top_p"):
             v = getattr(params, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {v!r}")
+            ints[name] = float(v)
         try:
             stops = tuple(operator.index(s) for s in params.stop_ids)
         except TypeError:
@@ -225,7 +232,8 @@ class GenerationStream:
         bad = [s for s in stops if not 0 <= s < V]
         if bad:
             raise ValueError(f"stop_ids: {bad[:5]} outside [0, {V})")
-        params = dataclasses.replace(params, stop_ids=stops)   # the caller's copy may change
+        # a copy in plain Python numbers: the caller's object may change while the request runs
+        params = dataclasses.replace(params, stop_ids=stops, **ints)
         params.validate(V)
         need = request_positions(len(prompt), params.max_new_tokens, self.N)
         if need > self.max_seq_len:

@@ -311,3 +311,16 @@ def test_add_names_the_bad_field(prompt, params, field):
     with pytest.raises(ValueError, match=field):
         s.add(prompt, params)
     assert not s.has_work
+
+
+def test_add_takes_integer_and_real_types_and_copies_the_params():
+    import numpy as np
+    eng = FakeEngine()
+    s = GenerationStream(eng, True, prefill_tokens=8)
+    sp = SamplingParams(max_new_tokens=np.int64(3), temperature=np.float32(0.0), stop_ids=[7])
+    rid = s.add(np.array([1, 2]), sp)
+    sp.max_new_tokens = 50                      # the request keeps what add() saw
+    got = by_request(run(s))
+    assert got[rid] == (expected([1, 2], SamplingParams(max_new_tokens=3, stop_ids=(7,))), True)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int"):
+        s.add([1], SamplingParams(max_new_tokens=True))
