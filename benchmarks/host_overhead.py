@@ -135,7 +135,8 @@ def time_replay(eng, B: int, prompts, params, replays: int) -> dict:
             us = a.elapsed_time(b) * 1e3
         else:                    # no graphs (CPU): the program call, waited for
             t = time.perf_counter()
-            eng.launch(rows, B, greedy).wait()
+            with torch.no_grad():
+                eng.launch(rows, B, greedy).wait()
             us = (time.perf_counter() - t) * 1e6
         if i >= warm:
             times.append(us)
