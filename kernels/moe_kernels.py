@@ -29,7 +29,9 @@ Weights come in one of two layouts (`TILED`):
   8 e2m1 values per 32-bit word bit-permuted so that two values decode to a bf16 pair with
   one or two shifts and masks, and one bf16x2 multiply by 2^(s - 1) applies the E8M0 scale;
 - the checkpoint's (the eager model): row-contiguous packed bytes, each nibble decoded on its
-  own (`_e2m1`), the scale per byte in fp32. About 4x the integer work of the tiled decode.
+  own (`_e2m1`), the scale per byte in fp32: 11.4 instructions a value in the K loop's SASS
+  against the tiled 3.5-3.8 (sm_90), 1.7x the time on the H200
+  (benchmarks/results/h200_moe_2026-12-02/NOTES.md).
 Programs of grid blocks at or past the live block count return at once (the padding of the
 worst-case grid).
 """

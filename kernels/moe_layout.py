@@ -124,18 +124,24 @@ def to_kernel(w: torch.Tensor, s: torch.Tensor, tile: tuple) -> tuple:
 
 
 def to_checkpoint(values: torch.Tensor, scales: torch.Tensor) -> tuple:
-    """The inverse of `to_kernel`: (packed uint8 [E, N, K/2], E8M0 bytes uint8 [E, N, K/32])."""
+    """The inverse of `to_kernel`: (packed uint8 [E, N, K/2], E8M0 bytes uint8 [E, N, K/32]);
+    ~16 M values at a time, as `to_kernel`."""
     E, NT, KT, bn, bw = values.shape
     N, K = NT * bn, KT * bw * 8
     bits = _lane_bits()
-    u = values.permute(0, 1, 3, 2, 4).reshape(E, N, K // 8).to(torch.int64) & 0xFFFFFFFF
-    codes = torch.empty(E, N, K // 8, 4, 2, dtype=torch.int64, device=values.device)
-    for j in range(4):
-        for l in range(2):
-            mag, sgn = bits[j][l]
-            codes[..., j, l] = ((u >> mag) & 7) | (((u >> sgn) & 1) << 3)
-    codes = codes.reshape(E, N, K // 2, 2)
-    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    packed = torch.empty(E, N, K // 2, dtype=torch.uint8, device=values.device)
+    step = max(1, (1 << 24) // (N * K))
+    for e0 in range(0, E, step):
+        v = values[e0:e0 + step]
+        n = v.shape[0]
+        u = v.permute(0, 1, 3, 2, 4).reshape(n, N, K // 8).to(torch.int64) & 0xFFFFFFFF
+        codes = torch.empty(n, N, K // 8, 4, 2, dtype=torch.int64, device=values.device)
+        for j in range(4):
+            for l in range(2):
+                mag, sgn = bits[j][l]
+                codes[..., j, l] = ((u >> mag) & 7) | (((u >> sgn) & 1) << 3)
+        codes = codes.reshape(n, N, K // 2, 2)
+        packed[e0:e0 + n] = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     s = scales.permute(0, 1, 3, 2, 4).reshape(E, N, K // MXFP4_BLOCK)
     return packed, s.contiguous()
 
