@@ -50,8 +50,8 @@ import step_floor  # noqa: E402
 from bench_setup import _default_out, bench_device, setup_engine  # noqa: E402,F401
 from step_launches import (LABEL, _counts, _sync, dspark_kernel_names,  # noqa: E402,F401
                            graph_kernel_nodes, per_layer, profile_launches)
-from step_variants import (Skipped, _cpu_copy_bandwidth, _l2_flusher,  # noqa: E402,F401
-                           make_runner, time_runner)
+from step_variants import (Runner, Skipped, _cpu_copy_bandwidth,  # noqa: E402,F401
+                           _l2_flusher, make_runner, time_runner)
 
 VARIANTS = ("eager", "eager-graph", "compile-graph", "engine", "engine-greedy")
 CASES = {"mixed": "random", "greedy": "greedy"}   # case -> prefill_random_requests mix
