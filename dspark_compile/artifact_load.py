@@ -273,7 +273,8 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
                             manifest["weights"]["tensors"], device)
     programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
     if configs is not None:
-        from dspark_compile.engine_fields import check_programs_state
+        from dspark_compile.engine_fields import check_programs_state, check_weights_table
+        check_weights_table(*configs, manifest["weights"].get("tensors", {}))
         check_programs_state(*configs, programs)
     return manifest, programs, weights
 

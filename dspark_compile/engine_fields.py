@@ -107,7 +107,7 @@ def engine_configs(manifest: dict):
 
 def check_engine_fields(manifest: dict, device=None) -> tuple:
     """model_config and build_config parsed, typed and consistent with the manifest's program
-    and weight tables (no program is loaded; see check_programs_state for the programs), and
+    tables (no program is loaded; check_programs_state and check_weights_table follow), and
     the decode state they size within `device`'s free memory (skipped without a device).
     Returns (ModelConfig, BuildConfig)."""
     cfg, build = engine_configs(manifest)
@@ -122,7 +122,6 @@ def check_engine_fields(manifest: dict, device=None) -> tuple:
                             f"{list(build.prefill_chunks)}, the engine's prefill programs are for "
                             f"chunks {chunks} — restore it or rebuild",
                             field="build_config.prefill_chunks")
-    _check_weights(cfg, build, manifest.get("weights", {}).get("tensors", {}))
     if device is not None:
         from dspark_compile.models.state import check_state_fits
         try:
@@ -134,9 +133,11 @@ def check_engine_fields(manifest: dict, device=None) -> tuple:
     return cfg, build
 
 
-def _check_weights(cfg, build, tensors: dict) -> None:
+def check_weights_table(cfg, build, tensors: dict) -> None:
     """The weights table against the model model_config builds (on the meta device: shapes
-    only, nothing allocated)."""
+    only, nothing allocated). Called once the programs are loaded: the first meta-device
+    module in a process costs seconds of torch's lazy set-up that torch.export.load has then
+    already done (0.1 s after it)."""
     import torch
 
     from dspark_compile.models.config import rope_positions
