@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_compile.serve.loop import EngineDown, EngineLoop, QueueFull, Ticket
 from dspark_compile.serve.metrics import CONTENT_TYPE, Metrics
-from dspark_compile.serve.prepare import BadRequest, EngineLimits, Job, api_field, prepare
+from dspark_compile.serve.prepare import (BadRequest, EngineLimits, Job, api_field, api_message,
+                                          prepare)
 from dspark_compile.serve.protocol import (Completion, CompletionChoice, CompletionRequest,
                                            ModelCard, ModelList, Usage, error_response,
                                            validation_message)
@@ -74,7 +75,7 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/health")
     async def health():
         if not state.loop.alive:
-            reason = state.loop._down_reason() if state.loop.error else "engine thread stopped"
+            reason = state.loop.down_reason() if state.loop.error else "engine thread stopped"
             return _error(503, reason)
         return {"status": "ok", "in_flight": state.loop.in_flight}
 
@@ -126,7 +127,7 @@ def _submit(loop: EngineLoop, jobs: list[Job]) -> list[Ticket]:
             try:
                 tickets.append(loop.submit(job.prompt, job.params, asyncio.get_running_loop()))
             except ValueError as e:       # the stream's own validation
-                raise BadRequest(api_field(str(e)), str(e)) from None
+                raise BadRequest(api_field(str(e)), api_message(str(e))) from None
     except BaseException:
         for t in tickets:
             loop.cancel(t)

@@ -59,7 +59,7 @@ class EngineLoop:
         """Add a request; raises QueueFull, EngineDown, or the stream's ValueError."""
         with self._lock:
             if self.error is not None or self._stopping.is_set():
-                raise EngineDown(self._down_reason())
+                raise EngineDown(self.down_reason())
             if len(self._tickets) >= self.capacity:
                 raise QueueFull(f"{len(self._tickets)} requests in flight: {self.max_rows} "
                                 f"state rows and a queue of {self.max_queue} are full")
@@ -119,7 +119,7 @@ class EngineLoop:
                     self._dispatch(events)
         except BaseException as e:  # noqa: BLE001 -- reported to every waiting handler
             self.error = e
-            self._fail_all(EngineDown(self._down_reason()))
+            self._fail_all(EngineDown(self.down_reason()))
 
     def _dispatch(self, events) -> None:
         items = []
@@ -142,7 +142,7 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.in_flight.set(len(self._tickets))
 
-    def _down_reason(self) -> str:
+    def down_reason(self) -> str:
         if self.error is not None:
             return f"the engine failed: {type(self.error).__name__}: {str(self.error)[:300]}"
         return "the server is shutting down"

@@ -5,7 +5,8 @@ counters: drafts, draft tokens, accepted tokens, accepted tokens per draft posit
 `dspark_` prefix:
 
     dspark_requests_total{outcome}          stop | length | cancelled | queue_full | invalid | error
-    dspark_requests_running / _waiting      state rows in use / requests waiting for one (queue depth)
+    dspark_requests_running / _waiting      state rows in use / requests waiting for one
+                                            (the queue depth)
     dspark_requests_in_flight               admitted, not finished (running + waiting)
     dspark_queue_capacity                   --max-queue
     dspark_steps_total{bucket}              engine steps per batch bucket

@@ -58,6 +58,13 @@ def api_field(message: str) -> str | None:
     return None
 
 
+def api_message(message: str) -> str:
+    """A runtime message with the library's field names spelt as the API's."""
+    for lib, api in API_FIELDS.items():
+        message = message.replace(lib, api)
+    return message
+
+
 def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> list[Job]:
     prompts = req.prompts
     if isinstance(prompts[0], str):
@@ -79,8 +86,9 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
     bad = [t for t in stop_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise BadRequest("stop_token_ids", f"ids {bad[:5]} outside [0, {limits.vocab_size})")
-    if not req.ignore_eos and limits.eos_token_id is not None and limits.eos_token_id not in stop_ids:
-        stop_ids += (limits.eos_token_id,)
+    eos = limits.eos_token_id
+    if not req.ignore_eos and eos is not None and eos not in stop_ids:
+        stop_ids += (eos,)
     # one prompt after another gets seed, seed + 1, ... (the CLI's convention)
     seed = secrets.randbits(62) if req.seed is None else req.seed
     if seed + len(prompts) - 1 > INT64[1]:
@@ -102,6 +110,6 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
         try:
             sp.validate(limits.vocab_size)
         except ValueError as e:
-            raise BadRequest(api_field(str(e)), str(e)) from None
+            raise BadRequest(api_field(str(e)), api_message(str(e))) from None
         jobs.append(Job(i, list(p), sp, req.stop))
     return jobs

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings across step boundaries (dspark_compile/serve/text.py)."""
+"""Incremental detokenization and stop strings across step boundaries
+(dspark_compile/serve/text.py)."""
 import random
 
 import pytest
