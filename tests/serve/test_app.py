@@ -370,3 +370,72 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
         serve.require_extra()
     assert str(e.value) == ("serve needs uvicorn (the 'serve' extra): "
                             "pip install 'dspark-compile[serve]'")
+
+
+def test_max_tokens_null_takes_what_the_positions_allow_and_no_seed_draws_one(served, client):
+    fake = served[2]
+    post(served[1], "/v1/completions", {"model": "tiny", "prompt": [5, 6, 7],
+                                        "max_tokens": None, "temperature": 0})
+    limits = served[0].limits
+    assert fake.added[-1][1].max_new_tokens == limits.max_new_tokens(3) == 160 - 3 - 7
+    seeds = set()
+    for _ in range(3):
+        client.completions.create(model="tiny", prompt=[5], max_tokens=1)
+        seeds.add(fake.added[-1][1].seed)
+    assert len(seeds) == 3
+    r = client.completions.create(model="tiny", prompt=["The quick", "brown fox"], max_tokens=2,
+                                  seed=5)
+    assert [c.index for c in r.choices] == [0, 1] and [p.seed for _, p in fake.added[-2:]] == \
+        [5, 6]
+
+
+def test_many_clients_with_a_small_queue_each_get_their_own_tokens_or_a_429(tmp_path):
+    """The server's bookkeeping under contention, without an engine's cost: 300 requests
+    from 24 threads against 3 rows and a queue of 5; every answer is its own request's
+    tokens or a 429, nothing stays in flight, the outcomes add up."""
+    eng = FakeEngine(tmp_path, max_rows=3)
+    eng.fake.step_hook = lambda: time.sleep(0.001)
+    with Server(eng, model_name="m", max_queue=5) as srv:
+        url = srv.start()
+        got, lock = {}, threading.Lock()
+
+        def worker(k):
+            for i in range(k, 300, 24):
+                body = {"model": "m", "prompt": [2 + i % 50, 3], "max_tokens": 1 + i % 7,
+                        "seed": i, "temperature": 0.5, "ignore_eos": True,
+                        "stream": bool(i % 2)}
+                status, text = post(url, "/v1/completions", body)
+                if status == 200 and body["stream"]:
+                    ids = [t for e in text.split("\n\n") if e.startswith("data: {")
+                           for c in json.loads(e[6:])["choices"] for t in c["token_ids"]]
+                elif status == 200:
+                    ids = json.loads(text)["choices"][0]["token_ids"]
+                else:
+                    ids = json.loads(text)["error"]["code"]
+                with lock:
+                    got[i] = (status, ids)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(got) == list(range(300))
+        ok = 0
+        for i, (status, ids) in got.items():
+            if status == 429:
+                assert ids == "queue_full"
+                continue
+            assert status == 200
+            want = eng.fake.expected([2 + i % 50, 3], sp(seed=i, max_new_tokens=1 + i % 7,
+                                                        stop_ids=()))
+            assert ids == want, i
+            ok += 1
+        assert srv.loop.in_flight == 0 and not eng.fake.has_work
+        m = metrics(url)
+        outcomes = {o: m[("dspark_requests_total", (("outcome", o),))]
+                    for o in ("stop", "length", "queue_full", "cancelled")}
+        assert outcomes["length"] == ok and outcomes["queue_full"] == 300 - ok
+        assert outcomes["stop"] == outcomes["cancelled"] == 0
+        assert ok >= 8, ok                    # rows and queue were used
+        print(f"{ok} served, {300 - ok} refused with 429")
