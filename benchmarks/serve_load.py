@@ -11,6 +11,8 @@ each with eos ignored, so every request has the same length on both sides; seeds
 - `engine`: the engine alone, in this process: one GenerationStream (Engine.open_stream, what
   `Engine.generate` runs on), c requests in flight, one added as one ends; a request's tokens
   are timed when step() returns them;
+- `generate`: `Engine.generate` on the same requests in rounds of c (a round runs to its last
+  token before the next starts: no refill between rounds);
 - `server`: the same requests over HTTP to `dspark-compile serve` (`--server subprocess`: its
   own process, started once the engine here is freed; `thread`: in this process, the same
   loaded engine), streamed (SSE), timed when each chunk arrives at the client (an asyncio
@@ -20,8 +22,9 @@ Reported per side: tokens/s (completion tokens / wall time of the level), inter-
 p50 / p99 (one sample per token: the gap since the request's previous delivery over the tokens
 delivered, so a step committing 3 tokens counts 3 samples of a third of its gap), time to first
 token p50 / p99; then the server's overhead, 1 - server tokens/s / engine tokens/s (goal
-<= 5 %), and whether every request's tokens equal the engine's (`tokens_match`: the server adds
-nothing to or takes nothing from a request, greedy or sampled).
+<= 5 %; `overhead_vs_generate_pct` the same against `generate`), and whether every request's
+tokens equal the engine's (`tokens_match`, `generate_tokens_match`: the server adds nothing to
+or takes nothing from a request, greedy or sampled).
 
 Writes serve_load.json (rewritten after every level, "complete": false until the end),
 serve_load.csv and, with matplotlib, serve_load.png (tokens/s and ITL vs concurrency).
@@ -45,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
 SCHEMA = "dspark-serve-load-benchmark/1"
-TABLE = ["concurrency", "requests", "engine_tokens_per_s", "server_tokens_per_s",
-         "overhead_pct", "engine_itl_p50_ms", "server_itl_p50_ms", "engine_itl_p99_ms",
+TABLE = ["concurrency", "requests", "engine_tokens_per_s", "generate_tokens_per_s",
+         "server_tokens_per_s", "overhead_pct", "overhead_vs_generate_pct", "engine_itl_p50_ms", "server_itl_p50_ms", "engine_itl_p99_ms",
          "server_itl_p99_ms", "server_ttft_p50_ms", "server_ttft_p99_ms", "tokens_match"]
 
 
@@ -161,6 +164,21 @@ def run_engine(eng, args, reqs: list[dict], c: int) -> tuple[dict, list[list[int
                     add()
         wall = time.perf_counter() - t0
     return summary("engine", sum(map(len, out)), wall, itl, ttft), out
+
+
+def run_generate(eng, args, reqs: list[dict], c: int) -> tuple[dict, list[list[int]]]:
+    """Engine.generate in rounds of c requests (each round runs to its last token before the
+    next starts: no refill, so below the closed loop's rate when lengths differ)."""
+    out = []
+    t0 = time.perf_counter()
+    for start in range(0, len(reqs), c):
+        group = reqs[start:start + c]
+        res = eng.generate([r["prompt"] for r in group], [_params(args, r["seed"]) for r in group])
+        out += res.tokens
+    wall = time.perf_counter() - t0
+    tokens = sum(map(len, out))
+    return {"generate_tokens": tokens, "generate_wall_s": round(wall, 4),
+            "generate_tokens_per_s": round(tokens / wall, 3) if wall > 0 else None}, out
 
 
 # ---- the server --------------------------------------------------------------------------------
@@ -307,8 +325,11 @@ def run(args, eng=None, log=print) -> dict:
     for c, reqs in levels.items():
         res, engine_tokens[c] = run_engine(eng, args, reqs, c)
         rows[c].update(res)
+        gen, gen_tokens = run_generate(eng, args, reqs, c)
+        rows[c].update(gen, generate_tokens_match=gen_tokens == engine_tokens[c])
         log(f"[engine] c={c}: {res['engine_tokens_per_s']} tokens/s, ITL p50 "
-            f"{res['engine_itl_p50_ms']} ms")
+            f"{res['engine_itl_p50_ms']} ms; Engine.generate in rounds of {c}: "
+            f"{gen['generate_tokens_per_s']} tokens/s")
     rec["rows"] = list(rows.values())
     write()
 
@@ -335,7 +356,9 @@ def run(args, eng=None, log=print) -> dict:
             row.update(res)
             row["tokens_match"] = tokens == engine_tokens[c]
             e, s = row["engine_tokens_per_s"], row["server_tokens_per_s"]
+            g = row["generate_tokens_per_s"]
             row["overhead_pct"] = round(100 * (1 - s / e), 2) if e and s else None
+            row["overhead_vs_generate_pct"] = round(100 * (1 - s / g), 2) if g and s else None
             log(f"[server] c={c}: {s} tokens/s ({row['overhead_pct']} % below the engine), "
                 f"ITL p50 {row['server_itl_p50_ms']} ms, p99 {row['server_itl_p99_ms']} ms, "
                 f"tokens match: {row['tokens_match']}")
@@ -360,6 +383,8 @@ def write_plot(path: Path, rows: list[dict]) -> str:
         return "matplotlib not installed: plot skipped (JSON and CSV written)"
     cs = [r["concurrency"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.plot(cs, [r.get("generate_tokens_per_s") for r in rows], marker="o", linestyle=":",
+           label="Engine.generate (rounds)")
     for side in ("engine", "server"):
         a.plot(cs, [r.get(f"{side}_tokens_per_s") for r in rows], marker="o", label=side)
         for q, style in (("p50", "-"), ("p99", "--")):

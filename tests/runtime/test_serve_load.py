@@ -30,13 +30,16 @@ def test_dry_run_reports_every_level_and_the_servers_tokens_match(small_engine, 
         assert r["requests"] == c * args.rounds
         # eos ignored: every request runs to max_tokens on both sides
         assert r["engine_tokens"] == r["server_tokens"] == c * args.rounds * args.max_tokens
-        assert r["tokens_match"] is True
+        assert r["tokens_match"] is True and r["generate_tokens_match"] is True
+        assert r["generate_tokens"] == r["engine_tokens"] and r["generate_tokens_per_s"] > 0
         for side in ("engine", "server"):
             assert r[f"{side}_tokens_per_s"] > 0
             assert 0 < r[f"{side}_itl_p50_ms"] <= r[f"{side}_itl_p99_ms"]
             assert 0 < r[f"{side}_ttft_p50_ms"] <= r[f"{side}_ttft_p99_ms"]
         assert r["overhead_pct"] == round(100 * (1 - r["server_tokens_per_s"]
                                                  / r["engine_tokens_per_s"]), 2)
+        assert r["overhead_vs_generate_pct"] == round(100 * (1 - r["server_tokens_per_s"]
+                                                             / r["generate_tokens_per_s"]), 2)
     with open(tmp_path / "serve_load.csv") as f:
         assert [int(r["concurrency"]) for r in csv.DictReader(f)] == [1, 2]
     assert (tmp_path / "serve_load.png").stat().st_size > 0
