@@ -18,13 +18,22 @@ $(BIN)/.installed: pyproject.toml
 .PHONY: venv demo test clean
 venv: $(BIN)/.installed
 
+# the demo model is the trained tiny pair (models/data/tiny-trained); the prompts are text,
+# encoded with its tokenizer, and the generated ids are decoded back to text at the end
+TOK := $(BIN)/python -m dspark_compile.models.tokenizer
+DEMO_PROMPTS := 'import os\nimport sys\n\n\ndef main(' '    def __init__(self, '
+
 demo: venv
 	rm -rf $(DEMO_DIR)
-	$(BIN)/dspark-compile synth --preset tiny --out $(DEMO_DIR)/ckpt
+	$(BIN)/dspark-compile synth --preset tiny-trained --out $(DEMO_DIR)/ckpt
 	$(BIN)/dspark-compile build $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/engine --buckets 1,2,4 --max-seq-len 160 --dtype float64 \
 		--device cpu --prefill-chunks none
-	$(BIN)/dspark-compile run $(DEMO_DIR)/engine --prompt-ids 11,12,13,14,15,16,17,18 --prompt-ids 7,7,7 \
-		--max-new-tokens 32 --check-lossless
+	set -e; args=""; for p in $(DEMO_PROMPTS); do \
+		ids=$$($(TOK) encode $(DEMO_DIR)/ckpt "$$p" --escapes); args="$$args --prompt-ids $$ids"; \
+		printf 'prompt %s text: %s\n' "$$ids" "'$$p'"; done; \
+	rc=0; $(BIN)/dspark-compile run $(DEMO_DIR)/engine $$args --max-new-tokens 32 --check-lossless \
+		> $(DEMO_DIR)/run.txt || rc=$$?; cat $(DEMO_DIR)/run.txt; [ $$rc -eq 0 ] || exit $$rc; \
+	$(TOK) decode $(DEMO_DIR)/ckpt --from-run $(DEMO_DIR)/run.txt; grep '^lossless' $(DEMO_DIR)/run.txt
 
 # two processes (pytest-xdist; CI has 2 cores): the kernel tests run the Triton interpreter one
 # thread each; the engine tests stay in one process (tests/conftest.py, pytest_xdist_make_scheduler)
