@@ -233,6 +233,14 @@ class Engine:
                                rope_positions(self.build.max_seq_len, self.cfg.dspark_block_size))
         prefix = "model."
         sd = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        own = dict(model.named_buffers())
+        probe = next((k for k in sd if k.endswith(".experts.w1_weight") and k in own), None)
+        if probe is not None and sd[probe].shape != own[probe].shape:
+            # the build stored the MoE experts in their kernel's layout (models/moe.py
+            # use_kernel_layouts, an exact permutation): the eager model takes it too, and its
+            # moe_experts calls name it
+            from dspark_compile.models.moe import use_kernel_layouts
+            use_kernel_layouts(model, self.build.precision().dtype)
         persistent = set(model.state_dict())
         # non-persistent buffers (RoPE tables) are rebuilt by the model itself
         missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k in persistent},
