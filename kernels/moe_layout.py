@@ -157,6 +157,17 @@ def experts_to_kernel(w1, s1, w3, s3, w2, s2, max_bk: int = 256) -> tuple:
     return (a, b, c, d, f, g), layout.name
 
 
+def layout_of(w1, s1, w3, s3, w2, s2) -> str:
+    """The name of the layout six expert tensors are in: the tiles from the tiled tensors'
+    shapes, `wide` from the scale bytes (as `experts_to_kernel` decides it); CHECKPOINT for
+    3-d tensors. For weights loaded into a module whose name was not recorded with them."""
+    if w1.dim() == 3:
+        return CHECKPOINT
+    tile = lambda v: (v.shape[3], v.shape[4] * 8)
+    wide = any(bool((t.view(torch.uint8) >= WIDE_FROM).any()) for t in (s1, s3, s2))
+    return TiledLayout(tile(w1), tile(w2), wide).name
+
+
 def experts_to_checkpoint(w1, s1, w3, s3, w2, s2) -> tuple:
     """The inverse of `experts_to_kernel` (the six tensors as the checkpoint stores them)."""
     out = []

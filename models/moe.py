@@ -118,3 +118,16 @@ def use_kernel_layouts(model: nn.Module, dtype: torch.dtype) -> list[str]:
     """Every MoE layer's experts of `model` in the kernel's weight layout (the engine build,
     dspark_compile/trace.py); the layout names, one per layer."""
     return [m.use_kernel_layout(dtype) for m in model.modules() if isinstance(m, Experts)]
+
+
+def sync_kernel_layouts(model: nn.Module) -> list[str]:
+    """Each MoE layer's `layout` named from the tensors its buffers hold now (kernels/
+    moe_layout.py layout_of): after loading an engine's tiled weights into a model whose buffers
+    were shaped by use_kernel_layouts on other data (the name's `wide` flag follows the loaded
+    scale bytes, so the model's calls read them as the engine's programs do)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.layout = moe_layout.layout_of(*m.tensors())
+            out.append(m.layout)
+    return out

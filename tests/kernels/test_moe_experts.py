@@ -25,7 +25,7 @@ import torch
 from dspark_compile.kernels import moe
 from dspark_compile.kernels import moe_layout as ml
 from dspark_compile.kernels.registry import KERNELS
-from dspark_compile.models.moe import Experts, Gate, use_kernel_layouts
+from dspark_compile.models.moe import Experts, Gate, sync_kernel_layouts, use_kernel_layouts
 from dspark_compile.models.quant_formats import mxfp4_quant
 
 E, I = 8, 64
@@ -410,6 +410,21 @@ def test_experts_module_kernel_layout_gives_the_same_outputs(experts64):
     assert torch.equal(torch.ops.dspark.moe_experts(x, ids, w, *mod.tensors(), LIMIT,
                                                     mod.layout), ref)
     assert mod.use_kernel_layout(torch.bfloat16) == mod.layout          # idempotent
+
+
+def test_a_model_loading_tiled_weights_takes_their_layout_name(experts64):
+    """The runtime shapes an empty model's buffers with use_kernel_layouts, loads the engine's
+    tiled weights and names the layout from them: wide when the loaded scales need it."""
+    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=64, moe_intermediate_size=I)
+    ex = [t.clone() for t in experts64]
+    ex[1][0, 0, 0] = ml.WIDE_FROM
+    stored, name = ml.experts_to_kernel(*ex)
+    holder = torch.nn.Sequential(Experts(cfg))
+    use_kernel_layouts(holder, torch.bfloat16)                        # zeros: not wide
+    assert not holder[0].layout.endswith(":wide")
+    holder.load_state_dict({f"0.{n}": t for n, t in zip(Experts.NAMES, stored)}, assign=True)
+    assert sync_kernel_layouts(holder) == [name] and name.endswith(":wide")
+    assert ml.layout_of(*experts64) == ml.CHECKPOINT
 
 
 def test_benchmark_cases_build_and_run_on_cpu():
