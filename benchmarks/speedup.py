@@ -1,0 +1,290 @@
+"""End-to-end speed-up of DSpark speculation: tokens/s of `Engine.generate` against decoding
+without speculation, for the trained tiny pair on held-out standard-library prompts:
+
+    python benchmarks/speedup.py --out DIR                    # CUDA if present, else the CPU
+    python benchmarks/speedup.py --device cpu --batches 1,16,64 --new-tokens 64 --out DIR
+    python benchmarks/speedup.py --dry-run --out DIR          # CPU smoke run (seconds of work)
+
+checkpoint (`synth --preset tiny-trained` into --work, or --ckpt) -> engine for the batch
+buckets (built into --work, reused when its build config matches, or --engine) -> prompts: the
+first --batches max windows of --prompt-len tokens, evenly spaced over the held-out modules
+(f*, g*, h* of the standard library: never trained on) -> per mode (greedy; sampled at the
+model card's temperature 1.0, top-p 0.95, request i seeded --seed + i) and batch B:
+
+  - `engine-speculative`: Engine.generate over B requests (prefill included), timed once after
+    one untimed warm-up call; acceptance per draft position and the mean accepted length;
+  - `reference-target-only`: THE BASELINE. The engine has no target-only programs yet (the
+    bit-exact lossless issue adds them), so non-speculative decoding is the eager reference
+    (models/generate.py, speculative=False) on the engine's own weights and precision;
+  - `reference-speculative`: the eager reference with speculation: with the baseline, the
+    speed-up speculation buys at equal implementation (no compilation on either side).
+
+tokens/s counts every committed token of the B requests over the call's wall time; the
+speed-up of a row is its tokens/s over the baseline's. Greedy rows also report the fraction of
+requests whose tokens equal the baseline's (FP8 rounding can flip a near-tie between a batched
+verify and a one-token decode). -> JSON (rewritten after every row), CSV, a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+SCHEMA = "dspark-speedup-benchmark/1"
+MODES = ("greedy", "sampled")
+VARIANTS = ("engine-speculative", "reference-target-only", "reference-speculative")
+BASELINE = "reference-target-only"
+BASELINE_NOTE = ("baseline: the eager reference's non-speculative decoding (models/generate.py); "
+                 "the engine has no target-only programs yet")
+TABLE = ["mode", "B", "variant", "tokens", "seconds", "tokens_per_s", "speedup",
+         "mean_accepted_length", "acceptance", "greedy_match"]
+
+
+def _args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", default=None, help="checkpoint (default: tiny-trained, synthesized "
+                   "into --work)")
+    p.add_argument("--engine", default=None, help="a built engine of that checkpoint to use "
+                   "instead of building one (its buckets must cover --batches' largest)")
+    p.add_argument("--batches", default="1,16,64", help="requests per generate call")
+    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}"
+                   f" ({BASELINE} is the baseline of the speed-up)")
+    p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 32)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float64"),
+                   help="compute dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="default: cuda when present")
+    p.add_argument("--backend", default=None, choices=("inductor", "aten"),
+                   help="the engine's --backend (default: the build's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", default=None, help="directory for the checkpoint and engine, "
+                   "reused when they match (default: a temporary directory)")
+    p.add_argument("--out", default=None, help="output directory (default "
+                   "benchmarks/results/<device>_speedup_<date>/)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, B = 1 and 2 in one bucket, a "
+                   "few tokens: that the benchmark runs, not a measurement")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--git-commit", default=None, help="when the machine has no .git")
+    a = p.parse_args(argv)
+    try:
+        a.batches = sorted({int(b) for b in a.batches.split(",") if b.strip()})
+    except ValueError:
+        p.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    bad = [m for m in a.modes if m not in MODES] + [v for v in a.variants if v not in VARIANTS]
+    if bad or not a.batches or a.batches[0] < 1 or not a.modes:
+        p.error(f"unknown modes/variants {bad} or bad --batches {a.batches}")
+    if a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
+    if a.dry_run:
+        a.device, a.batches = "cpu", [1, 2]
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device on this machine")
+    a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    a.prompt_len = a.prompt_len or (12 if a.dry_run else 32)
+    a.new_tokens = a.new_tokens or (6 if a.dry_run else 64)
+    for name in ("prompt_len", "new_tokens"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    return a
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _buckets(args) -> tuple:
+    # the dry run serves B = 1 and 2 from one bucket of 2 (one export instead of two)
+    return (2,) if args.dry_run else tuple(args.batches)
+
+
+def _build_matches(engine_dir: Path, args, max_seq_len: int) -> bool:
+    try:
+        bc = json.loads((engine_dir / "manifest.json").read_text())["build_config"]
+        return (set(_buckets(args)) <= {int(b) for b in bc["buckets"]}
+                and bc["dtype"] == args.dtype and int(bc["max_seq_len"]) >= max_seq_len
+                and torch.device(bc["device"]).type == args.device
+                and int(bc["max_rows"]) >= max(args.batches)
+                and (args.backend is None or bc.get("backend") == args.backend))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def setup(args, work: Path, log) -> tuple[object, Path, dict]:
+    """(loaded engine, checkpoint directory, setup times)."""
+    import shutil
+
+    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.models.config import ModelConfig, request_positions
+    from dspark_compile.models.synth import synth_checkpoint
+    from dspark_compile.runtime import Engine
+    from dspark_compile.trace import build_engine
+
+    times = {}
+    ckpt = Path(args.ckpt) if args.ckpt else work / "ckpt_tiny-trained"
+    if not args.ckpt and not (ckpt / "config.json").exists():
+        synth_checkpoint("tiny-trained", ckpt, overwrite=True)
+    cfg = ModelConfig.from_file(ckpt / "config.json")
+    need = request_positions(args.prompt_len, args.new_tokens, cfg.dspark_block_size)
+    engine_dir = Path(args.engine) if args.engine else work / f"engine_{args.device}_{args.dtype}"
+    if not args.engine and not _build_matches(engine_dir, args, need):
+        if engine_dir.exists():      # made by an earlier run of this script for other options
+            log(f"[build] {engine_dir} does not fit this run: rebuilding")
+            shutil.rmtree(engine_dir)
+        t = time.perf_counter()
+        build_engine(ckpt, engine_dir, BuildConfig(
+            buckets=_buckets(args), max_rows=max(args.batches), max_seq_len=need,
+            dtype=args.dtype, device=args.device, backend=args.backend or ""), log=log)
+        times["build_s"] = round(time.perf_counter() - t, 2)
+    t = time.perf_counter()
+    eng = Engine.load(engine_dir, device=args.device)
+    times["load_s"] = round(time.perf_counter() - t, 2)
+    if eng.cache.max_rows < max(args.batches):
+        raise ValueError(f"--engine {engine_dir}: max_rows={eng.cache.max_rows} < the largest "
+                         f"batch {max(args.batches)}")
+    times["engine_dir"] = str(engine_dir)
+    return eng, ckpt, times
+
+
+def held_out_prompts(ckpt: Path, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` tokens evenly spaced over the held-out modules, tokenized with
+    the checkpoint's tokenizer."""
+    from dspark_compile.models.config import ModelConfig
+    from dspark_compile.models.tokenizer import load_tokenizer
+    from dspark_compile.models.train_data import Corpus, encode_stream, spaced_windows
+    cfg = ModelConfig.from_file(ckpt / "config.json")
+    corpus = Corpus.stdlib()
+    held = encode_stream(load_tokenizer(ckpt), Corpus.read(corpus.held_out), cfg.eos_token_id)
+    return spaced_windows(held, n, length).tolist()
+
+
+def sampling(mode: str, B: int, args) -> list:
+    from dspark_compile.models.generate import SamplingParams
+    if mode == "greedy":
+        return [SamplingParams(max_new_tokens=args.new_tokens) for _ in range(B)]
+    return [SamplingParams(temperature=1.0, top_p=0.95, seed=args.seed + i,
+                           max_new_tokens=args.new_tokens) for i in range(B)]
+
+
+def run_variant(variant: str, eng, prompts, params):
+    from dspark_compile.models.generate import generate
+    if variant == "engine-speculative":
+        return eng.generate(prompts, params)
+    return generate(eng.model, prompts, params, speculative=variant == "reference-speculative",
+                    device=eng.device)
+
+
+def timed(variant: str, eng, prompts, params, warm: bool) -> tuple[object, float]:
+    if warm:    # first calls pay one-time costs (allocations, kernel compiles, CUDA graphs)
+        run_variant(variant, eng, prompts[:1], params[:1])
+    _sync(eng.device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        res = run_variant(variant, eng, prompts, params)
+    _sync(eng.device)
+    return res, time.perf_counter() - t
+
+
+def row_of(mode: str, B: int, variant: str, res, seconds: float) -> dict:
+    tokens = sum(len(t) for t in res.tokens)
+    row = {"mode": mode, "B": B, "variant": variant, "tokens": tokens,
+           "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
+           "steps": res.steps}
+    if variant != BASELINE:
+        row["mean_accepted_length"] = round(res.mean_accepted_length, 4)
+        row["acceptance_per_position"] = [round(a, 4) for a in res.acceptance_per_position]
+        row["acceptance"] = " ".join(f"{a:.2f}" for a in res.acceptance_per_position)
+        row["row_steps"] = res.row_steps
+    return row
+
+
+def _default_out(device_name: str) -> Path:
+    import datetime
+    import re
+    slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
+    return (Path(harness.REPO) / "benchmarks" / "results"
+            / f"{slug}_speedup_{datetime.date.today().isoformat()}")
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    torch.set_num_threads(args.threads)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    env = harness.environment(args.git_commit)
+    if args.device == "cpu":
+        env["device"] = "cpu"
+    out = Path(args.out) if args.out else _default_out(env.get("device") or "cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
+           "device": args.device, "dtype": args.dtype, "batches": args.batches,
+           "modes": args.modes, "variants": args.variants, "prompt_len": args.prompt_len,
+           "new_tokens": args.new_tokens, "threads": args.threads, "baseline": BASELINE,
+           "baseline_note": BASELINE_NOTE, "rows": []}
+
+    def write():
+        (out / "speedup.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+
+    tmp = None
+    work = Path(args.work) if args.work else Path(tmp := tempfile.mkdtemp(prefix="speedup_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        eng, ckpt, rec["setup"] = setup(args, work, log)
+        rec["checkpoint"], rec["backend"] = str(ckpt), eng.backend
+        prompts = held_out_prompts(ckpt, max(args.batches), args.prompt_len)
+        log(BASELINE_NOTE)
+        write()
+        for mode in args.modes:
+            for B in args.batches:
+                results, base = {}, None
+                for variant in args.variants:
+                    res, sec = timed(variant, eng, prompts[:B], sampling(mode, B, args),
+                                     warm=not results)
+                    results[variant] = res
+                    rec["rows"].append(row_of(mode, B, variant, res, sec))
+                    write()
+                base = next((r for r in rec["rows"] if (r["mode"], r["B"], r["variant"])
+                             == (mode, B, BASELINE)), None)
+                for r in rec["rows"]:
+                    if (r["mode"], r["B"]) != (mode, B):
+                        continue
+                    if base is not None:
+                        r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+                    if mode == "greedy" and BASELINE in results and r["variant"] != BASELINE:
+                        same = sum(a == b for a, b in zip(results[r["variant"]].tokens,
+                                                          results[BASELINE].tokens))
+                        r["greedy_match"] = round(same / B, 3)
+                write()
+                log(f"[{mode} B={B}] " + "  ".join(
+                    f"{r['variant']} {r['tokens_per_s']:.1f} tok/s"
+                    for r in rec["rows"] if (r["mode"], r["B"]) == (mode, B)))
+        rec["complete"] = True
+        write()
+        harness.write_csv(str(out / "speedup.csv"),
+                          [{k: v for k, v in r.items() if k != "acceptance_per_position"}
+                           for r in rec["rows"]])
+        print(BASELINE_NOTE)
+        print(harness.format_table(rec["rows"], TABLE))
+        print(f"written: {out / 'speedup.json'}, {out / 'speedup.csv'}")
+        return 0
+    finally:
+        if tmp:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
