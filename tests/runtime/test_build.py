@@ -138,7 +138,8 @@ def test_build_copies_the_checkpoint_tokenizer_into_the_checksummed_files(tiny_c
     ck = tmp_path / "ck"
     ck.mkdir()
     for p in tiny_ckpt.iterdir():
-        (ck / p.name).symlink_to(p)
+        if p.name != "tokenizer.json":   # synth's own: a link would be written through below
+            (ck / p.name).symlink_to(p)
     text = json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}})
     (ck / "tokenizer.json").write_text(text)
 
