@@ -139,6 +139,10 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     model = load_model(None, prec, bc.rope_positions(cfg.dspark_block_size), True, bc.device,
                        tensors=tensors, cfg=cfg)
     del tensors
+    # the MoE experts in their kernel's weight layout, once (models/moe.py use_kernel_layouts);
+    # each moe_experts call in the programs names the layout it reads
+    from dspark_compile.models.moe import use_kernel_layouts
+    use_kernel_layouts(model, prec.dtype)
     cache = bc.cache(cfg.dspark_block_size)
     log(f"[load] done in {time.perf_counter() - t0:.1f}s")
 
