@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import torch
 
-from dspark_compile.artifact import FORMAT_VERSION, config_hash, program_path
+from dspark_compile.artifact import FORMAT_VERSION, TOKENIZER_FILE, config_hash, program_path
 from dspark_compile.passes import PassManager, assert_no_whole_cache_copy, find_host_syncs
 from dspark_compile.build_config import DEFAULT_BUCKETS
 from dspark_compile.trace import state_input_names
@@ -110,7 +110,9 @@ def test_manifest_fields(default_engine):
     assert m["graph_memory_bytes"] == {str(b): None for b in DEFAULT_BUCKETS}  # CPU: no graphs
     assert m["weights"]["file"] == "weights.safetensors"
     assert all(len(t["sha256"]) == 64 for t in m["weights"]["tensors"].values())
-    assert set(m["files"]) == {program_path(b) for b in DEFAULT_BUCKETS} | {"weights.safetensors"}
+    # synth writes the checkpoint's tokenizer.json, and build copies it into the engine
+    assert set(m["files"]) == {program_path(b) for b in DEFAULT_BUCKETS} | {"weights.safetensors",
+                                                                         TOKENIZER_FILE}
     assert "moe_experts.default" in "".join(m["dspark_ops"])
 
 
