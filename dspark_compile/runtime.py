@@ -241,6 +241,7 @@ class Engine:
             # moe_experts calls name it
             from dspark_compile.models.moe import use_kernel_layouts
             use_kernel_layouts(model, self.build.precision().dtype)
+        tiled = probe is not None and sd[probe].shape != own[probe].shape
         persistent = set(model.state_dict())
         # non-persistent buffers (RoPE tables) are rebuilt by the model itself
         missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k in persistent},
@@ -249,6 +250,11 @@ class Engine:
         if missing or unexpected:
             raise ValueError(f"engine weights do not fit the model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
+        if tiled:
+            # the layout's name (its `wide` flag) follows the loaded scale bytes, not the empty
+            # buffers use_kernel_layouts shaped
+            from dspark_compile.models.moe import sync_kernel_layouts
+            sync_kernel_layouts(model)
         return model.eval()
 
     # ------------------------------------------------------------------ CUDA graphs

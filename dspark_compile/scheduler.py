@@ -151,6 +151,7 @@ class GenerationStream:
                    for k, v in self._counts.items()}
             out["running"] = len(self.active)
             out["waiting"] = len(self.waiting) + len(self._incoming)
+            out["free_rows"] = len(self.free)
         return out
 
     def step(self) -> list[StreamEvent]:

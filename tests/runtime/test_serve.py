@@ -226,6 +226,7 @@ def test_soak_200_requests_16_clients(served, scenarios, tok):
         time.sleep(0.05)
     counters = stream.counters()
     assert srv.loop.in_flight == 0 and counters["running"] == counters["waiting"] == 0
+    assert counters["free_rows"] == small_rows(srv)        # every row back
     assert sorted(stream.free) == list(range(small_rows(srv)))
     after = scrape(url)
     done = {o: outcome(after, o) - outcome(before, o)

@@ -150,7 +150,7 @@ def test_every_request_gets_its_own_tokens_and_every_row_is_freed(overlap):
         assert got[i] == (expected(p, sp), True), f"request {i}"
     assert sorted(s.free) == list(range(eng.cache.max_rows)) and not s.active
     c = s.counters()
-    assert c["running"] == c["waiting"] == 0
+    assert c["running"] == c["waiting"] == 0 and c["free_rows"] == eng.cache.max_rows
     assert c["committed_tokens"] == sum(len(expected(p, sp)) for p, sp in reqs)
     assert c["steps"] == sum(c["steps_per_bucket"].values())
     assert c["draft_tokens"] == N * c["row_steps"]
