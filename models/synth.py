@@ -428,15 +428,7 @@ def write_checkpoint(raw: dict, tensors: dict[str, torch.Tensor], out_dir: str |
         raise ValueError(f"write_checkpoint: files {sorted(set(files) - allowed)} are not "
                          f"checkpoint files ({sorted(allowed)})")
     out = Path(out_dir)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"output directory {out} exists and is not empty (pass "
-                              "overwrite=True to replace it)")
-    why = _not_a_checkpoint(out)
-    if why:
-        raise FileExistsError(f"refusing to replace {out}: {why}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    tmp = temp_dir(out)
+    tmp = checkpoint_temp_dir(out, overwrite)
     try:
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         names = [n for n in schema if n in tensors]
@@ -449,6 +441,20 @@ def write_checkpoint(raw: dict, tensors: dict[str, torch.Tensor], out_dir: str |
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def checkpoint_temp_dir(out: Path, overwrite: bool) -> Path:
+    """The temporary directory a checkpoint for `out` is written into (moved into place when
+    complete), once `out` may be written: absent, empty, or (overwrite) a checkpoint."""
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"output directory {out} exists and is not empty (pass "
+                              "overwrite=True to replace it)")
+    why = _not_a_checkpoint(out)
+    if why:
+        raise FileExistsError(f"refusing to replace {out}: {why}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    return temp_dir(out)
 
 
 def _not_a_checkpoint(out: Path) -> str | None:

@@ -305,8 +305,8 @@ def train_tiny(out_dir: str | Path, tc: TrainConfig = TrainConfig(), overwrite: 
 def trained_checkpoint(out_dir: str | Path, seed: int = 0, overwrite: bool = False) -> Path:
     """`synth --preset tiny-trained`: a copy of the committed checkpoint when it was trained
     with `seed`, else a fresh training run (minutes) with that seed."""
-    from dspark_compile.models.atomic_dir import move_into_place, remove_stale_temps, temp_dir
-    from dspark_compile.models.synth import _not_a_checkpoint
+    from dspark_compile.models.atomic_dir import move_into_place
+    from dspark_compile.models.synth import checkpoint_temp_dir
 
     report = DATA_DIR / "train_report.json"
     committed = json.loads(report.read_text())["train_config"]["seed"] if report.is_file() else None
@@ -314,15 +314,7 @@ def trained_checkpoint(out_dir: str | Path, seed: int = 0, overwrite: bool = Fal
         train_tiny(out_dir, replace(TrainConfig(), seed=seed), overwrite=overwrite)
         return Path(out_dir)
     out = Path(out_dir)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"output directory {out} exists and is not empty (pass "
-                              "overwrite=True to replace it)")
-    why = _not_a_checkpoint(out)
-    if why:
-        raise FileExistsError(f"refusing to replace {out}: {why}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    tmp = temp_dir(out)
+    tmp = checkpoint_temp_dir(out, overwrite)
     try:
         for f in sorted(DATA_DIR.iterdir()):
             shutil.copyfile(f, tmp / f.name)
