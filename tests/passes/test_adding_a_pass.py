@@ -9,9 +9,15 @@ DOC = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def code_blocks() -> dict:
-    """{'passes/fuse_silu.py': source, 'tests/passes/test_fuse_silu.py': source}"""
+    """{'passes/fuse_silu.py': source, 'tests/passes/test_fuse_silu.py': source}: the python
+    blocks of the "Adding a pass" section (the README's other examples have tests of their own,
+    e.g. tests/runtime/test_readme_api.py)."""
+    text = DOC.read_text()
+    section = text[text.index("\n## Adding a pass\n"):]
+    nxt = re.search(r"\n## (?!#)", section[1:])
+    section = section[:nxt.start() + 1] if nxt else section
     blocks = {}
-    for body in re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S):
+    for body in re.findall(r"```python\n(.*?)```", section, flags=re.S):
         first = body.splitlines()[0]
         m = re.match(r"# file: (\S+)", first)
         assert m, f"every python block in {DOC.name} starts with '# file: <path>'"
