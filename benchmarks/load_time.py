@@ -41,7 +41,7 @@ if cache != "user":
 import torch
 from dspark_compile import kernel_store
 from dspark_compile.runtime import Engine
-kernel_store._activate()                  # count compiles also when the store is ignored
+kernel_store.activate()                  # count compiles also when the store is ignored
 t_import = time.perf_counter() - t0
 prof = cProfile.Profile() if profile != "-" else None
 if prof: prof.enable()
@@ -57,7 +57,7 @@ print(json.dumps({"wall_s": time.perf_counter() - t0, "import_s": t_import,
                   "prefill_capture_s": ({str(c): s for c, s in
                                          eng.prefill_programs.capture_seconds.items()}
                                         if eng.prefill_programs is not None else {}),
-                  "compiles": kernel_store.compiles(), "store_hits": kernel_store._PROC.store_hits,
+                  "compiles": kernel_store.compiles(), "store_hits": kernel_store.store_hits(),
                   "buckets": eng.buckets, "greedy": sorted(eng.greedy_graphs)}))
 """
 

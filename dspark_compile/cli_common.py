@@ -105,6 +105,23 @@ def device(name: str):
 DEVICE_TYPES = ("cpu", "cuda")
 
 
+def int_arg(low: int, high: int | None = None, expected: str | None = None):
+    """An argparse type: an int in [low, high] (no upper bound when high is None); the usage
+    error says what was expected and the bound."""
+    what = expected or f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if n < low or (high is not None and n > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {n}")
+        return n
+    return parse
+
+
 def path_arg(text: str) -> str:
     """A path argument: an empty one is refused (it meant the current directory, and `synth
     --out ''` then said the current directory was not empty)."""

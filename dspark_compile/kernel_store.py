@@ -146,6 +146,17 @@ def _activate() -> None:
         knobs.cache.manager_class = StoreCacheManager
 
 
+def store_hits() -> int:
+    """Cache lookups in this process that an installed engine store answered."""
+    return _PROC.store_hits
+
+
+def activate() -> None:
+    """Route Triton's cache lookups through the store's manager from now on (install does it;
+    a caller that only wants `compiles()` counted, with no store, calls it first)."""
+    _activate()
+
+
 def compiles() -> int:
     """Kernels (and launcher modules) compiled in this process through the store's manager
     since it was first activated: what a load on a machine that matches the store must keep
@@ -203,8 +214,10 @@ def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
     entries: dict = {}
     for source in (recorded, _compiled_in_process()):
         for key, files in source.items():
-            entries.setdefault(key, {}).update({f: p for f, p in files.items()
-                                                if p is not None or f not in entries.get(key, {})})
+            have = entries.setdefault(key, {})
+            for f, p in files.items():
+                if p is not None or f not in have:   # a known path is never replaced by None
+                    have[f] = p
     root = store_dir(tc)
     out: dict = {}
     kernels = 0

@@ -40,10 +40,10 @@ for rel, data in files.items():
     p.write_bytes(data if isinstance(data, bytes) else data.encode())
 knobs.cache.dir = str(tmp / "cache_b")          # a fresh machine: nothing cached
 ks.use_store(engine / meta["path"])
-hits = ks._PROC.store_hits
+hits = ks.store_hits()
 again = sm12x.compile_entry(entry, 90)
 print(json.dumps({"compiled_at_build": after_build, "compiled_at_load": ks.compiles() - after_build,
-                  "store_hits": ks._PROC.store_hits - hits, "meta": meta,
+                  "store_hits": ks.store_hits() - hits, "meta": meta,
                   "same_binary": again.asm["cubin"] == first.asm["cubin"],
                   "cache_b_groups": [p.name for p in (tmp / "cache_b").rglob("__grp__*")]}))
 """

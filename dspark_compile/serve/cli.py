@@ -6,29 +6,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from dspark_compile.cli_common import command, device, engine_errors
+from dspark_compile.cli_common import command, device, engine_errors, int_arg
 # server.py imports nothing of the extra at module level
 from dspark_compile.serve.server import DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 
 
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= n < 65536:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {n}")
-    return n
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+_port = int_arg(0, 65535, "a port number")
+_count = int_arg(0)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

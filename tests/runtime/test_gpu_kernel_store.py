@@ -18,13 +18,13 @@ knobs.cache.dir = sys.argv[2]                      # empty: a fresh machine
 import torch
 from dspark_compile import kernel_store
 from dspark_compile.runtime import Engine
-kernel_store._activate()                           # count compiles from the first launch on
+kernel_store.activate()                           # count compiles from the first launch on
 eng = Engine.load(sys.argv[1], kernels="require")
 before = kernel_store.compiles()
 tokens, num = eng.run_step([0])
 torch.cuda.synchronize()
 print(json.dumps({"compiles_at_load": before, "compiles_in_step": kernel_store.compiles() - before,
-                  "store_hits": kernel_store._PROC.store_hits, "graphs": sorted(eng.graphs),
+                  "store_hits": kernel_store.store_hits(), "graphs": sorted(eng.graphs),
                   "num": num.tolist()}))
 """
 
