@@ -26,7 +26,7 @@ DEMO_PROMPTS := 'import os\nimport sys\n\n\ndef main(' '    def __init__(self, '
 demo: venv
 	rm -rf $(DEMO_DIR)
 	$(BIN)/dspark-compile synth --preset tiny-trained --out $(DEMO_DIR)/ckpt
-	$(BIN)/dspark-compile build $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/engine --buckets 1,2,4 --max-seq-len 160 --dtype float64 \
+	$(BIN)/dspark-compile build $(DEMO_DIR)/ckpt --out $(DEMO_DIR)/engine --buckets 1,2 --max-seq-len 160 --dtype float64 \
 		--device cpu --prefill-chunks none
 	set -e; args=""; for p in $(DEMO_PROMPTS); do \
 		ids=$$($(TOK) encode $(DEMO_DIR)/ckpt "$$p" --escapes); args="$$args --prompt-ids $$ids"; \

@@ -13,11 +13,12 @@ model card's temperature 1.0, top-p 0.95, request i seeded --seed + i) and batch
 
   - `engine-speculative`: Engine.generate over B requests (prefill included), timed once after
     one untimed warm-up call; acceptance per draft position and the mean accepted length;
-  - `reference-target-only`: THE BASELINE. The engine has no target-only programs yet (the
-    bit-exact lossless issue adds them), so non-speculative decoding is the eager reference
-    (models/generate.py, speculative=False) on the engine's own weights and precision;
-  - `reference-speculative`: the eager reference with speculation: with the baseline, the
-    speed-up speculation buys at equal implementation (no compilation on either side).
+  - `engine-target-only`: THE BASELINE. Engine.generate(speculative=False): the same engine's
+    non-speculative decoding through its target-only programs (one token per row and step,
+    the same kernels, the same prefill, CUDA graphs on the GPU);
+  - `reference-target-only` / `reference-speculative`: the eager reference (models/generate.py)
+    on the engine's own weights and precision, without and with speculation: the speed-up
+    speculation buys at equal implementation with no compilation on either side.
 
 tokens/s counts every committed token of the B requests over the call's wall time; the
 speed-up of a row is its tokens/s over the baseline's. Greedy rows also report the fraction of
@@ -41,10 +42,11 @@ import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package
 
 SCHEMA = "dspark-speedup-benchmark/1"
 MODES = ("greedy", "sampled")
-VARIANTS = ("engine-speculative", "reference-target-only", "reference-speculative")
-BASELINE = "reference-target-only"
-BASELINE_NOTE = ("baseline: the eager reference's non-speculative decoding (models/generate.py); "
-                 "the engine has no target-only programs yet")
+VARIANTS = ("engine-speculative", "engine-target-only", "reference-target-only",
+            "reference-speculative")
+BASELINE = "engine-target-only"
+BASELINE_NOTE = ("baseline: the engine's own non-speculative decoding (its target-only "
+                 "programs: Engine.generate(speculative=False))")
 TABLE = ["mode", "B", "variant", "tokens", "seconds", "tokens_per_s", "speedup",
          "mean_accepted_length", "acceptance", "greedy_match"]
 
@@ -119,6 +121,7 @@ def _build_matches(engine_dir: Path, args, max_seq_len: int) -> bool:
                 and bc["dtype"] == args.dtype and int(bc["max_seq_len"]) >= max_seq_len
                 and torch.device(bc["device"]).type == args.device
                 and int(bc["max_rows"]) >= max(args.batches)
+                and bc.get("target_programs") is True
                 and (args.backend is None or bc.get("backend") == args.backend))
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -148,7 +151,8 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
         t = time.perf_counter()
         build_engine(ckpt, engine_dir, BuildConfig(
             buckets=_buckets(args), max_rows=max(args.batches), max_seq_len=need,
-            dtype=args.dtype, device=args.device, backend=args.backend or ""), log=log)
+            dtype=args.dtype, device=args.device, backend=args.backend or "",
+            target_programs=True), log=log)
         times["build_s"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     eng = Engine.load(engine_dir, device=args.device)
@@ -182,8 +186,8 @@ def sampling(mode: str, B: int, args) -> list:
 
 def run_variant(variant: str, eng, prompts, params):
     from dspark_compile.models.generate import generate
-    if variant == "engine-speculative":
-        return eng.generate(prompts, params)
+    if variant.startswith("engine-"):
+        return eng.generate(prompts, params, speculative=variant == "engine-speculative")
     return generate(eng.model, prompts, params, speculative=variant == "reference-speculative",
                     device=eng.device)
 
@@ -204,7 +208,7 @@ def row_of(mode: str, B: int, variant: str, res, seconds: float) -> dict:
     row = {"mode": mode, "B": B, "variant": variant, "tokens": tokens,
            "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
            "steps": res.steps}
-    if variant != BASELINE:
+    if variant.endswith("-speculative"):
         row["mean_accepted_length"] = round(res.mean_accepted_length, 4)
         row["acceptance_per_position"] = [round(a, 4) for a in res.acceptance_per_position]
         row["acceptance"] = " ".join(f"{a:.2f}" for a in res.acceptance_per_position)

@@ -5,6 +5,8 @@
       programs/step_b{B}.pt2     one torch.export program per batch bucket B
       programs/prefill_c{C}.pt2  optional: one prefill program per chunk length C
                                  (models/prefill_chunk.py; manifest `prefill_programs`)
+      programs/target_b{B}.pt2   optional: the target-only program of bucket B (one token
+                                 per row, models/step.py TargetStep; `target_programs`)
       weights.safetensors        every weight once, shared by all programs
       kernels/sm_XY/...          optional build reports (e.g. kernel resource usage)
       tokenizer.json             optional: the checkpoint's tokenizer, copied as it is
@@ -39,10 +41,11 @@ from dspark_compile.artifact_format import (  # noqa: F401  (re-exported: the en
     COMPILED_DIR, FORMAT_VERSION, KERNELS_DIR, MANIFEST, PROGRAM_DIR, TOKENIZER_FILE, WEIGHTS_FILE,
     _EXTRA_DIRS,
     ArtifactError, _checksum, _dspark_ops, _program_file, config_hash, prefill_key,
-    prefill_program_path, program_path, register_kernel_ops, sha256_file, tensor_sha256)
+    prefill_program_path, program_path, register_kernel_ops, sha256_file, target_key,
+    target_program_path, tensor_sha256)
 from dspark_compile.artifact_load import (  # noqa: F401  (re-exported: the engine's API)
     _read_manifest, check_state_layout, load_engine, load_manifest, load_prefill_programs,
-    load_program)
+    load_program, load_target_programs)
 from dspark_compile.artifact_weights import (
     _plan_weights, _programs_device, _save_program, _save_weights)
 from dspark_compile.models.atomic_dir import (
@@ -51,7 +54,8 @@ from dspark_compile.versions import ENV_FIELDS, environment_fields, target_sm
 
 # Computed by save_engine; a caller's manifest_fields may not set them.
 _COMPUTED = {"format_version", "dspark_compile_version", "torch_version", "triton_version",
-             "cuda_version", "buckets", "programs", "prefill_programs", "weights", "files",
+             "cuda_version", "buckets", "programs", "prefill_programs", "target_programs",
+             "weights", "files",
              "dspark_ops",
              "graph_memory_bytes", "created_utc", "checksum"}
 _REQUIRED = ("model_config_hash", "passes")
@@ -120,13 +124,16 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
 def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                 manifest_fields: Optional[dict] = None,
                 extra_files: Optional[dict] = None,
-                prefill_programs: Optional[dict] = None) -> dict:
+                prefill_programs: Optional[dict] = None,
+                target_programs: Optional[dict] = None) -> dict:
     """Write an engine directory atomically; returns the manifest.
 
     programs: {bucket B (int > 0): ExportedProgram}.
     prefill_programs: {chunk length C (int > 0): ExportedProgram} (models/prefill_chunk.py),
         stored like the steps (shared weights, checksummed) and listed under
         `prefill_programs`.
+    target_programs: {bucket B (one of `programs`' keys): ExportedProgram} (models/step.py
+        TargetStep), stored the same way and listed under `target_programs`.
     weights: {FQN: tensor} to store once and share; None = every program's parameters and
         buffers. Every program's parameters/buffers must be in it with identical values.
     manifest_fields: must hold "model_config_hash" (or "model_config", hashed here) and
@@ -153,8 +160,17 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         if not isinstance(ep, torch.export.ExportedProgram):
             raise ArtifactError(f"prefill program for chunk {c} is a {type(ep).__name__}, not "
                                 "an ExportedProgram", field="prefill_programs")
-    # one table for the weights and the ops: steps by bucket, prefill programs by prefill_key
-    every = {**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()}}
+    target_programs = dict(target_programs or {})
+    for b, ep in target_programs.items():
+        if b not in programs:
+            raise ArtifactError(f"target program for bucket {b!r}: not one of the step buckets "
+                                f"{sorted(programs)}", field="target_programs")
+        if not isinstance(ep, torch.export.ExportedProgram):
+            raise ArtifactError(f"target program for bucket {b} is a {type(ep).__name__}, not "
+                                "an ExportedProgram", field="target_programs")
+    # one table for the weights and the ops: steps by bucket, the other programs by their key
+    every = {**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()},
+             **{target_key(b): ep for b, ep in target_programs.items()}}
     fields = dict(manifest_fields or {})
     if "model_config" in fields:
         fields.setdefault("model_config_hash", config_hash(fields["model_config"]))
@@ -208,6 +224,10 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                 str(c): {"path": prefill_program_path(c), "shared_weights": shared[prefill_key(c)],
                          "user_inputs": list(ep.graph_signature.user_inputs)}
                 for c, ep in sorted(prefill_programs.items())}} if prefill_programs else {}),
+            **({"target_programs": {
+                str(b): {"path": target_program_path(b), "shared_weights": shared[target_key(b)],
+                         "user_inputs": list(ep.graph_signature.user_inputs)}
+                for b, ep in sorted(target_programs.items())}} if target_programs else {}),
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"),
         }

@@ -46,8 +46,19 @@ def prefill_program_path(chunk: int) -> str:
     return f"{PROGRAM_DIR}/{prefill_key(chunk)}.pt2"
 
 
+def target_key(bucket: int) -> str:
+    """A bucket's target-only program's name (models/step.py TargetStep: one token per row,
+    no draft): its file stem, and its key where programs of every kind are listed together."""
+    return f"target_b{bucket}"
+
+
+def target_program_path(bucket: int) -> str:
+    return f"{PROGRAM_DIR}/{target_key(bucket)}.pt2"
+
+
 def _program_file(key) -> str:
-    """The engine path of a program keyed by bucket (int) or by prefill_key (str)."""
+    """The engine path of a program keyed by bucket (int) or by prefill_key / target_key
+    (str)."""
     return f"{PROGRAM_DIR}/{key}.pt2" if isinstance(key, str) else program_path(key)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from dspark_compile.artifact_format import (
     FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, prefill_key, prefill_program_path,
-    register_kernel_ops, sha256_file)
+    register_kernel_ops, sha256_file, target_key, target_program_path)
 from dspark_compile.artifact_weights import _attach_weights, _load_weights
 from dspark_compile.versions import ENV_FIELDS, environment_fields
 
@@ -185,6 +185,17 @@ def _check_structure(manifest: dict) -> None:
                                 f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
                                 "not a prefill program in the file table",
                                 field="prefill_programs")
+    target = manifest.get("target_programs", {})
+    if not isinstance(target, dict):
+        raise ArtifactError("manifest field 'target_programs' is not a table",
+                            field="target_programs")
+    for b, entry in target.items():
+        if not (isinstance(entry, dict) and b in progs
+                and entry.get("path") == target_program_path(int(b)) and entry["path"] in files):
+            raise ArtifactError(f"manifest field 'target_programs': bucket {b!r}'s program "
+                                f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
+                                "not a target program of a step bucket in the file table",
+                                field="target_programs")
     if manifest.get("weights", {}).get("file") not in files:
         raise ArtifactError("manifest field 'weights': the weights file is not in the file table",
                             field="weights")
@@ -305,20 +316,33 @@ def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
     return ep
 
 
-def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
-    """{chunk length: ExportedProgram} of a validated manifest's prefill programs (none for an
-    engine built without them), with the shared `weights` attached."""
+def _load_table(engine_dir, manifest: dict, weights: dict, table: str, key) -> dict:
+    """{int key: ExportedProgram} of the validated manifest's program table `table`, with the
+    shared `weights` attached; `key(k)` names program k where programs of every kind are
+    listed together."""
     out = {}
-    for c, entry in sorted(manifest.get("prefill_programs", {}).items(), key=lambda kv: int(kv[0])):
+    for k, entry in sorted(manifest.get(table, {}).items(), key=lambda kv: int(kv[0])):
         try:
             ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
         except Exception as e:
             raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
                                 path=entry["path"]) from e
-        _attach_weights(ep, entry["shared_weights"], weights, prefill_key(int(c)))
-        out[int(c)] = ep
+        _attach_weights(ep, entry["shared_weights"], weights, key(int(k)))
+        out[int(k)] = ep
     configs = _engine_fields(manifest)
     if configs is not None:
         from dspark_compile.engine_fields import check_programs_state
-        check_programs_state(*configs, {prefill_key(c): ep for c, ep in out.items()})
+        check_programs_state(*configs, {key(k): ep for k, ep in out.items()})
     return out
+
+
+def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
+    """{chunk length: ExportedProgram} of a validated manifest's prefill programs (none for an
+    engine built without them), with the shared `weights` attached."""
+    return _load_table(engine_dir, manifest, weights, "prefill_programs", prefill_key)
+
+
+def load_target_programs(engine_dir, manifest: dict, weights: dict) -> dict:
+    """{bucket: ExportedProgram} of a validated manifest's target-only programs (none for an
+    engine built without them), with the shared `weights` attached."""
+    return _load_table(engine_dir, manifest, weights, "target_programs", target_key)

@@ -28,6 +28,10 @@ class BuildConfig:
     # runtime prefills with the eager reference; "auto" = default_prefill_chunks(max_seq_len)
     # (the CLI's default)
     prefill_chunks: tuple | str = ()
+    # a target-only program per bucket (models/step.py TargetStep): the engine's own
+    # non-speculative decoding, which `run --no-speculation` runs and `run --check-lossless`
+    # compares the speculative output with; ~half a step's export each (the CLI's default: on)
+    target_programs: bool = False
     dtype: str = "float32"          # compute dtype of activations
     act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
     kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches

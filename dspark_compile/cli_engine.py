@@ -247,6 +247,11 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="with --backend inductor: processes compiling programs side by side "
                         "(default 0: one per program, up to half the CPU cores; 1: in this process)")
+    p.add_argument("--no-target-programs", action="store_true",
+                   help="leave out each bucket's target-only program (one token per row, no "
+                        "draft: the engine's own non-speculative decoding, which run "
+                        "--no-speculation and run --check-lossless need); saves about half a "
+                        "step's export per bucket")
 
 
 def _build_device(args) -> str:
@@ -265,7 +270,7 @@ def _build_device(args) -> str:
          flags={"max_seq_len": "--max-seq-len", "max_rows": "--max-rows", "buckets": "--buckets",
                 "out_dir": "--out", "compile_workers": "--compile-workers",
                 "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs",
-                "prefill_chunks": "--prefill-chunks"})
+                "prefill_chunks": "--prefill-chunks", "target_programs": "--no-target-programs"})
 def cmd_build(args) -> int:
     from dspark_compile.artifact import MANIFEST
     from dspark_compile.build_config import BuildConfig
@@ -284,7 +289,8 @@ def cmd_build(args) -> int:
                      kv_fp8=not args.no_kv_fp8, disabled_passes=tuple(args.disable_pass),
                      verify_passes=args.verify_passes, dump_dir=args.dump_graphs, arch=args.arch,
                      device=dev, backend=args.backend, compile_workers=args.compile_workers or 0,
-                     prefill_chunks=args.prefill_chunks)
+                     prefill_chunks=args.prefill_chunks,
+                     target_programs=not args.no_target_programs)
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")
@@ -298,8 +304,13 @@ def cmd_build(args) -> int:
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine", type=path_arg, help="engine directory (dspark-compile build)")
     _sampling_args(p)
+    p.add_argument("--no-speculation", action="store_true",
+                   help="decode with the target alone, through the engine's target-only programs")
     p.add_argument("--check-lossless", action="store_true",
-                   help="also decode greedily with the target alone and compare")
+                   help="also decode greedily through the engine's target-only programs and "
+                        "compare token for token (exit 3 on a difference: 'lossless:'), then "
+                        "report how far that decoding is from the eager reference's "
+                        "('reference:', exit 4 beyond its rounding tolerance)")
     p.add_argument("--device", default=None,
                    help="device to run on (default: the device the engine was built for)")
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
@@ -314,6 +325,9 @@ def cmd_run(args) -> int:
     params = _params(args)
     if args.check_lossless and args.temperature > 0:
         raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
+    if args.check_lossless and args.no_speculation:
+        raise ValueError("--check-lossless compares speculative decoding with --no-speculation "
+                         "decoding: pass one of them")
     dev = device(args.device) if args.device else None
     # the manifest alone decides whether these requests fit: read it before the programs
     with engine_errors():
@@ -329,18 +343,37 @@ def cmd_run(args) -> int:
                          f"build_config.max_seq_len={build.max_seq_len}")
     t = time.perf_counter()
     with engine_errors():
-        eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None)
+        need_target = args.no_speculation or args.check_lossless
+        if need_target and not build.target_programs:
+            raise ValueError(f"engine {args.engine} has no target-only programs (built with "
+                             f"--no-target-programs): rebuild it without that flag for "
+                             f"{'--no-speculation' if args.no_speculation else '--check-lossless'}")
+        eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
+                          target=need_target)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
           + (f" (graphs captured: {sorted(eng.graphs)})" if eng.graphs else ""))
+    spec = not args.no_speculation
     t = time.perf_counter()
-    res = eng.generate(args.prompt_ids, params)
-    _report(res, time.perf_counter() - t, True)
+    res = eng.generate(args.prompt_ids, params, speculative=spec)
+    _report(res, time.perf_counter() - t, spec)
     if args.check_lossless:
-        from dspark_compile.lossless import check_lossless
-        report = check_lossless(eng.model, args.prompt_ids, params, res.tokens, device=eng.device)
-        print(report.line())
-        return 0 if report.ok else 3
+        return _check_lossless(eng, args.prompt_ids, params, res.tokens)
     return 0
+
+
+def _check_lossless(eng, prompts, params, outputs) -> int:
+    """run --check-lossless: the speculative `outputs` against the engine's target-only
+    decoding (bit-exact), then that decoding against the eager reference (within its
+    tolerance); the exit status."""
+    from dspark_compile.lossless import check_lossless, compare_outputs, reference_tolerance
+    target = eng.generate(prompts, params, speculative=False).tokens
+    report = compare_outputs(target, outputs)
+    print(report.line())
+    ref = check_lossless(eng.model, prompts, params, target, device=eng.device, label="reference")
+    ref.expected_name, ref.got_name = "eager reference", "engine target-only"
+    tol = reference_tolerance(eng.model.prec)
+    print(ref.line(tol))
+    return 0 if report.ok and ref.within(tol) else 3 if not report.ok else 4
 
 
 # ---- inspect ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ _TYPES = {
     "max_seq_len": (_INT, "an int >= 1"),
     "prefill_chunk": (_INT, "an int >= 1"),
     "prefill_chunks": ((list,), "a list of positive ints"),
+    "target_programs": (_BOOL, "true or false"),
     "dtype": (_STR, "a dtype name"),
     "act_quant": (_BOOL, "true or false"),
     "kv_fp8": (_BOOL, "true or false"),
@@ -77,6 +78,8 @@ def engine_configs(manifest: dict):
     bc.setdefault("backend", "aten")
     # engines written before prefill_chunks existed prefill with the eager reference
     bc.setdefault("prefill_chunks", ())
+    # and before target_programs existed they had none
+    bc.setdefault("target_programs", False)
     want = [f.name for f in dataclasses.fields(BuildConfig) if f.name not in NOT_RECORDED]
     missing = [k for k in want if k not in bc]
     unknown = sorted(set(bc) - set(want))
@@ -122,6 +125,12 @@ def check_engine_fields(manifest: dict, device=None) -> tuple:
                             f"{list(build.prefill_chunks)}, the engine's prefill programs are for "
                             f"chunks {chunks} — restore it or rebuild",
                             field="build_config.prefill_chunks")
+    target = sorted(int(b) for b in manifest.get("target_programs", {}))
+    if target != (sorted(build.buckets) if build.target_programs else []):
+        raise ArtifactError(f"manifest field 'build_config.target_programs' is "
+                            f"{str(build.target_programs).lower()}, the engine has target "
+                            f"programs for buckets {target} — restore it or rebuild",
+                            field="build_config.target_programs")
     if device is not None:
         from dspark_compile.models.state import check_state_fits
         try:

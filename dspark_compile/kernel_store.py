@@ -248,11 +248,12 @@ def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
 
 
 def compile_engine_kernels(programs: dict, prefill_programs: dict, cfg, cache, prec,
-                           device: torch.device, log=print) -> tuple[dict, dict]:
+                           device: torch.device, log=print,
+                           target_programs: dict | None = None) -> tuple[dict, dict]:
     """Run every program of the engine once, as a load warms it up before capture (each
-    bucket's step and its greedy variant on padded rows, each prefill program on the trash
-    row, on a fresh decode state), so every kernel it launches is compiled for this device;
-    returns the store's files and manifest entry (`collect`)."""
+    bucket's step, its greedy variant and its target-only program on padded rows, each prefill
+    program on the trash row, on a fresh decode state), so every kernel it launches is compiled
+    for this device; returns the store's files and manifest entry (`collect`)."""
     import time
     from dspark_compile.models.prefill_chunk import chunk_inputs
     from dspark_compile.models.state import allocate_state
@@ -267,6 +268,8 @@ def compile_engine_kernels(programs: dict, prefill_programs: dict, cfg, cache, p
             for module in (ep.module(), sampler_mode_variant(ep)):
                 if module is not None:
                     module(rows, state)
+        for b, ep in sorted((target_programs or {}).items()):
+            ep.module()(torch.full((b,), trash, dtype=torch.int64, device=device), state)
         for c, ep in sorted(prefill_programs.items()):
             ep.module()(chunk_inputs(trash, 0, [0], c).to(device), state)
         torch.cuda.synchronize(device)

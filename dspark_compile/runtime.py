@@ -9,7 +9,8 @@ generate, built on the scheduler).
     Engine.load(dir) → validate manifest → register ops → load programs + shared weights →
       per bucket the step to run: the Inductor-compiled step from the engine's compiled/
       (--backend inductor, dspark_compile/compiled.py) or the exported program's module (aten),
-      and its greedy variant (dspark_compile/variants.py) → allocate the decode
+      and its greedy variant (dspark_compile/variants.py), and its target-only program when the
+      engine has one (`run --no-speculation`, models/step.py TargetStep) → allocate the decode
       state once → (CUDA) capture every bucket's step and its greedy variant, largest first,
       into one memory pool on one capture stream, after warm-up runs on padded rows only
     Engine.launch(rows, bucket, greedy) → the rows into the graph's static input (one pinned,
@@ -18,6 +19,8 @@ generate, built on the scheduler).
       Every input of the next step (tokens, drafts, positions) is in the state on the device,
       so the scheduler launches step n + 1 before it reads step n's tokens.
     Engine.run_step(rows) → one launch, waited for: (tokens, num) on the host.
+    speculative=False (run_step, open_stream, generate) → the same, through the target-only
+      programs: one token per row and step, the engine's own non-speculative decoding.
 
 Warm-up and capture run with every batch row pointing at the trash row, so they never touch a
 live request's state. On CPU the programs run directly (no graphs, nothing asynchronous).
@@ -57,6 +60,7 @@ class StepTimes:
     """Program calls of the engine's steps (run_step, and the launches of a GenerationStream)."""
     steps: int = 0
     greedy_steps: int = 0          # of which ran the greedy draft-sampler variant
+    target_steps: int = 0          # of which ran the target-only program (no speculation)
     seconds: float = 0.0           # host seconds inside the launches and the waits for them
     per_bucket: dict = field(default_factory=dict)
     # calls launched ahead (GenerationStream's overlap) whose every row had ended by the time
@@ -72,6 +76,7 @@ class Launched:
     event: object = None
     bucket: int = 0
     greedy: bool = False
+    target: bool = False
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
@@ -83,7 +88,7 @@ class Launched:
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
                  device: torch.device, use_graphs: bool, greedy_variants: bool = True,
-                 prefill: str | None = None):
+                 prefill: str | None = None, target: bool = True):
         from dspark_compile.engine_fields import engine_configs
         from dspark_compile.models.state import allocate_state
 
@@ -110,8 +115,11 @@ class Engine:
                 self.greedy_modules = {b: m for b, ep in programs.items()
                                        if (m := sampler_mode_variant(ep)) is not None}
         self.prefill_programs = self._load_prefill(weights, prefill)
+        # per bucket, the target-only step (speculative=False); empty without target programs
+        self.target_modules = self._load_target(weights) if target else {}
         self.graphs: dict[int, StepGraph] = {}
         self.greedy_graphs: dict[int, StepGraph] = {}
+        self.target_graphs: dict[int, StepGraph] = {}
         self._stream = None      # the open GenerationStream (weak reference), one at a time
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool_bytes: dict[int, int] = {}
@@ -125,7 +133,7 @@ class Engine:
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
              record_graph_memory: bool = True, greedy_variants: bool = True,
              backend: str | None = None, prefill: str | None = None,
-             kernels: str = "use") -> "Engine":
+             kernels: str = "use", target: bool = True) -> "Engine":
         """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
         draft-sampler plan, used for steps whose live rows are all greedy. `backend`: refuse an
         engine built with another --backend (manifest field 'build_config.backend'); None =
@@ -134,7 +142,9 @@ class Engine:
         engine on CPU. `kernels`: the engine's compiled Triton kernels
         (dspark_compile/kernel_store.py) "use"d when they match this machine's SM and Triton
         (else one line says so and they compile at first use), "require"d (ArtifactError
-        otherwise) or "ignore"d."""
+        otherwise) or "ignore"d. `target`: also load (and on CUDA capture) the engine's
+        target-only programs, when it has them (build --no-target-programs leaves them out),
+        for speculative=False; False saves their load and capture."""
         t0 = time.perf_counter()
         if prefill not in (None, "programs", "eager"):
             raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
@@ -164,7 +174,7 @@ class Engine:
         from dspark_compile.kernel_store import install
         install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
-                  prefill)
+                  prefill, target)
         eng.load_seconds = time.perf_counter() - t0
         if use_graphs and record_graph_memory:
             eng._record_load()
@@ -202,6 +212,29 @@ class Engine:
         return PrefillPrograms(self.dir, self.manifest,
                                load_prefill_programs(self.dir, self.manifest, weights),
                                self.state, self.device, self.backend, chunks)
+
+    def _load_target(self, weights: dict) -> dict:
+        """{bucket: the target-only step}: the program's module (aten) or its Inductor-compiled
+        program (inductor); {} for an engine built without target programs."""
+        if not self.build.target_programs:
+            return {}
+        from dspark_compile.artifact import ArtifactError, load_target_programs, target_key
+        programs = load_target_programs(self.dir, self.manifest, weights)
+        check_state_layout(programs, self.state)
+        if self.backend != "inductor":
+            return {b: ep.module() for b, ep in programs.items()}
+        from dspark_compile.compiled import CompiledStep
+        table = (self.manifest.get("compiled") or {}).get("target_programs")
+        out = {}
+        for b, ep in programs.items():
+            entry = table.get(target_key(b)) if isinstance(table, dict) else None
+            path = entry.get("full") if isinstance(entry, dict) else None
+            if path not in self.manifest.get("files", {}):
+                raise ArtifactError(f"manifest field 'compiled.target_programs': bucket {b} has "
+                                    "no compiled target program in the file table — rebuild",
+                                    field="compiled.target_programs")
+            out[b] = CompiledStep(self.dir / path, ep, self._padded_rows(b), self.state)
+        return out
 
     def _record_load(self) -> None:
         """Write this load's graph memory and timings into the manifest (docs/architecture.md,
@@ -287,6 +320,10 @@ class Engine:
                     warnings.warn(f"bucket {b}: the greedy variant could not be captured "
                                   f"({type(e).__name__}: {str(e)[:200]}); all-greedy batches run "
                                   f"the full program")
+            if b in self.target_modules:
+                self.target_graphs[b], more = self._capture(self.target_modules[b], b, pool,
+                                                            stream, warmup)
+                added += more
             self.capture_seconds[b] = time.perf_counter() - t
             self.graph_pool_bytes[b] = int(added)
         if self.prefill_programs is not None:
@@ -314,13 +351,15 @@ class Engine:
 
     @torch.no_grad()
     def run_step(self, rows: list[int], use_graph: bool = True, bucket: int | None = None,
-                 variant: str | None = None):
+                 variant: str | None = None, speculative: bool = True):
         """One draft-plus-verify step for up to `largest bucket` state rows (the trash row may
         appear among them as explicit padding); returns (tokens [n, N+1], num_sampled [n]) on
         the host, rows in the given order. `bucket`: run that bucket's program (default: the
         smallest that fits), padding with the trash row. `variant`: "full" or "greedy" (the
         greedy draft-sampler plan: only valid when every live row is greedy); default: greedy
-        exactly when every live row's temperature is <= 0 and the engine has the variant."""
+        exactly when every live row's temperature is <= 0 and the engine has the variant.
+        `speculative=False`: the bucket's target-only program instead (one token per row:
+        tokens [n, 1]; `variant` does not apply)."""
         rows = [int(r) for r in rows]
         n = len(rows)
         if n == 0:
@@ -340,30 +379,49 @@ class Engine:
                              f"{n} rows given")
         else:
             b = bucket
+        if not speculative:
+            self.check_target(b)
+            return self._step(rows, b, False, use_graph, target=True)
         return self._step(rows, b, self._use_greedy(live, b, variant), use_graph)
 
-    def _step(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True):
+    def check_target(self, bucket: int | None = None) -> None:
+        """ValueError saying why this engine cannot decode without speculation (at `bucket`)."""
+        if not self.build.target_programs:
+            raise ValueError(f"engine {self.dir} has no target-only programs (built with "
+                             "--no-target-programs): rebuild it without that flag to decode "
+                             "without speculation")
+        if not self.target_modules:
+            raise ValueError("the engine was loaded with target=False: load it with "
+                             "target=True to decode without speculation")
+        if bucket is not None and bucket not in self.target_modules:
+            raise ValueError(f"bucket {bucket} has no target-only program")
+
+    def _step(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True,
+              target: bool = False):
         """run_step once rows, bucket and variant are decided (and valid): one launch, waited
         for."""
-        launched = self.launch(rows, b, greedy, use_graph)
+        launched = self.launch(rows, b, greedy, use_graph, target)
         t = time.perf_counter()
         host = launched.wait()
         self.times.seconds += time.perf_counter() - t     # the launch counted its own
         return unpack(host)
 
-    def launch(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True) -> Launched:
+    def launch(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True,
+               target: bool = False) -> Launched:
         """Enqueue one program call of bucket `b` on `rows` (valid state rows, at most b; the
         rest padded with the trash row) and the copy of its outputs to the host; returns at
         once (on CUDA). The step reads all its other inputs from the state, which the previous
         call (stream-ordered) has updated on the device, so calls may be launched back to back
         without reading their outputs. On CUDA: one host-to-device copy of the rows (pinned,
         asynchronous) and one device-to-host copy of the packed outputs [n, N+2] (pinned,
-        asynchronous, enqueued before any later replay can overwrite the pool)."""
+        asynchronous, enqueued before any later replay can overwrite the pool). `target`: the
+        bucket's target-only program (outputs [n, 2]) instead of the step."""
         n = len(rows)
         t = time.perf_counter()
         cuda = self.device.type == "cuda"
         padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64, pin_memory=cuda)
-        graphs, modules = ((self.greedy_graphs, self.greedy_modules) if greedy
+        graphs, modules = ((self.target_graphs, self.target_modules) if target
+                           else (self.greedy_graphs, self.greedy_modules) if greedy
                            else (self.graphs, self.modules))
         if use_graph and b in graphs:
             g = graphs[b]
@@ -385,7 +443,8 @@ class Engine:
         self.times.seconds += time.perf_counter() - t
         self.times.per_bucket[b] = self.times.per_bucket.get(b, 0) + 1
         self.times.greedy_steps += int(greedy)
-        return Launched(host, event, b, greedy)
+        self.times.target_steps += int(target)
+        return Launched(host, event, b, greedy, target)
 
     def _use_greedy(self, live: list[int], bucket: int, variant: str | None) -> bool:
         if variant not in (None, "full", "greedy"):
@@ -454,13 +513,16 @@ class Engine:
         return Launched(host, event)
 
     # ------------------------------------------------------------------ streams
-    def open_stream(self, overlap: bool | None = None, prefill_tokens: int | None = None):
+    def open_stream(self, overlap: bool | None = None, prefill_tokens: int | None = None,
+                    speculative: bool = True):
         """A GenerationStream over this engine's state rows (dspark_compile/scheduler.py); one
         per engine at a time. `overlap`: launch step n + 1 before reading step n (default: on
         CUDA, where the host's work then runs while the GPU replays; on the CPU nothing runs
         asynchronously and a step launched ahead is only a wasted step when rows end).
         `prefill_tokens`: the prefill tokens one step() may run while requests decode
-        (default: the largest prefill chunk, or max_step_tokens without prefill programs)."""
+        (default: the largest prefill chunk, or max_step_tokens without prefill programs).
+        `speculative=False`: every step runs the target-only programs (one token per request
+        and step: the engine's own non-speculative decoding)."""
         import weakref
 
         from dspark_compile.scheduler import GenerationStream
@@ -476,7 +538,9 @@ class Engine:
         if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) \
                 or prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be a positive int, got {prefill_tokens!r}")
-        s = GenerationStream(self, overlap, prefill_tokens)
+        if not speculative:
+            self.check_target()
+        s = GenerationStream(self, overlap, prefill_tokens, bool(speculative))
         self._stream = weakref.ref(s)
         return s
 

@@ -35,6 +35,10 @@ with no host read between them (the first token comes back with the next step's 
 while requests decode, one step() runs at most `prefill_tokens` tokens of chunks (at least one
 call), so a long prompt is spread over several steps instead of stalling the running rows.
 An engine without prefill programs prefills a whole prompt per call (the eager reference).
+
+Without speculation (Engine.open_stream(speculative=False)) the same loop launches the buckets'
+target-only programs: each step commits exactly one token per row and writes one position, and
+no acceptance is counted.
 """
 from __future__ import annotations
 
@@ -98,9 +102,12 @@ class GenerationStream:
     acceptance counts (per verification method) and the scheduling iterations that ran a step,
     as GenerationResult holds them (Engine.generate returns it with the tokens filled in)."""
 
-    def __init__(self, engine, overlap: bool, prefill_tokens: int):
+    def __init__(self, engine, overlap: bool, prefill_tokens: int, speculative: bool = True):
         self.engine, self.overlap, self.prefill_tokens = engine, overlap, prefill_tokens
+        self.speculative = speculative
         self.N = engine.cfg.dspark_block_size
+        # positions one step writes per row, and the most tokens it commits
+        self.span = self.N + 1 if speculative else 1
         self.max_seq_len = engine.cache.max_seq_len
         self.free = list(range(engine.cache.max_rows))
         self.waiting: deque[_Request] = deque()
@@ -318,8 +325,8 @@ class GenerationStream:
                        and r.read + r.inflight < r.params.max_new_tokens), key=lambda r: r.row)
 
     def _fits(self, r: _Request) -> bool:
-        """The step's writes fit the row even if every step in flight committed N + 1."""
-        top = r.last + r.steps_inflight * (self.N + 1) + self.N + 1
+        """The step's writes fit the row even if every step in flight committed `span`."""
+        top = r.last + (r.steps_inflight + 1) * self.span
         return top <= self.max_seq_len - 1
 
     def _launch(self, events: dict) -> None:
@@ -332,8 +339,9 @@ class GenerationStream:
         for start in range(0, len(rows), big):
             group = rows[start:start + big]
             b = eng.bucket_for(len(group))
-            greedy = b in eng.greedy_modules and all(r.params.temperature <= 0 for r in group)
-            out = eng.launch([r.row for r in group], b, greedy)
+            greedy = (self.speculative and b in eng.greedy_modules
+                      and all(r.params.temperature <= 0 for r in group))
+            out = eng.launch([r.row for r in group], b, greedy, target=not self.speculative)
             for r in group:
                 r.inflight += 1
                 r.steps_inflight += 1
@@ -364,8 +372,9 @@ class GenerationStream:
                 live += 1
                 r.read += n
                 r.last += n
-                self.result.record(n, r.params.method)
-                self._count_row(n)
+                if self.speculative:
+                    self.result.record(n, r.params.method)
+                    self._count_row(n)
                 self._commit(r, tokens[i][:n], events)
             if not live:
                 self.engine.times.discarded += 1

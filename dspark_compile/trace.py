@@ -11,7 +11,8 @@ per bucket.
 
 With `prefill_chunks`, one prefill program per chunk length C goes the same way (export, the
 same pass pipeline, the same lowering): `PrefillChunk` (models/prefill_chunk.py), inputs
-`(inputs [C + 3], state)`.
+`(inputs [C + 3], state)`. With `target_programs`, each bucket also gets its target-only program
+(`TargetStep`, models/step.py: one token per row, inputs `(rows, state)` like the step).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.artifact import TOKENIZER_FILE, prefill_key, save_engine
+from dspark_compile.artifact import TOKENIZER_FILE, prefill_key, save_engine, target_key
 from dspark_compile.build_config import BuildConfig
 from dspark_compile.models.random_requests import prefilled_state
 
@@ -37,6 +38,15 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
     step = DraftVerifyStep(model)
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
         return torch.export.export(step, (torch.arange(bucket, device=state["row.last_pos"].device), state), strict=False)
+
+
+def export_target(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
+    """The target-only program of `bucket` (models/step.py TargetStep), traced like
+    export_step: the fusion passes find the same regions in its target forward."""
+    from dspark_compile.models.step import TargetStep
+    rows = torch.arange(bucket, device=state["row.last_pos"].device)
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+        return torch.export.export(TargetStep(model), (rows, state), strict=False)
 
 
 def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:
@@ -68,7 +78,8 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
     log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "
         f"{workers} workers)")
     steps = {k: per for k, per in seconds.items() if k.isdigit()}
-    chunks = {k: per for k, per in seconds.items() if not k.isdigit()}
+    chunks = {k: per for k, per in seconds.items() if k.startswith("prefill_")}
+    target = {k: per for k, per in seconds.items() if k.startswith("target_")}
     out = {"programs": {b: {v: compiled_path(int(b), v) for v in per} for b, per in steps.items()},
            "compile_seconds": steps, "workers": workers,
            "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
@@ -77,6 +88,10 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
         out["prefill_programs"] = {k: {v: compiled_path(k, v) for v in per}
                                    for k, per in chunks.items()}
         out["prefill_compile_seconds"] = chunks
+    if target:
+        out["target_programs"] = {k: {v: compiled_path(k, v) for v in per}
+                                  for k, per in target.items()}
+        out["target_compile_seconds"] = target
     return out
 
 
@@ -94,12 +109,16 @@ def _prefill_inputs(model, cache, chunk: int, seed: int) -> tuple:
     return tuple(pytree.tree_flatten((x, state))[0])
 
 
-def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, chunk: int = 0):
-    """Bucket b's step (or with `chunk`, the prefill program for that chunk length) exported
-    and run through the pass pipeline; (program, pass stats)."""
-    what = f"prefill chunk {chunk}" if chunk else f"bucket {b}"
+def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, chunk: int = 0,
+                   target: bool = False):
+    """Bucket b's step (with `target`, its target-only program; with `chunk`, the prefill
+    program for that chunk length) exported and run through the pass pipeline; (program, pass
+    stats)."""
+    what = (f"prefill chunk {chunk}" if chunk else f"target bucket {b}" if target
+            else f"bucket {b}")
     t = time.perf_counter()
-    ep = export_prefill(model, state, chunk) if chunk else export_step(model, state, b)
+    ep = (export_prefill(model, state, chunk) if chunk else
+          export_target(model, state, b) if target else export_step(model, state, b))
     log(f"[export] {what}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
     factory = None
     if bc.verify_passes:
@@ -154,6 +173,12 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         state = allocate_state(cfg, cache, prec, bc.device)
         pm = PassManager(bc.passes, pconf)
         programs[b], stats[str(b)] = _export_bucket(model, state, cache, b, pm, bc, log)
+    target_programs = {}
+    for b in sorted(bc.buckets, reverse=True) if bc.target_programs else ():
+        state = allocate_state(cfg, cache, prec, bc.device)
+        pm = PassManager(bc.passes, pconf)
+        target_programs[b], stats[target_key(b)] = _export_bucket(model, state, cache, b, pm, bc,
+                                                                  log, target=True)
     prefill_programs = {}
     for c in sorted(bc.prefill_chunks, reverse=True):
         state = allocate_state(cfg, cache, prec, bc.device)
@@ -166,7 +191,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     extra = {}
     compiled = None
     if bc.backend == "inductor":
-        compiled = _compile({**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()}},
+        compiled = _compile({**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()},
+                             **{target_key(b): ep for b, ep in target_programs.items()}},
                             state, bc, log)
         extra.update(compiled.pop("files"))
     # the checkpoint's tokenizer (checked by check_build), checksummed with the engine's files
@@ -191,13 +217,14 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         # load compiles nothing (dspark_compile/kernel_store.py)
         from dspark_compile.kernel_store import compile_engine_kernels
         files, fields["kernel_store"] = compile_engine_kernels(
-            programs, prefill_programs, cfg, cache, prec, torch.device(bc.device), log)
+            programs, prefill_programs, cfg, cache, prec, torch.device(bc.device), log,
+            target_programs)
         extra.update(files)
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()
     manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra,
-                           prefill_programs=prefill_programs)
+                           prefill_programs=prefill_programs, target_programs=target_programs)
     log(f"[write] {out} in {time.perf_counter() - t:.1f}s (total {time.perf_counter() - t0:.1f}s)")
     log(pm.format_stats(stats[str(max(bc.buckets))]))
     return manifest

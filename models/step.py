@@ -85,6 +85,41 @@ class DraftVerifyStep(nn.Module):
         return tokens, num
 
 
+class TargetStep(nn.Module):
+    """Non-speculative decoding of one token per row over a fixed batch bucket, capture-safe like
+    DraftVerifyStep and reading the same state: the engine's target-only program
+    (`run --no-speculation`, and what `run --check-lossless` compares the speculative output
+    with).
+
+        forward   target forward over row.tokens[:, 0] at last+1              -> logits
+        sample    the row's sampling, keyed by (seed, last+2)                 -> next token
+        next      row.tokens[:, 0] := next, last' = last + 1
+
+    The same token as target_decode_step(model, state, rows, row.tokens[rows, 0]). Outputs are
+    the step's: tokens [B, 1] (-1 for padded rows) and num_sampled [B] (1, or 0 for padded rows).
+    A prefill (speculative or not) leaves the first token in row.tokens[:, 0]; the drafts a
+    speculative prefill stores after it are never read here."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, rows: torch.Tensor, state: dict):
+        model, cfg = self.model, self.model.cfg
+        V = cfg.vocab_size
+        trash = state["row.last_pos"].shape[0] - 1
+        last = state["row.last_pos"][rows]
+        tok_in = state["row.tokens"][rows][:, :1]
+        batch = Batch.make(rows, (last + 1)[:, None], tok_in, trash, V)
+        logits, _ = model(batch, state)
+        nxt = fold_ids(sample_reference(logits[:, 0], *sampling_of(state, rows), last + 2), V)
+        num = batch.valid.to(torch.int64)
+        tokens = torch.where(batch.valid, nxt, torch.full_like(nxt, -1))[:, None]
+        state["row.tokens"].index_put_((rows, torch.zeros_like(rows)), nxt)
+        state["row.last_pos"].index_put_((rows,), torch.where(batch.valid, last + 1, last))
+        return tokens, num
+
+
 @torch.no_grad()
 def prefill(model, state: dict, row: int, prompt: list[int], chunk: int, speculative: bool,
             return_logits: bool = False):
