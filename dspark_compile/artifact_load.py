@@ -192,7 +192,7 @@ def _check_structure(manifest: dict) -> None:
     for b, entry in target.items():
         if not (isinstance(entry, dict) and b in progs
                 and entry.get("path") == target_program_path(int(b)) and entry["path"] in files):
-            raise ArtifactError(f"manifest field 'target_programs': bucket {b!r}'s program "
+            raise ArtifactError(f"manifest field 'target_programs': bucket {b}'s program "
                                 f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
                                 "not a target program of a step bucket in the file table",
                                 field="target_programs")

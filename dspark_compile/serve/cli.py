@@ -41,7 +41,9 @@ def cmd_serve(args) -> int:
     dev = device(args.device) if args.device else None
     t = time.perf_counter()
     with engine_errors():
-        eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None)
+        # a server decodes speculatively only: the target-only programs are not loaded
+        eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
+                          target=False)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s", flush=True)
     Server(eng, model_name=args.model_name, max_queue=args.max_queue).run(
         args.host, args.port, log=lambda line: print(line, flush=True))

@@ -153,3 +153,43 @@ def test_sampling_params_refuse_values_the_samplers_cannot_use(field, value, mat
     from dspark_compile.models.generate import SamplingParams
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value}).validate(512)
+
+
+def test_target_step_equals_target_decode_step(make_model):
+    """models/step.py TargetStep (the engine's target-only program) reads its input token from
+    row.tokens[:, 0] and writes the next one there: the same tokens, logits-derived, and the
+    same positions as target_decode_step fed the last token by hand, for greedy and sampled
+    rows, with a padded row (the trash row) that commits nothing and moves no live position."""
+    from dspark_compile.models.generate import SamplingParams, set_row_sampling
+    from dspark_compile.models.step import TargetStep, prefill, target_decode_step
+    prec = Precision(dtype=torch.float64)
+    model = make_model(prec, with_draft=True, max_positions=256)
+    cache = CacheConfig(max_rows=3, max_seq_len=96, max_step_tokens=16)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1, 4], [2, 7, 1, 8, 2]]
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=4),
+              SamplingParams(temperature=1.0, top_k=20, seed=-3)]
+
+    def decode(use_target_step: bool):
+        state = allocate_state(model.cfg, cache, prec)
+        outs = []
+        for r, (p, sp) in enumerate(zip(prompts, params)):
+            set_row_sampling(state, r, sp)
+            outs.append([prefill(model, state, r, p, 16, speculative=True)])
+        rows = torch.tensor([0, 1, 2, 3])          # row 3: the trash row, padding
+        for _ in range(12):
+            if use_target_step:
+                tokens, num = TargetStep(model)(rows, state)
+                assert tokens.shape == (4, 1) and num.tolist() == [1, 1, 1, 0]
+                assert int(tokens[3, 0]) == -1
+                nxt = tokens[:3, 0]
+            else:
+                nxt = target_decode_step(model, state, rows, torch.tensor(
+                    [o[-1] for o in outs] + [0]))[0][:3]
+            for r in range(3):
+                outs[r].append(int(nxt[r]))
+        return outs, state["row.last_pos"][:3].tolist()
+
+    with torch.no_grad():
+        a, b = decode(True), decode(False)
+    assert a == b
+    assert a[1] == [t for t in a[1]] and len(set(a[1])) > 1      # sampled, not a constant

@@ -23,7 +23,7 @@ def test_build_prints_progress_per_stage_and_the_pass_table(small_engine):
     rc, out, err = small_engine.log
     assert rc == 0
     for s in ("[load] checkpoint", "[load] done", "[export] bucket 2:", "[export] bucket 1:",
-              "[write]"):
+              "[export] target bucket 2:", "[export] target bucket 1:", "[write]"):
         assert s in out, s
     names = PassManager().names
     for b in (1, 2):
@@ -34,6 +34,9 @@ def test_build_prints_progress_per_stage_and_the_pass_table(small_engine):
     assert [row.split()[1] for row in table[2:2 + len(names)]] == names
     assert small_engine.manifest["buckets"] == [1, 2]
     assert small_engine.manifest["build_config"]["max_rows"] == 5
+    # the CLI's default: a target-only program per bucket
+    assert small_engine.manifest["build_config"]["target_programs"] is True
+    assert sorted(small_engine.manifest["target_programs"]) == ["1", "2"]
 
 
 def test_run_prints_tokens_acceptance_time_and_lossless(small_engine, ref_model, capsys):
@@ -45,12 +48,48 @@ def test_run_prints_tokens_acceptance_time_and_lossless(small_engine, ref_model,
     assert "loaded " in out and " on cpu in " in out
     assert "acceptance per draft position:" in out and "mean accepted length:" in out
     assert "ms/step" in out and "tok/s" in out
-    assert out.strip().splitlines()[-1] == "lossless: ok"
+    # speculative vs the engine's target-only decoding (bit-exact), then that vs the eager
+    # reference (float64: equal too)
+    assert out.strip().splitlines()[-2:] == ["lossless: ok", "reference: ok"]
     got = [[int(t) for t in line.split(": ")[1].split(",")]
            for line in out.splitlines() if line.startswith("tokens[")]
     params = [SamplingParams(max_new_tokens=10, seed=i) for i in range(2)]
     ref = generate(ref_model, prompts, params, speculative=True)
     assert got == ref.tokens
+
+
+def test_run_no_speculation_decodes_through_the_target_programs(small_engine, ref_model, capsys):
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [7, 7, 7, 1]]
+    rc = main(["run", str(small_engine.path), *[a for p in prompts for a in
+                                                ("--prompt-ids", ",".join(map(str, p)))],
+               "--max-new-tokens", "9", "--no-speculation", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "acceptance" not in out and "mean accepted length" not in out
+    got = [[int(t) for t in line.split(": ")[1].split(",")]
+           for line in out.splitlines() if line.startswith("tokens[")]
+    params = [SamplingParams(max_new_tokens=9, seed=i) for i in range(3)]
+    assert got == generate(ref_model, prompts, params, speculative=False).tokens
+    # 9 tokens each: the first from the prefill, then one per step (each step runs the three
+    # rows as two program calls, buckets 2 and 1)
+    steps = int(out.split("steps: ")[1].split()[0])
+    assert steps == 8, out
+
+
+def test_run_check_lossless_and_no_speculation_are_exclusive(small_engine, capsys):
+    assert main(["run", str(small_engine.path), "--prompt-ids", "1,2", "--check-lossless",
+                 "--no-speculation", "--device", "cpu"]) == 1
+    assert "pass one of them" in _one_line_error(capsys.readouterr().err, "run")
+
+
+def test_run_without_target_programs_names_the_build_flag(default_engine, capsys):
+    """The default_engine fixture is built with BuildConfig's default: no target programs."""
+    for flag in ("--no-speculation", "--check-lossless"):
+        assert main(["run", str(default_engine.path), "--prompt-ids", "1,2", flag,
+                     "--device", "cpu"]) == 1
+        line = _one_line_error(capsys.readouterr().err, "run")
+        assert "has no target-only programs (built with --no-target-programs)" in line, line
+        assert flag in line
 
 
 def test_inspect_prints_manifest_buckets_and_passes(small_engine, capsys):
@@ -210,6 +249,8 @@ def _edited(small_engine, tmp_path, field: str, value):
      "[1000, 256] bfloat16 for model_config"),                                     # was: load_state_dict mismatch
     ("build_config.buckets", [1, 2, 4], "manifest field 'build_config.buckets' is [1, 2, 4], the "
      "engine's programs are for buckets [1, 2]"),
+    ("build_config.target_programs", False, "manifest field 'build_config.target_programs' is "
+     "false, the engine has target programs for buckets [1, 2] — restore it or rebuild"),
     ("build_config.max_rows", 10 ** 9, "the decode state for the manifest's "
      "build_config.max_rows=1000000000 and build_config.max_seq_len=160 needs "),
 ])
@@ -260,6 +301,10 @@ def _device_cuda(m):
     m["build_config"]["device"] = "cuda"
 
 
+def _target_path(m):
+    m["target_programs"]["1"]["path"] = "programs/step_b1.pt2"
+
+
 @pytest.mark.parametrize("edit, says", [
     (_set_size, "manifest field 'files': entry 'weights.safetensors' is not a file entry"),
     (_programs_list, "manifest field 'programs' is a list, not a table"),
@@ -268,6 +313,8 @@ def _device_cuda(m):
     # was: AssertionError: Torch not compiled with CUDA enabled
     (_device_cuda, "manifest field 'build_config.device' is 'cuda', the programs were built for "
                    "target_sm 'cpu'"),
+    (_target_path, "manifest field 'target_programs': bucket 1's program "
+                   "'programs/step_b1.pt2' is not a target program of a step bucket"),
 ])
 def test_hand_edited_manifest_tables_are_named(small_engine, tmp_path, capsys, edit, says):
     import json

@@ -165,6 +165,53 @@ def test_batch_larger_than_the_largest_bucket(small_loaded, ref_model):
     assert (res.steps, res.accepted_at) == (ref.steps, ref.accepted_at)
 
 
+def test_target_only_decoding_equals_the_reference_and_the_speculative_output(small_loaded,
+                                                                              ref_model):
+    """generate(speculative=False) runs the target-only programs: the eager reference's
+    non-speculative tokens (greedy and sampled rows, stop ids, more requests than rows, more
+    live rows than the largest bucket), one token per row and step, no acceptance counted; and
+    greedy speculative decoding of the same requests gives the same tokens (float64)."""
+    from dspark_compile.lossless import compare_outputs
+    rng = random.Random(7)
+    V = ref_model.cfg.vocab_size
+    prompts = _prompts(rng, V, [7, 19, 3, 26, 11, 2, 30])
+    new = [14, 9, 16, 12, 10, 5, 8]
+    params = [SamplingParams(max_new_tokens=n) for n in new]
+    params[1] = SamplingParams(max_new_tokens=9, temperature=1.0, top_k=8, seed=5)
+    params[5] = SamplingParams(max_new_tokens=5, temperature=0.8, top_p=0.9, seed=-2)
+    stop = greedy_reference(ref_model, prompts[3], 6)[0][5]
+    params[3] = SamplingParams(max_new_tokens=12, stop_ids=(stop,))
+    small_loaded.times = StepTimes()
+    res = small_loaded.generate(prompts, params, speculative=False)
+    ref = generate(ref_model, prompts, params, speculative=False)
+    _assert_same(res, ref, prompts)
+    times = small_loaded.times
+    assert times.target_steps == times.steps > 0 and times.greedy_steps == 0
+    assert res.row_steps == 0 and res.accepted_at == [0] * ref_model.cfg.dspark_block_size
+    greedy = [i for i, sp in enumerate(params) if sp.temperature <= 0]
+    spec = _run(small_loaded, [prompts[i] for i in greedy], [params[i] for i in greedy])
+    assert compare_outputs([res.tokens[i] for i in greedy], spec.tokens).ok
+
+
+def test_run_step_without_speculation(small_loaded, ref_model):
+    """One target-only step: tokens [n, 1], num 1 per live row and 0 for the trash row."""
+    state = snapshot_state(small_loaded.state)
+    try:
+        out, num = small_loaded.run_step([0, small_loaded.trash], speculative=False)
+        assert tuple(out.shape) == (2, 1) and num.tolist() == [1, 0] and int(out[1, 0]) == -1
+    finally:
+        restore_state(small_loaded.state, state)
+
+
+def test_target_only_decoding_needs_the_programs(default_loaded):
+    """default_loaded is built with BuildConfig's default, no target programs: a clear error
+    naming the build flag, before anything runs."""
+    with pytest.raises(ValueError, match="built with --no-target-programs"):
+        default_loaded.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3), speculative=False)
+    with pytest.raises(ValueError, match="built with --no-target-programs"):
+        default_loaded.run_step([0], speculative=False)
+
+
 def test_padding_and_bucket_choice_do_not_change_a_step(default_loaded):
     """The same state copy run as rows [7, 3] in bucket 2 and as [7, trash, 3] in bucket 4:
     the live rows' outputs and state agree, and no row outside them changes (padding is
