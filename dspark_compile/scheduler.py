@@ -341,7 +341,9 @@ class GenerationStream:
             b = eng.bucket_for(len(group))
             greedy = (self.speculative and b in eng.greedy_modules
                       and all(r.params.temperature <= 0 for r in group))
-            out = eng.launch([r.row for r in group], b, greedy, target=not self.speculative)
+            rows_ = [r.row for r in group]
+            out = (eng.launch(rows_, b, greedy) if self.speculative
+                   else eng.launch(rows_, b, False, target=True))
             for r in group:
                 r.inflight += 1
                 r.steps_inflight += 1
