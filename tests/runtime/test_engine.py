@@ -374,6 +374,7 @@ def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeyp
     eng = copy.copy(small_loaded)
     eng.greedy_modules = dict(small_loaded.greedy_modules)
     eng.graphs, eng.greedy_graphs, eng.capture_seconds, eng.graph_pool_bytes = {}, {}, {}, {}
+    eng.target_graphs = {}
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Stream", lambda d=None: None)
@@ -387,7 +388,9 @@ def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeyp
         eng._capture_all()
     assert eng.graphs == {b: f"graph {b}" for b in eng.buckets}
     assert eng.greedy_graphs == {} and eng.greedy_modules == {}
-    assert eng.graph_pool_bytes == {b: 1024 for b in eng.buckets}
+    # the step and the target-only program of each bucket (the CLI-built engine has them)
+    assert eng.target_graphs == {b: f"graph {b}" for b in eng.buckets}
+    assert eng.graph_pool_bytes == {b: 2048 for b in eng.buckets}
     assert not eng._use_greedy([0], eng.buckets[0], None)
 
 
