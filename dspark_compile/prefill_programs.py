@@ -26,16 +26,22 @@ from dspark_compile.artifact import ArtifactError, prefill_key
 def compiled_prefill_paths(manifest: dict, chunks) -> dict:
     """{C: engine path of the compiled prefill program} of an Inductor engine; ArtifactError
     naming the field when one is missing."""
-    table = (manifest.get("compiled") or {}).get("prefill_programs")
+    return compiled_table_paths(manifest, "prefill_programs", chunks, prefill_key, "chunk")
+
+
+def compiled_table_paths(manifest: dict, table: str, keys, name, what: str) -> dict:
+    """{k: engine path of program name(k)'s compiled full variant} from the Inductor
+    manifest's `compiled.<table>`; ArtifactError naming the field when one is missing."""
+    entries = (manifest.get("compiled") or {}).get(table)
     out = {}
-    for c in chunks:
-        entry = table.get(prefill_key(c)) if isinstance(table, dict) else None
+    for k in keys:
+        entry = entries.get(name(k)) if isinstance(entries, dict) else None
         path = entry.get("full") if isinstance(entry, dict) else None
         if path not in manifest.get("files", {}):
-            raise ArtifactError(f"manifest field 'compiled.prefill_programs': chunk {c} has no "
+            raise ArtifactError(f"manifest field 'compiled.{table}': {what} {k} has no "
                                 "compiled program in the file table — rebuild",
-                                field="compiled.prefill_programs")
-        out[c] = path
+                                field=f"compiled.{table}")
+        out[k] = path
     return out
 
 

@@ -218,23 +218,17 @@ class Engine:
         program (inductor); {} for an engine built without target programs."""
         if not self.build.target_programs:
             return {}
-        from dspark_compile.artifact import ArtifactError, load_target_programs, target_key
+        from dspark_compile.artifact import load_target_programs, target_key
         programs = load_target_programs(self.dir, self.manifest, weights)
         check_state_layout(programs, self.state)
         if self.backend != "inductor":
             return {b: ep.module() for b, ep in programs.items()}
         from dspark_compile.compiled import CompiledStep
-        table = (self.manifest.get("compiled") or {}).get("target_programs")
-        out = {}
-        for b, ep in programs.items():
-            entry = table.get(target_key(b)) if isinstance(table, dict) else None
-            path = entry.get("full") if isinstance(entry, dict) else None
-            if path not in self.manifest.get("files", {}):
-                raise ArtifactError(f"manifest field 'compiled.target_programs': bucket {b} has "
-                                    "no compiled target program in the file table — rebuild",
-                                    field="compiled.target_programs")
-            out[b] = CompiledStep(self.dir / path, ep, self._padded_rows(b), self.state)
-        return out
+        from dspark_compile.prefill_programs import compiled_table_paths
+        paths = compiled_table_paths(self.manifest, "target_programs", programs, target_key,
+                                     "bucket")
+        return {b: CompiledStep(self.dir / paths[b], ep, self._padded_rows(b), self.state)
+                for b, ep in programs.items()}
 
     def _record_load(self) -> None:
         """Write this load's graph memory and timings into the manifest (docs/architecture.md,

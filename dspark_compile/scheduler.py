@@ -339,11 +339,12 @@ class GenerationStream:
         for start in range(0, len(rows), big):
             group = rows[start:start + big]
             b = eng.bucket_for(len(group))
-            greedy = (self.speculative and b in eng.greedy_modules
-                      and all(r.params.temperature <= 0 for r in group))
             rows_ = [r.row for r in group]
-            out = (eng.launch(rows_, b, greedy) if self.speculative
-                   else eng.launch(rows_, b, False, target=True))
+            if self.speculative:
+                greedy = b in eng.greedy_modules and all(r.params.temperature <= 0 for r in group)
+                out = eng.launch(rows_, b, greedy)
+            else:
+                out = eng.launch(rows_, b, False, target=True)
             for r in group:
                 r.inflight += 1
                 r.steps_inflight += 1

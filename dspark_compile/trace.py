@@ -35,18 +35,21 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
     Node meta is preserved during tracing so that each call of a `@fusable` reference function
     (kernels/region.py) lands in the graph as an annotated region the fusion passes replace."""
     from dspark_compile.models.step import DraftVerifyStep
-    step = DraftVerifyStep(model)
-    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-        return torch.export.export(step, (torch.arange(bucket, device=state["row.last_pos"].device), state), strict=False)
+    return _export_rows(DraftVerifyStep(model), state, bucket)
 
 
 def export_target(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
     """The target-only program of `bucket` (models/step.py TargetStep), traced like
     export_step: the fusion passes find the same regions in its target forward."""
     from dspark_compile.models.step import TargetStep
+    return _export_rows(TargetStep(model), state, bucket)
+
+
+def _export_rows(module, state: dict, bucket: int) -> torch.export.ExportedProgram:
+    """`module(rows, state)` exported for `bucket` rows, node meta preserved."""
     rows = torch.arange(bucket, device=state["row.last_pos"].device)
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-        return torch.export.export(TargetStep(model), (rows, state), strict=False)
+        return torch.export.export(module, (rows, state), strict=False)
 
 
 def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:

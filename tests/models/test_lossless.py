@@ -53,3 +53,19 @@ def test_stop_ids_and_lossless_report(model64):
     report = check_lossless(model64, prompt, [SamplingParams(max_new_tokens=10)], bad)
     assert not report.ok and report.index == 3 and report.margin > 0
     assert "DIVERGED at request 0, token 3" in report.line()
+
+
+def test_compare_outputs_names_the_first_divergence():
+    """The engine-against-itself check: token for token, a shorter or longer output diverges
+    too, and a report without logits is never 'within' a tolerance."""
+    from dspark_compile.lossless import END, compare_outputs
+    assert compare_outputs([[1, 2, 3], [4]], [[1, 2, 3], [4]]).line() == "lossless: ok"
+    r = compare_outputs([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]])
+    assert (r.ok, r.request, r.index, r.expected, r.got) == (False, 1, 1, 5, 6)
+    assert r.line() == ("lossless: DIVERGED at request 1, token 1: target-only decoding 5, "
+                        "speculative 6")
+    assert not r.within(1.0)
+    r = compare_outputs([[1, 2, 3]], [[1, 2]])
+    assert (r.index, r.expected, r.got) == (2, 3, END) and "speculative output ended" in r.line()
+    with pytest.raises(ValueError, match="one of each per request"):
+        compare_outputs([[1]], [[1], [2]])

@@ -192,4 +192,5 @@ def test_target_step_equals_target_decode_step(make_model):
     with torch.no_grad():
         a, b = decode(True), decode(False)
     assert a == b
-    assert a[1] == [t for t in a[1]] and len(set(a[1])) > 1      # sampled, not a constant
+    outs, _ = a
+    assert len(set(outs[1])) > 1          # the sampled row's tokens vary: not a constant
