@@ -435,7 +435,7 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
     rows are never searched)."""
     B, N, V = 36, 4, 600
     decided = flagged = tested = rows = 0
-    for s in range(3):
+    for s in range(2):
         logits, drafts, q = _confident_case(s, B, N, V)
         # requests 12..23: flatter rows (a std-2 bulk, nothing raised), where the blocks above
         # a draft hold much more mass than their maxima; 24..35: confident rows under a sharper
@@ -486,8 +486,7 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
     assert flagged <= 0.5 * rows, (flagged, rows)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed):
+def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed=0):
     """The whole op with the walk (rows skipped by reduce / select, decided tests taken as
     stored; their searches one program per row and chunk or in persistent grids) and without
     it: the reference's tokens, at tilings with several chunks."""
