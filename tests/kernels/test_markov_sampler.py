@@ -665,20 +665,18 @@ def test_fused_threshold_refinement_on_near_flat_rows(spread):
 # Both switches on at every peak shape and tiling; each alone once, on the peak shape its pass
 # acts on most (the skip on the gather case, the floor on the spill case). The full 12-case
 # product cost 700 s of a 2-core machine under the interpreter for no path these miss.
-_PEAKED, _MILDER = (14.0, 64, 0.999), (6.0, 8, 0.95)
-_SELECT_CASES = [(sf, peak, tiling)
-                 for tiling in ((16, 64, 256), (32, 16, 64))
-                 for sf, peak in (((True, True), _PEAKED), ((True, True), _MILDER))]
-_SELECT_CASES += [((True, False), _PEAKED, (32, 16, 64)), ((False, True), _MILDER, (16, 64, 256))]
+_PEAKED, _MILDER, _SMALL_BLOCKS, _LARGE_BLOCKS = (14.0, 64, 0.999), (6.0, 8, 0.95), \
+    (16, 64, 256), (32, 16, 64)
 
 
-@pytest.mark.parametrize(
-    "skip,floor,boost,cap,p4,block,tile,chunk", [(*sf, *peak, *tiling)
-                                                 for sf, peak, tiling in _SELECT_CASES],
-    ids=[f"{'blocks<tiles' if t[0] < t[1] else 'blocks>tiles'}-"
-         f"{'peaked-gather' if pk is _PEAKED else 'milder-spill'}-"
-         f"{ {(True, True): 'skip-floor', (True, False): 'skip', (False, True): 'floor'}[sf]}"
-         for sf, pk, t in _SELECT_CASES])
+@pytest.mark.parametrize("skip,floor,boost,cap,p4,block,tile,chunk", [
+    pytest.param(True, True, *_PEAKED, *_SMALL_BLOCKS, id="blocks<tiles-peaked-gather-skip-floor"),
+    pytest.param(True, True, *_MILDER, *_SMALL_BLOCKS, id="blocks<tiles-milder-spill-skip-floor"),
+    pytest.param(True, True, *_PEAKED, *_LARGE_BLOCKS, id="blocks>tiles-peaked-gather-skip-floor"),
+    pytest.param(True, True, *_MILDER, *_LARGE_BLOCKS, id="blocks>tiles-milder-spill-skip-floor"),
+    pytest.param(True, False, *_PEAKED, *_LARGE_BLOCKS, id="blocks>tiles-peaked-gather-skip"),
+    pytest.param(False, True, *_MILDER, *_SMALL_BLOCKS, id="blocks<tiles-milder-spill-floor"),
+])
 def test_select_skips_tiles_below_the_bracket_exactly(skip, floor, boost, cap, p4, block, tile,
                                                       chunk):
     """Peaked rows (a few boosted tokens over a Gaussian bulk, as a confident draft head gives):

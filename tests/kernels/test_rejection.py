@@ -486,11 +486,11 @@ def test_bound_walk_decisions_agree_with_exact_tests_and_skip_rows():
     assert flagged <= 0.5 * rows, (flagged, rows)
 
 
-def test_fused_with_bound_walk_equals_reference_on_confident_rows(seed=0):
+def test_fused_with_bound_walk_equals_reference_on_confident_rows():
     """The whole op with the walk (rows skipped by reduce / select, decided tests taken as
     stored; their searches one program per row and chunk or in persistent grids) and without
     it: the reference's tokens, at tilings with several chunks."""
-    B, N, V = 9, 4, 500
+    B, N, V, seed = 9, 4, 500, 0
     logits, drafts, q = _confident_case(10 + seed, B, N, V)
     # requests 6..8: flat rows, where the walk leaves tests to the exact path while it skips
     # other rows of the same request
