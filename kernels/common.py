@@ -94,3 +94,24 @@ def masked_row_write(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor)
     """
     idx = torch.where(slots >= 0, slots, torch.full_like(slots, dst.shape[0] - 1))
     dst.index_put_((idx,), rows.to(dst.dtype))
+
+
+ROW_CHUNK = 16   # rows per matmul call of row_matmul
+
+
+def row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., K] @ b [K, N], each row's result independent of the other rows of the call.
+
+    A BLAS GEMM picks its kernel and blocking by M (on the CPU, M < 16 and M = 1 take other
+    paths than larger M, and the sums' order changes with them), so a row's bits would depend
+    on how many rows share the call. Here every call has exactly ROW_CHUNK rows (the last chunk
+    zero-padded): one kernel, one blocking, the row's position inside a chunk does not change
+    its sums (tests/kernels/test_batch_invariance.py checks every reference that uses this)."""
+    lead, K = a.shape[:-1], a.shape[-1]
+    a2 = a.reshape(-1, K)
+    M = a2.shape[0]
+    pad = -M % ROW_CHUNK
+    if pad:
+        a2 = torch.cat((a2, a2.new_zeros(pad, K)))
+    y = torch.cat([c @ b for c in a2.split(ROW_CHUNK)]) if a2.shape[0] else a2 @ b
+    return y[:M].reshape(*lead, b.shape[-1])

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.common import upcast
+from dspark_compile.kernels.common import row_matmul, upcast
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.region import fusable
 from dspark_compile.kernels.tl_helpers import (
@@ -63,7 +63,14 @@ def _mix(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """μ = (x̂ @ fnᵀ) · rsqrt(mean(x̂²) + norm_eps), x̂ = X [T, m, D] flattened, compute dtype."""
     xf = upcast(X.flatten(1))
     rho = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
-    return (xf @ fn.to(xf.dtype).T) * rho
+    return row_matmul(xf, fn.to(xf.dtype).T) * rho
+
+
+def _sigmoid_ref(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid in fp64, rounded back: the CPU's vectorized fp32 sigmoid and its scalar loop
+    (the last elements of a tensor) differ in the last bit, so on [T, m] gates a row's bits
+    would depend on T; both fp64 paths round to the same fp32."""
+    return torch.sigmoid(x.double()).to(x.dtype)
 
 
 def _sinkhorn(c: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
@@ -83,8 +90,8 @@ def hc_pre_reference(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     (a [T, D] in X.dtype, post [T, m], comb [T, m, m]) in the compute dtype."""
     m = X.shape[1]
     mu = _mix(X, fn, norm_eps)                                                    # [T, (2+m)m]
-    pre = torch.sigmoid(mu[:, :m] * scale[0] + base[:m]) + eps
-    post = 2.0 * torch.sigmoid(mu[:, m:2 * m] * scale[1] + base[m:2 * m])
+    pre = _sigmoid_ref(mu[:, :m] * scale[0] + base[:m]) + eps
+    post = 2.0 * _sigmoid_ref(mu[:, m:2 * m] * scale[1] + base[m:2 * m])
     c = _sinkhorn((mu[:, 2 * m:] * scale[2] + base[2 * m:]).view(-1, m, m), eps, iters)
     a = (pre.unsqueeze(-1) * upcast(X)).sum(1)
     return a.to(X.dtype), post, c
@@ -102,7 +109,7 @@ def hc_post_reference(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor,
 def hc_head_reference(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                       eps: float, norm_eps: float) -> torch.Tensor:
     """X [T, m, D], fn [m, mD], scale [1], base [m] -> h = Σ_i g_i X_i [T, D] in X.dtype."""
-    g = torch.sigmoid(_mix(X, fn, norm_eps) * scale[0] + base) + eps
+    g = _sigmoid_ref(_mix(X, fn, norm_eps) * scale[0] + base) + eps
     return (g.unsqueeze(-1) * upcast(X)).sum(1).to(X.dtype)
 
 

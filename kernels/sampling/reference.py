@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.philox import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESAMPLE,
                                            STREAM_TARGET, uniform, vocab_gumbel)
 from dspark_compile.kernels.region import fusable
@@ -193,7 +194,7 @@ def check_markov_inputs(base_logits, anchor, w1, w2, temperature, top_k, top_p, 
 
 def markov_bias(prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """W1[prev] @ W2^T in fp32: [B, V] (prev already folded into [0, V))."""
-    return w1[prev].float() @ w2.float().T
+    return row_matmul(w1[prev].float(), w2.float().T)
 
 
 @fusable("markov_sample")

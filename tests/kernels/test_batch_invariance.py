@@ -1,0 +1,88 @@
+"""Batch invariance of every `dspark::` op: a row's results do not depend on the batch.
+
+For each op of kernels/registry.py KERNELS (a new op without a case in tests/batch_cases.py
+fails here), a few rows of a 64-row pool are computed alone and then inside batches of 2, 7 and
+64 rows at the first, a middle and the last position, with random other rows: every result of
+the row (returned tensors and the state it writes) is bit-equal. Both implementations are
+checked: the reference (what a CPU engine runs; `torch.ops.dspark.*` dispatches to it off CUDA)
+and the Triton launcher (the kernel under TRITON_INTERPRET=1 on a CPU machine; on a GPU at the
+`big` shapes, where the plans would pick other splits and tiles for 1 row and for 64).
+
+This is what makes greedy speculative decoding emit exactly the tokens of target-only decoding:
+a verify step computes a row's logits with other rows and 6 tokens a row, the target-only step
+with 1 token a row, and any batch-dependent reduction order moves a logit by an ulp.
+"""
+import pytest
+import torch
+
+from batch_cases import CASES, take
+from dspark_compile.kernels.registry import KERNELS
+import dspark_compile.kernels.sampling  # noqa: F401  (registers the samplers)
+import dspark_compile.models.step  # noqa: F401  (registers every op the step uses)
+
+POOL = 64
+TARGETS = (0, 37, 63)
+
+
+def _batches(r, g):
+    """Small sub-batches holding row r: (rows, r's position) at sizes 2 and 7 (r last, r in the
+    middle); the whole pool (r at its own index: first, middle, last) is checked once."""
+    others = [i for i in torch.randperm(POOL, generator=g).tolist() if i != r]
+    yield [others[0], r], 1
+    yield others[:3] + [r] + others[3:6], 3
+
+
+def _results(case, fn, kw, idx, j):
+    sub = take(case, kw, idx)
+    out = fn(**sub)
+    return [t.cpu() for t in case.results(sub, out, j)]
+
+
+def _assert_invariant(name, fn, kw, g):
+    case = CASES[name]
+    whole = list(range(POOL))
+    sub = take(case, kw, whole)
+    out = fn(**sub)
+    for r in TARGETS:
+        alone = _results(case, fn, kw, [r], 0)
+        assert alone, f"{name}: the case yields no results"
+        batches = [(whole, r, [t.cpu() for t in case.results(sub, out, r)])]
+        batches += [(idx, j, _results(case, fn, kw, idx, j)) for idx, j in _batches(r, g)]
+        for idx, j, got in batches:
+            for k, (a, b) in enumerate(zip(alone, got)):
+                assert _bits(a).shape == _bits(b).shape and torch.equal(_bits(a), _bits(b)), \
+                    f"{name}: result {k} of row {r} alone differs in a {len(idx)}-row batch " \
+                    f"(position {j}): max |diff| {(a.double() - b.double()).abs().max():.3g}"
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t):
+    """The tensor's bit patterns (NaN payloads and signed zeros included)."""
+    return t.contiguous().view(_INT[t.element_size()]) if t.is_floating_point() else t
+
+
+def test_every_op_has_a_case():
+    assert set(KERNELS) == set(CASES), f"ops without a case: {set(KERNELS) - set(CASES)}"
+
+
+def _to(kw, device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_is_batch_invariant(name):
+    g = torch.Generator().manual_seed(1)
+    kw = CASES[name].build(g, POOL, False)
+    _assert_invariant(name, KERNELS[name].reference, kw, g)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_is_batch_invariant(name):
+    g = torch.Generator().manual_seed(2)
+    big = torch.cuda.is_available()
+    kw = CASES[name].build(g, POOL, big)
+    if big:
+        kw = _to(kw, "cuda")
+    _assert_invariant(name, KERNELS[name].launcher, kw, g)
