@@ -139,7 +139,7 @@ def _variant(**changes):
 
 # tuning variants: no split; 64 heads a program (the H200's 227 KB of shared memory take it,
 # SM12x's 99 KB do not); 16 or 64 candidates a block; 3 stages
-ATTENTION_VARIANTS = {"ours-split1": _variant(split=1), "ours-h64": _variant(block_h=64),
+ATTENTION_VARIANTS = {"ours-split1": _variant(split=False), "ours-h64": _variant(block_h=64),
                       "ours-n16": _variant(block_n=16), "ours-n64": _variant(block_n=64),
                       "ours-s3": _variant(num_stages=3)}
 
@@ -203,8 +203,9 @@ def cases(batches):
                 n = dims.window + (dims.topk if ratio == 4 else max(1, ctx // ratio) if ratio
                                    else 0)
                 p = sa.sparse_attention_plan(B * T, dims.H, n)
+                plan = f"h{p.block_h}n{p.block_n}/chunk{p.chunk}{'-split' if p.split else ''}"
                 out.append(Case("attention", f"sparse_attention.{kind}{at}",
-                                dict(params, plan=f"h{p.block_h}n{p.block_n}/split{p.split}"),
+                                dict(params, plan=plan),
                                 make, _attention_ref, _attention_ours,
                                 attention_floor(dims, B, ctx, ratio), check=_attention_check(make),
                                 extra=dict(ATTENTION_VARIANTS)))

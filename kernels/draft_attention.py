@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from dspark_compile.kernels.common import upcast
+from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import (
     compile_config, interpreting, launch, multiprocessors, next_pow2, round_to)
@@ -102,14 +103,18 @@ CTAS_PER_SM_16 = 2
 
 
 def draft_attention_plan(B: int, NH: int, capability: tuple = (9, 0), interpreted: bool = False,
-                         sm_count: int = SM_COUNT_HINT) -> DraftAttentionPlan:
+                         sm_count: int = SM_COUNT_HINT,
+                         invariant: bool = True) -> DraftAttentionPlan:
     """The plan for B rows of NH = N·H query rows on a GPU of `capability`: 16-row tiles while
     their programs fit one wave (the latency stays that of one program, flat in B), 32-row tiles
     beyond on sm_90 (half the programs, each key tile read for twice the rows); 16 rows on every
-    other GPU. The interpreter pays per operation: one program per row there."""
+    other GPU. The interpreter pays per operation: one program per row there. `invariant`
+    (kernels/invariance.py): 16 rows at every B, as the MMA shape, and with it the order of a
+    query row's dot products, could follow the tile."""
     if interpreted:
         return DraftAttentionPlan(max(16, next_pow2(NH)), 16, 1 << 30, 4, 1)
-    wide = capability[0] == 9 and B * triton.cdiv(NH, 16) > CTAS_PER_SM_16 * sm_count
+    wide = not invariant and capability[0] == 9 and \
+        B * triton.cdiv(NH, 16) > CTAS_PER_SM_16 * sm_count
     return DraftAttentionPlan(*(TILE_32 if wide else TILE_16))
 
 
@@ -243,7 +248,7 @@ def draft_attention_launch(q, kv, ring, rows, last_pos, sink, scale,
         interp = interpreting(kernel)
         cap = (0, 0) if interp else torch.cuda.get_device_capability(q.device)
         sms = 1 if interp else multiprocessors(q.device)
-        plan = draft_attention_plan(B, N * H, cap, interp, sms)
+        plan = draft_attention_plan(B, N * H, cap, interp, sms, batch_invariant())
     p = plan
     block_d = max(16, next_pow2(D))
     launch(kernel)[(B, triton.cdiv(N * H, p.block_m))](

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from dspark_compile.kernels.common import fp8_group_dequant
+from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import (
     compile_config, exp2_int, interpreting, launch, round_to)
@@ -137,10 +138,13 @@ def _stages(block_m, block_n, a_bytes, stages):
 
 @functools.lru_cache(maxsize=None)
 def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
-                    sm_count: int = SM_COUNT_HINT, fp32_out: bool = False) -> Fp8LinearPlan:
+                    sm_count: int = SM_COUNT_HINT, fp32_out: bool = False,
+                    invariant: bool = True) -> Fp8LinearPlan:
     """The plan for x [M, groups*K] (a_bytes per element) times W [N, K] into a bf16 output
     (fp32 with `fp32_out`). M is the step's static token count (one exported bucket), so each
-    linear of a bucket has one plan."""
+    linear of a bucket has one plan. `invariant` (kernels/invariance.py): the split of K is
+    sized for one 16-row tile, whatever M, so an output's sum order depends on (N, K) alone;
+    the M tiles stay free (a tile computes each of its rows' dots in the same K order)."""
     n_group = N // groups
     # a tile must not straddle two groups: the largest bucket's tile at most M's whose block_n
     # divides the group (only declared tiles, so every launch has a compile config)
@@ -149,13 +153,25 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
     if not fits:
         raise ValueError(f"fp8_linear: groups of {n_group} rows fit no tile of {TILES}")
     block_m, block_n, swap, warps, stages = TILES[fits[-1]]
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    kb = K // GROUP
-    split = max(1, min(kb // MIN_KB_PER_SPLIT, triton.cdiv(TARGET_WAVES * sm_count, tiles)))
-    per = triton.cdiv(kb, split)
-    return Fp8LinearPlan(block_m, block_n, swap, triton.cdiv(kb, per), per, warps,
+    split, per = split_k(M, N, K // GROUP, block_m, block_n, sm_count, invariant)
+    return Fp8LinearPlan(block_m, block_n, swap, split, per, warps,
                          _stages(block_m, block_n, a_bytes, stages),
                          fp8_mma=a_bytes == 1 and not fp32_out)
+
+
+def split_k(M: int, N: int, kb: int, block_m: int, block_n: int, sm_count: int,
+            invariant: bool) -> tuple[int, int]:
+    """(splits, K blocks per split) of a GEMM with `kb` K blocks: split until the grid covers
+    TARGET_WAVES of the SMs, at least MIN_KB_PER_SPLIT blocks a split. Batch invariant: the
+    grid is counted for one 16-row tile whatever M, so the split, and with it every output's
+    sum order, follows (N, K) alone."""
+    if invariant:
+        tiles = triton.cdiv(N, TILES[M_BUCKETS[0]][1])
+    else:
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split = max(1, min(kb // MIN_KB_PER_SPLIT, triton.cdiv(TARGET_WAVES * sm_count, tiles)))
+    per = triton.cdiv(kb, split)
+    return triton.cdiv(kb, per), per
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +317,8 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
         kernel = _fp8_linear_kernel
         a_fp8 = xs2 is not None
         p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size(),
-                                    fp32_out=out_dtype == torch.float32)
+                                    fp32_out=out_dtype == torch.float32,
+                                    invariant=batch_invariant())
         if p.split_k * p.kb_per_split < K // GROUP or (groups > 1 and (N // groups) % p.block_n):
             raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
         split = p.split_k > 1

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from dspark_compile.kernels.common import row_matmul, upcast
+from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.region import fusable
 from dspark_compile.kernels.tl_helpers import (
@@ -283,6 +284,9 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # Flash dims, reducing per d-block: (4, 64) 34 µs vs (16, 16) 66 µs at T = 6; 400 vs 259 µs at
 # T = 384.
 GPU_TILES = ((64, (4, 64)), (None, (16, 16)))       # (up to T rows, tile)
+# batch invariant tiles: one d-block width at every T (16: the [16, 32, 16] tile of many rows
+# stays within the 8192 accumulators), 4 or 16 rows a tile
+INVARIANT_BLOCK_D, INVARIANT_ROWS_FEW, INVARIANT_ROWS_MANY = 16, 4, 16
 GATES_BLOCK_D, SPLIT_BLOCK = 1024, 32
 MIX_WARPS, GATES_WARPS = 8, 4   # 8: the accumulators take 32 registers per thread, not 64
 PROGRAMS_PER_SM = 2        # the split over D aims at this many mix programs per SM
@@ -334,17 +338,23 @@ def _check_post(y, X, post, comb) -> None:
 def _tiles(T, D, kernel, device, block_t=None, block_d=None, split=None):
     """(BLOCK_T, BLOCK_D, SPLIT) of the mix kernel. Triton's interpreter pays per operation, not
     per element: there one program takes up to 16 rows and the whole (≤ 256) row. The arguments
-    override (tests run the GPU tilings interpreted)."""
+    override (tests run the GPU tilings interpreted). Batch invariant plans (kernels/
+    invariance.py) fix what orders a row's sums, BLOCK_D (the lanes) and SPLIT (the d-blocks
+    each lane walks), by D alone: 16-wide d-blocks, split sized for one row tile; the rows per
+    tile stay free (each row's sums are its own)."""
     if interpreting(kernel):
         bt, bd = min(next_pow2(T), 16), min(next_pow2(D), 256)
+    elif batch_invariant():
+        bt, bd = (INVARIANT_ROWS_FEW if T <= GPU_TILES[0][0] else INVARIANT_ROWS_MANY), \
+            INVARIANT_BLOCK_D
     else:
         bt, bd = next(tile for rows, tile in GPU_TILES if rows is None or T <= rows)
     bt, bd = block_t or bt, block_d or bd
     n_db = triton.cdiv(D, bd)
     if split is None:
         want = PROGRAMS_PER_SM * multiprocessors(device)
-        split = 1 if interpreting(kernel) else max(1, min(n_db, triton.cdiv(want,
-                                                                            triton.cdiv(T, bt))))
+        row_tiles = 1 if batch_invariant() else triton.cdiv(T, bt)
+        split = 1 if interpreting(kernel) else max(1, min(n_db, triton.cdiv(want, row_tiles)))
     return bt, bd, max(1, min(split, n_db))
 
 
@@ -524,7 +534,8 @@ _M = 4
 def _mix_config(post: bool, mix: int):
     return [compile_config(_hc_mix_kernel, _MIX_TYPES, dict(
         M=_M, MIX=mix, MIX_P2=next_pow2(mix), BLOCK_T=bt, BLOCK_D=bd, POST=post, PROJ=mix > 1,
-        SOFT=False), MIX_WARPS) for _, (bt, bd) in GPU_TILES]
+        SOFT=False), MIX_WARPS) for bt, bd in [tile for _, tile in GPU_TILES] + [
+            (INVARIANT_ROWS_FEW, INVARIANT_BLOCK_D), (INVARIANT_ROWS_MANY, INVARIANT_BLOCK_D)]]
 
 
 def _gates_config(pre: bool):

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from dspark_compile.kernels.common import e8m0_byte_to_scale, upcast
+from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import (
     compile_config, interpreting, launch, next_pow2, round_to)
@@ -132,27 +133,45 @@ COMBINE_HEADS = 16       # heads per combine program (16 x 512 fp32 partials per
 @dataclass(frozen=True)
 class SparseAttentionPlan:
     """Launch choices of one (tokens, heads, candidate capacity) shape: BLOCK_H heads and
-    BLOCK_N candidates per MMA tile, `split` programs per token over its candidate blocks."""
+    BLOCK_N candidates per MMA tile; a token's candidate blocks in chunks of `chunk` blocks,
+    each chunk an online softmax of its own, the chunks merged in order. `split`: one program
+    per chunk writing its partial (a combine launch merges them), else one program merges all
+    chunks in registers; both merge the same partials with the same formula (`_merge`), so the
+    choice, made by the token count, does not change a bit. The chunks follow the capacity."""
     block_h: int
     block_n: int
-    split: int
+    chunk: int
+    split: bool
     num_warps: int
     num_stages: int
 
 
+def n_blocks(plan: SparseAttentionPlan, window: int, n_compressed: int) -> int:
+    """Candidate blocks of a token at most: the window's, then the compressed capacity's."""
+    return triton.cdiv(window, plan.block_n) + triton.cdiv(n_compressed, plan.block_n)
+
+
 @functools.lru_cache(maxsize=None)
 def sparse_attention_plan(tokens: int, heads: int, n_candidates: int, interpret: bool = False,
-                          sm_count: int = SM_COUNT_HINT) -> SparseAttentionPlan:
+                          sm_count: int = SM_COUNT_HINT,
+                          invariant: bool = True) -> SparseAttentionPlan:
     """`n_candidates`: the most candidates a token can have (window + the compressed list or
-    cache capacity): static, so every launch of a bucket's layer has one plan."""
-    if interpret:   # the interpreter pays per operation: big tiles, no split unless asked
-        return SparseAttentionPlan(max(16, next_pow2(heads)), 16, 1, 4, 1)
+    cache capacity): static, so every launch of a bucket's layer has one plan. The chunks are
+    sized so that one token's chunks fill ~TARGET_WAVES of the SMs (at least
+    MIN_BLOCKS_PER_SPLIT blocks each); the split is taken while the tokens alone leave the GPU
+    idle. `invariant` False (kernels/invariance.py) sizes the chunks for the token count too,
+    as the benchmark's batch-dependent variant."""
+    if interpret:   # the interpreter pays per operation: big tiles, one chunk unless asked
+        return SparseAttentionPlan(max(16, next_pow2(heads)), 16, 1 << 20, False, 4, 1)
     block_h = min(BLOCK_H, max(16, next_pow2(heads)))
-    programs = tokens * triton.cdiv(heads, block_h)
+    n_hb = triton.cdiv(heads, block_h)
     blocks = triton.cdiv(n_candidates, BLOCK_N)
-    split = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT,
-                       triton.cdiv(TARGET_WAVES * sm_count, max(programs, 1))))
-    return SparseAttentionPlan(block_h, BLOCK_N, split, NUM_WARPS, NUM_STAGES)
+    programs = (1 if invariant else tokens) * n_hb
+    n_chunks = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT,
+                          triton.cdiv(TARGET_WAVES * sm_count, max(programs, 1))))
+    split = n_chunks > 1 and tokens * n_hb < TARGET_WAVES * sm_count
+    return SparseAttentionPlan(block_h, BLOCK_N, triton.cdiv(blocks, n_chunks), split,
+                               NUM_WARPS, NUM_STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,16 +281,15 @@ def _store_o(o_rows, acc_n, acc_r, l, hm, NOPE: tl.constexpr, ROPE: tl.constexpr
 
 
 @triton.jit
-def _store_partial(w_rows, acc_n, acc_r, m, l, hm, has, NOPE: tl.constexpr, ROPE: tl.constexpr,
+def _store_partial(w_rows, acc_n, acc_r, m, l, hm, NOPE: tl.constexpr, ROPE: tl.constexpr,
                    BLOCK_NOPE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One split's (numerator | m | l) per head in fp32. A split without blocks (short
-    context: `has` false) stores only m = -1e30, l = 0; the combine gives it weight 0 and never
-    reads its numerator."""
+    """One chunk's (numerator | m | l) per head in fp32. A chunk past the token's last block
+    stores its empty state (zeros, m = -1e30, l = 0), which the merge leaves without effect,
+    exactly as the in-register merge does."""
     offs_d = tl.arange(0, BLOCK_NOPE)
     offs_r = tl.arange(0, BLOCK_R)
-    tl.store(w_rows + offs_d[None, :], acc_n, mask=hm[:, None] & (offs_d[None, :] < NOPE) & has)
-    tl.store(w_rows + NOPE + offs_r[None, :], acc_r,
-             mask=hm[:, None] & (offs_r[None, :] < ROPE) & has)
+    tl.store(w_rows + offs_d[None, :], acc_n, mask=hm[:, None] & (offs_d[None, :] < NOPE))
+    tl.store(w_rows + NOPE + offs_r[None, :], acc_r, mask=hm[:, None] & (offs_r[None, :] < ROPE))
     two = tl.arange(0, 2)[None, :]
     tl.store(w_rows + NOPE + ROPE + two, tl.where(two == 0, m[:, None], l[:, None]),
              mask=hm[:, None])
@@ -281,7 +299,7 @@ def _store_partial(w_rows, acc_n, acc_r, m, l, hm, has, NOPE: tl.constexpr, ROPE
 def _sparse_attention_kernel(
         q_ptr, o_ptr, ws_ptr, sink_ptr, rows_ptr, pos_ptr, idx_ptr,
         swn_ptr, sws_ptr, swr_ptr, cn_ptr, cs_ptr, cr_ptr,
-        T, H, R, RING, NE, K, window, ratio, qk_scale,
+        T, H, R, RING, NE, K, window, ratio, qk_scale, CHUNK, N_CHUNKS,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_it,
         sw_n, sw_s, sw_r, c_n, c_s, c_r,
         FP8: tl.constexpr, CMP: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
@@ -290,8 +308,9 @@ def _sparse_attention_kernel(
     """Program (head block, token, split): head blocks of a token, then the tokens of a row,
     are neighbours in launch order, so their shared candidates come from L2. CMP: 0 SWA only,
     1 every visible compressed entry (C128), 2 the listed entries (C4). With a split (grid axis 2
-    > 1) the programs write fp32 partials (acc | m | l per head) to ws [split, tokens, H,
-    NOPE + ROPE + 2]; otherwise o (one compiled kernel for both: the branch is per program)."""
+    = N_CHUNKS) program sp takes chunk sp and writes its fp32 partial (acc | m | l per head) to
+    ws [N_CHUNKS, tokens, H, NOPE + ROPE + 2]; otherwise it merges the N_CHUNKS chunks itself and
+    writes o (one compiled kernel for both: the branch is per program)."""
     hb = tl.program_id(0)
     tok = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -312,13 +331,6 @@ def _sparse_attention_kernel(
     q_r = tl.load(q_rows + NOPE + offs_r[None, :], mask=hm[:, None] & (offs_r[None, :] < ROPE),
                   other=0.0).to(DOT_DT)
     sink = tl.load(sink_ptr + offs_h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
-    # the sink is one more softmax term (value 0) in split 0 only; the other splits start from a
-    # finite -1e30 so that exp2(m - m_new) is 1, not NaN, while they have seen nothing
-    m = tl.where(sp == 0, sink, -1.0e30)
-    l = tl.where(sp == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
-    acc_n = tl.zeros([BLOCK_H, BLOCK_NOPE], tl.float32)
-    acc_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-
     visible = tl.where(row_ok & (P >= 0), (P + 1) // ratio, 0)   # compressed entries visible
     if CMP == 1:
         n_c = tl.minimum(visible, NE)
@@ -328,36 +340,64 @@ def _sparse_attention_kernel(
         n_c = 0 * visible
     nb_swa = tl.cdiv(window, BLOCK_N)
     n_blocks = nb_swa + tl.cdiv(n_c, BLOCK_N)
-    per = tl.cdiv(n_blocks, SPLIT)
-    lo = sp * per
-    hi = tl.minimum(lo + per, n_blocks)
-    for blk in tl.range(lo, tl.minimum(hi, nb_swa), num_stages=NUM_STAGES):
-        ent, ok = _swa_entries(blk, P, row, row_ok, window, RING, BLOCK_N)
-        kn, kr = _load_block(swn_ptr, sws_ptr, swr_ptr, ent, ok, sw_n, sw_s, sw_r, FP8, NOPE,
-                             ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
-        m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
-                                     DOT_DT, SOFT)
-    for blk in tl.range(tl.maximum(lo, nb_swa), hi, num_stages=NUM_STAGES):
-        ent, ok = _cmp_entries(blk - nb_swa, idx_ptr + tok * stride_it, row, n_c, visible, NE,
-                               K, CMP, BLOCK_N)
-        kn, kr = _load_block(cn_ptr, cs_ptr, cr_ptr, ent, ok, c_n, c_s, c_r, FP8, NOPE, ROPE,
-                             BLOCK_NOPE, BLOCK_R, SOFT)
-        m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale, Q_DT,
-                                     DOT_DT, SOFT)
-
+    # chunk c: blocks [c CHUNK, (c + 1) CHUNK); every program of a split takes one chunk, one
+    # without a split all of them, merging each into (big, den, num) as the combine does
+    c_lo = tl.where(SPLIT == 1, 0, sp)
+    c_hi = tl.where(SPLIT == 1, N_CHUNKS, sp + 1)
+    big = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    num_n = tl.zeros([BLOCK_H, BLOCK_NOPE], tl.float32)
+    num_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for c in range(c_lo, c_hi):
+        # the sink is one more softmax term (value 0) in chunk 0 only; the other chunks start
+        # from a finite -1e30 so that exp2(m - m_new) is 1, not NaN, while they see nothing
+        m = tl.where(c == 0, sink, -1.0e30)
+        l = tl.where(c == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+        acc_n = tl.zeros([BLOCK_H, BLOCK_NOPE], tl.float32)
+        acc_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, n_blocks)
+        for blk in tl.range(lo, tl.minimum(hi, nb_swa), num_stages=NUM_STAGES):
+            ent, ok = _swa_entries(blk, P, row, row_ok, window, RING, BLOCK_N)
+            kn, kr = _load_block(swn_ptr, sws_ptr, swr_ptr, ent, ok, sw_n, sw_s, sw_r, FP8, NOPE,
+                                 ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
+            m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale,
+                                         Q_DT, DOT_DT, SOFT)
+        for blk in tl.range(tl.maximum(lo, nb_swa), hi, num_stages=NUM_STAGES):
+            ent, ok = _cmp_entries(blk - nb_swa, idx_ptr + tok * stride_it, row, n_c, visible,
+                                   NE, K, CMP, BLOCK_N)
+            kn, kr = _load_block(cn_ptr, cs_ptr, cr_ptr, ent, ok, c_n, c_s, c_r, FP8, NOPE, ROPE,
+                                 BLOCK_NOPE, BLOCK_R, SOFT)
+            m, l, acc_n, acc_r = _attend(q_n, q_r, m, l, acc_n, acc_r, kn, kr, ok, qk_scale,
+                                         Q_DT, DOT_DT, SOFT)
+        if SPLIT == 1:
+            big, den, a, b = _merge_weights(big, den, m, l)
+            num_n = num_n * a[:, None] + acc_n * b[:, None]
+            num_r = num_r * a[:, None] + acc_r * b[:, None]
+        else:
+            W: tl.constexpr = NOPE + ROPE + 2
+            _store_partial(ws_ptr + ((sp * tl.num_programs(1) + tok) * H + offs_h[:, None]) * W,
+                           acc_n, acc_r, m, l, hm, NOPE, ROPE, BLOCK_NOPE, BLOCK_R)
     if SPLIT == 1:
-        _store_o(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh, acc_n, acc_r, l, hm,
+        _store_o(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh, num_n, num_r, den, hm,
                  NOPE, ROPE, BLOCK_NOPE, BLOCK_R, SOFT)
-    else:
-        W: tl.constexpr = NOPE + ROPE + 2
-        _store_partial(ws_ptr + ((sp * tl.num_programs(1) + tok) * H + offs_h[:, None]) * W,
-                       acc_n, acc_r, m, l, hm, lo < hi, NOPE, ROPE, BLOCK_NOPE, BLOCK_R)
+
+
+@triton.jit
+def _merge_weights(big, den, m, l):
+    """Merge a chunk's (max m, denominator l) into the running (big, den): the new running
+    pair and the weights a, b of the running and the chunk's numerators (num a + acc b). One
+    function for the kernel's in-register merge and the combine's, so both round alike."""
+    new = tl.maximum(big, m)
+    a = tl.exp2(big - new)
+    b = tl.exp2(m - new)
+    return new, den * a + l * b, a, b
 
 
 @triton.jit
 def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SOFT: tl.constexpr):
-    """o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits, in split order."""
+    """o = num / den after merging the chunks' partials in chunk order (`_merge_weights`)."""
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = offs_h < H
@@ -366,18 +406,17 @@ def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constex
     stride_s = tl.num_programs(0) * H * W
     rows = ws_ptr + (tok * H + offs_h) * W
     big = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    for s in range(SPLIT):
-        big = tl.maximum(big, tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30))
     den = tl.zeros([BLOCK_H], tl.float32)
     num = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s in range(SPLIT):
-        w = tl.exp2(tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30) - big)
-        den += w * tl.load(rows + s * stride_s + D + 1, mask=hm, other=0.0)
-        a = tl.load(rows[:, None] + s * stride_s + offs_d[None, :],
-                    mask=(hm & (w > 0))[:, None] & (offs_d[None, :] < D), other=0.0)
-        num += w[:, None] * a
+        m = tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30)
+        l = tl.load(rows + s * stride_s + D + 1, mask=hm, other=0.0)
+        acc = tl.load(rows[:, None] + s * stride_s + offs_d[None, :],
+                      mask=hm[:, None] & (offs_d[None, :] < D), other=0.0)
+        big, den, a, b = _merge_weights(big, den, m, l)
+        num = num * a[:, None] + acc * b[:, None]
     dt = o_ptr.dtype.element_ty
-    o = round_to(num / tl.where(hm, den, 1.0)[:, None], dt, SOFT).to(dt)   # split 0 holds l >= 1
+    o = round_to(num / tl.where(hm, den, 1.0)[:, None], dt, SOFT).to(dt)   # chunk 0 has l >= 1
     tl.store(o_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], o,
              mask=hm[:, None] & (offs_d[None, :] < D))
 
@@ -468,24 +507,26 @@ def sparse_attention_launch(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, c
     kernel = _sparse_attention_kernel
     soft = interpreting(kernel)
     p = plan or sparse_attention_plan(B * T, H, window + (K if mode == 2 else NE if mode else 0),
-                                      soft)
+                                      soft, invariant=batch_invariant())
     n_hb = triton.cdiv(H, p.block_h)
-    ws = torch.empty((p.split, B * T, H, D + 2) if p.split > 1 else (1,), dtype=torch.float32,
+    n_chunks = triton.cdiv(n_blocks(p, window, K if mode == 2 else NE if mode else 0), p.chunk)
+    split = n_chunks if p.split and n_chunks > 1 else 1
+    ws = torch.empty((split, B * T, H, D + 2) if split > 1 else (1,), dtype=torch.float32,
                      device=q.device)
     idx = cmp_idx.reshape(B * T, -1) if mode == 2 else rows
     block_d = next_pow2(nope)
-    launch(kernel)[(n_hb, B * T, p.split)](
+    launch(kernel)[(n_hb, B * T, split)](
         q3, o, ws, sink, rows, pos.reshape(-1), idx, *sw, *cv, T, H, swa_kv.shape[0],
         swa_kv.shape[1], NE, K, window, max(ratio, 1),
-        float(scale) * LOG2E, q3.stride(0), q3.stride(1), o.stride(0), o.stride(1),
-        idx.stride(0), *(t.stride(0) for t in sw), *(t.stride(0) for t in cv),
+        float(scale) * LOG2E, p.chunk, n_chunks, q3.stride(0), q3.stride(1), o.stride(0),
+        o.stride(1), idx.stride(0), *(t.stride(0) for t in sw), *(t.stride(0) for t in cv),
         FP8=fp8, CMP=mode, NOPE=nope, ROPE=rope, BLOCK_H=p.block_h, BLOCK_N=p.block_n,
         BLOCK_NOPE=block_d, BLOCK_R=max(16, next_pow2(rope)),
         NUM_STAGES=p.num_stages, SOFT=soft, num_warps=p.num_warps)
-    if p.split > 1:
+    if split > 1:
         ck = _combine_kernel
         launch(ck)[(B * T, triton.cdiv(H, COMBINE_HEADS))](
-            ws, o, H, p.split, o.stride(0), o.stride(1), D=D, BLOCK_H=COMBINE_HEADS,
+            ws, o, H, split, o.stride(0), o.stride(1), D=D, BLOCK_H=COMBINE_HEADS,
             BLOCK_D=next_pow2(D), SOFT=interpreting(ck), num_warps=4)
     return o.view(B, T, H, D)
 
@@ -525,7 +566,7 @@ def _configs():
                          sws_ptr="*u8" if fp8 else cache_t, swr_ptr="*bf16", cn_ptr=cache_t,
                          cs_ptr="*u8" if fp8 else cache_t, cr_ptr="*bf16", T="i32", H=_D16,
                          R="i32", RING="i32", NE="i32", K=_D16, window=_D16, ratio="i32",
-                         qk_scale="fp32", stride_qt=_D16, stride_qh=_D16, stride_ot=_D16,
+                         qk_scale="fp32", CHUNK="i32", N_CHUNKS="i32", stride_qt=_D16, stride_qh=_D16, stride_ot=_D16,
                          stride_oh=_D16, stride_it=_D16, sw_n=_D16, sw_s="i32", sw_r=_D16,
                          c_n=_D16, c_s="i32", c_r=_D16)
             out.append(compile_config(_sparse_attention_kernel, types, dict(

@@ -6,17 +6,17 @@ FP8 block GEMM does; the product is one `dspark::fp8_linear` call (kernels/fp8_l
 reference there dequantizes and accumulates in fp32, fp64 in exact mode; on CUDA the Triton
 GEMM reads the fp8 bytes and scales directly).
 
-`BF16Linear` and the LM head (`bf16_linear`): in bf16 compute, bf16 operands with fp32
-accumulation (cuBLAS), never an up-cast copy of the weight; fp32 / fp64 compute (tests, exact
-mode) multiply in that dtype.
+`BF16Linear` and the LM head (`bf16_linear`): one `dspark::linear` call (kernels/linear.py): in
+bf16 compute, bf16 operands with fp32 accumulation, never an up-cast copy of the weight on a
+GPU; fp32 / fp64 compute (tests, exact mode) multiply in that dtype.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark_compile.kernels import fp8_linear as _fp8_linear  # noqa: F401  (registers the op)
+from dspark_compile.kernels import linear as _linear  # noqa: F401  (registers the op)
 from dspark_compile.kernels.act_quant import act_quant_reference
 
 from dspark_compile.models.config import Precision
@@ -54,24 +54,13 @@ class BF16Linear(nn.Module):
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T for compute dtype `dtype`, result in `out_dtype`.
-
-    16-bit compute: x in w's dtype, products accumulated in fp32 by the GEMM. An fp32 result
-    (the LM head's logits, which the samplers read as fp32; the compressor's and indexer's
-    fp32 scores) comes straight out of the GEMM on CUDA (`mm` with out_dtype: a bf16 result
-    would round the logits to 8 bits). The CPU has no such GEMM and multiplies fp32 copies:
-    the same exact bf16 products summed in fp32, so the numbers agree up to summation order.
-    fp32 / fp64 compute: both operands in that dtype, as the reference always did."""
-    acc = acc_dtype(dtype)
-    if acc == dtype:
-        return (x.to(acc) @ w.to(acc).T).to(out_dtype)
-    x = x.to(w.dtype)
-    if out_dtype != torch.float32:
-        return F.linear(x, w).to(out_dtype)
-    if not x.is_cuda:
-        return x.float() @ w.float().T
-    y = torch.mm(x.reshape(-1, x.shape[-1]), w.T, out_dtype=torch.float32)
-    return y.view(*x.shape[:-1], w.shape[0])
+    """x [..., K] @ w[N, K]^T for compute dtype `dtype`, result in `out_dtype`: one
+    `dspark::linear` call (kernels/linear.py). 16-bit compute: x in w's dtype, the exact
+    products accumulated in fp32 and rounded once (an fp32 result, the LM head's logits that
+    the samplers read and the compressor's and indexer's scores, is not rounded to 8 bits);
+    fp32 / fp64 compute: both operands in that dtype. Our GEMM, not cuBLAS, so that a row's
+    result does not depend on how many rows share the call."""
+    return torch.ops.dspark.linear(x, w, dtype, out_dtype)
 
 
 class FP8Linear(nn.Module):

@@ -34,7 +34,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor):
         cfg = self.cfg
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        logits = x.to(acc) @ self.weight.to(acc).T
+        logits = torch.ops.dspark.linear(x, self.weight, x.dtype, acc)   # exact bf16 products
         score = torch.sqrt(F.softplus(logits))
         if self.hash_layer:
             # tokens are folded into [0, vocab) by Batch.make already; folding here as well keeps

@@ -82,6 +82,12 @@ def _fp8_linear(g, n, big):
                 out_dtype=torch.bfloat16)
 
 
+def _linear(g, n, big):
+    N, K = (2048, 4096) if big else (200, 384)
+    return dict(x=_randn(g, n, K, dtype=torch.bfloat16), w=_randn(g, N, K, dtype=torch.bfloat16),
+                dtype=torch.bfloat16, out_dtype=torch.float32)
+
+
 def _moe_experts(g, n, big):
     E, I, D, k = 8, 64, (256 if big else 128), 3
     ws = []
@@ -295,6 +301,7 @@ CASES: dict[str, Case] = {
     "swiglu_quant": Case(_swiglu_quant, ("g", "u"), _row_of_outputs),
     "rmsnorm_quant": Case(_rmsnorm_quant, ("x",), _row_of_outputs),
     "fp8_linear": Case(_fp8_linear, ("x", "x_s"), _row_of_outputs),
+    "linear": Case(_linear, ("x",), _row_of_outputs),
     "moe_experts": Case(_moe_experts, ("x", "topk_ids", "topk_weights"), _row_of_outputs),
     "hc_pre": Case(_hc_pre, ("X",), _row_of_outputs),
     "hc_head": Case(_hc_head, ("X",), _row_of_outputs),

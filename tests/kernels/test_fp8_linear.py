@@ -12,6 +12,7 @@ import torch
 
 from dspark_compile.kernels import fp8_linear as fl
 from dspark_compile.kernels.act_quant import act_quant_reference
+from dspark_compile.kernels.linear import linear_reference
 from dspark_compile.kernels.registry import KERNELS
 from dspark_compile.models.config import Precision
 from dspark_compile.models.linear import BF16Linear, FP8Linear, bf16_linear
@@ -188,17 +189,20 @@ def test_exported_linear_is_one_opaque_node():
 
 
 def test_bf16_linear_keeps_the_weight_bf16():
-    """bf16 compute, bf16 result: F.linear on the bf16 weight (fp32 accumulation inside); the
-    fp32-result CPU path is the same exact products summed in fp32."""
+    """bf16 compute: one dspark::linear on the bf16 weight (exact products, fp32 sums), a bf16
+    result rounded once from them; fp64 compute multiplies in fp64."""
     lin = BF16Linear(64, 128, Precision())
     lin.weight.copy_(torch.randn(64, 128, generator=_gen(13)).to(torch.bfloat16))
     x = torch.randn(3, 128, generator=_gen(14)).to(torch.bfloat16)
     want = (x.float() @ lin.weight.float().T)
+    atol = 2 * 128 * 2.0 ** -24 * float((x.float().abs() @ lin.weight.float().abs().T).max())
     assert lin(x).dtype == torch.bfloat16
-    torch.testing.assert_close(lin(x).float(), want, rtol=BF16_RTOL, atol=1e-6)
-    assert torch.equal(lin(x, out_dtype=torch.float32), want)
-    assert torch.equal(bf16_linear(x.double(), lin.weight, torch.float64, torch.float64),
-                       x.double() @ lin.weight.double().T)
+    torch.testing.assert_close(lin(x).float(), want, rtol=BF16_RTOL, atol=atol)
+    torch.testing.assert_close(lin(x, out_dtype=torch.float32), want, rtol=0.0, atol=atol)
+    assert torch.equal(lin(x, out_dtype=torch.float32),
+                       linear_reference(x, lin.weight, torch.bfloat16, torch.float32))
+    torch.testing.assert_close(bf16_linear(x.double(), lin.weight, torch.float64, torch.float64),
+                               x.double() @ lin.weight.double().T, rtol=1e-15, atol=1e-13)
 
 
 # Flash shapes (N, K, groups): wq_b, wkv, wo_a (8 groups), wo_b, draft.main_proj

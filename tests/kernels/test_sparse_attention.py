@@ -191,17 +191,20 @@ def test_nan_in_q_propagates_to_its_head_only():
     assert_close(o, r)
 
 
-@pytest.mark.parametrize("split", [2, 3, 5])
-def test_split_over_candidate_blocks(split):
-    """Long context: many compressed blocks spread over `split` programs per token, merged by
-    the combine launch; equal to the reference and (up to rounding) to one split."""
+@pytest.mark.parametrize("chunk", [2, 3, 5])
+def test_chunks_split_or_merged_in_registers_give_the_same_bits(chunk):
+    """Long context (3 SWA + 4 compressed blocks of 16): chunks of `chunk` blocks, one program
+    each merged by the combine launch, or merged by one program: equal to the reference, and
+    to each other bit for bit (the split is chosen by the token count, so it must not change a
+    row's result); one chunk (no merge) agrees with them up to rounding."""
     c = Case(B=2, T=2, ratio=4, NE=80, K=50, ring=40, window=35)
     d = make(c, seed=8, start=[[300], [319]])
     base = sa.sparse_attention_plan(4, c.H, 100, interpret=True)
-    o, r = run_both(d, dataclasses.replace(base, split=split))
+    o, r = run_both(d, dataclasses.replace(base, chunk=chunk, split=True))
     assert_close(o, r)
-    o1 = sa.sparse_attention_launch(**d, plan=base)
-    assert_close(o, o1)
+    merged = sa.sparse_attention_launch(**d, plan=dataclasses.replace(base, chunk=chunk))
+    assert torch.equal(o, merged)
+    assert_close(o, sa.sparse_attention_launch(**d, plan=base))
 
 
 def test_split_c128_splits_with_nothing_to_do():
@@ -209,13 +212,19 @@ def test_split_c128_splits_with_nothing_to_do():
     c = Case(B=2, T=1, ratio=8, NE=40)
     d = make(c, seed=9, start=[[3], [300]])
     base = sa.sparse_attention_plan(2, c.H, 47, interpret=True)
-    assert_close(*run_both(d, dataclasses.replace(base, split=4)))
+    plan = dataclasses.replace(base, chunk=1, split=True)
+    o, r = run_both(d, plan)
+    assert_close(o, r)
+    assert torch.equal(o, sa.sparse_attention_launch(**d, plan=dataclasses.replace(plan,
+                                                                                  split=False)))
 
 
 def test_plan_splits_only_when_the_grid_is_small():
+    """The chunks follow the capacity alone; the split (bit-neutral) follows the tokens."""
     few = sa.sparse_attention_plan(6, 64, 128 + 512)
     many = sa.sparse_attention_plan(384, 64, 128 + 512)
-    assert few.split > 1 and many.split == 1
+    assert few.split and not many.split and few.chunk == many.chunk
+    assert sa.n_blocks(few, 128, 512) // few.chunk > 1
     assert few.block_h * few.block_n and few.block_h <= 64
 
 

@@ -1,0 +1,179 @@
+"""`dspark::linear`: the float GEMMs of the step (LM head, BF16Linear, the MoE router), ours.
+
+y = x W^T, W [N, K] in its stored dtype (bf16), accumulated in the compute dtype's accumulator
+(fp32 for bf16 compute, the dtype itself for fp32 / fp64), rounded once to `out_dtype`. bf16
+compute multiplies bf16 x by bf16 W: every product is exact in fp32, so an fp32 result (the
+LM head's logits, the router's and the indexer's fp32 scores) is the fp32 sum of exact products,
+and the kernel differs from the reference only in the order of that sum.
+
+Why not cuBLAS: cuBLAS picks its algorithm (tile, split-K, reduction) by M, so a row's logits
+in a 6-token verify step and in a 1-token target-only step differ in the last bits, and greedy
+decoding flips at near-ties. This kernel fixes every output's K order by (N, K)
+(kernels/fp8_linear.py `split_k`, the same plans as the FP8 GEMM): a row's bits do not depend
+on the batch (tests/kernels/test_batch_invariance.py). The CPU reference is batch invariant as
+well (kernels/common.py `row_matmul`).
+
+Bytes one call must move: N K 2 (the weight) + M K 2 + M N 4 (fp32 out). The Flash LM head
+(129,280 x 4,096 bf16) is 1.06 GB, 221 us at 4.8 TB/s, at every decode M; a router (256 x
+4,096) 2 MB, an indexer weights_proj (64 x 4,096) 0.5 MB.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dspark_compile.kernels.common import row_matmul
+from dspark_compile.kernels.fp8_linear import (
+    M_BUCKETS, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _splitk_sum_kernel, m_bucket,
+    split_k)
+from dspark_compile.kernels.invariance import batch_invariant
+from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
+
+BLOCK_K = 128
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def linear_reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T for compute dtype `dtype` -> [..., N] in `out_dtype`: 16-bit
+    compute rounds x to w's dtype first (the GEMM's operand), then both operands are widened to
+    the accumulator exactly and summed in it."""
+    acc = _acc(dtype)
+    a = x.to(w.dtype) if acc != dtype else x
+    return row_matmul(a.to(acc), w.to(acc).T).to(out_dtype)
+
+
+def linear_plan(M: int, N: int, K: int, w_bytes: int, sm_count: int = SM_COUNT_HINT,
+                invariant: bool = True, interpret: bool = False):
+    """(block_m, block_n, swap_ab, split, kb_per_split, num_warps, num_stages): the FP8 GEMM's
+    tiles for M, its split of K (by (N, K) when invariant), stages within the shared memory
+    that w_bytes-wide operands leave. The interpreter's dots are numpy GEMMs, whose sums follow
+    the tile's shape: there every M takes the 16-row tile."""
+    block_m, block_n, swap, warps, stages = TILES[M_BUCKETS[0] if interpret else m_bucket(M)]
+    split, per = split_k(M, N, triton.cdiv(K, BLOCK_K), block_m, block_n, sm_count, invariant)
+    per_stage = BLOCK_K * (block_m + block_n) * w_bytes
+    return block_m, block_n, swap, split, per, warps, max(1, min(stages,
+                                                                  SMEM_BUDGET // per_stage - 1))
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KB_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+                   stride_ys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   SOFT: tl.constexpr):
+    """One (N tile, M tile, K split): the split's K blocks in order into an fp32 (or the
+    operands' fp64) accumulator; SWAP_AB computes (W x^T) so N fills the MMA's wide side."""
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask, nmask = offs_m < M, offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    kb_lo = pid_s * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    ACC: tl.constexpr = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), ACC)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    for kb in tl.range(kb_lo, kb_hi, num_stages=NUM_STAGES):
+        k0 = kb * BLOCK_K
+        kmask = (k0 + offs_k) < K
+        a = tl.load(x_rows + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if SOFT and ACC == tl.float32:     # the interpreter's bf16 dot is wrong; exact widening
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        else:
+            b = b.to(a.dtype)              # fp32 compute: the bf16 weight widened exactly
+        if SWAP_AB:
+            acc += tl.dot(b, tl.trans(a), input_precision="ieee", out_dtype=ACC)
+        else:
+            acc += tl.dot(a, tl.trans(b), input_precision="ieee", out_dtype=ACC)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    dt = y_ptr.dtype.element_ty
+    y = round_to(acc.to(tl.float32), dt, SOFT).to(dt) if ACC == tl.float32 else acc.to(dt)
+    y_rows = y_ptr + pid_s * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym
+    tl.store(y_rows + offs_n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+
+
+_X_DTYPES = (torch.bfloat16, torch.float32)
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _check(x, w, dtype, out_dtype):
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise ValueError(f"w must be a float [N, K] tensor, got {w.dtype} {tuple(w.shape)}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x.shape[-1] = {x.shape[-1]} must equal w's K = {w.shape[1]}")
+    if not x.dtype.is_floating_point or not out_dtype.is_floating_point:
+        raise ValueError(f"x and out_dtype must be float, got {x.dtype} and {out_dtype}")
+
+
+def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """The Triton path for bf16 compute (bf16 operands) and fp32 compute (fp32 x, the weight
+    widened in registers); fp64 and other dtypes run the reference."""
+    _check(x, w, dtype, out_dtype)
+    acc = _acc(dtype)
+    a = x.to(w.dtype) if acc != dtype else x
+    if out_dtype not in _OUT_DTYPES or a.dtype not in _X_DTYPES or \
+            (a.dtype == torch.float32) != (acc == dtype == torch.float32):
+        return linear_reference(x, w, dtype, out_dtype)
+    N, K = w.shape
+    x2 = a.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M and N:
+        bm, bn, swap, split, per, warps, stages = linear_plan(
+            M, N, K, max(x2.element_size(), w.element_size()), invariant=batch_invariant(),
+            interpret=interpreting(_linear_kernel))
+        out = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 \
+            else y
+        kernel = _linear_kernel
+        launch(kernel)[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
+            x2, w, out, M, N, K, per, x2.stride(0), w.stride(0), out.stride(-2),
+            out.stride(0) if split > 1 else 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+            SWAP_AB=swap, NUM_STAGES=stages, SOFT=interpreting(kernel), num_warps=warps)
+        if split > 1:
+            sk = _splitk_sum_kernel
+            launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
+                out, y, M * N, split, out.stride(0), BLOCK=SUM_BLOCK, SOFT=interpreting(sk),
+                num_warps=4)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def _linear_fake(x, w, dtype, out_dtype):
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
+@dspark_op("linear", reference=linear_reference, fake=_linear_fake)
+def linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    return linear_launch(x, w, dtype, out_dtype)
+
+
+# SM12x readiness: every M bucket's tile, bf16 operands into bf16 / fp32 outputs (or the split
+# partials), fp32 operands into fp32.
+_D16 = "i32:16"
+for _bm in M_BUCKETS:
+    _, _bn, _swap, _warps, _ = TILES[_bm]
+    for _xt, _wt, _yt in (("*bf16", "*bf16", "*bf16"), ("*bf16", "*bf16", "*fp32"),
+                          ("*fp32", "*bf16", "*fp32")):
+        _stg = linear_plan(_bm, 4096, 4096, 2 if _xt == "*bf16" else 4)[-1]
+        add_compile_configs("linear", [compile_config(
+            _linear_kernel,
+            dict(x_ptr=_xt, w_ptr=_wt, y_ptr=_yt, M="i32", N="i32", K=_D16, KB_PER_SPLIT="i32",
+                 stride_xm=_D16, stride_wn=_D16, stride_ym="i32", stride_ys="i32"),
+            dict(BLOCK_M=_bm, BLOCK_N=_bn, BLOCK_K=BLOCK_K, SWAP_AB=_swap, NUM_STAGES=_stg,
+                 SOFT=False), _warps)])

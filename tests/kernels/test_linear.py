@@ -1,0 +1,100 @@
+"""dspark::linear (kernels/linear.py): the Triton GEMM (TRITON_INTERPRET=1 on CPU machines)
+against its reference, at irregular shapes, every M bucket, forced splits and the dtypes the
+models call it with; NaN / inf stay in their row.
+
+Tolerances: bf16 operands have exact fp32 products, so kernel and reference differ only in the
+order of K fp32 sums, at most 2 K 2^-24 sum_k |x_k w_k| together; a bf16 result is that fp32
+value rounded once (one bf16 ulp, rtol 2^-7). fp32 operands round each product too (another
+2^-24 relative each).
+"""
+import pytest
+import torch
+
+from dspark_compile.kernels import linear as lk
+
+OP = torch.ops.dspark.linear
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _atol(x, w, K, extra=0):
+    mag = (x.float().abs() @ w.float().abs().T).max()
+    return float((2 * K + extra) * 2.0 ** -24 * mag)
+
+
+# (M, N, K): one row; K not a multiple of the 128-wide K block; N not a multiple of a tile;
+# M past the 16- and 32-row buckets
+SHAPES = [(1, 64, 128), (6, 200, 384), (19, 129, 320), (70, 256, 256)]
+
+
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16], ids=["fp32-out", "bf16-out"])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_bf16_kernel_matches_reference(M, N, K, out):
+    x = torch.randn(M, K, generator=_gen(1)).bfloat16()
+    w = (torch.randn(N, K, generator=_gen(2)) * 0.1).bfloat16()
+    y = lk.linear_launch(x, w, torch.bfloat16, out)
+    ref = lk.linear_reference(x, w, torch.bfloat16, out)
+    assert y.dtype == out and y.shape == (M, N)
+    torch.testing.assert_close(y, ref, atol=_atol(x, w, K),
+                               rtol=2.0 ** -7 if out == torch.bfloat16 else 0.0)
+
+
+def test_fp32_compute_and_an_fp32_input_in_bf16_compute():
+    """fp32 compute (x fp32, the bf16 weight widened); bf16 compute rounds an fp32 x to bf16
+    first, as the reference does."""
+    M, N, K = 5, 96, 256
+    x = torch.randn(M, K, generator=_gen(3))
+    w = torch.randn(N, K, generator=_gen(4)).bfloat16()
+    y = lk.linear_launch(x, w, torch.float32, torch.float32)
+    torch.testing.assert_close(y, lk.linear_reference(x, w, torch.float32, torch.float32),
+                               atol=_atol(x, w, K, K), rtol=0.0)
+    y16 = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
+    torch.testing.assert_close(y16, lk.linear_reference(x, w, torch.bfloat16, torch.float32),
+                               atol=_atol(x, w, K), rtol=0.0)
+
+
+def test_forced_split_k_sums_in_order(monkeypatch):
+    """A split of K (3 partials of 128) gives the unsplit values up to summation order, and
+    the same bits every time."""
+    M, N, K = 4, 64, 384
+    x = torch.randn(M, K, generator=_gen(5)).bfloat16()
+    w = torch.randn(N, K, generator=_gen(6)).bfloat16()
+    plan = lk.linear_plan
+    monkeypatch.setattr(lk, "linear_plan", lambda *a, **k: plan(*a, **k)[:3] + (3, 1) +
+                        plan(*a, **k)[5:])
+    y = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
+    torch.testing.assert_close(y, lk.linear_reference(x, w, torch.bfloat16, torch.float32),
+                               atol=_atol(x, w, K), rtol=0.0)
+    assert torch.equal(y, lk.linear_launch(x, w, torch.bfloat16, torch.float32))
+
+
+def test_nan_and_inf_stay_in_their_row():
+    M, N, K = 4, 64, 256
+    x = torch.randn(M, K, generator=_gen(7)).bfloat16()
+    x[1, 5], x[2, 9] = float("nan"), float("inf")
+    w = torch.randn(N, K, generator=_gen(8)).bfloat16()
+    y = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
+    ref = lk.linear_reference(x, w, torch.bfloat16, torch.float32)
+    assert torch.equal(y.isnan(), ref.isnan()) and y[1].isnan().all()
+    assert torch.equal(y[[0, 3]], lk.linear_launch(x[[0, 3]], w, torch.bfloat16, torch.float32))
+
+
+def test_plan_split_follows_the_weight_not_the_rows():
+    for N, K in [(129280, 4096), (256, 4096), (64, 4096), (512, 256)]:
+        splits = {lk.linear_plan(M, N, K, 2)[3] for M in (1, 6, 24, 96, 384)}
+        assert len(splits) == 1, (N, K, splits)
+
+
+def test_op_dispatch_and_errors():
+    x = torch.randn(3, 128).bfloat16()
+    w = torch.randn(64, 128).bfloat16()
+    assert torch.equal(OP(x, w, torch.bfloat16, torch.float32),
+                       lk.linear_reference(x, w, torch.bfloat16, torch.float32))
+    with pytest.raises(ValueError, match="K = 128"):
+        lk.linear_launch(torch.randn(3, 64), w, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="w must be"):
+        lk.linear_launch(x, w[0], torch.bfloat16, torch.float32)
+    x64 = x.double()   # exact mode: the reference
+    assert OP(x64, w, torch.float64, torch.float64).dtype == torch.float64
