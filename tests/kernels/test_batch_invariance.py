@@ -21,7 +21,7 @@ import dspark_compile.kernels.sampling  # noqa: F401  (registers the samplers)
 import dspark_compile.models.step  # noqa: F401  (registers every op the step uses)
 
 POOL = 64
-TARGETS = (0, 37, 63)
+TARGETS = (0, 63)          # first and last of the pool; the 7-row batch puts r in the middle
 
 
 def _batches(r, g):

@@ -1,6 +1,6 @@
 """`dspark-compile serve` over the real engine (the session's `small_engine`: float64 CPU,
 buckets 1 and 2, 5 state rows): streamed and unstreamed tokens equal Engine.generate's for the
-same seeds, greedy and sampled; the CI soak: 200 requests from 16 concurrent clients with
+same seeds, greedy and sampled; the CI soak: SOAK = 100 requests from 16 concurrent clients with
 random lengths, sampling settings, stop strings and disconnects.
 
 The references are computed with Engine.generate before the server opens its stream (one
@@ -36,6 +36,8 @@ SETTINGS = [
 TEXTS = ["The quick brown fox", "Compilers rewrite graphs", "servers stream text",
          "na\u00efve caf\u00e9", "A speculative decoder drafts a block", "kernels move bytes"]
 
+
+SOAK = 100          # requests of the soak (16 clients): every path below is hit many times
 
 def to_params(setting: dict, seed: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=setting["temperature"], top_p=setting.get("top_p", 1.0),
@@ -130,14 +132,14 @@ def outcome(m, o):
     return m[("dspark_requests_total", (("outcome", o),))]
 
 
-def test_soak_200_requests_16_clients(served, scenarios, tok):
+def test_soak_100_requests_16_clients(served, scenarios, tok):
     """Every request completes or is cancelled; each gets exactly its own tokens (none
     duplicated, none mixed: every output equals its request's Engine.generate tokens, greedy
     ones lossless); no state row leaks; the metrics add up."""
     srv, url = served
     rng = random.Random(33)
     plan = []
-    for i in range(200):
+    for i in range(SOAK):
         prompt, setting, seed, want = rng.choice(scenarios)
         # short ones more often: every request's prefill is one engine call (~0.35 s each on a
         # free core here), the soak's main cost, and each later step another
@@ -204,7 +206,7 @@ def test_soak_200_requests_16_clients(served, scenarios, tok):
     for t in threads:
         t.join(max(1.0, deadline - time.monotonic() + 5))
     assert not errors and all(not t.is_alive() for t in threads), errors[:3]
-    assert sorted(results) == list(range(200))
+    assert sorted(results) == list(range(SOAK))
     ids_seen = set()
     for p in plan:
         got = results[p["i"]]
@@ -233,14 +235,14 @@ def test_soak_200_requests_16_clients(served, scenarios, tok):
             for o in ("stop", "length", "cancelled", "queue_full", "invalid", "error")}
     disconnects = sum(p["mode"] in ("leave", "disconnect") for p in plan)
     assert done["queue_full"] == done["invalid"] == done["error"] == 0, done
-    assert done["stop"] + done["length"] + done["cancelled"] == 200, done
+    assert done["stop"] + done["length"] + done["cancelled"] == SOAK, done
     assert 0 < done["cancelled"] <= disconnects, done
     assert after[("dspark_requests_in_flight", ())] == 0
     assert after[("dspark_spec_decode_num_drafts_total", ())] > \
         before[("dspark_spec_decode_num_drafts_total", ())]
     busy = after[("dspark_engine_busy_seconds_total", ())] - \
         before[("dspark_engine_busy_seconds_total", ())]
-    print(f"soak: 200 requests in {time.monotonic() - t0:.1f} s (the engine busy {busy:.1f} s "
+    print(f"soak: {SOAK} requests in {time.monotonic() - t0:.1f} s (the engine busy {busy:.1f} s "
           f"of it), outcomes {done}")
 
 
