@@ -348,9 +348,9 @@ def take(case: Case, kw: dict, idx: list[int]) -> dict:
         if k in TOKEN_MAJOR and TOKEN_MAJOR[k] in kw and kw[TOKEN_MAJOR[k]].dim() == 2 and \
                 t.shape[0] != kw[TOKEN_MAJOR[k]].shape[0]:
             T = kw[TOKEN_MAJOR[k]].shape[1]
-            t = t.view(-1, T, *t.shape[1:])[ix].flatten(0, 1)
+            t = t.view(-1, T, *t.shape[1:])[ix.to(t.device)].flatten(0, 1)
         else:
-            t = t[ix]
+            t = t[ix.to(t.device)]
         out[k] = t
     for k in case.mutated:
         out[k] = kw[k].clone()

@@ -13,6 +13,8 @@ import torch
 from dspark_compile.kernels import linear as lk
 
 OP = torch.ops.dspark.linear
+# the kernel runs where its tensors are: the interpreter on a CPU machine, the GPU on one
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _gen(seed):
@@ -32,8 +34,8 @@ SHAPES = [(1, 64, 128), (6, 200, 384), (19, 129, 320), (70, 256, 256)]
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16], ids=["fp32-out", "bf16-out"])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_bf16_kernel_matches_reference(M, N, K, out):
-    x = torch.randn(M, K, generator=_gen(1)).bfloat16()
-    w = (torch.randn(N, K, generator=_gen(2)) * 0.1).bfloat16()
+    x = torch.randn(M, K, generator=_gen(1)).bfloat16().to(DEV)
+    w = (torch.randn(N, K, generator=_gen(2)) * 0.1).bfloat16().to(DEV)
     y = lk.linear_launch(x, w, torch.bfloat16, out)
     ref = lk.linear_reference(x, w, torch.bfloat16, out)
     assert y.dtype == out and y.shape == (M, N)
@@ -45,8 +47,8 @@ def test_fp32_compute_and_an_fp32_input_in_bf16_compute():
     """fp32 compute (x fp32, the bf16 weight widened); bf16 compute rounds an fp32 x to bf16
     first, as the reference does."""
     M, N, K = 5, 96, 256
-    x = torch.randn(M, K, generator=_gen(3))
-    w = torch.randn(N, K, generator=_gen(4)).bfloat16()
+    x = torch.randn(M, K, generator=_gen(3)).to(DEV)
+    w = torch.randn(N, K, generator=_gen(4)).bfloat16().to(DEV)
     y = lk.linear_launch(x, w, torch.float32, torch.float32)
     torch.testing.assert_close(y, lk.linear_reference(x, w, torch.float32, torch.float32),
                                atol=_atol(x, w, K, K), rtol=0.0)
@@ -59,8 +61,8 @@ def test_forced_split_k_sums_in_order(monkeypatch):
     """A split of K (3 partials of 128) gives the unsplit values up to summation order, and
     the same bits every time."""
     M, N, K = 4, 64, 384
-    x = torch.randn(M, K, generator=_gen(5)).bfloat16()
-    w = torch.randn(N, K, generator=_gen(6)).bfloat16()
+    x = torch.randn(M, K, generator=_gen(5)).bfloat16().to(DEV)
+    w = torch.randn(N, K, generator=_gen(6)).bfloat16().to(DEV)
     plan = lk.linear_plan
     monkeypatch.setattr(lk, "linear_plan", lambda *a, **k: plan(*a, **k)[:3] + (3, 1) +
                         plan(*a, **k)[5:])
@@ -72,9 +74,9 @@ def test_forced_split_k_sums_in_order(monkeypatch):
 
 def test_nan_and_inf_stay_in_their_row():
     M, N, K = 4, 64, 256
-    x = torch.randn(M, K, generator=_gen(7)).bfloat16()
+    x = torch.randn(M, K, generator=_gen(7)).bfloat16().to(DEV)
     x[1, 5], x[2, 9] = float("nan"), float("inf")
-    w = torch.randn(N, K, generator=_gen(8)).bfloat16()
+    w = torch.randn(N, K, generator=_gen(8)).bfloat16().to(DEV)
     y = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
     ref = lk.linear_reference(x, w, torch.bfloat16, torch.float32)
     assert torch.equal(y.isnan(), ref.isnan()) and y[1].isnan().all()
