@@ -86,3 +86,21 @@ def test_kernel_is_batch_invariant(name):
     if big:
         kw = _to(kw, "cuda")
     _assert_invariant(name, KERNELS[name].launcher, kw, g)
+
+
+def test_batch_dependent_plans_only_inside_the_benchmark_switch():
+    """Launchers read kernels.invariance.batch_invariant(): True unless a benchmark opts out;
+    the opt-out gives the token-count plans (fp8_linear's split at M = 384 shrinks) and ends
+    with its block, even on an error."""
+    from dspark_compile.kernels import fp8_linear as fl
+    from dspark_compile.kernels.invariance import batch_dependent_plans, batch_invariant
+    assert batch_invariant()
+    splits = {fl.fp8_linear_plan(M, 8192, 4096).split_k for M in (6, 384)}
+    assert len(splits) == 1
+    with pytest.raises(RuntimeError):
+        with batch_dependent_plans():
+            assert not batch_invariant()
+            assert fl.fp8_linear_plan(384, 8192, 4096, invariant=batch_invariant()).split_k < \
+                fl.fp8_linear_plan(6, 8192, 4096, invariant=batch_invariant()).split_k
+            raise RuntimeError
+    assert batch_invariant()
