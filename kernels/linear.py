@@ -25,8 +25,8 @@ import triton.language as tl
 
 from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.fp8_linear import (
-    M_BUCKETS, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _splitk_sum_kernel, m_bucket,
-    split_k)
+    M_BUCKETS, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _splitk_sum_kernel,
+    m_bucket, split_k)
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
@@ -34,16 +34,12 @@ from dspark_compile.kernels.tl_helpers import compile_config, interpreting, laun
 BLOCK_K = 128
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def linear_reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T for compute dtype `dtype` -> [..., N] in `out_dtype`: 16-bit
     compute rounds x to w's dtype first (the GEMM's operand), then both operands are widened to
     the accumulator exactly and summed in it."""
-    acc = _acc(dtype)
+    acc = _acc_dtype(dtype)
     a = x.to(w.dtype) if acc != dtype else x
     return row_matmul(a.to(acc), w.to(acc).T).to(out_dtype)
 
@@ -108,7 +104,7 @@ _X_DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _check(x, w, dtype, out_dtype):
+def _check(x, w, out_dtype):
     if w.dim() != 2 or not w.dtype.is_floating_point:
         raise ValueError(f"w must be a float [N, K] tensor, got {w.dtype} {tuple(w.shape)}")
     if x.shape[-1] != w.shape[1]:
@@ -121,8 +117,8 @@ def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """The Triton path for bf16 compute (bf16 operands) and fp32 compute (fp32 x, the weight
     widened in registers); fp64 and other dtypes run the reference."""
-    _check(x, w, dtype, out_dtype)
-    acc = _acc(dtype)
+    _check(x, w, out_dtype)
+    acc = _acc_dtype(dtype)
     a = x.to(w.dtype) if acc != dtype else x
     if out_dtype not in _OUT_DTYPES or a.dtype not in _X_DTYPES or \
             (a.dtype == torch.float32) != (acc == dtype == torch.float32):
