@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.common import fp8_group_quant, rmsnorm, upcast
+from dspark_compile.kernels.common import fp8_group_quant, rmsnorm, simd_pointwise, upcast
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.region import fusable
 from dspark_compile.kernels.tl_helpers import (
@@ -50,7 +50,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     if limit > 0:
         gf = gf.clamp(max=limit)
         uf = uf.clamp(-limit, limit)
-    return (F.silu(gf) * uf).to(g.dtype)
+    return (simd_pointwise(F.silu, gf) * uf).to(g.dtype)
 
 
 @fusable("swiglu_quant")

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.common import fp8_group_dequant
+from dspark_compile.kernels.common import fp8_group_dequant, row_matmul
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import (
@@ -90,10 +90,11 @@ def fp8_linear_reference(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Ten
     a = a.to(acc)
     wd = block_dequant(w, w_s, acc)
     if groups == 1:
-        return (a @ wd.T).to(out_dtype)
+        return row_matmul(a, wd.T).to(out_dtype)
     lead, N = a.shape[:-1], w.shape[0]
     a3 = a.reshape(-1, groups, a.shape[-1] // groups)
-    y = torch.einsum("mgi,goi->mgo", a3, wd.view(groups, N // groups, -1))
+    w3 = wd.view(groups, N // groups, -1)
+    y = torch.stack([row_matmul(a3[:, g], w3[g].T) for g in range(groups)], 1)
     return y.reshape(*lead, N).to(out_dtype)
 
 

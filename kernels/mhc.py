@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.common import row_matmul, upcast
+from dspark_compile.kernels.common import row_matmul, simd_pointwise, upcast
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.region import fusable
@@ -68,10 +68,9 @@ def _mix(X: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 
 def _sigmoid_ref(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid in fp64, rounded back: the CPU's vectorized fp32 sigmoid and its scalar loop
-    (the last elements of a tensor) differ in the last bit, so on [T, m] gates a row's bits
-    would depend on T; both fp64 paths round to the same fp32."""
-    return torch.sigmoid(x.double()).to(x.dtype)
+    """sigmoid in fp64, rounded back, through the CPU's vector path only (`simd_pointwise`):
+    on [T, m] gates a row's bits would otherwise depend on T."""
+    return simd_pointwise(torch.sigmoid, x.double()).to(x.dtype)
 
 
 def _sinkhorn(c: torch.Tensor, eps: float, iters: int) -> torch.Tensor:

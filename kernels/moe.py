@@ -47,6 +47,7 @@ import triton
 from dspark_compile.kernels import moe_kernels as mk
 from dspark_compile.kernels import moe_layout as ml
 from dspark_compile.kernels.act_quant import swiglu
+from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, next_pow2
 
@@ -99,10 +100,10 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     xa, wt = x.to(acc), topk_weights.to(acc)
     ys = torch.zeros(T, k, w2.shape[1], dtype=acc, device=x.device)   # slot j's w * o_j
     for e in range(w1.shape[0]):
-        g = (xa @ mxfp4_dequant(w1[e], s1[e], acc).T).to(x.dtype)
-        u = (xa @ mxfp4_dequant(w3[e], s3[e], acc).T).to(x.dtype)
+        g = row_matmul(xa, mxfp4_dequant(w1[e], s1[e], acc).T).to(x.dtype)
+        u = row_matmul(xa, mxfp4_dequant(w3[e], s3[e], acc).T).to(x.dtype)
         h = swiglu(g, u, swiglu_limit)
-        o = (h.to(acc) @ mxfp4_dequant(w2[e], s2[e], acc).T).to(x.dtype).to(acc)
+        o = row_matmul(h.to(acc), mxfp4_dequant(w2[e], s2[e], acc).T).to(x.dtype).to(acc)
         ys = torch.where((topk_ids == e)[..., None], wt[..., None] * o[:, None, :], ys)
     y = ys[:, 0] if k else ys.sum(1)
     for j in range(1, k):                                             # slot order, as the kernel

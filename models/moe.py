@@ -14,6 +14,7 @@ from torch import nn
 from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers dspark::moe_experts)
 from dspark_compile.kernels import moe_layout
 from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
+from dspark_compile.kernels.common import simd_pointwise
 from dspark_compile.kernels.sampling.reference import fold_ids
 
 from dspark_compile.models.config import ModelConfig, Precision
@@ -35,7 +36,7 @@ class Gate(nn.Module):
         cfg = self.cfg
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = torch.ops.dspark.linear(x, self.weight, x.dtype, acc)   # exact bf16 products
-        score = torch.sqrt(F.softplus(logits))
+        score = torch.sqrt(simd_pointwise(F.softplus, logits))
         if self.hash_layer:
             # tokens are folded into [0, vocab) by Batch.make already; folding here as well keeps
             # the gather addressable for any caller
