@@ -46,6 +46,52 @@ def test_prefill_equals_decode(make_model, prec):
     assert pre.std(0).mean() > 0.1
 
 
+def _rows_chunks(model, state, rows, ids, chunk):
+    """Logits [len(rows), L, V] of rows fed ids [len(rows), L] together, `chunk` tokens a call."""
+    outs = []
+    trash = state["row.last_pos"].shape[0] - 1
+    dev = state["row.last_pos"].device
+    for s in range(0, ids.shape[1], chunk):
+        e = min(s + chunk, ids.shape[1])
+        b = Batch.make(torch.tensor(rows, device=dev), torch.arange(s, e, device=dev)[None].repeat(len(rows), 1),
+                       ids[:, s:e], trash, model.cfg.vocab_size)
+        outs.append(model(b, state)[0])
+    return torch.cat(outs, 1)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the kernels' half of this test needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunks_and_batches_are_bit_equal_to_decoding_alone(make_model, dtype, device):
+    """Batch invariance of the whole forward, FP8 simulation on: a token's logits are the same
+    bits whether its request runs alone one token at a time (the target-only step), in
+    verify-sized blocks of 6 (the speculative step), in 48-token prefill chunks, or next to
+    other requests. On the CPU this checks the references (the CPU engine), on the GPU the
+    Triton kernels and aten's CUDA glue, in eager mode."""
+    prec = Precision(dtype=dtype)
+    model = make_model(prec, with_draft=False, max_positions=512).to(device)
+    cfg = model.cfg
+    L = 132    # closes a C128 block (positions 0..127) and 33 C4 blocks
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (3, L), generator=g).to(device)
+    state = allocate_state(cfg, CacheConfig(max_rows=6, max_seq_len=L + 8, max_step_tokens=48),
+                           prec, device=device)
+    with torch.no_grad():
+        alone = _rows_chunks(model, state, [0], ids[:1], 1)[0]
+        block = _rows_chunks(model, state, [1], ids[:1], 6)[0]
+        chunk = _rows_chunks(model, state, [2], ids[:1], 48)[0]
+        # the request in the middle of a batch of three, decoding and verifying
+        three = _rows_chunks(model, state, [3, 4, 5], ids[[1, 0, 2]], 6)[1]
+    assert torch.isfinite(alone).all() and alone.std(0).mean() > 0.1
+    for name, got in (("6-token blocks", block), ("48-token chunks", chunk), ("a batch of 3", three)):
+        bad = (got != alone).any(-1).nonzero().flatten()
+        assert bad.numel() == 0, (f"{name}: logits of positions {bad[:8].tolist()} differ from "
+                                  f"decoding alone (max |diff| {(got - alone).abs().max():.3g})")
+
+
 def test_padded_rows_are_inert(make_model):
     """A batch with a padded row (the trash row) leaves every real row's caches untouched."""
     prec = Precision(dtype=torch.float64)
