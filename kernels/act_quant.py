@@ -9,6 +9,10 @@ Per token, groups of 128 along K, float8_e4m3fn with power-of-two (UE8M0) scales
   quant; returns the normed activations too because other consumers (compressor, router, routed
   experts) read them unquantized.
 - `act_quant_reference`: the quant alone.
+- `rmsnorm_reference`: the weighted RMSNorm alone, for norms whose output feeds no FP8 GEMM (the
+  attention's kv, the draft's context kv, the final norm). It is an op of its own, not glue,
+  because a glue mean is batch dependent on the GPU: aten's and Inductor's reductions pick
+  their block shapes by the row count, so one token's norm would change with the step's size.
 
 Bytes per token that must move (Flash shared expert, I = 2048): read g, u 8 KB (bf16), write
 2 KB fp8 + 64 B scales. rmsnorm_quant (hidden 4096): read x 8 KB + weight (cached), write y 8 KB +
@@ -64,6 +68,12 @@ def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
     y = rmsnorm(x, weight, eps)
     q, s = act_quant_reference(y)
     return y, q, s
+
+
+@fusable("rmsnorm")
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """rmsnorm(x) in x.dtype, weighted."""
+    return rmsnorm(x, weight, eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +139,20 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, K, stride_xt, strid
     y = round_to((x * rstd) * w, dt, SOFT)
     tl.store(y_ptr + t * stride_yt + cols, y.to(dt), mask=gmask[:, None])
     _quant_groups(y, q_ptr + t * stride_qt, s_ptr + t * stride_st, offs_g, gmask, cols, SOFT)
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, K, stride_xt, stride_yt, eps, BLOCK_K: tl.constexpr,
+                    SOFT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    m = cols < K
+    x = tl.load(x_ptr + t * stride_xt + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    ms = tl.math.div_rn(tl.sum(x * x, axis=0), K * 1.0)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    dt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + t * stride_yt + cols, round_to((x * rstd) * w, dt, SOFT).to(dt), mask=m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,6 +262,31 @@ def rmsnorm_quant_launch(x, weight, eps):
     return y.reshape(*lead, K), q, s
 
 
+def rmsnorm_launch(x, weight, eps):
+    if x.dtype == torch.float64:
+        return rmsnorm_reference(x, weight, eps)
+    if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be a bf16/fp16/fp32 [..., K] tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    K = x.shape[-1]
+    if weight.shape != (K,) or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be a float [{K}] vector, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if K > RMSNORM_MAX_K:
+        raise ValueError(f"rmsnorm holds a row per program: K = {K} > {RMSNORM_MAX_K}")
+    x2 = x.reshape(-1, K)
+    if K and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] and K:
+        block = next_pow2(K)
+        kernel = _rmsnorm_kernel
+        launch(kernel)[(x2.shape[0],)](x2, weight.contiguous(), y, K, x2.stride(0), y.stride(0),
+                                       float(eps), BLOCK_K=block, SOFT=interpreting(kernel),
+                                       num_warps=_rmsnorm_warps(block // ACT_QUANT_GROUP))
+    return y.reshape(x.shape)
+
+
 def _rmsnorm_warps(ng_p2):
     return max(1, min(16, ng_p2 // 4))  # 4 groups of 128 per warp: 16 fp32 per thread
 
@@ -277,6 +326,12 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
     return rmsnorm_quant_launch(x, weight, eps)
 
 
+@dspark_op("rmsnorm", reference=rmsnorm_reference,
+           fake=lambda x, weight, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
+def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rmsnorm_launch(x, weight, eps)
+
+
 # SM12x readiness: every (BLOCK_G, num_warps) the launchers pick, bf16 activations; rmsnorm_quant
 # at the Flash rows it normalises before an FP8 GEMM (q_lora 1024, hidden 4096).
 _D16 = "i32:16"  # multiples of 16 at these shapes: the JIT specialises them, the check must too
@@ -299,3 +354,9 @@ for _k in (1024, 4096):
              stride_xt=_D16, stride_yt=_D16, stride_qt=_D16,
              stride_st=_D16 if (_k // ACT_QUANT_GROUP) % 16 == 0 else "i32", eps="fp32"),
         dict(NG_P2=_ng, SOFT=False), _rmsnorm_warps(_ng))])
+# rmsnorm at the Flash rows it normalises alone: the kv (head_dim 512) and the final norm (4096)
+for _k in (512, 4096):
+    add_compile_configs("rmsnorm", [compile_config(
+        _rmsnorm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", K=_D16, stride_xt=_D16,
+                              stride_yt=_D16, eps="fp32"),
+        dict(BLOCK_K=_k, SOFT=False), _rmsnorm_warps(_k // ACT_QUANT_GROUP))])

@@ -19,8 +19,8 @@ from torch import nn
 
 from dspark_compile.kernels import indexer_topk as _indexer_topk  # noqa: F401 (registers the op)
 from dspark_compile.kernels import sparse_attention as _sparse_attention  # noqa: F401 (registers)
-from dspark_compile.kernels.act_quant import rmsnorm_quant_reference
-from dspark_compile.kernels.common import masked_row_write, rmsnorm, rope_last
+from dspark_compile.kernels.act_quant import rmsnorm_quant_reference, rmsnorm_reference
+from dspark_compile.kernels.common import masked_row_write, rope_last
 from dspark_compile.kernels.qkv_postprocess import (
     qkv_postprocess_reference, qkv_rope_reference)
 
@@ -43,7 +43,7 @@ def norm_and_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, prec: Prec
     if prec.act_quant:
         y, q, s = rmsnorm_quant_reference(x, weight, eps)
         return y, (q, s)
-    return rmsnorm(x, weight, eps), None
+    return rmsnorm_reference(x, weight, eps), None
 
 
 class Indexer(nn.Module):
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         """Shared by target and draft layers: (q [M, H, d], qr, qr_q, kv [M, d]) before RoPE."""
         cfg = self.cfg
         qr, qr_q = norm_and_quant(self.wq_a(x, xq), self.q_norm.weight, cfg.rms_norm_eps, self.prec)
-        kv = rmsnorm(self.wkv(x, xq), self.kv_norm.weight, cfg.rms_norm_eps)
+        kv = rmsnorm_reference(self.wkv(x, xq), self.kv_norm.weight, cfg.rms_norm_eps)
         q = self.wq_b(qr, qr_q).view(-1, cfg.num_attention_heads, cfg.head_dim)
         return q, qr, qr_q, kv
 

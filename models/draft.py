@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dspark_compile.kernels import draft_attention as _draft_attention  # noqa: F401 (registers the op)
-from dspark_compile.kernels.common import rmsnorm
+from dspark_compile.kernels.act_quant import rmsnorm_reference
 from dspark_compile.kernels.qkv_postprocess import context_kv_store_reference, qkv_rope_reference
 
 from dspark_compile.models.attention import Attention, norm_and_quant
@@ -57,7 +57,8 @@ class DraftAttention(Attention):
         return self.output(o.view(B * N, H, -1), pos.reshape(-1))
 
     def context_kv(self, main_x, main_xq):
-        return rmsnorm(self.wkv(main_x, main_xq), self.kv_norm.weight, self.cfg.rms_norm_eps)
+        return rmsnorm_reference(self.wkv(main_x, main_xq), self.kv_norm.weight,
+                                 self.cfg.rms_norm_eps)
 
 
 class DraftStage(Block):

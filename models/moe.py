@@ -45,7 +45,13 @@ class Gate(nn.Module):
             idx = (score + self.bias.to(acc)).topk(cfg.num_experts_per_tok, dim=-1).indices
         w = score.gather(-1, idx)
         if cfg.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+            # the k weights summed in slot order by adds, not by a reduction: a GPU reduction
+            # picks its block shape by the row count, which would make a token's sum batch
+            # dependent
+            total = w[..., :1]
+            for j in range(1, w.shape[-1]):
+                total = total + w[..., j:j + 1]
+            w = w / total.clamp_min(1e-20)
         return idx, w * cfg.routed_scaling_factor
 
 

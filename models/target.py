@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark_compile.kernels.common import rmsnorm
+from dspark_compile.kernels.act_quant import rmsnorm_reference
 
 from dspark_compile.models.attention import Attention
 from dspark_compile.models.batch import Batch
@@ -53,7 +53,7 @@ class DeepseekV4(nn.Module):
 
     def logits(self, X: torch.Tensor, hc_head: HCHead, norm_weight: torch.Tensor) -> torch.Tensor:
         """[M, m, D] -> fp32 (fp64 in exact mode) logits [M, V]; shared with the draft's head."""
-        h = rmsnorm(hc_head(X), norm_weight, self.cfg.rms_norm_eps)
+        h = rmsnorm_reference(hc_head(X), norm_weight, self.cfg.rms_norm_eps)
         return bf16_linear(h, self.head.weight, self.prec.dtype, acc_dtype(self.prec.dtype))
 
     def forward(self, batch: Batch, state: dict, aux_layers: tuple = (),

@@ -1,5 +1,6 @@
-"""Fuse activation quantization in front of FP8 GEMMs: each `rmsnorm_quant` / `swiglu_quant` /
-`act_quant` region becomes one `dspark::` op call (kernels/act_quant.py).
+"""Fuse activation quantization in front of FP8 GEMMs and the RMSNorms: each `rmsnorm_quant` /
+`swiglu_quant` / `act_quant` / `rmsnorm` region becomes one `dspark::` op call
+(kernels/act_quant.py).
 
 Unfused (what the references export to; `act_quant` alone is ~20 aten nodes):
 
@@ -15,6 +16,7 @@ Fused:
     q, scale    = dspark.act_quant(x)
     q, scale    = dspark.swiglu_quant(g, u, limit)      # shared experts
     y, q, scale = dspark.rmsnorm_quant(x, weight, eps)  # norms whose output feeds an FP8 GEMM
+    y           = dspark.rmsnorm(x, weight, eps)        # the others (kv, context kv, final norm)
 
 Memory traffic per token at Flash dims (bf16 activations): eager aten reads and writes every
 intermediate (the group view, |x|, the scales, x / scale in fp32, the clamp, the cast): about
@@ -23,7 +25,8 @@ intermediate (the group view, |x|, the scales, x / scale in fp32, the clamp, the
 instead of materialising h in fp32 and in bf16 first; rmsnorm_quant reads x once and writes y,
 q and the scales (the norm's output is read by the compressor/router unquantized, so y stays).
 Inductor can fuse the elementwise chain too; where it wins, `--disable-pass fuse_act_quant`
-(or option `ops`, the subset of the three ops to fuse) leaves it alone.
+(or option `ops`, the subset of the four ops to fuse) leaves it alone -- at the price of batch
+invariance for `rmsnorm`, whose glue mean a GPU reduction tiles by the row count.
 """
 from __future__ import annotations
 
@@ -33,10 +36,10 @@ from dspark_compile.passes.base import PassResult
 from dspark_compile.passes.regions import fuse_regions
 from dspark_compile.passes.registry import register_pass
 
-OPS = ("rmsnorm_quant", "swiglu_quant", "act_quant")
+OPS = ("rmsnorm_quant", "swiglu_quant", "act_quant", "rmsnorm")
 
 
 @register_pass(name="fuse_act_quant", stage="fusion", expect_match=True)
 def fuse_act_quant_pass(gm, ctx) -> PassResult:
-    """Replace rmsnorm_quant / swiglu_quant / act_quant regions by their dspark:: ops."""
+    """Replace rmsnorm_quant / swiglu_quant / act_quant / rmsnorm regions by their dspark:: ops."""
     return fuse_regions(gm, OPS, ctx)

@@ -72,6 +72,12 @@ def _rmsnorm_quant(g, n, big):
                 weight=(1 + 0.2 * torch.randn(K, generator=g)).bfloat16(), eps=1e-6)
 
 
+def _rmsnorm(g, n, big):
+    K = 512 if big else 200
+    return dict(x=_randn(g, n, K, scale=2, dtype=torch.bfloat16),
+                weight=(1 + 0.2 * torch.randn(K, generator=g)).bfloat16(), eps=1e-6)
+
+
 def _fp8_linear(g, n, big):
     N, K = (1024, 4096) if big else (200, 512)
     w = torch.randn(N, K, generator=g) * 0.05
@@ -300,6 +306,7 @@ CASES: dict[str, Case] = {
     "act_quant": Case(_act_quant, ("x",), _row_of_outputs),
     "swiglu_quant": Case(_swiglu_quant, ("g", "u"), _row_of_outputs),
     "rmsnorm_quant": Case(_rmsnorm_quant, ("x",), _row_of_outputs),
+    "rmsnorm": Case(_rmsnorm, ("x",), _row_of_outputs),
     "fp8_linear": Case(_fp8_linear, ("x", "x_s"), _row_of_outputs),
     "linear": Case(_linear, ("x",), _row_of_outputs),
     "moe_experts": Case(_moe_experts, ("x", "topk_ids", "topk_weights"), _row_of_outputs),

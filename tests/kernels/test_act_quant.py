@@ -1,4 +1,5 @@
-"""Activation-quant kernels (act_quant, swiglu_quant, rmsnorm_quant) against their references.
+"""Activation-quant kernels (act_quant, swiglu_quant, rmsnorm_quant) and rmsnorm against their
+references.
 
 On a machine without CUDA the Triton launchers run in Triton's CPU interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1). FP8 bytes and scales must equal the reference's exactly whenever the
@@ -263,6 +264,46 @@ def test_rmsnorm_quant_edges():
     assert torch.equal(y[0], yr[0]) and torch.equal(s[0], sr[0])
 
 
+def _assert_ulp_close(y, yr):
+    """The kernel sums a row in another order: rstd may move by an fp32 ulp, so a bf16 element
+    rounds the other way rarely (one ulp), an fp32 element moves by a few ulps."""
+    assert y.dtype == yr.dtype and y.shape == yr.shape and not y.isnan().any()
+    diff = y != yr
+    assert diff.float().mean().item() <= (0.01 if y.dtype == torch.bfloat16 else 1.0)
+    ulps = 1 if y.dtype.itemsize == 2 else 4
+    assert ((y.double() - yr.double()).abs() / _ulp(yr)).max().item() <= ulps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K", SHAPES + [(5, 200), (2, 7)])   # K not a multiple of 128 too
+def test_rmsnorm(T, K, dtype):
+    x = _randn((T, K), dtype, seed=5 * K + T, scale=3.0)
+    w = (1 + _randn((K,), torch.float32, seed=K + 1, scale=0.3)).to(dtype)
+    _assert_ulp_close(aq.rmsnorm_launch(x, w, 1e-6), aq.rmsnorm_reference(x, w, 1e-6))
+
+
+def test_rmsnorm_edges():
+    """An all-zero row (eps only: exact zeros), huge and tiny rows, a NaN row (NaN everywhere in
+    it) and an inf row (rstd 0: NaN at the inf, zeros elsewhere), as in the reference and in no
+    other row; leading dims; a strided view."""
+    x = torch.randn(6, 3, 160)
+    x[0, 0] = 0.0
+    x[1, 1] *= 1e18
+    x[2, 2] *= 1e-18
+    x[3, 0, 5] = float("nan")
+    x[4, 1, 7] = float("inf")
+    w = 1 + 0.3 * torch.randn(160)
+    y, yr = aq.rmsnorm_launch(x, w, 1e-6), aq.rmsnorm_reference(x, w, 1e-6)
+    bad = torch.zeros(6, 3, dtype=torch.bool)
+    bad[3, 0] = bad[4, 1] = True
+    assert torch.equal(y.isnan(), yr.isnan()) and yr[3, 0].isnan().all()
+    assert yr[4, 1].isnan().sum() == 1 and not y[~bad].isnan().any()
+    _assert_ulp_close(y[~bad], yr[~bad])
+    assert torch.equal(y[0, 0], torch.zeros(160))
+    xs = torch.randn(4, 320)[:, ::2]                      # a non-contiguous last dim
+    _assert_ulp_close(aq.rmsnorm_launch(xs, w, 1e-6), aq.rmsnorm_reference(xs, w, 1e-6))
+
+
 # ------------------------------------------------------------------------------------------------
 # registered ops: CPU = reference, export keeps the node, bad input named
 # ------------------------------------------------------------------------------------------------
@@ -273,21 +314,23 @@ def _args():
         "act_quant": (x,),
         "swiglu_quant": (x, _randn((5, 256), torch.bfloat16, 8), 10.0),
         "rmsnorm_quant": (x, _randn((256,), torch.bfloat16, 9), 1e-6),
+        "rmsnorm": (x, _randn((256,), torch.bfloat16, 9), 1e-6),
     }
 
 
-@pytest.mark.parametrize("name", ["act_quant", "swiglu_quant", "rmsnorm_quant"])
+@pytest.mark.parametrize("name", ["act_quant", "swiglu_quant", "rmsnorm_quant", "rmsnorm"])
 def test_registered_op_on_cpu_is_reference(name):
     args = _args()[name]
     out = getattr(torch.ops.dspark, name)(*args)
     ref = KERNELS[name].reference(*args)
+    out, ref = ((out,), (ref,)) if isinstance(out, torch.Tensor) else (out, ref)
     assert len(out) == len(ref)
     for a, b in zip(out, ref):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(_u8(a), _u8(b))
 
 
-@pytest.mark.parametrize("name", ["act_quant", "swiglu_quant", "rmsnorm_quant"])
+@pytest.mark.parametrize("name", ["act_quant", "swiglu_quant", "rmsnorm_quant", "rmsnorm"])
 def test_export_keeps_op(name):
     op = getattr(torch.ops.dspark, name)
     args = _args()[name]
@@ -297,7 +340,7 @@ def test_export_keeps_op(name):
     class M(torch.nn.Module):
         def forward(self, *ts):
             out = op(*ts, *consts)
-            return tuple(o.float() * 2 for o in out)
+            return tuple(o.float() * 2 for o in ((out,) if isinstance(out, torch.Tensor) else out))
 
     ep = torch.export.export(M(), tensors, strict=False)
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
@@ -313,6 +356,10 @@ def test_bad_inputs_name_the_argument():
         aq.swiglu_quant_launch(torch.zeros(2, 128), torch.zeros(2, 256), 1.0)
     with pytest.raises(ValueError, match="weight"):
         aq.rmsnorm_quant_launch(torch.zeros(2, 128), torch.zeros(64), 1e-6)
+    with pytest.raises(ValueError, match=r"weight must be a float \[100\] vector"):
+        aq.rmsnorm_launch(torch.zeros(2, 100), torch.zeros(64), 1e-6)
+    with pytest.raises(ValueError, match="x must be a bf16/fp16/fp32"):
+        aq.rmsnorm_launch(torch.zeros(2, 100, dtype=torch.int32), torch.zeros(100), 1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,3 +391,6 @@ def test_gpu_flash_shapes(T):
     y, q, s = torch.ops.dspark.rmsnorm_quant(x.to(dev), w.to(dev), 1e-6)
     yr, qr, sr = aq.rmsnorm_quant_reference(x, w, 1e-6)
     _assert_explained(y.cpu(), yr, q.cpu(), s.cpu(), qr, sr, max_frac=0.02)
+    for K in (512, 4096):
+        _assert_ulp_close(torch.ops.dspark.rmsnorm(x[:, :K].to(dev), w[:K].to(dev), 1e-6).cpu(),
+                          aq.rmsnorm_reference(x[:, :K], w[:K], 1e-6))

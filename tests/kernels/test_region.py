@@ -9,7 +9,7 @@ from dspark_compile.kernels import mhc, qkv_postprocess, sampling  # noqa: F401
 from dspark_compile.kernels import region as R
 
 ALL = {"qkv_postprocess", "qkv_rope", "context_kv_store", "act_quant", "swiglu_quant",
-       "rmsnorm_quant", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
+       "rmsnorm_quant", "rmsnorm", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
        "hc_head", "hc_post_pre", "hc_post_head"}
 
 

@@ -23,7 +23,7 @@ from dspark_compile.kernels.registry import KERNELS
 
 # Triton ops that must keep SM12x-ready (others are checked as soon as they declare configs)
 OUR_TRITON_OPS = {"qkv_postprocess", "qkv_rope", "context_kv_store", "act_quant", "swiglu_quant",
-                  "rmsnorm_quant", "hc_pre", "hc_post", "hc_head", "hc_post_pre", "hc_post_head",
+                  "rmsnorm_quant", "rmsnorm", "hc_pre", "hc_post", "hc_head", "hc_post_pre", "hc_post_head",
                   "moe_experts", "fp8_linear", "sparse_attention", "indexer_topk", "compress",
                   "compress_store", "compress_store_fp8", "draft_attention"}
 

@@ -6,7 +6,7 @@ import torch
 
 from dspark_compile.passes import PassConfig, PassManager
 
-OPS = ("rmsnorm_quant", "swiglu_quant", "act_quant")
+OPS = ("rmsnorm_quant", "swiglu_quant", "act_quant", "rmsnorm")
 
 
 def test_counts_and_pattern_gone(tiny_step):
@@ -14,7 +14,7 @@ def test_counts_and_pattern_gone(tiny_step):
     cfg = tiny_step.cfg
     blocks = cfg.num_hidden_layers + cfg.n_mtp_layers
     expected = {"rmsnorm_quant": 3 * blocks + 1, "swiglu_quant": blocks,
-                "act_quant": 2 * blocks + 1}
+                "act_quant": 2 * blocks + 1, "rmsnorm": blocks + cfg.n_mtp_layers + 2}
     assert lib.region_counts(ep, OPS) == expected
     others_before = lib.region_counts(ep, [o for o in lib.ALL_OPS if o not in OPS])
 
@@ -48,7 +48,7 @@ def test_option_ops_fuses_a_subset(tiny_step):
     stats = PassManager(["fuse_act_quant", "drop_region_markers"], cfg).run(
         ep, state_inputs=tiny_step.states(ep))
     assert stats[0]["notes"]["fused"] == {"swiglu_quant": tiny_step.expected["swiglu_quant"]}
-    assert lib.op_counts(ep, OPS) == {"rmsnorm_quant": 0, "act_quant": 0,
+    assert lib.op_counts(ep, OPS) == {"rmsnorm_quant": 0, "act_quant": 0, "rmsnorm": 0,
                                       "swiglu_quant": tiny_step.expected["swiglu_quant"]}
     # the regions left alone are plain aten again: markers and annotations dropped
     assert lib.annotated_nodes(ep) == []

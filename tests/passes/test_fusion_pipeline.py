@@ -28,7 +28,7 @@ def test_manager_verifies_every_fusion(tiny_step):
     assert all(r["verified"] for r in stats)
     exp = tiny_step.expected
     assert [r["matches"] for r in stats[:4]] == [
-        exp["rmsnorm_quant"] + exp["swiglu_quant"] + exp["act_quant"],
+        exp["rmsnorm_quant"] + exp["swiglu_quant"] + exp["act_quant"] + exp["rmsnorm"],
         exp["hc_pre"] + exp["hc_post"] + exp["hc_head"],
         exp["qkv_postprocess"] + exp["qkv_rope"] + exp["context_kv_store"],
         exp["markov_sample"] + exp["rejection_sample"]]
@@ -62,7 +62,8 @@ def test_region_that_cannot_be_fused_is_left_alone(tiny_step):
     with pytest.warns(RegionSkippedWarning, match="act_quant region"):
         stats = PassManager(["fuse_act_quant", "drop_region_markers"]).run(ep)
     assert stats[0]["matches"] == tiny_step.expected["act_quant"] - 1 + \
-        tiny_step.expected["rmsnorm_quant"] + tiny_step.expected["swiglu_quant"]
+        tiny_step.expected["rmsnorm_quant"] + tiny_step.expected["swiglu_quant"] + \
+        tiny_step.expected["rmsnorm"]
     assert len(stats[0]["notes"]["skipped"]) == 1
     assert tiny_step.lib.annotated_nodes(ep) == []
     tiny_step.lib.assert_same_run(tiny_step.run(tiny_step.cleaned(), 10), tiny_step.run(ep, 10))

@@ -32,7 +32,7 @@ from dspark_compile.trace import export_step, state_input_names
 BUCKET = 2
 CLEANUP = ("remove_asserts", "remove_noops", "dce")
 ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rmsnorm_quant", "swiglu_quant",
-           "act_quant", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
+           "act_quant", "rmsnorm", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
            "hc_head", "hc_post_pre", "hc_post_head")
 
 
@@ -42,7 +42,9 @@ def expected_regions(cfg, prec) -> dict:
     Every block (target layers and draft stages) has 3 norms feeding FP8 GEMMs (attn_norm ->
     wq_a/wkv, q_norm -> wq_b, ffn_norm -> shared expert w1/w3), a shared expert, and two more FP8
     GEMMs whose inputs are quantized alone (wo_a after the inverse RoPE, wo_b); the draft's
-    context path adds main_norm (-> wkv of every stage) and main_proj's input quant.
+    context path adds main_norm (-> wkv of every stage) and main_proj's input quant. The norms
+    that feed no FP8 GEMM are `rmsnorm`: kv_norm of every block, the context kv of every stage,
+    the final norm of both heads (and, without the activation quant, the three norms above).
     """
     L, S = cfg.num_hidden_layers, cfg.n_mtp_layers
     q = prec.act_quant
@@ -53,6 +55,7 @@ def expected_regions(cfg, prec) -> dict:
         "rmsnorm_quant": (3 * (L + S) + 1) if q else 0,
         "swiglu_quant": (L + S) if q else 0,
         "act_quant": (2 * (L + S) + 1) if q else 0,
+        "rmsnorm": (L + S) + S + 2 + (0 if q else 3 * (L + S) + 1),
         "markov_sample": 1,
         "rejection_sample": 1,
         "sample": 0,                                  # plain sampling is prefill's, not the step's
