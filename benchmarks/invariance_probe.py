@@ -5,7 +5,9 @@ with its target-only step (1 token a row). Every op whose value for a token depe
 tokens or rows share its call breaks that to the bit. This probe runs the eager model on one
 device twice over the same prompt -- in chunks of `--chunk` tokens on one state row, and one
 token at a time on another -- recording every op's outputs (aten and `dspark::`) through a
-dispatch mode. Call k of the chunked run is aligned with the one-token calls of its tokens; an
+dispatch mode. The references the fusion passes replace run as their `dspark::` ops
+(kernels/region.py fused_eager), so on a GPU the probe sees the engine's kernels and the aten
+glue between them; `--references` runs the plain references instead. Call k of the chunked run is aligned with the one-token calls of its tokens; an
 output's token dimension is the one that is `chunk` there and 1 in the one-token run. It
 reports, in execution order, the first ops whose token slices differ in any bit.
 
@@ -17,12 +19,14 @@ nothing here is imported by the product.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dspark_compile.kernels.region import fused_eager
 from dspark_compile.models import load_model
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.config import CacheConfig, Precision
@@ -108,6 +112,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--chunk", type=int, default=6)
     p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--references", action="store_true",
+                   help="run the references, not the dspark:: ops the passes put in their place")
     p.add_argument("--out", help="write the report as JSON here as well")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -119,7 +125,7 @@ def main(argv=None):
     states = [allocate_state(model.cfg, cache, prec, device=args.device) for _ in range(2)]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.cfg.vocab_size, (args.tokens,), generator=g).to(args.device)
-    with torch.no_grad():
+    with torch.no_grad(), (contextlib.nullcontext() if args.references else fused_eager()):
         chunked = record(model, states[0], 0, ids, args.chunk)
         single = record(model, states[1], 0, ids, 1)
     rep = {"device": args.device, "dtype": args.dtype, "fp8_sim": not args.no_fp8_sim,

@@ -31,6 +31,7 @@ torch) or without preserved node meta, calls are not marked and the fusion passe
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -90,6 +91,30 @@ def _marker(t: torch.Tensor, key: str, value, extra: dict | None = None) -> torc
         return torch.ops.aten.alias.default(t)
 
 
+@contextlib.contextmanager
+def fused_eager():
+    """Eager calls of decorated references run `torch.ops.dspark.<op>` instead, as the fused
+    engine does: on CUDA tensors the Triton kernels, elsewhere the reference itself. The model
+    then runs the engine's kernels with aten glue between them, which is what an eager check of
+    the kernels' batch invariance needs (tests, benchmarks/invariance_probe.py)."""
+    before = getattr(_local, "fused", False)
+    _local.fused = True
+    try:
+        yield
+    finally:
+        _local.fused = before
+
+
+def _call_op(op_name: str, sig: inspect.Signature, args, kwargs):
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    _local.depth = getattr(_local, "depth", 0) + 1   # the op's own reference runs as itself
+    try:
+        return getattr(torch.ops.dspark, op_name)(**bound.arguments)
+    finally:
+        _local.depth -= 1
+
+
 def fusable(op_name: str):
     """Decorator for a reference function whose calls a fusion pass replaces by
     `torch.ops.dspark.<op_name>` (same parameter names, same returns)."""
@@ -100,6 +125,8 @@ def fusable(op_name: str):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if not _marking():
+                if getattr(_local, "fused", False) and not getattr(_local, "depth", 0):
+                    return _call_op(op_name, sig, args, kwargs)
                 return fn(*args, **kwargs)
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()

@@ -8,6 +8,7 @@ two paths agree to rounding, with and without the FP8 KV / activation quantizati
 import pytest
 import torch
 
+from dspark_compile.kernels.region import fused_eager
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.config import CacheConfig, Precision
 from dspark_compile.models.state import allocate_state
@@ -69,8 +70,9 @@ def test_chunks_and_batches_are_bit_equal_to_decoding_alone(make_model, dtype, d
     """Batch invariance of the whole forward, FP8 simulation on: a token's logits are the same
     bits whether its request runs alone one token at a time (the target-only step), in
     verify-sized blocks of 6 (the speculative step), in 48-token prefill chunks, or next to
-    other requests. On the CPU this checks the references (the CPU engine), on the GPU the
-    Triton kernels and aten's CUDA glue, in eager mode."""
+    other requests. The fusable references run as their `dspark::` ops (fused_eager), as in the
+    engine: on the CPU that is the references themselves (the CPU engine), on the GPU the Triton
+    kernels with aten's CUDA glue between them."""
     prec = Precision(dtype=dtype)
     model = make_model(prec, with_draft=False, max_positions=512).to(device)
     cfg = model.cfg
@@ -79,7 +81,7 @@ def test_chunks_and_batches_are_bit_equal_to_decoding_alone(make_model, dtype, d
     ids = torch.randint(0, cfg.vocab_size, (3, L), generator=g).to(device)
     state = allocate_state(cfg, CacheConfig(max_rows=6, max_seq_len=L + 8, max_step_tokens=48),
                            prec, device=device)
-    with torch.no_grad():
+    with torch.no_grad(), fused_eager():
         alone = _rows_chunks(model, state, [0], ids[:1], 1)[0]
         block = _rows_chunks(model, state, [1], ids[:1], 6)[0]
         chunk = _rows_chunks(model, state, [2], ids[:1], 48)[0]
