@@ -76,7 +76,9 @@ def test_chunks_and_batches_are_bit_equal_to_decoding_alone(make_model, dtype, d
     prec = Precision(dtype=dtype)
     model = make_model(prec, with_draft=False, max_positions=512).to(device)
     cfg = model.cfg
-    L = 132    # closes a C128 block (positions 0..127) and 33 C4 blocks
+    # fp32 closes a C128 block (positions 0..127) and 33 C4 blocks; bf16 (half the CPU time
+    # again) closes C4 blocks and runs the indexer only
+    L = 132 if dtype == torch.float32 else 40
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, cfg.vocab_size, (3, L), generator=g).to(device)
     state = allocate_state(cfg, CacheConfig(max_rows=6, max_seq_len=L + 8, max_step_tokens=48),
