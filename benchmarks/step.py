@@ -11,7 +11,9 @@ all live):
   - variants: `eager` (models/step.py DraftVerifyStep called eagerly), `eager-graph` (the same
     captured in one CUDA graph), `compile-graph` (torch.compile of it, captured in one graph;
     compile seconds recorded, skipped past --compile-budget-s), `engine` (the bucket's captured
-    program), `engine-greedy` (its greedy variant; "greedy" case only);
+    program), `engine-greedy` (its greedy variant; "greedy" case only), `engine-batch-dependent`
+    (the same program captured with kernels/invariance.py batch_dependent_plans(): the price of
+    batch invariance, against `engine` in the same run);
   - per variant: median / p10 / p90 µs over --replays replays, the state restored (and L2
     flushed) before each one outside the timed region; kernel launches of one replay from
     torch.profiler (CUPTI), split into dspark:: / Inductor / library / aten kernels, plus the
@@ -53,7 +55,8 @@ from step_launches import (LABEL, _counts, _sync, dspark_kernel_names,  # noqa: 
 from step_variants import (Runner, Skipped, _cpu_copy_bandwidth,  # noqa: E402,F401
                            _l2_flusher, make_runner, time_runner)
 
-VARIANTS = ("eager", "eager-graph", "compile-graph", "engine", "engine-greedy")
+VARIANTS = ("eager", "eager-graph", "compile-graph", "engine", "engine-greedy",
+            "engine-batch-dependent")
 CASES = {"mixed": "random", "greedy": "greedy"}   # case -> prefill_random_requests mix
 SCHEMA = "dspark-step-benchmark/1"
 

@@ -147,6 +147,20 @@ def make_runner(variant: str, B: int, ctx: dict) -> Runner:
             g.rows.copy_(rows)
             return Runner(g.graph.replay, g.graph)
         return Runner(lambda: modules[B](rows, state), info={"note": "CPU: program, no graph"})
+    if variant == "engine-batch-dependent":
+        # the bucket's program captured with the plans that may split by the token count:
+        # what batch invariance costs (kernels/invariance.py); plans are picked while capturing
+        from dspark_compile.kernels.invariance import batch_dependent_plans
+        if B not in eng.modules:
+            raise Skipped(f"the engine has no program for bucket {B}")
+        fn = lambda: eng.modules[B](rows, state)  # noqa: E731
+        if not cuda:
+            def run():
+                with batch_dependent_plans():
+                    return fn()
+            return Runner(run, info={"note": "CPU: program, no graph (references: one plan)"})
+        with batch_dependent_plans():
+            return capture(fn, device, restore)
     raise ValueError(variant)
 
 

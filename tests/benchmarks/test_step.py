@@ -8,12 +8,13 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(REPO, "benchmarks", "step.py")
-VARIANTS = ("eager", "eager-graph", "compile-graph", "engine", "engine-greedy")
+VARIANTS = ("eager", "eager-graph", "compile-graph", "engine", "engine-greedy",
+            "engine-batch-dependent")
 
 
 def test_dry_run_writes_every_variant_floor_and_layers(tmp_path):
     # a fresh process: torch.compile, the SIGALRM budget and the profiler leave no state in
-    # this one. The "greedy" case alone runs all five variants (engine-greedy needs it); a
+    # this one. The "greedy" case alone runs all six variants (engine-greedy needs it); a
     # 1 s compile budget exercises the budget's skip path instead of a CPU Inductor build
     # (minutes). Measured: 142 s on a 2-core machine (build of one bucket ~35 s, engine load
     # ~15 s, the per-layer runs ~45 s, the profiled eager steps the rest).
@@ -53,8 +54,10 @@ def test_dry_run_writes_every_variant_floor_and_layers(tmp_path):
             assert r["launches_total"] > 0 and r["launches_aten"] > 0, v
             assert r["floor_bytes"] == floor["bytes"], v
     assert rows["compile-graph"]["status"] == "skipped" and "budget" in rows["compile-graph"]["reason"]
-    for v in ("eager", "engine", "engine-greedy"):
+    for v in ("eager", "engine", "engine-greedy", "engine-batch-dependent"):
         assert rows[v]["status"] == "ok", rows[v]
+    # on the CPU the ops run their references, which have one plan: the same launches
+    assert rows["engine-batch-dependent"]["launches_total"] == rows["engine"]["launches_total"]
     # the engine runs the fused dspark:: ops, far fewer ops than the reference step
     assert rows["engine"]["launches_dspark"] > rows["eager"]["launches_dspark"] > 0
     assert rows["engine"]["launches_total"] < rows["eager"]["launches_total"]
