@@ -49,31 +49,54 @@ class Recorder(TorchDispatchMode):
         return out
 
 
-def record(model, state, row: int, ids: torch.Tensor, chunk: int) -> list[list]:
-    """Per forward call: its recorded ops."""
+def record(model, state, rows: list[int], ids: torch.Tensor, chunk: int) -> list[list]:
+    """Per forward call (`rows` fed ids [len(rows), L] together, `chunk` tokens a call): its
+    recorded ops."""
     per_call = []
     trash = state["row.last_pos"].shape[0] - 1
     dev = state["row.last_pos"].device
-    for s in range(0, len(ids), chunk):
-        e = min(s + chunk, len(ids))
-        b = Batch.make(torch.tensor([row], device=dev), torch.arange(s, e, device=dev)[None],
-                       ids[None, s:e], trash, model.cfg.vocab_size)
+    R = torch.tensor(rows, device=dev)
+    for s in range(0, ids.shape[1], chunk):
+        e = min(s + chunk, ids.shape[1])
+        pos = torch.arange(s, e, device=dev)[None].repeat(len(rows), 1)
+        b = Batch.make(R, pos, ids[:, s:e], trash, model.cfg.vocab_size)
         with Recorder() as rec:
             model(b, state)
         per_call.append(rec.calls)
     return per_call
 
 
-def _token_dim(big: torch.Size, one: torch.Size, chunk: int):
-    if len(big) != len(one):
+def _slice(big: torch.Tensor, one: torch.Size, n_rows: int, which: int, chunk: int):
+    """Request `which`'s tokens of a batched output, shaped to concatenate the one-token run's
+    along its token dim: (slice, dim), or None where no dim is unambiguously the tokens. The
+    tokens are one flat dim of n_rows * chunk, or a (rows, tokens) pair of dims."""
+    shape = big.shape
+    if len(shape) != len(one):
         return None
-    dims = [d for d in range(len(big)) if big[d] == chunk and one[d] == 1
-            and all(big[i] == one[i] for i in range(len(big)) if i != d)]
-    return dims[0] if len(dims) == 1 else None
+    rest = lambda ds: all(shape[i] == one[i] for i in range(len(shape)) if i not in ds)  # noqa: E731
+    flat = [d for d in range(len(shape)) if shape[d] == n_rows * chunk and one[d] == 1 and rest((d,))]
+    pair = [d for d in range(len(shape) - 1) if n_rows > 1 and shape[d] == n_rows
+            and shape[d + 1] == chunk and one[d] == one[d + 1] == 1 and rest((d, d + 1))]
+    if len(flat) + len(pair) != 1:
+        return None
+    if flat:
+        return big.narrow(flat[0], which * chunk, chunk), flat[0]
+    return big.narrow(pair[0], which, 1), pair[0] + 1
 
 
-def compare(chunked: list[list], single: list[list], chunk: int, limit: int) -> dict:
-    """The first `limit` ops (by call order within a chunk) whose token slices differ."""
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers: NaNs compare equal to themselves, -0 differs from 0."""
+    t = t.contiguous()
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.dtype.is_floating_point else t
+
+
+def compare(chunked: list[list], single: list[list], chunk: int, limit: int,
+            n_rows: int = 1, which: int = 0) -> dict:
+    """The first `limit` ops (by call order within a chunk) whose slices for request `which`
+    (of `n_rows` fed together) differ from that request decoded alone."""
     found, checked, unaligned = [], 0, 0
     for k, calls in enumerate(chunked):
         ones = single[k * chunk:(k + 1) * chunk]
@@ -86,18 +109,16 @@ def compare(chunked: list[list], single: list[list], chunk: int, limit: int) -> 
                 break
             for j, big in enumerate(outs):
                 parts = [o[i][1][j] for o in ones]
-                d = _token_dim(big.shape, parts[0].shape, chunk)
-                if d is None:
+                cut = _slice(big, parts[0].shape, n_rows, which, chunk)
+                if cut is None:
                     continue
+                got, d = cut
                 checked += 1
                 ref = torch.cat(parts, d)
-                if big.dtype.is_floating_point:
-                    same = torch.equal(big.view(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)) \
-                        if big.is_contiguous() and ref.is_contiguous() else torch.equal(big, ref)
-                    diff = float((big.double() - ref.double()).abs().max()) if not same else 0.0
-                else:
-                    same, diff = torch.equal(big, ref), 0.0
+                same = torch.equal(_bits(got), _bits(ref))
                 if not same and len(found) < limit:
+                    diff = float((got.double() - ref.double()).abs().nan_to_num(0).max()) \
+                        if got.dtype.is_floating_point else 0.0
                     found.append({"chunk_call": k, "op_index": i, "op": name, "output": j,
                                   "shape": list(big.shape), "max_abs_diff": diff})
     return {"differing": found, "outputs_checked": checked, "unaligned_calls": unaligned}
@@ -111,6 +132,8 @@ def main(argv=None):
     p.add_argument("--no-fp8-sim", action="store_true", help="Precision.exact (no FP8 rounding)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--chunk", type=int, default=6)
+    p.add_argument("--rows", type=int, default=1,
+                   help="requests fed together in the chunked run; the middle one is compared")
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--references", action="store_true",
                    help="run the references, not the dspark:: ops the passes put in their place")
@@ -120,16 +143,18 @@ def main(argv=None):
     prec = Precision.exact(dtype) if args.no_fp8_sim else Precision(dtype=dtype)
     model = load_model(args.ckpt, prec, max_positions=4 * args.tokens + 64, with_draft=False,
                        device=args.device)
-    cache = CacheConfig(max_rows=1, max_seq_len=args.tokens + 8, max_step_tokens=max(args.chunk, 8))
+    cache = CacheConfig(max_rows=args.rows, max_seq_len=args.tokens + 8, max_step_tokens=max(args.chunk, 8))
     # one state per run, both on row 0: the slot indices are then equal in both runs too
     states = [allocate_state(model.cfg, cache, prec, device=args.device) for _ in range(2)]
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.cfg.vocab_size, (args.tokens,), generator=g).to(args.device)
+    ids = torch.randint(0, model.cfg.vocab_size, (args.rows, args.tokens), generator=g).to(args.device)
+    which = args.rows // 2
     with torch.no_grad(), (contextlib.nullcontext() if args.references else fused_eager()):
-        chunked = record(model, states[0], 0, ids, args.chunk)
-        single = record(model, states[1], 0, ids, 1)
+        chunked = record(model, states[0], list(range(args.rows)), ids, args.chunk)
+        single = record(model, states[1], [which], ids[which:which + 1], 1)
     rep = {"device": args.device, "dtype": args.dtype, "fp8_sim": not args.no_fp8_sim,
-           "tokens": args.tokens, "chunk": args.chunk, **compare(chunked, single, args.chunk, args.limit)}
+           "tokens": args.tokens, "chunk": args.chunk, "rows": args.rows,
+           **compare(chunked, single, args.chunk, args.limit, args.rows, which)}
     for f in rep["differing"]:
         print(f"chunk call {f['chunk_call']} op {f['op_index']:5d} {f['op']:40s} {f['shape']} "
               f"max |diff| {f['max_abs_diff']:.3g}")
