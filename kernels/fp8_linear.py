@@ -144,8 +144,8 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
     """The plan for x [M, groups*K] (a_bytes per element) times W [N, K] into a bf16 output
     (fp32 with `fp32_out`). M is the step's static token count (one exported bucket), so each
     linear of a bucket has one plan. `invariant` (kernels/invariance.py): the split of K is
-    sized for one 16-row tile, whatever M, so an output's sum order depends on (N, K) alone;
-    the M tiles stay free (a tile computes each of its rows' dots in the same K order)."""
+    sized for one 16-row tile, whatever M, and that tile (the smallest that fits) is the one
+    at every M, so an output's sum order and instructions depend on (N, K) alone."""
     n_group = N // groups
     # a tile must not straddle two groups: the largest bucket's tile at most M's whose block_n
     # divides the group (only declared tiles, so every launch has a compile config)
@@ -153,7 +153,11 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
             if b <= m_bucket(M) and (groups == 1 or n_group % TILES[b][1] == 0)]
     if not fits:
         raise ValueError(f"fp8_linear: groups of {n_group} rows fit no tile of {TILES}")
-    block_m, block_n, swap, warps, stages = TILES[fits[-1]]
+    # invariant: one tile at every M. Tiles of other shapes map to other tensor-core
+    # instructions (under 64 rows an unswapped tile is Ampere's mma, not wgmma), whose
+    # accumulation rounds differently: measured on the H200, a token's output at M = 18-24
+    # (the 32-row tile) differs from the same token at M = 1 in the last bit
+    block_m, block_n, swap, warps, stages = TILES[fits[0] if invariant else fits[-1]]
     split, per = split_k(M, N, K // GROUP, block_m, block_n, sm_count, invariant)
     return Fp8LinearPlan(block_m, block_n, swap, split, per, warps,
                          _stages(block_m, block_n, a_bytes, stages),

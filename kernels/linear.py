@@ -50,7 +50,9 @@ def linear_plan(M: int, N: int, K: int, w_bytes: int, sm_count: int = SM_COUNT_H
     tiles for M, its split of K (by (N, K) when invariant), stages within the shared memory
     that w_bytes-wide operands leave. The interpreter's dots are numpy GEMMs, whose sums follow
     the tile's shape: there every M takes the 16-row tile."""
-    block_m, block_n, swap, warps, stages = TILES[M_BUCKETS[0] if interpret else m_bucket(M)]
+    # invariant: the 16-row tile at every M (fp8_linear_plan says why)
+    block_m, block_n, swap, warps, stages = TILES[M_BUCKETS[0] if interpret or invariant
+                                                  else m_bucket(M)]
     split, per = split_k(M, N, triton.cdiv(K, BLOCK_K), block_m, block_n, sm_count, invariant)
     per_stage = BLOCK_K * (block_m + block_n) * w_bytes
     return block_m, block_n, swap, split, per, warps, max(1, min(stages,

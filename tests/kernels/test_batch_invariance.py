@@ -24,12 +24,15 @@ POOL = 64
 TARGETS = (0, 63)          # first and last of the pool; the 7-row batch puts r in the middle
 
 
-def _batches(r, g):
-    """Small sub-batches holding row r: (rows, r's position) at sizes 2 and 7 (r last, r in the
-    middle); the whole pool (r at its own index: first, middle, last) is checked once."""
+def _batches(r, g, gpu):
+    """Sub-batches holding row r: (rows, r's position) at sizes 2 and 7 (r last, r in the
+    middle) and, on a GPU, 24 (the 17..32-row GEMM tiles a batch-dependent plan picks); the
+    whole pool (r at its own index: first, middle, last) is checked once."""
     others = [i for i in torch.randperm(POOL, generator=g).tolist() if i != r]
     yield [others[0], r], 1
     yield others[:3] + [r] + others[3:6], 3
+    if gpu:
+        yield others[:11] + [r] + others[11:23], 11
 
 
 def _results(case, fn, kw, idx, j):
@@ -47,7 +50,9 @@ def _assert_invariant(name, fn, kw, g):
         alone = _results(case, fn, kw, [r], 0)
         assert alone, f"{name}: the case yields no results"
         batches = [(whole, r, [t.cpu() for t in case.results(sub, out, r)])]
-        batches += [(idx, j, _results(case, fn, kw, idx, j)) for idx, j in _batches(r, g)]
+        batches += [(idx, j, _results(case, fn, kw, idx, j))
+                    for idx, j in _batches(r, g, any(isinstance(v, torch.Tensor) and v.is_cuda
+                                                     for v in kw.values()))]
         for idx, j, got in batches:
             for k, (a, b) in enumerate(zip(alone, got)):
                 assert _bits(a).shape == _bits(b).shape and torch.equal(_bits(a), _bits(b)), \
