@@ -34,6 +34,12 @@ class Case:
     row_keys: tuple
     results: Callable[[dict, object, int], list]
     mutated: tuple = ()
+    # the pool's rows, and whether only its last row is checked, when the Triton interpreter
+    # runs the kernel. The samplers' kernels hold a row per program whatever the batch, and
+    # interpreted they were most of this test's CI time (rejection_sample ~2 min: about 14 s a
+    # call, a dozen launches each, almost independent of the rows), so there: 8 rows, one row
+    interpreted_pool: int = 24
+    interpreted_last_only: bool = False
 
 
 def _outs(out):
@@ -334,12 +340,14 @@ CASES: dict[str, Case] = {
                                _compress_rows("cache_nope", "cache_scale", "cache_rope"),
                                ("ring_kv", "ring_score", "cache_nope", "cache_scale",
                                 "cache_rope")),
-    "sample": Case(_sample, ("logits", "position") + SAMPLER_KEYS, _row_of_outputs),
+    "sample": Case(_sample, ("logits", "position") + SAMPLER_KEYS, _row_of_outputs,
+                   interpreted_pool=8, interpreted_last_only=True),
     "rejection_sample": Case(_rejection_sample,
                              ("target_logits", "draft_tokens", "draft_logits", "start_pos")
-                             + SAMPLER_KEYS, _row_of_outputs),
+                             + SAMPLER_KEYS, _row_of_outputs, interpreted_pool=8,
+                             interpreted_last_only=True),
     "markov_sample": Case(_markov_sample, ("base_logits", "anchor", "start_pos") + SAMPLER_KEYS,
-                          _row_of_outputs),
+                          _row_of_outputs, interpreted_pool=8, interpreted_last_only=True),
 }
 
 # kwargs whose dim 0 holds `T` tokens per row (flattened [B*T, ...]): sliced as row blocks

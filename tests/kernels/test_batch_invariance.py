@@ -20,15 +20,15 @@ from dspark_compile.kernels.registry import KERNELS
 import dspark_compile.kernels.sampling  # noqa: F401  (registers the samplers)
 import dspark_compile.models.step  # noqa: F401  (registers every op the step uses)
 
-POOL = 64
-TARGETS = (0, 63)          # first and last of the pool; the 7-row batch puts r in the middle
+POOL = 64   # on the GPU; the interpreter's pool is the case's (tests/batch_cases.py
+#            interpreted_pool: 24 rows by default, two 16-row GEMM tiles, row 23 in the second)
 
 
-def _batches(r, g, gpu):
+def _batches(r, g, gpu, pool):
     """Sub-batches holding row r: (rows, r's position) at sizes 2 and 7 (r last, r in the
     middle) and, on a GPU, 24 (the 17..32-row GEMM tiles a batch-dependent plan picks); the
     whole pool (r at its own index: first, middle, last) is checked once."""
-    others = [i for i in torch.randperm(POOL, generator=g).tolist() if i != r]
+    others = [i for i in torch.randperm(pool, generator=g).tolist() if i != r]
     yield [others[0], r], 1
     yield others[:3] + [r] + others[3:6], 3
     if gpu:
@@ -41,18 +41,19 @@ def _results(case, fn, kw, idx, j):
     return [t.cpu() for t in case.results(sub, out, j)]
 
 
-def _assert_invariant(name, fn, kw, g):
+def _assert_invariant(name, fn, kw, g, pool=POOL, last_only=False):
+    """Rows 0 and pool - 1 (first and last; the 7-row batch puts them in the middle)."""
     case = CASES[name]
-    whole = list(range(POOL))
+    whole = list(range(pool))
     sub = take(case, kw, whole)
     out = fn(**sub)
-    for r in TARGETS:
+    for r in ((pool - 1,) if last_only else (0, pool - 1)):
         alone = _results(case, fn, kw, [r], 0)
         assert alone, f"{name}: the case yields no results"
         batches = [(whole, r, [t.cpu() for t in case.results(sub, out, r)])]
         batches += [(idx, j, _results(case, fn, kw, idx, j))
                     for idx, j in _batches(r, g, any(isinstance(v, torch.Tensor) and v.is_cuda
-                                                     for v in kw.values()))]
+                                                     for v in kw.values()), pool)]
         for idx, j, got in batches:
             for k, (a, b) in enumerate(zip(alone, got)):
                 assert _bits(a).shape == _bits(b).shape and torch.equal(_bits(a), _bits(b)), \
@@ -87,10 +88,12 @@ def test_reference_is_batch_invariant(name):
 def test_kernel_is_batch_invariant(name):
     g = torch.Generator().manual_seed(2)
     big = torch.cuda.is_available()
-    kw = CASES[name].build(g, POOL, big)
+    pool = POOL if big else CASES[name].interpreted_pool
+    kw = CASES[name].build(g, pool, big)
     if big:
         kw = _to(kw, "cuda")
-    _assert_invariant(name, KERNELS[name].launcher, kw, g)
+    _assert_invariant(name, KERNELS[name].launcher, kw, g, pool,
+                      last_only=not big and CASES[name].interpreted_last_only)
 
 
 def test_batch_dependent_plans_only_inside_the_benchmark_switch():
