@@ -1,9 +1,9 @@
 """Prefill of a prompt and token-by-token decode must give the same logits.
 
 Catches compressor block boundaries, the C4 overlap, ring indexing and RoPE positions across every
-layer type (the tiny preset has SWA, C4 with indexer, C128, hash and bias routing). In float64 the
-two paths agree to rounding, with and without the FP8 KV / activation quantization simulation
-(fp64 keeps FP8 rounding decisions identical in both paths).
+layer type (the tiny preset has SWA, C4 with indexer, C128, hash and bias routing). In float64
+without quantization the two paths agree to rounding; in fp32 and bf16 with the FP8 KV /
+activation quantization simulation they agree to the bit (batch invariance).
 """
 import pytest
 import torch
@@ -26,8 +26,8 @@ def run_chunks(model, state, row, ids, chunk):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("prec", [Precision.exact(torch.float64), Precision(dtype=torch.float64)],
-                         ids=["exact", "fp8-sim"])
+# with the FP8 simulation the bit-equality test below is stronger (fp32, the same chunkings)
+@pytest.mark.parametrize("prec", [Precision.exact(torch.float64)], ids=["exact"])
 def test_prefill_equals_decode(make_model, prec):
     model = make_model(prec, with_draft=False, max_positions=512)
     cfg = model.cfg
