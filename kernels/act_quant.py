@@ -164,13 +164,14 @@ SM_COUNT_HINT = 132        # H200; only shapes the group-block heuristic
 RMSNORM_MAX_K = 16384      # one program holds a whole row
 
 
-def _rows(x: torch.Tensor, name: str):
-    """x [..., K] -> ([T, K] view with a contiguous last dim, leading shape, K)."""
+def _rows(x: torch.Tensor, name: str, grouped: bool = True):
+    """x [..., K] -> ([T, K] view with a contiguous last dim, leading shape, K); K a multiple
+    of the quant group unless not `grouped`."""
     if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name} must be a bf16/fp16/fp32 [..., K] tensor, got {x.dtype} "
                          f"{tuple(x.shape)}")
     K = x.shape[-1]
-    if K % ACT_QUANT_GROUP:
+    if grouped and K % ACT_QUANT_GROUP:
         raise ValueError(f"{name}.shape[-1] = {K} must be a multiple of {ACT_QUANT_GROUP}")
     x2 = x.reshape(-1, K)
     if K and x2.stride(1) != 1:
@@ -243,12 +244,7 @@ def rmsnorm_quant_launch(x, weight, eps):
     if x.dtype == torch.float64:
         return rmsnorm_quant_reference(x, weight, eps)
     x2, lead, K = _rows(x, "x")
-    if weight.shape != (K,) or not weight.dtype.is_floating_point:
-        raise ValueError(f"weight must be a float [{K}] vector, got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if K > RMSNORM_MAX_K:
-        raise ValueError(f"rmsnorm_quant holds a row per program: K = {K} > {RMSNORM_MAX_K}")
-    weight = weight.contiguous()
+    weight = _norm_weight(weight, K, "rmsnorm_quant")
     q, s, T = _outputs(lead, K, x.device)
     y = torch.empty((T, K), dtype=x.dtype, device=x.device)
     if T and K:
@@ -265,26 +261,26 @@ def rmsnorm_quant_launch(x, weight, eps):
 def rmsnorm_launch(x, weight, eps):
     if x.dtype == torch.float64:
         return rmsnorm_reference(x, weight, eps)
-    if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x must be a bf16/fp16/fp32 [..., K] tensor, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    K = x.shape[-1]
-    if weight.shape != (K,) or not weight.dtype.is_floating_point:
-        raise ValueError(f"weight must be a float [{K}] vector, got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    if K > RMSNORM_MAX_K:
-        raise ValueError(f"rmsnorm holds a row per program: K = {K} > {RMSNORM_MAX_K}")
-    x2 = x.reshape(-1, K)
-    if K and x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, _, K = _rows(x, "x", grouped=False)
+    weight = _norm_weight(weight, K, "rmsnorm")
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0] and K:
         block = next_pow2(K)
         kernel = _rmsnorm_kernel
-        launch(kernel)[(x2.shape[0],)](x2, weight.contiguous(), y, K, x2.stride(0), y.stride(0),
+        launch(kernel)[(x2.shape[0],)](x2, weight, y, K, x2.stride(0), y.stride(0),
                                        float(eps), BLOCK_K=block, SOFT=interpreting(kernel),
                                        num_warps=_rmsnorm_warps(block // ACT_QUANT_GROUP))
     return y.reshape(x.shape)
+
+
+def _norm_weight(weight, K, op):
+    """The norm's weight, checked against the row width K (a program holds a whole row)."""
+    if weight.shape != (K,) or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be a float [{K}] vector, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if K > RMSNORM_MAX_K:
+        raise ValueError(f"{op} holds a row per program: K = {K} > {RMSNORM_MAX_K}")
+    return weight.contiguous()
 
 
 def _rmsnorm_warps(ng_p2):

@@ -41,7 +41,7 @@ def _results(case, fn, kw, idx, j):
     return [t.cpu() for t in case.results(sub, out, j)]
 
 
-def _assert_invariant(name, fn, kw, g, pool=POOL, last_only=False):
+def _assert_invariant(name, fn, kw, g, pool=POOL, last_only=False, gpu=False):
     """Rows 0 and pool - 1 (first and last; the 7-row batch puts them in the middle)."""
     case = CASES[name]
     whole = list(range(pool))
@@ -52,8 +52,7 @@ def _assert_invariant(name, fn, kw, g, pool=POOL, last_only=False):
         assert alone, f"{name}: the case yields no results"
         batches = [(whole, r, [t.cpu() for t in case.results(sub, out, r)])]
         batches += [(idx, j, _results(case, fn, kw, idx, j))
-                    for idx, j in _batches(r, g, any(isinstance(v, torch.Tensor) and v.is_cuda
-                                                     for v in kw.values()), pool)]
+                    for idx, j in _batches(r, g, gpu, pool)]
         for idx, j, got in batches:
             for k, (a, b) in enumerate(zip(alone, got)):
                 assert _bits(a).shape == _bits(b).shape and torch.equal(_bits(a), _bits(b)), \
@@ -93,7 +92,7 @@ def test_kernel_is_batch_invariant(name):
     if big:
         kw = _to(kw, "cuda")
     _assert_invariant(name, KERNELS[name].launcher, kw, g, pool,
-                      last_only=not big and CASES[name].interpreted_last_only)
+                      last_only=not big and CASES[name].interpreted_last_only, gpu=big)
 
 
 def test_batch_dependent_plans_only_inside_the_benchmark_switch():
