@@ -1,8 +1,8 @@
 """Attention benchmark cases (group "attention"): dspark::sparse_attention and dspark::indexer_topk
 at Flash shapes, context lengths 64, 1k, 8k and 32k positions.
 
-    python benchmarks/kernels.py --only attention --batches 1,16,64 --out benchmarks/results/h200_attention
-    python benchmarks/kernels.py --only attention --ops sparse_attention.c4@8k --variants 'ours*' --batches 1
+    python benchmarks/kernel_bench.py --only attention --batches 1,16,64 --out benchmarks/results/h200_attention
+    python benchmarks/kernel_bench.py --only attention --ops sparse_attention.c4@8k --variants 'ours*' --batches 1
 
 Each case is one layer's call for B requests of T = 6 verify tokens at positions ctx-6 .. ctx-1
 (so ctx positions of context): 64 heads x 512 (448 FP8 nope + 64 bf16 rope; 583 B per cached

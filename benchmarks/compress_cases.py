@@ -1,10 +1,10 @@
 """Compressor and draft-attention benchmark cases (groups "compress" and "draft_attention"), Flash
 shapes, at context lengths CONTEXTS = 64, 1k, 8k and 32k positions and the B of --batches.
 
-    python benchmarks/kernels.py --only compress,draft_attention --batches 1,16,64 \
+    python benchmarks/kernel_bench.py --only compress,draft_attention --batches 1,16,64 \
         --out benchmarks/results/h200_compress
-    python benchmarks/kernels.py --only compress --ops compress.c128 --batches 1,16,64 --variants 'ours*'
-    python benchmarks/kernels.py --dry-run --only compress,draft_attention      # CPU smoke test
+    python benchmarks/kernel_bench.py --only compress --ops compress.c128 --batches 1,16,64 --variants 'ours*'
+    python benchmarks/kernel_bench.py --dry-run --only compress,draft_attention      # CPU smoke test
 
 Every case is one verify forward of T = 6 tokens per row (N + 1, dspark_block_size 5) for B live
 rows; row b's last position is about the context length (ctx + (37 b mod 128) - 6 .. + 5, so the

@@ -1,7 +1,7 @@
 """fp8_linear benchmark cases (group "fp8_linear"), Flash shapes.
 
-    python benchmarks/kernels.py --only fp8_linear --out benchmarks/results/h200_fp8_linear
-    python benchmarks/kernels.py --only fp8_linear --variants 'ours*' --batches 1
+    python benchmarks/kernel_bench.py --only fp8_linear --out benchmarks/results/h200_fp8_linear
+    python benchmarks/kernel_bench.py --only fp8_linear --variants 'ours*' --batches 1
 
 Cases: every distinct (N, K, groups) of the Flash FP8 linears (kernels/fp8_linear.py's table;
 wo_a is its 8 groups of 1024 x 4096) at M = 1 and M = 6B for B in --batches (the default

@@ -11,7 +11,7 @@ Method (see /work/.library/device/METHOD.md; benchmarks/README.md has the detail
 - bandwidth is reported against a measured device-to-device copy (bytes read + bytes written).
 
 Case protocol: a module `benchmarks/<anything>_cases.py` defines `cases(batches) -> list[Case]`;
-`benchmarks/kernels.py` discovers such modules and times every case they return.
+`benchmarks/kernel_bench.py` discovers such modules and times every case they return.
 """
 from __future__ import annotations
 

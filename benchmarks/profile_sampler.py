@@ -3,7 +3,7 @@ rejection sampler at Flash dims (benchmarks/sampler_cases.py inputs), one line p
 
     python benchmarks/profile_sampler.py --out benchmarks/results/<dir>/profile.json
 
-Complements benchmarks/kernels.py (which times whole ops by CUDA-graph replay against eager and
+Complements benchmarks/kernel_bench.py (which times whole ops by CUDA-graph replay against eager and
 torch.compile): this one answers "which launch is over its share" with torch.profiler, after a
 warm-up, averaging `--calls` eager calls. Kernel times here exclude launch gaps, so their sum
 is a lower bound of the graph-replay time; the difference is what launches cost.

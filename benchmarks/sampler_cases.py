@@ -1,7 +1,7 @@
 """Sampler benchmark cases (group "sampler"), Flash dims: V = 129280, r = 256, N = 5.
 
-    python benchmarks/kernels.py --only sampler --out benchmarks/results/h200_sampler
-    python benchmarks/kernels.py --only sampler --ops markov_greedy --batches 1,64
+    python benchmarks/kernel_bench.py --only sampler --out benchmarks/results/h200_sampler
+    python benchmarks/kernel_bench.py --only sampler --ops markov_greedy --batches 1,64
 
 Cases per B (requests):
 - `markov_greedy`: every row greedy. Variants: the reference (eager / torch.compile), `ours`

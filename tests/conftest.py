@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# `python -m pytest` puts the working directory first on sys.path. From the checkout that makes
+# its source folders `kernels/`, `models/` and `passes/` importable as top-level packages: they
+# shadow installed packages of the same names (transformers >= 5.25 imports Hugging Face's
+# `kernels`) and would let a test import the sources under names the installed product lacks.
+_REPO = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _REPO]
+
 # shared test helpers (tests/stats_utils.py) importable from every test module
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def bench():
-    path = os.path.join(REPO, "benchmarks", "kernels.py")
+    path = os.path.join(REPO, "benchmarks", "kernel_bench.py")
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

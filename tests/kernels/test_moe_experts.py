@@ -428,12 +428,12 @@ def test_a_model_loading_tiled_weights_takes_their_layout_name(experts64):
 
 
 def test_benchmark_cases_build_and_run_on_cpu():
-    """benchmarks/kernels.py's moe_experts cases at a tiny size: inputs, reference, op, check."""
+    """benchmarks/kernel_bench.py's moe_experts cases at a tiny size: inputs, reference, op, check."""
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
     sys.path.insert(0, os.path.abspath(path))
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_kernels_moe",
-                                                  os.path.join(path, "kernels.py"))
+                                                  os.path.join(path, "kernel_bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     cases = bench.moe_cases([1, 4], dims=bench.MoeDims(experts=8, hidden=64, inter=64, top_k=3))

@@ -1,8 +1,8 @@
 """Kernel benchmarks: eager PyTorch reference vs torch.compile of it vs our fused op.
 
-    python benchmarks/kernels.py --only qkv,act_quant --out benchmarks/results/h200_kernels
-    python benchmarks/kernels.py --dry-run          # CPU/GPU smoke test: build, run once, check
-    python benchmarks/kernels.py --only moe --batches 1,4,16,64 --out benchmarks/results/h200_moe
+    python benchmarks/kernel_bench.py --only qkv,act_quant --out benchmarks/results/h200_kernels
+    python benchmarks/kernel_bench.py --dry-run          # CPU/GPU smoke test: build, run once, check
+    python benchmarks/kernel_bench.py --only moe --batches 1,4,16,64 --out benchmarks/results/h200_moe
 
 Cases come from this file (groups "qkv", "act_quant" and "moe", Flash dims: H=64, D=512, rope
 64, nope 448, hidden 4096, shared-expert I=2048, 256 routed MXFP4 experts of I=2048, top 6;
