@@ -114,6 +114,29 @@ def test_sampled_rows_equal_reference_and_reproduce(default_loaded, ref_model):
     assert other.tokens[2] == res.tokens[2], "a greedy row does not depend on its seed"
 
 
+def test_sampled_request_does_not_depend_on_its_batch(default_loaded, ref_model):
+    """A sampled request's tokens, at a fixed seed, are the same alone (bucket 1), at every
+    position of a batch of 3 (bucket 4, one padded row) and inside a batch of 9 (bucket 16):
+    its draws are keyed by seed and position, never by row, and its logits by its own tokens."""
+    rng = random.Random(5)
+    V = ref_model.cfg.vocab_size
+    prompt = _prompts(rng, V, [11])[0]
+    mine = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_new_tokens=16)
+    alone = _run(default_loaded, [prompt], [mine]).tokens[0]
+    others = _prompts(rng, V, [4, 23, 7, 1, 30, 9, 15, 2])
+    other_params = [SamplingParams(temperature=[0.0, 1.1, 0.7][i % 3], top_k=5 * (i % 2),
+                                   seed=i, max_new_tokens=rng.randint(3, 20))
+                    for i in range(len(others))]
+    batches = [(others[:2], other_params[:2], pos) for pos in range(3)]
+    batches.append((others, other_params, 5))
+    for companions, params, pos in batches:
+        prompts = companions[:pos] + [prompt] + companions[pos:]
+        batch_params = params[:pos] + [mine] + params[pos:]
+        got = _run(default_loaded, prompts, batch_params).tokens[pos]
+        assert got == alone, (f"at position {pos} of {len(prompts)}: {got} != alone {alone}")
+    assert mine.temperature > 0 and len(set(alone)) > 1
+
+
 def test_requests_finished_by_their_first_token(small_loaded, ref_model):
     # nothing is left to decode after prefill: no step runs, the rows are free again
     prompts = [[3, 1, 4], [1, 5, 9, 2, 6], [7]]
