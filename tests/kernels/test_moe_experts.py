@@ -322,6 +322,34 @@ def test_op_schema_and_cpu_dispatch(experts64):
     assert torch.equal(op(x, ids, w.double(), *tensors, LIMIT, name), ref)
 
 
+def test_reference_decode_cache_follows_the_weights(experts64):
+    """The reference keeps decoded experts between eager CPU calls: a second call, a fresh view
+    of the same weights, an in-place write to them and a tiled copy each give the bits of a
+    decode from scratch (the per-expert path, cache bypassed)."""
+    x = _x(5, 64, torch.float32, seed=21)
+    ids, w = _routing(5, 3, "random", seed=22)
+
+    def uncached(*tensors, layout=ml.CHECKPOINT):
+        saved = moe._DEQUANT_CACHE_BYTES
+        moe._DEQUANT_CACHE_BYTES = 0
+        try:
+            return moe.moe_experts_reference(x, ids, w, *tensors, LIMIT, layout)
+        finally:
+            moe._DEQUANT_CACHE_BYTES = saved
+
+    mine = [t.clone() for t in experts64]
+    want = uncached(*mine)
+    assert torch.equal(moe.moe_experts_reference(x, ids, w, *mine, LIMIT), want)
+    assert torch.equal(moe.moe_experts_reference(x, ids, w, *[t[:] for t in mine], LIMIT), want)
+    mine[0][ids[0, 0]] = mine[0][ids[0, 1]]                  # an in-place write to one expert
+    changed = uncached(*mine)
+    assert not torch.equal(changed, want)
+    assert torch.equal(moe.moe_experts_reference(x, ids, w, *mine, LIMIT), changed)
+    tensors, name = ml.experts_to_kernel(*mine)
+    assert torch.equal(moe.moe_experts_reference(x, ids, w, *tensors, LIMIT, name), changed)
+    assert torch.equal(uncached(*tensors, layout=name), changed)
+
+
 def test_plan_is_a_function_of_the_weights_only():
     """Flash dims: the tiled layout's tiles (64 x 256 both GEMMs at bf16, BK 64 at fp32), the
     checkpoint layout's 64 x 128; no field depends on the token count."""
