@@ -1,6 +1,6 @@
 """Lossless to the bit on a CUDA GPU (skips without one): the bf16 engine's greedy speculative
 output equals its own target-only greedy output, token for token, for 64 random prompts at
-every bucket.
+every bucket; and a sampled request's tokens at a fixed seed do not depend on its batch.
 
 The trained tiny pair (`synth --preset tiny-trained`), so drafts are accepted often and the
 verify step really commits several tokens a row; bf16 with the FP8 KV and activation quant
