@@ -6,6 +6,9 @@ exported step contains exactly the subgraphs the fusion passes look for.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Callable
+
 import torch
 
 FP8_MAX = 448.0          # largest finite float8_e4m3fn
@@ -134,3 +137,40 @@ def row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a2 = torch.cat((a2, a2.new_zeros(pad, K)))
     y = torch.cat([c @ b for c in a2.split(ROW_CHUNK)]) if a2.shape[0] else a2 @ b
     return y[:M].reshape(*lead, b.shape[-1])
+
+
+# Decoded weights between eager CPU calls of a reference (the CPU engine, the eager model): the
+# MoE experts' e2m1 decode was 70 % of a tiny-trained fp32 CPU step (811 ms), the FP8 block
+# dequant most of fp8_linear's share. Kept per storage and view of the encoded tensors (the
+# programs pass a fresh view object per call), up to DECODE_CACHE_BYTES, least recently used
+# first out. An entry holds its storages, so their addresses cannot be freed and reused while
+# it lives; the version counter (shared by every view of a tensor) catches an in-place write.
+DECODE_CACHE_BYTES = 512 << 20
+_DECODED: OrderedDict = OrderedDict()
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+            t.dtype)
+
+
+def cached_decode(encoded: tuple, tag: tuple, nbytes: int, decode: Callable[[], tuple]):
+    """decode()'s tensors for the weights `encoded`, computed once per (weights, tag) while they
+    are unchanged; None where caching does not apply (traced or non-CPU tensors, or a result of
+    `nbytes` over the bound): the caller decodes as it would without a cache."""
+    if (nbytes > DECODE_CACHE_BYTES or torch.compiler.is_compiling()
+            or any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in encoded)):
+        return None
+    key = (tuple(_view_key(t) for t in encoded), tag)
+    versions = tuple(t._version for t in encoded)
+    hit = _DECODED.get(key)
+    if hit is not None:
+        if hit[1] == versions:
+            _DECODED.move_to_end(key)
+            return hit[2]
+        del _DECODED[key]
+    out = decode()
+    _DECODED[key] = (tuple(t.untyped_storage() for t in encoded), versions, out)
+    while sum(d.nbytes for v in _DECODED.values() for d in v[2]) > DECODE_CACHE_BYTES:
+        _DECODED.popitem(last=False)
+    return out

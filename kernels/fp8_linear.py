@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.common import fp8_group_dequant, row_matmul
+from dspark_compile.kernels.common import cached_decode, fp8_group_dequant, row_matmul
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import (
@@ -88,7 +88,10 @@ def fp8_linear_reference(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Ten
     acc = _acc_dtype(out_dtype)
     a = fp8_group_dequant(x, x_s, GROUP) if x_s is not None else x
     a = a.to(acc)
-    wd = block_dequant(w, w_s, acc)
+    nbytes = w.numel() * torch.empty((), dtype=acc).element_size()
+    wd = cached_decode((w, w_s), ("fp8 block", acc), nbytes,
+                       lambda: (block_dequant(w, w_s, acc),))
+    wd = wd[0] if wd is not None else block_dequant(w, w_s, acc)
     if groups == 1:
         return row_matmul(a, wd.T).to(out_dtype)
     lead, N = a.shape[:-1], w.shape[0]

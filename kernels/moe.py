@@ -38,7 +38,6 @@ fp32) 75 MB, 3 % of the weights. The kernels are in kernels/moe_kernels.py.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,7 +47,7 @@ import triton
 from dspark_compile.kernels import moe_kernels as mk
 from dspark_compile.kernels import moe_layout as ml
 from dspark_compile.kernels.act_quant import swiglu
-from dspark_compile.kernels.common import row_matmul
+from dspark_compile.kernels.common import cached_decode, row_matmul
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, next_pow2
 
@@ -79,47 +78,20 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
     return vals.flatten(-2).to(dtype)
 
 
-# Eager CPU calls of the reference (the CPU engine, the eager model) re-decode every expert's
-# e2m1 codes per call: 70 % of a tiny-trained fp32 CPU step (811 ms; the cache halves it). Kept
-# per weight storage and view (the programs pass a fresh view object per call), up to 512 MiB.
-# An entry holds its storages, so their addresses cannot be freed and reused while it lives; the
-# version counter (shared by every view of a tensor) catches an in-place write. Traced and GPU
-# calls decode as before.
-_DEQUANT_CACHE: OrderedDict = OrderedDict()
-_DEQUANT_CACHE_BYTES = 512 << 20
-
-
-def _view_key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
-            t.dtype)
-
-
 def _decoded_experts(weights: tuple, layout: str, dtype: torch.dtype):
-    """(w1, w3, w2) of every expert decoded to `dtype` from the six weight tensors in `layout`,
-    or None where caching does not apply (the caller decodes one expert at a time)."""
-    if (any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in weights)
-            or torch.compiler.is_compiling()):
-        return None
-    key = (tuple(_view_key(t) for t in weights), layout, dtype)
-    versions = tuple(t._version for t in weights)
-    hit = _DEQUANT_CACHE.get(key)
-    if hit is not None:
-        if hit[1] == versions:
-            _DEQUANT_CACHE.move_to_end(key)
-            return hit[2]
-        del _DEQUANT_CACHE[key]
+    """(w1, w3, w2) of every expert decoded to `dtype` from the six weight tensors in `layout`
+    (kernels/common.py `cached_decode`), or None: the caller decodes one expert at a time."""
     size = torch.empty((), dtype=dtype).element_size()
     # two e2m1 values a byte, whether the layout holds them as int8 or as int32 words
-    if sum(w.numel() * w.element_size() * 2 * size for w in weights[0::2]) > _DEQUANT_CACHE_BYTES:
-        return None
-    w1, s1, w3, s3, w2, s2 = weights
-    if ml.parse_layout(layout) is not None:
-        w1, s1, w3, s3, w2, s2 = ml.experts_to_checkpoint(w1, s1, w3, s3, w2, s2)
-    full = tuple(mxfp4_dequant(w, sc, dtype) for w, sc in ((w1, s1), (w3, s3), (w2, s2)))
-    _DEQUANT_CACHE[key] = (tuple(t.untyped_storage() for t in weights), versions, full)
-    while sum(f.nbytes for v in _DEQUANT_CACHE.values() for f in v[2]) > _DEQUANT_CACHE_BYTES:
-        _DEQUANT_CACHE.popitem(last=False)
-    return full
+    nbytes = sum(w.numel() * w.element_size() * 2 * size for w in weights[0::2])
+
+    def decode():
+        w1, s1, w3, s3, w2, s2 = weights
+        if ml.parse_layout(layout) is not None:
+            w1, s1, w3, s3, w2, s2 = ml.experts_to_checkpoint(w1, s1, w3, s3, w2, s2)
+        return tuple(mxfp4_dequant(w, sc, dtype) for w, sc in ((w1, s1), (w3, s3), (w2, s2)))
+
+    return cached_decode(weights, ("mxfp4 experts", layout, dtype), nbytes, decode)
 
 
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

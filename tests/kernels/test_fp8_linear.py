@@ -10,6 +10,7 @@ one bf16 ulp apart, rtol 2^-7. NaN only passes (equal_nan) in the tests whose re
 import pytest
 import torch
 
+from dspark_compile.kernels import common
 from dspark_compile.kernels import fp8_linear as fl
 from dspark_compile.kernels.act_quant import act_quant_reference
 from dspark_compile.kernels.common import row_matmul
@@ -107,6 +108,28 @@ def test_nan_inf_rows_propagate_and_stay_in_their_row():
                     equal_nan=True)
     alone = fl.fp8_linear_launch(x[[0, 5]], x_s[[0, 5]], w, w_s, 1, torch.float32)
     assert torch.equal(y[[0, 5]], alone)
+
+
+def test_reference_decode_cache_follows_the_weights():
+    """The reference keeps the dequantized weight between eager CPU calls (kernels/common.py
+    `cached_decode`): a fresh view gives the same bits, an in-place write is seen."""
+    x, x_s = _acts(5, 256, seed=31)
+    w, w_s = _weights(96, 256, seed=32)
+    def uncached():
+        saved = common.DECODE_CACHE_BYTES
+        common.DECODE_CACHE_BYTES = 0
+        try:
+            return fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32)
+        finally:
+            common.DECODE_CACHE_BYTES = saved
+
+    want = uncached()
+    assert torch.equal(fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32), want)
+    assert torch.equal(fl.fp8_linear_reference(x, x_s, w[:], w_s[:], 1, torch.float32), want)
+    w_s[0, 0] += 1                                        # block (0, 0)'s scale doubled in place
+    changed = uncached()
+    assert not torch.equal(changed, want)
+    assert torch.equal(fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32), changed)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 
-from dspark_compile.kernels import moe
+from dspark_compile.kernels import common, moe
 from dspark_compile.kernels import moe_layout as ml
 from dspark_compile.kernels.registry import KERNELS
 from dspark_compile.models.moe import Experts, Gate, sync_kernel_layouts, use_kernel_layouts
@@ -330,12 +330,12 @@ def test_reference_decode_cache_follows_the_weights(experts64):
     ids, w = _routing(5, 3, "random", seed=22)
 
     def uncached(*tensors, layout=ml.CHECKPOINT):
-        saved = moe._DEQUANT_CACHE_BYTES
-        moe._DEQUANT_CACHE_BYTES = 0
+        saved = common.DECODE_CACHE_BYTES
+        common.DECODE_CACHE_BYTES = 0
         try:
             return moe.moe_experts_reference(x, ids, w, *tensors, LIMIT, layout)
         finally:
-            moe._DEQUANT_CACHE_BYTES = saved
+            common.DECODE_CACHE_BYTES = saved
 
     mine = [t.clone() for t in experts64]
     want = uncached(*mine)
