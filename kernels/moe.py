@@ -78,20 +78,29 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32
     return vals.flatten(-2).to(dtype)
 
 
-def _decoded_experts(weights: tuple, layout: str, dtype: torch.dtype):
-    """(w1, w3, w2) of every expert decoded to `dtype` from the six weight tensors in `layout`
-    (kernels/common.py `cached_decode`), or None: the caller decodes one expert at a time."""
+def _expert_weights(weights: tuple, layout: str, dtype: torch.dtype):
+    """((E, D), e -> expert e's (w1, w3, w2) decoded to `dtype`) from the six weight tensors in
+    `layout`: all experts decoded once and kept between eager CPU calls (kernels/common.py
+    `cached_decode`), else one expert at a time."""
     size = torch.empty((), dtype=dtype).element_size()
     # two e2m1 values a byte, whether the layout holds them as int8 or as int32 words
     nbytes = sum(w.numel() * w.element_size() * 2 * size for w in weights[0::2])
 
-    def decode():
-        w1, s1, w3, s3, w2, s2 = weights
-        if ml.parse_layout(layout) is not None:
-            w1, s1, w3, s3, w2, s2 = ml.experts_to_checkpoint(w1, s1, w3, s3, w2, s2)
+    def checkpoint_layout():
+        if ml.parse_layout(layout) is None:
+            return weights
+        return ml.experts_to_checkpoint(*weights)
+
+    def decode_all():
+        w1, s1, w3, s3, w2, s2 = checkpoint_layout()
         return tuple(mxfp4_dequant(w, sc, dtype) for w, sc in ((w1, s1), (w3, s3), (w2, s2)))
 
-    return cached_decode(weights, ("mxfp4 experts", layout, dtype), nbytes, decode)
+    decoded = cached_decode(weights, ("mxfp4 experts", layout, dtype), nbytes, decode_all)
+    if decoded is not None:
+        return decoded[2].shape[:2], lambda e: tuple(d[e] for d in decoded)
+    w1, s1, w3, s3, w2, s2 = checkpoint_layout()
+    return w2.shape[:2], lambda e: tuple(mxfp4_dequant(w[e], sc[e], dtype)
+                                         for w, sc in ((w1, s1), (w3, s3), (w2, s2)))
 
 
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -108,24 +117,18 @@ def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     nonzero, no data-dependent shapes.
     """
     acc = _out_dtype(x)
-    decoded = _decoded_experts((w1, s1, w3, s3, w2, s2), layout, acc)
-    if decoded is None and ml.parse_layout(layout) is not None:
-        w1, s1, w3, s3, w2, s2 = ml.experts_to_checkpoint(w1, s1, w3, s3, w2, s2)
+    (E, D), expert = _expert_weights((w1, s1, w3, s3, w2, s2), layout, acc)
     if valid is not None:
         topk_ids = torch.where(valid[:, None], topk_ids, torch.full_like(topk_ids, -1))
     T, k = topk_ids.shape
     xa, wt = x.to(acc), topk_weights.to(acc)
-    E, D = (decoded[2].shape[:2] if decoded is not None else w2.shape[:2])
     ys = torch.zeros(T, k, D, dtype=acc, device=x.device)             # slot j's w * o_j
-
-    def weight(i, w, s, e):
-        return decoded[i][e] if decoded is not None else mxfp4_dequant(w[e], s[e], acc)
-
     for e in range(E):
-        g = row_matmul(xa, weight(0, w1, s1, e).T).to(x.dtype)
-        u = row_matmul(xa, weight(1, w3, s3, e).T).to(x.dtype)
+        we1, we3, we2 = expert(e)
+        g = row_matmul(xa, we1.T).to(x.dtype)
+        u = row_matmul(xa, we3.T).to(x.dtype)
         h = swiglu(g, u, swiglu_limit)
-        o = row_matmul(h.to(acc), weight(2, w2, s2, e).T).to(x.dtype).to(acc)
+        o = row_matmul(h.to(acc), we2.T).to(x.dtype).to(acc)
         ys = torch.where((topk_ids == e)[..., None], wt[..., None] * o[:, None, :], ys)
     y = ys[:, 0] if k else ys.sum(1)
     for j in range(1, k):                                             # slot order, as the kernel

@@ -134,7 +134,7 @@ def test_sampled_request_does_not_depend_on_its_batch(default_loaded, ref_model)
         batch_params = params[:pos] + [mine] + params[pos:]
         got = _run(default_loaded, prompts, batch_params).tokens[pos]
         assert got == alone, (f"at position {pos} of {len(prompts)}: {got} != alone {alone}")
-    assert mine.temperature > 0 and len(set(alone)) > 1
+    assert len(set(alone)) > 1, "the request does not sample: the check proves little"
 
 
 def test_requests_finished_by_their_first_token(small_loaded, ref_model):
