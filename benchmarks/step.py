@@ -151,7 +151,8 @@ def main(argv=None) -> int:
            "launch_counting": ("ops: top-level aten/dspark ops in torch.profiler (CPU)"
                                if args.dry_run else
                                "kernels: CUDA events torch.profiler (CUPTI) records over one call"),
-           "rows": [], "floors": {}, "per_layer": {}, "kernel_names": {}}
+           "rows": [], "floors": {}, "per_layer": {}, "kernel_names": {},
+           "kernel_us": {}}
 
     def write():
         (out / "step.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
@@ -213,12 +214,17 @@ def main(argv=None) -> int:
                         r = runners[(v, B)]
                         row.update(r.info)
                         restore()
+                        times: dict = {}
                         with torch.no_grad():
-                            names = profile_launches(r.call, dev)
+                            names = profile_launches(r.call, dev, times)
                         restore()
                         row.update({f"launches_{k}": n for k, n in _counts(names, dspark).items()})
                         rec["kernel_names"][f"{key}/{v}"] = dict(sorted(
                             {n: names.count(n) for n in set(names)}.items()))
+                        if times:
+                            rec["kernel_us"][f"{key}/{v}"] = dict(sorted(
+                                ((n, round(t, 2)) for n, t in times.items()),
+                                key=lambda kv: -kv[1]))
                         if r.graph is not None:
                             row["graph_nodes"] = graph_kernel_nodes(r.graph)
                         if dev.type == "cuda":

@@ -93,9 +93,11 @@ def _top_level_ops(events) -> list:
     return out
 
 
-def profile_launches(fn, device: torch.device) -> list[str]:
+def profile_launches(fn, device: torch.device, times: dict | None = None) -> list[str]:
     """Names of what one call of fn runs: on CUDA the kernels (and memcpy / memset) CUPTI
-    records, which includes those of a graph replay; on CPU the top-level aten / dspark ops."""
+    records, which includes those of a graph replay; on CPU the top-level aten / dspark ops.
+    On CUDA `times`, when given, gets each name's summed device µs in that call (the step's
+    per-kernel breakdown: its shares, not its total, which the profiler lengthens)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
@@ -103,7 +105,11 @@ def profile_launches(fn, device: torch.device) -> list[str]:
         _sync(device)
     events = prof.events()
     if device.type == "cuda":
-        return [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        if times is not None:
+            for e in kernels:
+                times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us()
+        return [e.name for e in kernels]
     return [e.name for e in _top_level_ops(events)]
 
 

@@ -38,9 +38,14 @@ def pytest_addoption(parser):
     parser.addoption("--gpu-engine-buckets", default="",
                      help="comma-separated buckets the GPU engine tests build (default: all of "
                           "build_config.DEFAULT_BUCKETS); fewer fit a short device run")
-    parser.addoption("--gpu-engine-backend", default="inductor", choices=("inductor", "aten"),
-                     help="--backend of the engine the GPU engine tests build (default inductor, "
-                          "the CUDA default)")
+    parser.addoption("--gpu-engine-backend", default="aten", choices=("inductor", "aten"),
+                     help="--backend of the engine the GPU engine tests build (default aten, "
+                          "the build's default on every device)")
+    parser.addoption("--gpu-lossless-engine", default="", metavar="DIR",
+                     help="a bf16 CUDA engine of the tiny-trained pair with target programs, built "
+                          "on this machine (`dspark-compile build`), for "
+                          "tests/runtime/test_gpu_lossless.py; its buckets are the ones tested "
+                          "(default: the test builds one)")
     parser.addoption("--gpu-kernel-store-engine", default="", metavar="DIR",
                      help="a CUDA engine built on this machine for the kernel-store GPU test "
                           "(tests/runtime/test_gpu_kernel_store.py); default: it builds one")

@@ -9,7 +9,9 @@ group starts in that bucket (and moves to smaller ones as its rows end). Any bat
 reduction in a kernel or in the glue shows up here as a differing token
 (docs/architecture.md, "Batch invariance").
 """
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -21,18 +23,21 @@ PROMPTS, NEW_TOKENS = 64, 64
 
 
 @pytest.fixture(scope="module")
-def buckets(request):
-    opt = request.config.getoption("--gpu-engine-buckets")
-    return tuple(int(b) for b in opt.split(",")) if opt else tuple(DEFAULT_BUCKETS)
-
-
-@pytest.fixture(scope="module")
-def bf16_engine(tmp_path_factory, buckets, request):
+def bf16_engine(tmp_path_factory, request):
     from dspark_compile.build_config import BuildConfig
     from dspark_compile.models.synth import synth_checkpoint
     from dspark_compile.runtime import Engine
     from dspark_compile.trace import build_engine
 
+    given = request.config.getoption("--gpu-lossless-engine")
+    if given:
+        bc = json.loads((Path(given) / "manifest.json").read_text())["build_config"]
+        wrong = {k: bc.get(k) for k, want in (("dtype", "bfloat16"), ("target_programs", True),
+                                              ("device", "cuda")) if bc.get(k) != want}
+        assert not wrong, f"--gpu-lossless-engine {given}: built with {wrong}"
+        return Engine.load(given, device="cuda")
+    opt = request.config.getoption("--gpu-engine-buckets")
+    buckets = tuple(int(b) for b in opt.split(",")) if opt else tuple(DEFAULT_BUCKETS)
     root = tmp_path_factory.mktemp("gpu_lossless")
     ckpt = synth_checkpoint("tiny-trained", root / "ckpt", seed=0)
     build_engine(ckpt, root / "engine",
@@ -41,6 +46,11 @@ def bf16_engine(tmp_path_factory, buckets, request):
                              backend=request.config.getoption("--gpu-engine-backend")),
                  log=lambda s: None)
     return Engine.load(root / "engine", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def buckets(bf16_engine):
+    return tuple(bf16_engine.buckets)
 
 
 def test_speculative_equals_target_only_at_every_bucket(bf16_engine, buckets):
