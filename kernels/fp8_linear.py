@@ -128,6 +128,14 @@ class Fp8LinearPlan:
 # Decode rows (M <= 16) stream the weight; larger M reuses each weight tile over more rows.
 TILES = {16: (16, 64, True, 4, 4), 32: (32, 64, False, 4, 4), 64: (64, 128, False, 8, 3)}
 M_BUCKETS = tuple(TILES)
+# The batch-invariant tiles: always (W x^T) with 64 weight rows on the MMA's M side (Hopper's
+# wgmma at every token count; an unswapped tile under 64 rows is Ampere's mma, whose partial
+# sums round differently), the tokens on its N side, so a token count only widens the
+# instruction's N and an output's products are summed by the same instruction in the same K
+# order. Wider token tiles re-read the weight fewer times: at M = 384 (B = 64 verify rows) the
+# 16-token tile alone streamed the 1.06 GB LM head 24 times (h200_lossless_2026-12-04).
+INVARIANT_TILES = {16: TILES[16], 32: (32, 64, True, 4, 4), 64: (64, 64, True, 4, 4),
+                   128: (128, 64, True, 4, 3)}
 
 
 def m_bucket(M: int) -> int:
@@ -140,27 +148,39 @@ def _stages(block_m, block_n, a_bytes, stages):
     return max(1, min(stages, SMEM_BUDGET // per_stage - 1))
 
 
+def invariant_tile(M: int, interpret: bool = False) -> tuple:
+    """The batch-invariant tile for M tokens (INVARIANT_TILES). The interpreter's dots are
+    numpy GEMMs whose sums follow the tile's shape: there every M takes the 16-token tile."""
+    return INVARIANT_TILES[16 if interpret else
+                           next((b for b in INVARIANT_TILES if M <= b), max(INVARIANT_TILES))]
+
+
 @functools.lru_cache(maxsize=None)
 def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
                     sm_count: int = SM_COUNT_HINT, fp32_out: bool = False,
-                    invariant: bool = True) -> Fp8LinearPlan:
+                    invariant: bool = True, interpret: bool = False) -> Fp8LinearPlan:
     """The plan for x [M, groups*K] (a_bytes per element) times W [N, K] into a bf16 output
     (fp32 with `fp32_out`). M is the step's static token count (one exported bucket), so each
     linear of a bucket has one plan. `invariant` (kernels/invariance.py): the split of K is
-    sized for one 16-row tile, whatever M, and that tile (the smallest that fits) is the one
-    at every M, so an output's sum order and instructions depend on (N, K) alone."""
+    sized for one 16-token tile whatever M, and the tile is an INVARIANT_TILES one, so an
+    output's sum order and instructions depend on (N, K) alone."""
     n_group = N // groups
+    if invariant:
+        block_m, block_n, swap, warps, stages = invariant_tile(M, interpret)
+        if groups > 1 and n_group % block_n:
+            raise ValueError(f"fp8_linear: groups of {n_group} rows fit no tile of "
+                             f"{INVARIANT_TILES}")
+        split, per = split_k(M, N, K // GROUP, block_m, block_n, sm_count, invariant)
+        return Fp8LinearPlan(block_m, block_n, swap, split, per, warps,
+                             _stages(block_m, block_n, a_bytes, stages),
+                             fp8_mma=a_bytes == 1 and not fp32_out)
     # a tile must not straddle two groups: the largest bucket's tile at most M's whose block_n
     # divides the group (only declared tiles, so every launch has a compile config)
     fits = [b for b in M_BUCKETS
             if b <= m_bucket(M) and (groups == 1 or n_group % TILES[b][1] == 0)]
     if not fits:
         raise ValueError(f"fp8_linear: groups of {n_group} rows fit no tile of {TILES}")
-    # invariant: one tile at every M. Tiles of other shapes map to other tensor-core
-    # instructions (under 64 rows an unswapped tile is Ampere's mma, not wgmma), whose
-    # accumulation rounds differently: measured on the H200, a token's output at M = 18-24
-    # (the 32-row tile) differs from the same token at M = 1 in the last bit
-    block_m, block_n, swap, warps, stages = TILES[fits[0] if invariant else fits[-1]]
+    block_m, block_n, swap, warps, stages = TILES[fits[-1]]
     split, per = split_k(M, N, K // GROUP, block_m, block_n, sm_count, invariant)
     return Fp8LinearPlan(block_m, block_n, swap, split, per, warps,
                          _stages(block_m, block_n, a_bytes, stages),
@@ -171,10 +191,10 @@ def split_k(M: int, N: int, kb: int, block_m: int, block_n: int, sm_count: int,
             invariant: bool) -> tuple[int, int]:
     """(splits, K blocks per split) of a GEMM with `kb` K blocks: split until the grid covers
     TARGET_WAVES of the SMs, at least MIN_KB_PER_SPLIT blocks a split. Batch invariant: the
-    grid is counted for one 16-row tile whatever M, so the split, and with it every output's
+    grid is counted for one 16-token tile whatever M, so the split, and with it every output's
     sum order, follows (N, K) alone."""
     if invariant:
-        tiles = triton.cdiv(N, TILES[M_BUCKETS[0]][1])
+        tiles = triton.cdiv(N, INVARIANT_TILES[16][1])
     else:
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     split = max(1, min(kb // MIN_KB_PER_SPLIT, triton.cdiv(TARGET_WAVES * sm_count, tiles)))
@@ -215,7 +235,9 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FP8: tl.constexpr,
                        SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_MMA: tl.constexpr,
                        SOFT: tl.constexpr):
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # M tiles are the grid's fastest axis: the programs sharing a weight tile run together
+    # and read it from HBM once (L2 serves the others)
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
@@ -326,13 +348,13 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
         a_fp8 = xs2 is not None
         p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size(),
                                     fp32_out=out_dtype == torch.float32,
-                                    invariant=batch_invariant())
+                                    invariant=batch_invariant(), interpret=interpreting(kernel))
         if p.split_k * p.kb_per_split < K // GROUP or (groups > 1 and (N // groups) % p.block_n):
             raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
         split = p.split_k > 1
         out = torch.empty((p.split_k, M, N), dtype=torch.float32, device=x.device) if split \
             else y
-        grid = (triton.cdiv(N, p.block_n), triton.cdiv(M, p.block_m), p.split_k)
+        grid = (triton.cdiv(M, p.block_m), triton.cdiv(N, p.block_n), p.split_k)
         xs_arg = xs2 if a_fp8 else w_s              # unused without A_FP8; any pointer
         launch(kernel)[grid](
             x2.view(torch.uint8) if a_fp8 else x2, xs_arg, w.view(torch.uint8),
@@ -372,7 +394,7 @@ _D16 = "i32:16"   # K, N, strides: multiples of 16 at every model shape (the JIT
 _RUNS = [("*u8", "*bf16", True, True), ("*u8", "*fp32", True, True), ("*u8", "*fp32", True, False),
          ("*bf16", "*bf16", False, False), ("*bf16", "*fp32", False, False),
          ("*fp32", "*fp32", False, False)]
-for _bm, (_, _bn, _swap, _warps, _st) in TILES.items():
+for _bm, _bn, _swap, _warps, _st in sorted(set(TILES.values()) | set(INVARIANT_TILES.values())):
     for _xt, _yt, _a8, _f8 in _RUNS:
         _ab = 1 if _a8 else int(_xt[-2:]) // 8
         add_compile_configs("fp8_linear", [compile_config(

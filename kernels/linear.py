@@ -25,8 +25,8 @@ import triton.language as tl
 
 from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.fp8_linear import (
-    M_BUCKETS, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _splitk_sum_kernel,
-    m_bucket, split_k)
+    INVARIANT_TILES, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _splitk_sum_kernel,
+    invariant_tile, m_bucket, split_k)
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
@@ -47,16 +47,18 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
 def linear_plan(M: int, N: int, K: int, w_bytes: int, sm_count: int = SM_COUNT_HINT,
                 invariant: bool = True, interpret: bool = False):
     """(block_m, block_n, swap_ab, split, kb_per_split, num_warps, num_stages): the FP8 GEMM's
-    tiles for M, its split of K (by (N, K) when invariant), stages within the shared memory
-    that w_bytes-wide operands leave. The interpreter's dots are numpy GEMMs, whose sums follow
-    the tile's shape: there every M takes the 16-row tile."""
-    # invariant: the 16-row tile at every M (fp8_linear_plan says why)
-    block_m, block_n, swap, warps, stages = TILES[M_BUCKETS[0] if interpret or invariant
-                                                  else m_bucket(M)]
+    tiles for M (an INVARIANT_TILES one when invariant, kernels/fp8_linear.py says why), its
+    split of K (by (N, K) when invariant), stages within the shared memory that w_bytes-wide
+    operands leave."""
+    block_m, block_n, swap, warps, stages = (invariant_tile(M, interpret) if invariant else
+                                             TILES[m_bucket(M)])
     split, per = split_k(M, N, triton.cdiv(K, BLOCK_K), block_m, block_n, sm_count, invariant)
-    per_stage = BLOCK_K * (block_m + block_n) * w_bytes
-    return block_m, block_n, swap, split, per, warps, max(1, min(stages,
-                                                                  SMEM_BUDGET // per_stage - 1))
+    return block_m, block_n, swap, split, per, warps, _stages(block_m, block_n, w_bytes, stages)
+
+
+def _stages(block_m, block_n, w_bytes, stages):
+    """Pipeline depth within SMEM_BUDGET: a stage holds an x tile and a weight tile of BLOCK_K."""
+    return max(1, min(stages, SMEM_BUDGET // (BLOCK_K * (block_m + block_n) * w_bytes) - 1))
 
 
 @triton.jit
@@ -66,7 +68,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KB_PER_SPLIT, stride_xm, stride
                    SOFT: tl.constexpr):
     """One (N tile, M tile, K split): the split's K blocks in order into an fp32 (or the
     operands' fp64) accumulator; SWAP_AB computes (W x^T) so N fills the MMA's wide side."""
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # M tiles fastest: the programs sharing a weight tile run together (one HBM read)
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -139,7 +142,7 @@ def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
         out = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 \
             else y
         kernel = _linear_kernel
-        launch(kernel)[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
+        launch(kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
             x2, w, out, M, N, K, per, x2.stride(0), w.stride(0), out.stride(-2),
             out.stride(0) if split > 1 else 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
             SWAP_AB=swap, NUM_STAGES=stages, SOFT=interpreting(kernel), num_warps=warps)
@@ -161,14 +164,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
     return linear_launch(x, w, dtype, out_dtype)
 
 
-# SM12x readiness: every M bucket's tile, bf16 operands into bf16 / fp32 outputs (or the split
+# SM12x readiness: every tile (M buckets' and the invariant ones), bf16 operands into bf16 / fp32 outputs (or the split
 # partials), fp32 operands into fp32.
 _D16 = "i32:16"
-for _bm in M_BUCKETS:
-    _, _bn, _swap, _warps, _ = TILES[_bm]
+for _bm, _bn, _swap, _warps, _st in sorted(set(TILES.values()) | set(INVARIANT_TILES.values())):
     for _xt, _wt, _yt in (("*bf16", "*bf16", "*bf16"), ("*bf16", "*bf16", "*fp32"),
                           ("*fp32", "*bf16", "*fp32")):
-        _stg = linear_plan(_bm, 4096, 4096, 2 if _xt == "*bf16" else 4)[-1]
+        _stg = _stages(_bm, _bn, 2 if _xt == "*bf16" else 4, _st)
         add_compile_configs("linear", [compile_config(
             _linear_kernel,
             dict(x_ptr=_xt, w_ptr=_wt, y_ptr=_yt, M="i32", N="i32", K=_D16, KB_PER_SPLIT="i32",

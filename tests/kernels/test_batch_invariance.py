@@ -20,19 +20,22 @@ from dspark_compile.kernels.registry import KERNELS
 import dspark_compile.kernels.sampling  # noqa: F401  (registers the samplers)
 import dspark_compile.models.step  # noqa: F401  (registers every op the step uses)
 
-POOL = 64   # on the GPU; the interpreter's pool is the case's (tests/batch_cases.py
+POOL = 64   # the references' pool; the kernels' is the case's (tests/batch_cases.py gpu_pool,
 #            interpreted_pool: 24 rows by default, two 16-row GEMM tiles, row 23 in the second)
 
 
 def _batches(r, g, gpu, pool):
     """Sub-batches holding row r: (rows, r's position) at sizes 2 and 7 (r last, r in the
-    middle) and, on a GPU, 24 (the 17..32-row GEMM tiles a batch-dependent plan picks); the
-    whole pool (r at its own index: first, middle, last) is checked once."""
+    middle) and, on a GPU, 24 (the 17..32-row GEMM tiles) and, in a larger pool, 100 (the
+    65..128-token ones); the whole pool (r at its own index: first, middle, last) is checked
+    once."""
     others = [i for i in torch.randperm(pool, generator=g).tolist() if i != r]
     yield [others[0], r], 1
     yield others[:3] + [r] + others[3:6], 3
     if gpu:
         yield others[:11] + [r] + others[11:23], 11
+    if gpu and pool > 100:
+        yield others[:70] + [r] + others[70:99], 70
 
 
 def _results(case, fn, kw, idx, j):
@@ -87,7 +90,7 @@ def test_reference_is_batch_invariant(name):
 def test_kernel_is_batch_invariant(name):
     g = torch.Generator().manual_seed(2)
     big = torch.cuda.is_available()
-    pool = POOL if big else CASES[name].interpreted_pool
+    pool = CASES[name].gpu_pool if big else CASES[name].interpreted_pool
     kw = CASES[name].build(g, pool, big)
     if big:
         kw = _to(kw, "cuda")

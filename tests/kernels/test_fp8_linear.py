@@ -159,6 +159,33 @@ def _declared():
             for c in KERNELS["fp8_linear"].compile_configs if "BLOCK_M" in c[2]}
 
 
+@pytest.mark.parametrize("tokens", sorted(fl.INVARIANT_TILES))
+def test_each_invariant_tile_matches_reference(tokens):
+    """Every batch-invariant tile, forced (the interpreter's plans take the 16-token one), at
+    a token count that leaves its second tile partly padded, K split in 2."""
+    M, N, K = tokens + 3, 128, 512
+    bm, bn, swap, warps, stages = fl.INVARIANT_TILES[tokens]
+    w, w_s = _weights(N, K, 11)
+    x, x_s = _acts(M, K, 12)
+    for dtype in (torch.bfloat16, torch.float32):
+        plan = fl.Fp8LinearPlan(bm, bn, swap, 2, 2, warps, stages,
+                                fp8_mma=dtype == torch.bfloat16)
+        y = fl.fp8_linear_launch(x, x_s, w, w_s, 1, dtype, plan=plan)
+        ref = fl.fp8_linear_reference(x, x_s, w, w_s, 1, dtype)
+        _assert_matches(y, ref, _fp32_atol(x, x_s, w, w_s, 1), dtype)
+
+
+def test_invariant_plans_swap_at_every_m_and_split_by_the_weight():
+    """On a GPU the invariant tile widens with M, always (W x^T) with 64 weight rows; the
+    interpreter's is the 16-token tile; the K split is the same at every M."""
+    for N, K, G in FLASH:
+        plans = [fl.fp8_linear_plan(M, N, K, G) for M in (1, 6, 17, 24, 64, 96, 384)]
+        assert [p.block_m for p in plans] == [16, 16, 32, 32, 64, 128, 128]
+        assert all(p.swap_ab and p.block_n == 64 for p in plans)
+        assert len({(p.split_k, p.kb_per_split) for p in plans}) == 1, (N, K)
+        assert fl.fp8_linear_plan(384, N, K, G, interpret=True).block_m == 16
+
+
 @pytest.mark.parametrize("a_bytes", [1, 2, 4])
 def test_every_plan_at_flash_shapes_is_a_declared_config(a_bytes):
     declared = _declared()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dspark_compile.kernels import linear as lk
+from dspark_compile.kernels.fp8_linear import INVARIANT_TILES
 
 OP = torch.ops.dspark.linear
 # the kernel runs where its tensors are: the interpreter on a CPU machine, the GPU on one
@@ -70,6 +71,22 @@ def test_forced_split_k_sums_in_order(monkeypatch):
     torch.testing.assert_close(y, lk.linear_reference(x, w, torch.bfloat16, torch.float32),
                                atol=_atol(x, w, K), rtol=0.0)
     assert torch.equal(y, lk.linear_launch(x, w, torch.bfloat16, torch.float32))
+
+
+@pytest.mark.parametrize("tokens", sorted(INVARIANT_TILES))
+def test_each_invariant_tile_matches_reference(monkeypatch, tokens):
+    """Every batch-invariant tile, forced (the interpreter's plans take the 16-token one), its
+    second tile partly padded, K split in 2; bf16 and fp32 compute."""
+    M, N, K = tokens + 3, 64, 512
+    bm, bn, swap, warps, stages = INVARIANT_TILES[tokens]
+    monkeypatch.setattr(lk, "linear_plan", lambda *a, **k: (bm, bn, swap, 2, 2, warps,
+                                                            min(stages, 2)))
+    for dtype, xt in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
+        x = torch.randn(M, K, generator=_gen(21)).to(xt).to(DEV)
+        w = torch.randn(N, K, generator=_gen(22)).bfloat16().to(DEV)
+        y = lk.linear_launch(x, w, dtype, torch.float32)
+        torch.testing.assert_close(y, lk.linear_reference(x, w, dtype, torch.float32),
+                                   atol=_atol(x, w, K), rtol=0.0)
 
 
 def test_nan_and_inf_stay_in_their_row():
