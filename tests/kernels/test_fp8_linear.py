@@ -22,23 +22,25 @@ from dspark_compile.models.quant_formats import fp8_block_dequant, fp8_block_qua
 
 OP = torch.ops.dspark.fp8_linear
 BF16_RTOL = 2.0 ** -7
+# the kernel runs where its tensors are: the interpreter on a CPU machine, the GPU on one
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _weights(N, K, seed):
+def _weights(N, K, seed, dev=DEV):
     w = torch.randn(N, K, generator=_gen(seed)) * 0.05
     w[:, :128] *= 64                         # per-block scales that differ between blocks
     q, s = fp8_block_quant(w)
-    return q, s.view(torch.uint8)
+    return q.to(dev), s.view(torch.uint8).to(dev)
 
 
-def _acts(M, K, seed):
+def _acts(M, K, seed, dev=DEV):
     x = torch.randn(M, K, generator=_gen(seed)) * 3
     x[: M // 2, 128:256] *= 1e-3             # a group whose scale is far below the others'
-    return act_quant_reference(x)
+    return act_quant_reference(x.to(dev))
 
 
 def _fp32_atol(x, x_s, w, w_s, groups):
@@ -96,7 +98,7 @@ def test_nan_inf_rows_propagate_and_stay_in_their_row():
     real rows beside padded ones holding anything) equal those computed alone."""
     M, N, K = 6, 128, 256
     w, w_s = _weights(N, K, 5)
-    xf = torch.randn(M, K, generator=_gen(6))
+    xf = torch.randn(M, K, generator=_gen(6)).to(DEV)
     xf[1, 3], xf[2, 130], xf[3, 7] = float("nan"), float("inf"), float("-inf")
     x, x_s = act_quant_reference(xf)
     x = x.clone()
@@ -113,8 +115,8 @@ def test_nan_inf_rows_propagate_and_stay_in_their_row():
 def test_reference_decode_cache_follows_the_weights():
     """The reference keeps the dequantized weight between eager CPU calls (kernels/common.py
     `cached_decode`): a fresh view gives the same bits, an in-place write is seen."""
-    x, x_s = _acts(5, 256, seed=31)
-    w, w_s = _weights(96, 256, seed=32)
+    x, x_s = _acts(5, 256, seed=31, dev="cpu")
+    w, w_s = _weights(96, 256, seed=32, dev="cpu")
     def uncached():
         saved = common.DECODE_CACHE_BYTES
         common.DECODE_CACHE_BYTES = 0
@@ -138,7 +140,7 @@ def test_w8a16_kernel(dtype):
     products are exact in fp32 as well; fp32 ones round once each (another 2^-24 relative)."""
     M, N, K = 3, 128, 256
     w, w_s = _weights(N, K, 7)
-    x = torch.randn(M, K, generator=_gen(8)).to(dtype)
+    x = torch.randn(M, K, generator=_gen(8)).to(dtype).to(DEV)
     y = fl.fp8_linear_launch(x, None, w, w_s, 1, dtype)
     ref = fl.fp8_linear_reference(x, None, w, w_s, 1, dtype)
     mag = (x.float().abs() @ fp8_block_dequant(w, w_s).abs().T).max()
@@ -205,8 +207,8 @@ def test_every_plan_at_flash_shapes_is_a_declared_config(a_bytes):
 # ------------------------------------------------------------------------------------------------
 
 def test_op_on_cpu_is_the_reference_and_fake_has_the_shape():
-    w, w_s = _weights(256, 256, 9)
-    x, x_s = _acts(3, 512, 10)
+    w, w_s = _weights(256, 256, 9, dev="cpu")
+    x, x_s = _acts(3, 512, 10, dev="cpu")
     y = OP(x.view(3, 512), x_s, w, w_s, 2, torch.bfloat16)
     assert torch.equal(y, fl.fp8_linear_reference(x, x_s, w, w_s, 2, torch.bfloat16))
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
@@ -221,7 +223,7 @@ def test_fp8_linear_module_keeps_todays_numerics(prec):
     calls (row_matmul, batch invariant): bit for bit; and within the summation-order bound of
     the plain product."""
     lin = FP8Linear(256, 384, prec)
-    lin.weight, s = _weights(256, 384, 11)
+    lin.weight, s = _weights(256, 384, 11, dev="cpu")
     lin.scale.copy_(s)
     x = torch.randn(5, 384, generator=_gen(12)).to(prec.dtype)
     acc = prec.dtype
