@@ -201,46 +201,69 @@ def _scaled_pair(u, cw, J: tl.constexpr, WIDE: tl.constexpr, SOFT: tl.constexpr)
 
 
 @triton.jit
-def _tiled_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                WDT: tl.constexpr, WIDE: tl.constexpr, SOFT: tl.constexpr):
-    """The kernel layout (kernels/moe_layout.py): the tile's BN * BK / 8 words and BN * BK / 32
-    scale bytes are two contiguous runs."""
+def _tile_words(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """The kernel layout (kernels/moe_layout.py): tile kt of expert e's rows nt * BN.. as its
+    [BN, BK / 8] words and, per row, its BK / 32 scale bytes as one 64- or 32-bit word."""
     W: tl.constexpr = BK // 8
     G: tl.constexpr = BK // 32
     tile = (e * (N // BN) + nt) * (K // BK) + kt
     r = tl.arange(0, BN)
     u = tl.load(w_ptr + tile * (BN * W) + r[:, None] * W + tl.arange(0, W)[None, :])
-    sb = tl.load(s_ptr + tile * (BN * G) + r[:, None] * G + tl.arange(0, G)[None, :])
-    sb = sb.to(tl.int32)
-    if SOFT:
-        if WIDE:        # 2^(s - 127); byte 0 is the subnormal 2^-127, 255 is inf
-            c = tl.where(sb == 0, 0x00400000, sb << 23).to(tl.float32, bitcast=True)
-        else:           # 2^(s - 1), normal for s <= 128
-            c = ((sb + 126) << 23).to(tl.float32, bitcast=True)
-    else:
-        if WIDE:
-            c = tl.where(sb == 0, 0x40, sb << 7) * 65537
-        else:
-            c = ((sb + 126) << 7) * 65537
-    cw = tl.reshape(tl.broadcast_to(c[:, :, None], [BN, G, 4]), [BN, W])  # 4 words a scale
-    l0, h0 = _scaled_pair(u, cw, 0, WIDE, SOFT)
-    l1, h1 = _scaled_pair(u, cw, 1, WIDE, SOFT)
-    l2, h2 = _scaled_pair(u, cw, 2, WIDE, SOFT)
-    l3, h3 = _scaled_pair(u, cw, 3, WIDE, SOFT)
-    # [.., pair bit 1, pair bit 0, lane]: K offset 2 j + l within the word's 8
-    lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))
-    hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
-    return tl.reshape(tl.join(lo, hi), [BN, BK]).to(WDT)
+    SW: tl.constexpr = tl.int64 if G == 8 else tl.int32
+    sw = tl.load(s_ptr.to(tl.pointer_type(SW)) + tile * BN + r)
+    return u, sw
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                 WDT: tl.constexpr, TILED: tl.constexpr, WIDE: tl.constexpr,
-                 SOFT: tl.constexpr):
-    if TILED:
-        return _tiled_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN, BK, WDT, WIDE, SOFT)
-    else:
-        return _checkpoint_tile(w_ptr, s_ptr, e, nt, kt, N, K, BN, BK, WDT)
+def _scale_byte(sw, g: tl.constexpr):
+    return ((sw >> (8 * g)) & 255).to(tl.int32)
+
+
+@triton.jit
+def _slab_pair(u, sw, J: tl.constexpr, BK: tl.constexpr, WDT: tl.constexpr,
+               WIDE: tl.constexpr, SOFT: tl.constexpr):
+    """Slabs 2J and 2J + 1 of a tile ([BN, BK / 8] each, WDT): lane 0 and lane 1 of pair J of
+    every word, times their rows' scales. Slab s holds the tile's K offsets s * BK / 8 ..; it
+    lies in one 32-element scale group (BK <= 256). Exact: e2m1 * 2^k has <= 2 significant
+    bits."""
+    W: tl.constexpr = BK // 8
+    s0 = _scale_byte(sw, (2 * J * W) // 32)[:, None]
+    s1 = _scale_byte(sw, ((2 * J + 1) * W) // 32)[:, None]
+    r = _pair_bits(u, J)
+    if SOFT:          # the interpreter: no inline PTX; fp32 lanes, the same products
+        lo = (r << 16).to(tl.float32, bitcast=True)
+        hi = (r & _HI16).to(tl.float32, bitcast=True)
+        if WIDE:      # 2^126 first, then 2^(s - 127); byte 0 is the subnormal 2^-127
+            c0 = tl.where(s0 == 0, 0x00400000, s0 << 23).to(tl.float32, bitcast=True)
+            c1 = tl.where(s1 == 0, 0x00400000, s1 << 23).to(tl.float32, bitcast=True)
+            lo = lo * 8.507059173023462e37
+            hi = hi * 8.507059173023462e37
+        else:         # 2^(s - 1), normal for s <= 128
+            c0 = ((s0 + 126) << 23).to(tl.float32, bitcast=True)
+            c1 = ((s1 + 126) << 23).to(tl.float32, bitcast=True)
+        return (lo * c0).to(WDT), (hi * c1).to(WDT)
+    else:             # one bf16x2 multiply a pair (two for WIDE), each lane its own scale
+        if WIDE:
+            cw = tl.where(s0 == 0, 0x40, s0 << 7) | (tl.where(s1 == 0, 0x40, s1 << 7) << 16)
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; mov.b32 t, 0x7E807E80; mul.rn.bf16x2 t, $1, t; "
+                "mul.rn.bf16x2 $0, t, $2; }", "=r,r,r", [r, cw], dtype=tl.int32, is_pure=True,
+                pack=1)
+        else:
+            cw = ((s0 + 126) << 7) | ((s1 + 126) << 23)
+            r = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, cw],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return lo.to(WDT), hi.to(WDT)
+
+
+@triton.jit
+def _act_slab(x_ptr, x_off, live, kt, s: tl.constexpr, BK: tl.constexpr):
+    """[BM, BK / 8] activations of slab s of K tile kt (rows not live read 0)."""
+    W: tl.constexpr = BK // 8
+    kk = kt * BK + s * W + tl.arange(0, W)
+    return tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
 
 
 @triton.jit
@@ -264,7 +287,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
                         blk_rows_ptr, count_ptr, D, I, K_TOP, stride_xt, limit,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         TILED: tl.constexpr, WIDE: tl.constexpr, IEEE: tl.constexpr,
-                        SOFT: tl.constexpr):
+                        SOFT: tl.constexpr, PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return                                  # padding block of the worst-case grid
@@ -275,15 +298,35 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
     WDT = tl.bfloat16 if DT == tl.bfloat16 else tl.float32
     g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kt in range(0, D // BLOCK_K):
-        kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
-        w = _weight_tile(w1_ptr, s1_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K, WDT, TILED, WIDE,
-                         SOFT)
-        g = _dot(w, a, g, IEEE)
-        w = _weight_tile(w3_ptr, s3_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K, WDT, TILED, WIDE,
-                         SOFT)
-        u = _dot(w, a, u, IEEE)
+    nk = D // BLOCK_K
+    if TILED:
+        wg, sg = _tile_words(w1_ptr, s1_ptr, e, nt, 0, I, D, BLOCK_N, BLOCK_K)
+        wu, su = _tile_words(w3_ptr, s3_ptr, e, nt, 0, I, D, BLOCK_N, BLOCK_K)
+        for kt in range(0, nk):
+            if PREFETCH:    # the next K tile's words load while this one decodes
+                kn = tl.minimum(kt + 1, nk - 1)     # the last step reloads its own
+            else:
+                kn = kt
+                wg, sg = _tile_words(w1_ptr, s1_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K)
+                wu, su = _tile_words(w3_ptr, s3_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K)
+            wg2, sg2 = _tile_words(w1_ptr, s1_ptr, e, nt, kn, I, D, BLOCK_N, BLOCK_K)
+            wu2, su2 = _tile_words(w3_ptr, s3_ptr, e, nt, kn, I, D, BLOCK_N, BLOCK_K)
+            for j in tl.static_range(4):
+                a0 = _act_slab(x_ptr, x_off, live, kt, 2 * j, BLOCK_K)
+                a1 = _act_slab(x_ptr, x_off, live, kt, 2 * j + 1, BLOCK_K)
+                lo, hi = _slab_pair(wg, sg, j, BLOCK_K, WDT, WIDE, SOFT)
+                g = _dot(hi, a1, _dot(lo, a0, g, IEEE), IEEE)
+                lo, hi = _slab_pair(wu, su, j, BLOCK_K, WDT, WIDE, SOFT)
+                u = _dot(hi, a1, _dot(lo, a0, u, IEEE), IEEE)
+            wg, sg, wu, su = wg2, sg2, wu2, su2
+    else:
+        for kt in range(0, nk):
+            kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
+            w = _checkpoint_tile(w1_ptr, s1_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K, WDT)
+            g = _dot(w, a, g, IEEE)
+            w = _checkpoint_tile(w3_ptr, s3_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K, WDT)
+            u = _dot(w, a, u, IEEE)
     # the reference rounds both GEMMs to x's dtype, clamps (NaN stays NaN), silu in fp32
     g = round_to(tl.trans(g), DT, SOFT)
     u = round_to(tl.trans(u), DT, SOFT)
@@ -301,7 +344,8 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_ptr,
                      blk_rows_ptr, count_ptr, D, I, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
-                     WIDE: tl.constexpr, IEEE: tl.constexpr, SOFT: tl.constexpr):
+                     WIDE: tl.constexpr, IEEE: tl.constexpr, SOFT: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return
@@ -311,12 +355,27 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_
     DT = h_ptr.dtype.element_ty
     WDT = tl.bfloat16 if DT == tl.bfloat16 else tl.float32
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kt in range(0, I // BLOCK_K):
-        kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + h_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
-        w = _weight_tile(w2_ptr, s2_ptr, e, nt, kt, D, I, BLOCK_N, BLOCK_K, WDT, TILED, WIDE,
-                         SOFT)
-        acc = _dot(w, a, acc, IEEE)
+    nk = I // BLOCK_K
+    if TILED:
+        w, sw = _tile_words(w2_ptr, s2_ptr, e, nt, 0, D, I, BLOCK_N, BLOCK_K)
+        for kt in range(0, nk):
+            if PREFETCH:
+                kn = tl.minimum(kt + 1, nk - 1)
+            else:
+                kn = kt
+                w, sw = _tile_words(w2_ptr, s2_ptr, e, nt, kt, D, I, BLOCK_N, BLOCK_K)
+            w2, sw2 = _tile_words(w2_ptr, s2_ptr, e, nt, kn, D, I, BLOCK_N, BLOCK_K)
+            for j in tl.static_range(4):
+                lo, hi = _slab_pair(w, sw, j, BLOCK_K, WDT, WIDE, SOFT)
+                acc = _dot(lo, _act_slab(h_ptr, h_off, live, kt, 2 * j, BLOCK_K), acc, IEEE)
+                acc = _dot(hi, _act_slab(h_ptr, h_off, live, kt, 2 * j + 1, BLOCK_K), acc, IEEE)
+            w, sw = w2, sw2
+    else:
+        for kt in range(0, nk):
+            kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(h_ptr + h_off[:, None] + kk[None, :], mask=live[:, None], other=0.0)
+            w = _checkpoint_tile(w2_ptr, s2_ptr, e, nt, kt, D, I, BLOCK_N, BLOCK_K, WDT)
+            acc = _dot(w, a, acc, IEEE)
     # epilogue: the expert's output rounded to the activation dtype, times the routing weight
     wt = tl.load(wt_ptr + pair, mask=live, other=0.0)
     o = round_to(tl.trans(acc), DT, SOFT) * wt[:, None]

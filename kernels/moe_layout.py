@@ -10,10 +10,17 @@ tiled layout stores, per matrix of E experts:
     scales  uint8 [E, N / BN, K / BK, BN, BK / 32]  one tile = BN * BK / 32 contiguous bytes
 
 - Tile-major: a K step of one program reads one contiguous run (8 KB at 64 x 256) and its
-  scales as one 512-byte run, so every load is whole 128-byte lines and the scales are one
-  load per tile; the checkpoint layout gives BK / 2 = 128 contiguous bytes per row, 2 KB apart.
-- Bit order inside a 32-bit word: the word holds the 8 values at K offsets 8w .. 8w + 7 of its
-  row. Value (j, l) at offset 2j + l (pair j = 0..3, lane l = 0..1) keeps its 3 magnitude bits
+  scales as one 512-byte run (8 bytes a row, one 64-bit load), so every load is whole 128-byte
+  lines; the checkpoint layout gives BK / 2 = 128 contiguous bytes per row, 2 KB apart.
+- Slabs: word c (0 <= c < W = BK / 8) of a tile row holds the 8 values at the tile's K offsets
+  s * W + c, s = 0..7 (slab s), not 8 consecutive ones. Each slab is then a [BN, W] tensor the
+  kernel computes from the [BN, W] words with elementwise operations only, so Triton keeps the
+  decoded weights in registers in the wgmma A-operand layout (no trip through shared memory, no
+  shuffles of a join / reshape; H200 profile in benchmarks/results/h200_moe_2026-12-02/NOTES.md
+  run 3: that trip and the moves were the K loop's cost). A slab spans W <= 32 K offsets, i.e.
+  one E8M0 group: one scale per row per slab. BK is 128 or 256 (tl.dot needs W >= 16).
+- Bit order inside a 32-bit word: value (j, l) = slab 2j + l (pair j = 0..3, lane l = 0..1)
+  keeps its 3 magnitude bits
   (exponent e1 e0, mantissa m) at bit 6 + 16 l - A_j and its sign at 15 + 16 l - B_j, with
   (A_j, B_j) = PAIR_SHIFTS[j]. The kernel then gets pair j as two bf16 lanes of one register
   with one or two shifts and one or two masks:
@@ -22,10 +29,9 @@ tiled layout stores, per matrix of E experts:
 
   i.e. each lane's bits land on bf16 bits 15 (sign) and 8..6 (exponent low bits, mantissa top
   bit), which is the bf16 e2m1 * 2^-126 (t = 1, the 0.5, lands as the subnormal 2^-127). One
-  bf16x2 multiply by 2^(s - 1) (s = the E8M0 byte) then gives e2m1 * 2^(s - 127), exact. The
-  four (A, B) were searched for the fewest instructions: 5 distinct shifts and 6 LOP3 per 8
-  values (two pairs with A = B need one mask each), 1.4 integer operations a value instead of
-  the checkpoint layout's ~10 (benchmarks/results/h200_moe_2026-12-02/NOTES.md).
+  bf16x2 multiply by (2^(s0 - 1), 2^(s1 - 1)) (s = the two slabs' E8M0 bytes) then gives
+  e2m1 * 2^(s - 127), exact. The four (A, B) were searched for the fewest instructions: 5
+  distinct shifts and 6 LOP3 per 8 values (two pairs with A = B need one mask each).
 - `wide`: 2^(s - 1) is a normal bf16 only for s <= 128; a matrix with any scale byte above
   128 (weights of magnitude >= 8: none in a real checkpoint) is named "-wide" and the kernel
   multiplies twice (2^126, then 2^(s - 127)), exact for every byte.
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-VERSION = "mxfp4-tiled-v1"
+VERSION = "mxfp4-slab-v2"
 CHECKPOINT = "checkpoint"            # the checkpoint's own layout (eager model, reference)
 PAIR_SHIFTS = ((-3, 1), (0, 0), (3, 3), (6, 2))
 MXFP4_BLOCK = 32
@@ -76,17 +82,27 @@ def parse_layout(name: str) -> TiledLayout | None:
 
 def tile_for(N: int, K: int, max_bk: int = 256) -> tuple:
     """(BN, BK) of an [N, K] expert matrix, from its shape only (never the token count, so the
-    K order of every sum is the same at every batch size): BK up to 256 (a K step of a 64-row
-    tile is 8 KB, two 128-byte lines a row; `max_bk` 64 for fp32 activations, whose fp32 tiles
-    take 4x the shared memory), BN 64 (one warpgroup's MMA M); smaller where they do not
-    divide (tiny models). H200, Flash dims (benchmarks/results/h200_moe_2026-12-02/NOTES.md,
-    run 3): 64 x 128 gate/up tiles +7-12 %, 64 x 64 and a 64 x 128 down tile within 1 %,
-    128-row tiles on 8 warps +42-52 %."""
-    bk = next((b for b in (256, 128, 64, 32) if b <= max_bk and K % b == 0), None)
+    K order of every sum is the same at every batch size): BK 256 where it divides K (a K step
+    of a 64-row tile is 8 KB, two 128-byte lines a row), else 128 (the slabs' W >= 16); BN 64
+    (one warpgroup's wgmma M), smaller where it does not divide (tiny models). H200, Flash dims,
+    the v1 layout (benchmarks/results/h200_moe_2026-12-02/NOTES.md run 3): 64 x 128 gate/up
+    tiles +7-12 %, 128-row tiles on 8 warps +42-52 %."""
+    bk = next((b for b in (256, 128) if b <= max_bk and K % b == 0), None)
     bn = next((b for b in (64, 32, 16) if N % b == 0), None)
     if bk is None or bn is None:
-        raise ValueError(f"expert matrix [{N}, {K}]: N must be a multiple of 16 and K of 32")
+        raise ValueError(f"expert matrix [{N}, {K}]: the kernel layout needs N a multiple of 16 "
+                         f"and K of 128")
     return bn, bk
+
+
+def tileable(I: int, D: int) -> bool:
+    """Whether experts of intermediate I and hidden D have a kernel layout (else they stay in
+    the checkpoint's)."""
+    try:
+        tile_for(I, D), tile_for(D, I)
+    except ValueError:
+        return False
+    return True
 
 
 def _lane_bits():
@@ -101,7 +117,7 @@ def to_kernel(w: torch.Tensor, s: torch.Tensor, tile: tuple) -> tuple:
     E, N, KH = w.shape
     K = 2 * KH
     bn, bk = tile
-    if N % bn or K % bk or bk % 8 or tuple(s.shape) != (E, N, K // MXFP4_BLOCK):
+    if N % bn or K % bk or bk not in (128, 256) or tuple(s.shape) != (E, N, K // MXFP4_BLOCK):
         raise ValueError(f"weights {tuple(w.shape)} / scales {tuple(s.shape)} do not tile "
                          f"as {bn}x{bk}")
     bits = _lane_bits()
@@ -110,7 +126,8 @@ def to_kernel(w: torch.Tensor, s: torch.Tensor, tile: tuple) -> tuple:
     for e0 in range(0, E, step):
         b = w[e0:e0 + step].contiguous().view(torch.uint8).to(torch.int64)
         n = b.shape[0]
-        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(n, N, K // 8, 4, 2)
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(n, N, K // bk, 8, bk // 8)
+        codes = codes.transpose(3, 4).reshape(n, N, K // 8, 4, 2)   # word (kt, c), slab 2j + l
         word = torch.zeros(n, N, K // 8, dtype=torch.int64, device=w.device)
         for j in range(4):
             for l in range(2):
@@ -140,7 +157,7 @@ def to_checkpoint(values: torch.Tensor, scales: torch.Tensor) -> tuple:
             for l in range(2):
                 mag, sgn = bits[j][l]
                 codes[..., j, l] = ((u >> mag) & 7) | (((u >> sgn) & 1) << 3)
-        codes = codes.reshape(n, N, K // 2, 2)
+        codes = codes.reshape(n, N, KT, bw, 8).transpose(3, 4).reshape(n, N, K // 2, 2)
         packed[e0:e0 + n] = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     s = scales.permute(0, 1, 3, 2, 4).reshape(E, N, K // MXFP4_BLOCK)
     return packed, s.contiguous()

@@ -77,8 +77,10 @@ class Experts(nn.Module):
     def use_kernel_layout(self, dtype: torch.dtype) -> str:
         """Replace the buffers by the kernel's tiled layout (kernels/moe_layout.py) for
         activations of `dtype` (its K tile); an exact permutation, done once at build time.
-        Returns the layout's name. The eager model keeps the checkpoint's layout."""
-        if self.layout == moe_layout.CHECKPOINT:
+        Returns the layout's name. The eager model keeps the checkpoint's layout, and so do
+        experts whose shapes have no kernel layout (moe_layout.tileable)."""
+        if self.layout == moe_layout.CHECKPOINT and moe_layout.tileable(
+                self.w1_weight.shape[1], 2 * self.w1_weight.shape[2]):
             tensors, self.layout = moe_layout.experts_to_kernel(
                 *self.tensors(), max_bk=moe_kernel.max_bk(dtype, tiled=True))
             for name, t in zip(self.NAMES, tensors):

@@ -1,6 +1,7 @@
 """dspark::moe_experts: the Triton kernels (under TRITON_INTERPRET=1 on CPU) against the reference.
 
-Tiny irregular shapes (8 experts, hidden 64 / 128, intermediate 64), both weight layouts (the
+Tiny shapes (8 experts, hidden 128 / 256, intermediate 128: the kernel layout's K tile is
+128 or 256), both weight layouts (the
 checkpoint's and the kernel's tiled one, kernels/moe_layout.py): 1 token, token counts that
 are no multiple of the 16-row block, all pairs on one expert, experts never hit, slots without
 an expert (-1, >= E), padded rows holding garbage or flagged not `valid`, NaN / +-inf
@@ -28,7 +29,8 @@ from dspark_compile.kernels.registry import KERNELS
 from dspark_compile.models.moe import Experts, Gate, sync_kernel_layouts, use_kernel_layouts
 from dspark_compile.models.quant_formats import mxfp4_quant
 
-E, I = 8, 64
+E, I = 8, 128
+H = 128                 # hidden of the `experts_h` fixture; `experts_2h` has 2 H
 LIMIT = 10.0
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -6}
 
@@ -148,58 +150,76 @@ def test_max_blocks_bounds_every_distribution():
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def experts64():
-    return _experts(64)
+def experts_h():
+    return _experts(H)
 
 
 @pytest.fixture(scope="module")
-def experts128():
-    return _experts(128, seed=3)
+def experts_2h():
+    return _experts(2 * H, seed=3)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T,k,kind", [(1, 2, "random"), (7, 3, "random"), (19, 3, "one"),
                                       (13, 2, "few"), (11, 3, "holes")])
-def test_matches_reference(T, k, kind, dtype, layout, experts64):
-    x = _x(T, 64, dtype, seed=T)
+def test_matches_reference(T, k, kind, dtype, layout, experts_h):
+    x = _x(T, H, dtype, seed=T)
     ids, w = _routing(T, k, kind, seed=T + 1)
-    y, ref = _run(x, ids, w, experts64, layout=layout)
+    y, ref = _run(x, ids, w, experts_h, layout=layout)
     assert ref.isfinite().all() and ref.abs().amax() > 0
     _assert_close(y, ref, dtype)
     if kind == "holes":       # a token whose slots all lack an expert gets exactly 0
         ids2 = ids.clone()
         ids2[0] = -1
-        tensors, name = _laid_out(experts64, layout)
+        tensors, name = _laid_out(experts_h, layout)
         y2 = moe.moe_experts_launch(x, ids2, w, *tensors, LIMIT, name)
-        assert torch.equal(y2[0], torch.zeros(64)) and torch.equal(y2[1:], y[1:])
+        assert torch.equal(y2[0], torch.zeros(H)) and torch.equal(y2[1:], y[1:])
 
 
-def test_layouts_agree_bit_for_bit(experts128):
-    """Both layouts decode to the same exact weights and sum in the same K order, so the
-    tiled kernel's output equals the checkpoint kernel's, bit for bit (same tiles)."""
-    x = _x(9, 128, torch.bfloat16, seed=14)
+def test_layouts_agree_at_the_same_tiles(experts_2h):
+    """Both layouts decode to the same exact weights; the tiled kernel sums a K tile slab by
+    slab (moe_layout.py), the checkpoint kernel in natural K order, so the two agree within the
+    dtype's tolerance at the same tiles, and the tiled call twice is bit-equal."""
+    x = _x(9, 2 * H, torch.bfloat16, seed=14)
     ids, w = _routing(9, 3, "random", seed=15)
-    tensors, name = ml.experts_to_kernel(*experts128)
+    tensors, name = ml.experts_to_kernel(*experts_2h)
     lay = ml.parse_layout(name)
     plan = moe.MoePlan(lay.gate_up_tile, lay.down_tile)
-    y_ckpt = moe.moe_experts_launch(x, ids, w, *experts128, LIMIT, plan=plan)
-    assert torch.equal(moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name), y_ckpt)
+    y_ckpt = moe.moe_experts_launch(x, ids, w, *experts_2h, LIMIT, plan=plan)
+    y_tiled = moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name)
+    _assert_close(y_tiled, y_ckpt, torch.bfloat16)
+    assert torch.equal(moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name), y_tiled)
 
 
-def test_other_tilings(experts128):
-    """Narrow N tiles, K in several steps, several combine programs a row; the tiled layout
-    built at the same tiles (its name carries them)."""
-    gu, dn = (32, 64), (32, 32)
-    x = _x(5, 128, torch.bfloat16, seed=4)
+def test_other_tilings(experts_2h):
+    """Narrow N tiles, K in several steps (gate/up), several combine programs a row; the tiled
+    layout built at the same tiles (its name carries them)."""
+    gu, dn = (32, 128), (16, 128)
+    x = _x(5, 2 * H, torch.bfloat16, seed=4)
     ids, w = _routing(5, 2, "random", seed=5)
     plan = moe.MoePlan(gu, dn, block_d=32)
-    y, ref = _run(x, ids, w, experts128, plan=plan)
+    y, ref = _run(x, ids, w, experts_2h, plan=plan)
     _assert_close(y, ref, torch.bfloat16)
-    w1, s1, w3, s3, w2, s2 = experts128
+    w1, s1, w3, s3, w2, s2 = experts_2h
     laid = ml.to_kernel(w1, s1, gu) + ml.to_kernel(w3, s3, gu) + ml.to_kernel(w2, s2, dn)
     name = ml.TiledLayout(gu, dn).name
-    assert torch.equal(moe.moe_experts_launch(x, ids, w, *laid, LIMIT, name), y)
+    _assert_close(moe.moe_experts_launch(x, ids, w, *laid, LIMIT, name), ref, torch.bfloat16)
+
+
+def test_prefetch_plan_gives_the_same_bits(experts_2h):
+    """The tiled kernels' register double buffering (MoePlan.prefetch) loads the next K tile
+    early and sums in the same order: bit-equal, K in several steps, padded rows included."""
+    x = _x(7, 2 * H, torch.bfloat16, seed=40)
+    ids, w = _routing(7, 3, "holes", seed=41)
+    gu, dn = (64, 128), (64, 128)                                 # gate/up: 2 K steps
+    w1, s1, w3, s3, w2, s2 = experts_2h
+    tensors = ml.to_kernel(w1, s1, gu) + ml.to_kernel(w3, s3, gu) + ml.to_kernel(w2, s2, dn)
+    name = ml.TiledLayout(gu, dn).name
+    valid = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
+    run = lambda pf: moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name, valid,
+                                            plan=moe.MoePlan(gu, dn, True, prefetch=pf))
+    assert torch.equal(run(True), run(False))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu(-huge)
@@ -208,31 +228,31 @@ def test_other_tilings(experts128):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("limit", [LIMIT, 0.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nan_inf_propagate_as_reference(limit, dtype, layout, experts64):
-    x = _x(6, 64, dtype, seed=6)
+def test_nan_inf_propagate_as_reference(limit, dtype, layout, experts_h):
+    x = _x(6, H, dtype, seed=6)
     x[1, 5] = float("nan")
     x[2, 7] = float("inf")
     x[3, 0] = -float("inf")
     ids, w = _routing(6, 2, "random", seed=7)
-    y, ref = _run(x, ids, w, experts64, limit, layout=layout)
+    y, ref = _run(x, ids, w, experts_h, limit, layout=layout)
     assert ref[1].isnan().all() and ref[0].isfinite().all() and ref[5].isfinite().all()
     _assert_close(y, ref, dtype)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # 0 * inf
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_wide_scale_bytes_as_reference(dtype, experts64):
+def test_wide_scale_bytes_as_reference(dtype, experts_h):
     """Scale bytes 0 (2^-127), 129..200 (weights up to 6 * 2^13) and 255 (inf: 0 * inf is NaN)
     in some experts: the tiled layout is named wide and multiplies twice; both layouts give
     the reference's values, infs and NaNs."""
-    ex = [t.clone() for t in experts64]
+    ex = [t.clone() for t in experts_h]
     ex[1][2, :4] = 0                       # w1 of expert 2: tiny
     ex[1][5, 1, :] = 140                   # w1 of expert 5, row 1: huge
     ex[3][6, 3, 0] = 255                   # w3 of expert 6, row 3, first 32: inf
     ex[5][2, :, 1] = 129                   # w2 of expert 2
     tensors, name = ml.experts_to_kernel(*ex)
     assert name.endswith(":wide")
-    x = _x(8, 64, dtype, seed=16, scale=1e-3)
+    x = _x(8, H, dtype, seed=16, scale=1e-3)
     ids, w = _routing(8, 3, "random", seed=17)
     ids[0] = torch.tensor([2, 5, 6])
     ref = moe.moe_experts_reference(x, ids, w, *ex, 0.0)
@@ -241,32 +261,32 @@ def test_wide_scale_bytes_as_reference(dtype, experts64):
         _assert_close(moe.moe_experts_launch(x, ids, w, *t, 0.0, lay), ref, dtype)
 
 
-def test_padded_rows_stay_in_their_rows(experts64):
+def test_padded_rows_stay_in_their_rows(experts_h):
     """The step pads a bucket with the trash row (garbage, here NaN) routed like any row; live
     rows come out bit-equal to a run without the padding, which adds only rows behind them."""
-    live = _x(5, 64, torch.bfloat16, seed=8)
-    pad = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
+    live = _x(5, H, torch.bfloat16, seed=8)
+    pad = torch.full((3, H), float("nan"), dtype=torch.bfloat16)
     ids, w = _routing(8, 3, "random", seed=9)
-    y_all = moe.moe_experts_launch(torch.cat([live, pad]), ids, w, *experts64, LIMIT)
-    y_live = moe.moe_experts_launch(live, ids[:5], w[:5], *experts64, LIMIT)
+    y_all = moe.moe_experts_launch(torch.cat([live, pad]), ids, w, *experts_h, LIMIT)
+    y_live = moe.moe_experts_launch(live, ids[:5], w[:5], *experts_h, LIMIT)
     assert torch.equal(y_all[:5], y_live) and y_all[5:].isnan().all()
-    ref = moe.moe_experts_reference(live, ids[:5], w[:5], *experts64, LIMIT)
+    ref = moe.moe_experts_reference(live, ids[:5], w[:5], *experts_h, LIMIT)
     _assert_close(y_live, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_rows_not_valid_read_no_expert(layout, experts64):
+def test_rows_not_valid_read_no_expert(layout, experts_h):
     """`valid` False (the step's padded rows): the row's pairs are no pairs (no expert block,
     output 0, NaN garbage never read); the live rows are bit-equal to a run without it."""
-    x = _x(9, 64, torch.bfloat16, seed=18)
+    x = _x(9, H, torch.bfloat16, seed=18)
     x[[2, 7]] = float("nan")
     ids, w = _routing(9, 3, "random", seed=19)
     valid = torch.ones(9, dtype=torch.bool)
     valid[[2, 7]] = False
-    y, ref = _run(x, ids, w, experts64, layout=layout, valid=valid)
-    assert torch.equal(y[[2, 7]], torch.zeros(2, 64)) and torch.equal(ref[[2, 7]], y[[2, 7]])
+    y, ref = _run(x, ids, w, experts_h, layout=layout, valid=valid)
+    assert torch.equal(y[[2, 7]], torch.zeros(2, H)) and torch.equal(ref[[2, 7]], y[[2, 7]])
     _assert_close(y, ref, torch.bfloat16)
-    tensors, name = _laid_out(experts64, layout)
+    tensors, name = _laid_out(experts_h, layout)
     gone = ids.clone()
     gone[[2, 7]] = -1
     assert torch.equal(y, moe.moe_experts_launch(x, gone, w, *tensors, LIMIT, name))
@@ -275,25 +295,25 @@ def test_rows_not_valid_read_no_expert(layout, experts64):
 
 
 def _cfg(hash_layer_vocab=50, k=3):
-    return types.SimpleNamespace(n_routed_experts=E, hidden_size=64, vocab_size=hash_layer_vocab,
+    return types.SimpleNamespace(n_routed_experts=E, hidden_size=H, vocab_size=hash_layer_vocab,
                                  num_experts_per_tok=k, norm_topk_prob=True,
                                  routed_scaling_factor=1.5)
 
 
 @pytest.mark.parametrize("hash_layer", [True, False])
-def test_hash_and_score_routed_gates(hash_layer, experts64):
+def test_hash_and_score_routed_gates(hash_layer, experts_h):
     """Both gates' (ids, weights) through the same kernel; hash rows may repeat an expert."""
     gate = Gate(_cfg(), hash_layer)
     g = _gen(10)
-    gate.weight.copy_(torch.randn(E, 64, generator=g).bfloat16())
+    gate.weight.copy_(torch.randn(E, H, generator=g).bfloat16())
     if hash_layer:
         gate.tid2eid.copy_(torch.randint(0, E, gate.tid2eid.shape, generator=g))
     else:
         gate.bias.copy_(torch.randn(E, generator=g) * 0.1)
-    x = _x(9, 64, torch.bfloat16, seed=11)
+    x = _x(9, H, torch.bfloat16, seed=11)
     tokens = torch.randint(0, 50, (9,), generator=g)
     ids, w = gate(x, tokens)
-    y, ref = _run(x, ids, w, experts64)
+    y, ref = _run(x, ids, w, experts_h)
     _assert_close(y, ref, torch.bfloat16)
 
 
@@ -306,27 +326,27 @@ SCHEMA = ("dspark::moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, T
           "str layout=\"checkpoint\", Tensor? valid=None) -> Tensor")
 
 
-def test_op_schema_and_cpu_dispatch(experts64):
+def test_op_schema_and_cpu_dispatch(experts_h):
     """Engines record op schemas (a change refuses an older engine). CPU runs the reference,
     for the tiled layout too (laid back first: the same bits)."""
     op = torch.ops.dspark.moe_experts
     assert str(op.default._schema) == SCHEMA
     assert KERNELS["moe_experts"].compile_configs
-    x = _x(3, 64, torch.float64, seed=12)
+    x = _x(3, H, torch.float64, seed=12)
     ids, w = _routing(3, 2, "random", seed=13)
-    ref = moe.moe_experts_reference(x, ids, w.double(), *experts64, LIMIT)
+    ref = moe.moe_experts_reference(x, ids, w.double(), *experts_h, LIMIT)
     assert ref.dtype == torch.float64
-    assert torch.equal(op(x, ids, w.double(), *experts64, LIMIT), ref)
-    assert torch.equal(moe.moe_experts_launch(x, ids, w.double(), *experts64, LIMIT), ref)
-    tensors, name = ml.experts_to_kernel(*experts64)
+    assert torch.equal(op(x, ids, w.double(), *experts_h, LIMIT), ref)
+    assert torch.equal(moe.moe_experts_launch(x, ids, w.double(), *experts_h, LIMIT), ref)
+    tensors, name = ml.experts_to_kernel(*experts_h)
     assert torch.equal(op(x, ids, w.double(), *tensors, LIMIT, name), ref)
 
 
-def test_reference_decode_cache_follows_the_weights(experts64):
+def test_reference_decode_cache_follows_the_weights(experts_h):
     """The reference keeps decoded experts between eager CPU calls: a second call, a fresh view
     of the same weights, an in-place write to them and a tiled copy each give the bits of a
     decode from scratch (the per-expert path, cache bypassed)."""
-    x = _x(5, 64, torch.float32, seed=21)
+    x = _x(5, H, torch.float32, seed=21)
     ids, w = _routing(5, 3, "random", seed=22)
 
     def uncached(*tensors, layout=ml.CHECKPOINT):
@@ -337,7 +357,7 @@ def test_reference_decode_cache_follows_the_weights(experts64):
         finally:
             common.DECODE_CACHE_BYTES = saved
 
-    mine = [t.clone() for t in experts64]
+    mine = [t.clone() for t in experts_h]
     want = uncached(*mine)
     assert torch.equal(moe.moe_experts_reference(x, ids, w, *mine, LIMIT), want)
     assert torch.equal(moe.moe_experts_reference(x, ids, w, *[t[:] for t in mine], LIMIT), want)
@@ -351,13 +371,13 @@ def test_reference_decode_cache_follows_the_weights(experts64):
 
 
 def test_plan_is_a_function_of_the_weights_only():
-    """Flash dims: the tiled layout's tiles (64 x 256 both GEMMs at bf16, BK 64 at fp32), the
+    """Flash dims: the tiled layout's tiles (64 x 256 both GEMMs at bf16, BK 128 at fp32), the
     checkpoint layout's 64 x 128; no field depends on the token count."""
     bf = ml.TiledLayout(ml.tile_for(2048, 4096), ml.tile_for(4096, 2048))
     assert bf.gate_up_tile == bf.down_tile == (64, 256)
     p = moe.moe_plan(256, 4096, 2048, bf.name)
     assert p.tiled and not p.wide and p.gate_up_tile == (64, 256) and p.down_tile == (64, 256)
-    assert moe.max_bk(torch.float32, True) == 64 and moe.max_bk(torch.bfloat16, True) == 256
+    assert moe.max_bk(torch.float32, True) == 128 and moe.max_bk(torch.bfloat16, True) == 256
     ck = moe.moe_plan(256, 4096, 2048)
     assert not ck.tiled and ck.gate_up_tile == ck.down_tile == (64, 128)
     assert moe.moe_plan(8, 96, 64).gate_up_tile == (64, 32)
@@ -366,25 +386,26 @@ def test_plan_is_a_function_of_the_weights_only():
         p.num_warps = 8                                       # frozen
 
 
-def test_bad_inputs_name_the_argument(experts64):
-    x = _x(2, 64, torch.bfloat16)
+def test_bad_inputs_name_the_argument(experts_h):
+    x = _x(2, H, torch.bfloat16)
     ids, w = _routing(2, 2, "random")
     with pytest.raises(ValueError, match="topk_ids"):
-        moe.moe_experts_launch(x, ids[:1], w, *experts64, LIMIT)
+        moe.moe_experts_launch(x, ids[:1], w, *experts_h, LIMIT)
     with pytest.raises(ValueError, match="w2"):
-        bad = list(experts64)
+        bad = list(experts_h)
         bad[4] = bad[4][:, :32]
         moe.moe_experts_launch(x, ids, w, *bad, LIMIT)
     with pytest.raises(ValueError, match="plan tiles"):
-        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT,
-                               plan=moe.MoePlan((64, 128), (64, 64)))
-    tensors, name = ml.experts_to_kernel(*experts64)
-    with pytest.raises(ValueError, match="mxfp4-tiled-v0"):   # a layout this build does not know
-        moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name.replace("v1", "v0"))
+        moe.moe_experts_launch(x, ids, w, *experts_h, LIMIT,
+                               plan=moe.MoePlan((64, 256), (64, 128)))
+    tensors, name = ml.experts_to_kernel(*experts_h)
+    old = name.replace("mxfp4-slab-v2", "mxfp4-tiled-v1")        # an older build's layout
+    with pytest.raises(ValueError, match="mxfp4-tiled-v1.*rebuild the engine"):
+        moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, old)
     with pytest.raises(ValueError, match="w1 and w2 must be 5-d"):    # checkpoint bytes, tiled name
-        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT, name)
+        moe.moe_experts_launch(x, ids, w, *experts_h, LIMIT, name)
     with pytest.raises(ValueError, match="valid"):
-        moe.moe_experts_launch(x, ids, w, *experts64, LIMIT, valid=torch.ones(3, dtype=torch.bool))
+        moe.moe_experts_launch(x, ids, w, *experts_h, LIMIT, valid=torch.ones(3, dtype=torch.bool))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,20 +413,20 @@ def test_bad_inputs_name_the_argument(experts64):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["tiled"])   # the checkpoint loader shares all but the decode
-def test_a_tokens_output_is_the_same_in_every_batch(layout, experts64):
+def test_a_tokens_output_is_the_same_in_every_batch(layout, experts_h):
     """One token alone, then n copies of it (n = 2, 7, 17, 64: every row of a 16-row block,
     several blocks of one expert) and inside random batches at the first, a middle and the last
     position: bit-equal every time."""
-    tensors, name = _laid_out(experts64, layout)
+    tensors, name = _laid_out(experts_h, layout)
     run = lambda x, ids, w: moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name)
-    x1 = _x(1, 64, torch.bfloat16, seed=20)
+    x1 = _x(1, H, torch.bfloat16, seed=20)
     ids1, w1 = _routing(1, 3, "random", seed=21)
     alone = run(x1, ids1, w1)
     for n in (2, 7, 17, 64):
         y = run(x1.expand(n, -1), ids1.expand(n, -1), w1.expand(n, -1))
         assert torch.equal(y, alone.expand(n, -1)), f"{n} copies"
     for n in (5, 33):
-        x = _x(n, 64, torch.bfloat16, seed=22 + n)
+        x = _x(n, H, torch.bfloat16, seed=22 + n)
         ids, w = _routing(n, 3, "random", seed=23 + n)
         for at in (0, n // 2, n - 1):
             xb, ib, wb = x.clone(), ids.clone(), w.clone()
@@ -417,15 +438,15 @@ def test_a_tokens_output_is_the_same_in_every_batch(layout, experts64):
 # the model's experts: the layout applied once, the same outputs
 # ------------------------------------------------------------------------------------------------
 
-def test_experts_module_kernel_layout_gives_the_same_outputs(experts64):
+def test_experts_module_kernel_layout_gives_the_same_outputs(experts_h):
     """models/moe.py Experts: use_kernel_layout swaps the buffers for the tiled layout and
-    names it; the op's outputs are bit-equal to the checkpoint layout's (interpreted kernels)
-    and to the reference (CPU dispatch)."""
-    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=64, moe_intermediate_size=I)
+    names it; the op's outputs agree with the checkpoint layout's (interpreted kernels, another
+    K order) and are bit-equal to the reference (CPU dispatch: the same decoded weights)."""
+    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=H, moe_intermediate_size=I)
     mod = Experts(cfg)
-    for name, t in zip(Experts.NAMES, experts64):
+    for name, t in zip(Experts.NAMES, experts_h):
         getattr(mod, name).copy_(t.view(getattr(mod, name).dtype))
-    x = _x(5, 64, torch.bfloat16, seed=30)
+    x = _x(5, H, torch.bfloat16, seed=30)
     ids, w = _routing(5, 3, "random", seed=31)
     before = moe.moe_experts_launch(x, ids, w, *mod.tensors(), LIMIT, mod.layout)
     ref = torch.ops.dspark.moe_experts(x, ids, w, *mod.tensors(), LIMIT, mod.layout)
@@ -433,18 +454,18 @@ def test_experts_module_kernel_layout_gives_the_same_outputs(experts64):
     assert use_kernel_layouts(holder, torch.bfloat16) == [mod.layout]
     assert mod.layout.startswith(ml.VERSION) and mod.w1_weight.dtype == torch.int32
     assert dict(holder.named_buffers())["0.w1_weight"] is mod.w1_weight
-    assert torch.equal(moe.moe_experts_launch(x, ids, w, *mod.tensors(), LIMIT, mod.layout),
-                       before)
+    _assert_close(moe.moe_experts_launch(x, ids, w, *mod.tensors(), LIMIT, mod.layout), before,
+                  torch.bfloat16)
     assert torch.equal(torch.ops.dspark.moe_experts(x, ids, w, *mod.tensors(), LIMIT,
                                                     mod.layout), ref)
     assert mod.use_kernel_layout(torch.bfloat16) == mod.layout          # idempotent
 
 
-def test_a_model_loading_tiled_weights_takes_their_layout_name(experts64):
+def test_a_model_loading_tiled_weights_takes_their_layout_name(experts_h):
     """The runtime shapes an empty model's buffers with use_kernel_layouts, loads the engine's
     tiled weights and names the layout from them: wide when the loaded scales need it."""
-    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=64, moe_intermediate_size=I)
-    ex = [t.clone() for t in experts64]
+    cfg = types.SimpleNamespace(n_routed_experts=E, hidden_size=H, moe_intermediate_size=I)
+    ex = [t.clone() for t in experts_h]
     ex[1][0, 0, 0] = ml.WIDE_FROM
     stored, name = ml.experts_to_kernel(*ex)
     holder = torch.nn.Sequential(Experts(cfg))
@@ -452,7 +473,7 @@ def test_a_model_loading_tiled_weights_takes_their_layout_name(experts64):
     assert not holder[0].layout.endswith(":wide")
     holder.load_state_dict({f"0.{n}": t for n, t in zip(Experts.NAMES, stored)}, assign=True)
     assert sync_kernel_layouts(holder) == [name] and name.endswith(":wide")
-    assert ml.layout_of(*experts64) == ml.CHECKPOINT
+    assert ml.layout_of(*experts_h) == ml.CHECKPOINT
 
 
 def test_benchmark_cases_build_and_run_on_cpu():
@@ -464,7 +485,7 @@ def test_benchmark_cases_build_and_run_on_cpu():
                                                   os.path.join(path, "kernel_bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    cases = bench.moe_cases([1, 4], dims=bench.MoeDims(experts=8, hidden=64, inter=64, top_k=3))
+    cases = bench.moe_cases([1, 4], dims=bench.MoeDims(experts=8, hidden=128, inter=128, top_k=3))
     assert {c.params["routing"] for c in cases} == {"top6-random", "one-expert", "every-expert"}
     dev = torch.device("cpu")
     for c in cases:

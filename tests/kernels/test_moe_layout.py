@@ -11,8 +11,8 @@ def _bytes(*shape, seed=0):
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("E,N,K,tile", [(3, 64, 256, (64, 256)), (2, 48, 96, (16, 32)),
-                                        (1, 32, 64, (32, 64))])
+@pytest.mark.parametrize("E,N,K,tile", [(3, 64, 256, (64, 256)), (2, 48, 384, (16, 128)),
+                                        (1, 32, 512, (32, 256))])
 def test_round_trip_is_exact(E, N, K, tile):
     w, s = _bytes(E, N, K // 2, seed=1), _bytes(E, N, K // 32, seed=2)
     vals, scales = ml.to_kernel(w, s, tile)
@@ -46,31 +46,58 @@ def test_words_hold_each_value_bit_once_where_the_decode_reads_it():
                 assert val == moe.e2m1_decode(torch.tensor([v])).item(), (j, l, v)
 
 
+def test_slab_s_word_c_holds_tile_k_offset_s_w_plus_c():
+    """Decoding the tiled words as the kernel does (slab s = 2 j + l of word c is the tile's K
+    offset s * BK / 8 + c, its scale the slab's 32-group) gives the checkpoint's dequantized
+    matrix exactly, at both K tiles."""
+    from dspark_compile.kernels.moe import mxfp4_dequant
+    for tile, K in (((16, 256), 512), ((32, 128), 384)):
+        N, (bn, bk) = 64, tile
+        w, s = _bytes(1, N, K // 2, seed=7), torch.randint(118, 130, (1, N, K // 32),
+                                                           dtype=torch.uint8)
+        vals, scales = ml.to_kernel(w, s, tile)
+        u = vals[0].to(torch.int64) & 0xFFFFFFFF                     # [N/bn, K/bk, bn, W]
+        W, bits = bk // 8, ml._lane_bits()
+        out = torch.empty(N // bn, K // bk, bn, 8, W, dtype=torch.float64)
+        for j in range(4):
+            for l in range(2):
+                mag, sgn = bits[j][l]
+                code = ((u >> mag) & 7) | (((u >> sgn) & 1) << 3)
+                scale = scales[0][..., ((2 * j + l) * W) // 32].double()[..., None]
+                out[:, :, :, 2 * j + l] = (moe.e2m1_decode(code).double()
+                                           * torch.exp2(scale - 127))
+        dense = out.permute(0, 2, 1, 3, 4).reshape(N, K)
+        assert torch.equal(dense, mxfp4_dequant(w[0], s[0], torch.float64)), tile
+
+
 def test_tiles_follow_the_shape_only():
     assert ml.tile_for(2048, 4096) == ml.tile_for(4096, 2048) == (64, 256)
-    assert ml.tile_for(2048, 4096, max_bk=64) == (64, 64)
+    assert ml.tile_for(2048, 4096, max_bk=128) == (64, 128)
     assert ml.tile_for(128, 256) == (64, 256) and ml.tile_for(256, 128) == (64, 128)
-    assert ml.tile_for(48, 96) == (16, 32)
+    assert ml.tile_for(48, 384) == (16, 128)
     with pytest.raises(ValueError, match="multiple of 16"):
-        ml.tile_for(40, 64)
+        ml.tile_for(40, 128)
+    with pytest.raises(ValueError, match="K of 128"):
+        ml.tile_for(64, 96)
+    assert ml.tileable(128, 256) and not ml.tileable(64, 96)
 
 
 def test_layout_names_round_trip_and_unknown_ones_are_refused():
     lay = ml.TiledLayout((64, 256), (64, 128), wide=True)
-    assert ml.parse_layout(lay.name) == lay and lay.name == "mxfp4-tiled-v1:64x256:64x128:wide"
+    assert ml.parse_layout(lay.name) == lay and lay.name == "mxfp4-slab-v2:64x256:64x128:wide"
     assert ml.parse_layout(ml.CHECKPOINT) is None
-    for bad in ("mxfp4-tiled-v2:64x256:64x256", "tiled", "mxfp4-tiled-v1:64x256"):
+    for bad in ("mxfp4-tiled-v1:64x256:64x256", "tiled", "mxfp4-slab-v2:64x256"):
         with pytest.raises(ValueError, match="rebuild the engine"):
             ml.parse_layout(bad)
 
 
 def test_experts_wide_only_when_a_scale_byte_overflows_the_single_multiply():
-    E, I, D = 2, 32, 64
+    E, I, D = 2, 128, 128
     ex = [_bytes(E, I, D // 2, seed=3), torch.full((E, I, D // 32), 128, dtype=torch.uint8),
           _bytes(E, I, D // 2, seed=4), torch.full((E, I, D // 32), 0, dtype=torch.uint8),
           _bytes(E, D, I // 2, seed=5), torch.full((E, D, I // 32), 120, dtype=torch.uint8)]
     tensors, name = ml.experts_to_kernel(*ex)
-    assert name == "mxfp4-tiled-v1:32x64:64x32"                     # 128 still fits 2^(s-1)
+    assert name == "mxfp4-slab-v2:64x128:64x128"                    # 128 still fits 2^(s-1)
     assert all(torch.equal(a, b) for a, b in zip(ml.experts_to_checkpoint(*tensors), ex))
     ex[5][1, 3, 0] = ml.WIDE_FROM
     assert ml.experts_to_kernel(*ex)[1].endswith(":wide")
