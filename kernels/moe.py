@@ -16,10 +16,10 @@ of h between the GEMMs that the model's reference and the HF model (tests/models
 test_hf_reference.py) do not have, and e2m1 x 2^k is exact in bf16 (<= 2 significant bits), so
 W4A16 loses nothing on the weight side. W4A8's one possible gain, a cheaper decode (four e4m3
 bytes a register instead of two bf16), needs the E8M0 scale applied per 32-element group in the
-accumulator. Measured on the H200 (RESULTS below): the tiled W4A16 kernels run both GEMMs at
-~2.35x their byte floors whatever the tile, bound by the K loop's per-value work (decode, the
-decoded tile's trip through shared memory); a W4A8 build was not measured (the session's device
-time went to the layout and the tile sweep), so the decision stands on the numerics above.
+accumulator. Measured on the H200 (benchmarks/results/h200_moe_slab_2026-12-04): the slab-layout W4A16
+kernels reach 52-62 % of the copy bandwidth (1.6-1.9x the touched-expert floor at 6-384 tokens),
+with the K loop's issue time near the byte time; a W4A8 build was not measured, so the decision
+stands on the numerics above.
 
 Numerics (the reference below is the definition; the kernels match it up to fp32 summation
 order): both GEMMs accumulate in fp32 (fp64 for fp64 x) and round to x's dtype; the SwiGLU clamp
