@@ -281,13 +281,12 @@ def _moe_previous():
 
 # Tile sweep (tuning data for moe_layout.tile_for): label -> (gate/up tile, down tile, warps,
 # stages); each builds its own layout of the set's weights where the tiles divide the dims.
-MOE_TILE_SWEEP = {"tile-128x128": ((64, 128), (64, 128), 4, 3, False),
-                  "tile-gu128": ((64, 128), (64, 256), 4, 3, False),
-                  "tile-dn128": ((64, 256), (64, 128), 4, 3, False),
-                  "tile-st2": ((64, 256), (64, 256), 4, 2, False),
-                  "tile-st4": ((64, 256), (64, 256), 4, 4, False),
-                  "tile-prefetch": ((64, 256), (64, 256), 4, 3, True),
-                  "tile-128rows-w8": ((128, 256), (128, 256), 8, 3, False)}
+MOE_TILE_SWEEP = {"tile-128x128": ((64, 128), (64, 128), 4, 3),
+                  "tile-gu128": ((64, 128), (64, 256), 4, 3),
+                  "tile-dn128": ((64, 256), (64, 128), 4, 3),
+                  "tile-st2": ((64, 256), (64, 256), 4, 2),
+                  "tile-st4": ((64, 256), (64, 256), 4, 4),
+                  "tile-128rows-w8": ((128, 256), (128, 256), 8, 3)}
 
 
 def _fits(dims: MoeDims, gu, dn) -> bool:
@@ -322,8 +321,7 @@ def _moe_part(d, upto: str):
     launch(mk._moe_gate_up_kernel)[(route[1].shape[0], I // bn)](
         x, w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), h, *route, D, I, ids.shape[1],
         x.stride(0), LIMIT, BLOCK_M=moe.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, TILED=True, WIDE=False,
-        IEEE=False, SOFT=False, PREFETCH=plan.prefetch, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        IEEE=False, SOFT=False, num_warps=plan.num_warps, num_stages=plan.num_stages)
     return h
 
 
@@ -333,11 +331,10 @@ def _moe_variants(T, dims: MoeDims) -> dict:
     out = {"ours-checkpoint": lambda d: moe.moe_experts_launch(*_moe_args(d)),
            "part-route": lambda d: _moe_part(d, "route"),
            "part-route-gate-up": lambda d: _moe_part(d, "gate_up")}
-    for label, (gu, dn, warps, stages, prefetch) in MOE_TILE_SWEEP.items():
+    for label, (gu, dn, warps, stages) in MOE_TILE_SWEEP.items():
         if not _fits(dims, gu, dn):
             continue
-        plan = moe.MoePlan(gu, dn, True, False, num_warps=warps, num_stages=stages,
-                           prefetch=prefetch)
+        plan = moe.MoePlan(gu, dn, True, False, num_warps=warps, num_stages=stages)
 
         def run(d, gu=gu, dn=dn, plan=plan):
             laid, name = _swept_layout(d, gu, dn)

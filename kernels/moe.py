@@ -156,6 +156,7 @@ BLOCK_D = 1024
 # Checkpoint-layout tiles: BK 128 (64-row blocks at BK 128 took 113 KB of shared memory on
 # sm_120 for fp32 activations, over SM12x's 99 KB: 64 there).
 CHECKPOINT_MAX_BK = {torch.float32: 64}
+CHECKPOINT_BKS = (128, 64, 32)
 TILED_MAX_BK = {torch.float32: 128, torch.float16: 128}
 
 
@@ -172,10 +173,6 @@ class MoePlan:
     num_warps: int = 4
     # K steps in flight (3 x 25 KB at 64 x 256, bf16): 4 within 1 % (RESULTS run 2)
     num_stages: int = 3
-    # tiled layout: load the next K tile's words while this one decodes (register double
-    # buffering: 166 instead of 98 registers for gate/up on sm_90, and Triton then converts
-    # the words' layout through shared memory) or rely on more CTAs a SM to hide the loads
-    prefetch: bool = False
 
 
 def max_bk(dtype, tiled: bool) -> int:
@@ -195,13 +192,9 @@ def moe_plan(E: int, D: int, I: int, layout: str = CHECKPOINT, dtype=torch.bfloa
 
 
 def checkpoint_tile(N: int, K: int, max_bk: int) -> tuple:
-    """(BN, BK) of an [N, K] matrix in the checkpoint layout: any K multiple of 32 (its loader
-    reads one scale group per 32 elements; no slabs), from the shape only."""
-    bk = next((b for b in (128, 64, 32) if b <= max_bk and K % b == 0), None)
-    bn = next((b for b in (64, 32, 16) if N % b == 0), None)
-    if bk is None or bn is None:
-        raise ValueError(f"expert matrix [{N}, {K}]: N must be a multiple of 16 and K of 32")
-    return bn, bk
+    """(BN, BK) of an [N, K] matrix in the checkpoint layout: BK any of 128 / 64 / 32 (its
+    loader reads whole 32-element scale groups; no slabs), from the shape only."""
+    return ml.tile_for(N, K, max_bk, CHECKPOINT_BKS)
 
 
 def max_blocks(P: int, E: int, block_m: int = BLOCK_M) -> int:
@@ -287,17 +280,18 @@ def _check(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, layout):
                 (lay is not None and t.dtype not in dtypes):
             raise ValueError(f"{name} must be {dtypes[0]} {list(shape)} in layout {layout}, got "
                              f"{t.dtype} {tuple(t.shape)}")
+    if lay is not None:     # the kernels read a row's scale bytes as one 64-bit word
+        for name in ("s1", "s3", "s2"):
+            if tensors[name].data_ptr() % 8:
+                raise ValueError(f"{name} (layout {layout}) must start on an 8-byte boundary")
     if D % MXFP4_BLOCK or I % MXFP4_BLOCK:
         raise ValueError(f"hidden {D} and intermediate {I} must be multiples of {MXFP4_BLOCK}")
     return T, D, E, I
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """Checkpoint bytes as uint8 (E8M0 / int8 views); tiled int32 words as they are. 16-byte
-    aligned (the tiled kernels read a row's scale bytes as one 64-bit word)."""
+    """Checkpoint bytes as uint8 (E8M0 / int8 views); tiled int32 words as they are."""
     t = t.contiguous()
-    if t.data_ptr() % 16:
-        t = t.clone()
     return t if t.dtype == torch.int32 else t.view(torch.uint8)
 
 
@@ -328,7 +322,7 @@ def moe_experts_launch(x, topk_ids, topk_weights, w1, s1, w3, s3, w2, s2, swiglu
     soft = interpreting(mk._moe_gate_up_kernel)
     ieee = soft or x.dtype != torch.bfloat16      # moe_kernels._dot says why
     route = (pair, blk_e, blk_rows, count)
-    knobs = dict(TILED=plan.tiled, WIDE=plan.wide, IEEE=ieee, SOFT=soft, PREFETCH=plan.prefetch,
+    knobs = dict(TILED=plan.tiled, WIDE=plan.wide, IEEE=ieee, SOFT=soft,
                  num_warps=plan.num_warps, num_stages=plan.num_stages)
     launch(mk._moe_gate_up_kernel)[(nb, I // gbn)](
         x2, _raw(w1), _raw(s1), _raw(w3), _raw(s3), h, *route, D, I, k, x2.stride(0),
@@ -378,7 +372,7 @@ def _compile_configs():
         bk = max_bk(tdt, tiled)
         wptr = ptr32 if tiled else ptr8
         knobs = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=bk, TILED=tiled, WIDE=wide,
-                     IEEE=dt != "*bf16", SOFT=False, PREFETCH=False)
+                     IEEE=dt != "*bf16", SOFT=False)
         out.append(compile_config(mk._moe_gate_up_kernel, dict(
             x_ptr=dt, w1_ptr=wptr, s1_ptr=ptr8, w3_ptr=wptr, s3_ptr=ptr8, h_ptr=dt, D=D16,
             I=D16, K_TOP="i32", stride_xt=D16, limit="fp32", **route), knobs, 4))

@@ -175,32 +175,6 @@ def _pair_bits(u, J: tl.constexpr):
 
 
 @triton.jit
-def _scaled_pair(u, cw, J: tl.constexpr, WIDE: tl.constexpr, SOFT: tl.constexpr):
-    """(lane 0, lane 1) of pair J times its scale. cw: per word, SOFT: the fp32 multiplier(s),
-    else the bf16x2 multiplier (both lanes). Exact: e2m1 * 2^k has <= 2 significant bits."""
-    r = _pair_bits(u, J)
-    if SOFT:          # the interpreter: no inline PTX; fp32 lanes, the same products
-        lo = (r << 16).to(tl.float32, bitcast=True)
-        hi = (r & _HI16).to(tl.float32, bitcast=True)
-        if WIDE:
-            lo = lo * 8.507059173023462e37          # 2^126
-            hi = hi * 8.507059173023462e37
-        return lo * cw, hi * cw
-    else:
-        if WIDE:
-            r = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; mov.b32 t, 0x7E807E80; mul.rn.bf16x2 t, $1, t; "
-                "mul.rn.bf16x2 $0, t, $2; }", "=r,r,r", [r, cw], dtype=tl.int32, is_pure=True,
-                pack=1)
-        else:
-            r = tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [r, cw],
-                                          dtype=tl.int32, is_pure=True, pack=1)
-        lo = r.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (r >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return lo, hi
-
-
-@triton.jit
 def _tile_words(w_ptr, s_ptr, e, nt, kt, N, K, BN: tl.constexpr, BK: tl.constexpr):
     """The kernel layout (kernels/moe_layout.py): tile kt of expert e's rows nt * BN.. as its
     [BN, BK / 8] words and, per row, its BK / 32 scale bytes as one 64- or 32-bit word."""
@@ -287,7 +261,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
                         blk_rows_ptr, count_ptr, D, I, K_TOP, stride_xt, limit,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         TILED: tl.constexpr, WIDE: tl.constexpr, IEEE: tl.constexpr,
-                        SOFT: tl.constexpr, PREFETCH: tl.constexpr):
+                        SOFT: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return                                  # padding block of the worst-case grid
@@ -300,17 +274,12 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
     u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     nk = D // BLOCK_K
     if TILED:
-        wg, sg = _tile_words(w1_ptr, s1_ptr, e, nt, 0, I, D, BLOCK_N, BLOCK_K)
-        wu, su = _tile_words(w3_ptr, s3_ptr, e, nt, 0, I, D, BLOCK_N, BLOCK_K)
         for kt in range(0, nk):
-            if PREFETCH:    # the next K tile's words load while this one decodes
-                kn = tl.minimum(kt + 1, nk - 1)     # the last step reloads its own
-            else:
-                kn = kt
-                wg, sg = _tile_words(w1_ptr, s1_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K)
-                wu, su = _tile_words(w3_ptr, s3_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K)
-            wg2, sg2 = _tile_words(w1_ptr, s1_ptr, e, nt, kn, I, D, BLOCK_N, BLOCK_K)
-            wu2, su2 = _tile_words(w3_ptr, s3_ptr, e, nt, kn, I, D, BLOCK_N, BLOCK_K)
+            # the words go through Triton's cp.async pipeline (num_stages); loading the next
+            # tile into registers by hand ran 40 % slower (H200,
+            # benchmarks/results/h200_moe_slab_2026-12-04)
+            wg, sg = _tile_words(w1_ptr, s1_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K)
+            wu, su = _tile_words(w3_ptr, s3_ptr, e, nt, kt, I, D, BLOCK_N, BLOCK_K)
             for j in tl.static_range(4):
                 a0 = _act_slab(x_ptr, x_off, live, kt, 2 * j, BLOCK_K)
                 a1 = _act_slab(x_ptr, x_off, live, kt, 2 * j + 1, BLOCK_K)
@@ -318,7 +287,6 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
                 g = _dot(hi, a1, _dot(lo, a0, g, IEEE), IEEE)
                 lo, hi = _slab_pair(wu, su, j, BLOCK_K, WDT, WIDE, SOFT)
                 u = _dot(hi, a1, _dot(lo, a0, u, IEEE), IEEE)
-            wg, sg, wu, su = wg2, sg2, wu2, su2
     else:
         for kt in range(0, nk):
             kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -344,8 +312,7 @@ def _moe_gate_up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, pair_ptr, 
 def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_ptr,
                      blk_rows_ptr, count_ptr, D, I, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr,
-                     WIDE: tl.constexpr, IEEE: tl.constexpr, SOFT: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     WIDE: tl.constexpr, IEEE: tl.constexpr, SOFT: tl.constexpr):
     b = tl.program_id(0)
     if b >= tl.load(count_ptr):
         return
@@ -357,19 +324,12 @@ def _moe_down_kernel(h_ptr, w2_ptr, s2_ptr, wt_ptr, y_ptr, pair_ptr, blk_expert_
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     nk = I // BLOCK_K
     if TILED:
-        w, sw = _tile_words(w2_ptr, s2_ptr, e, nt, 0, D, I, BLOCK_N, BLOCK_K)
         for kt in range(0, nk):
-            if PREFETCH:
-                kn = tl.minimum(kt + 1, nk - 1)
-            else:
-                kn = kt
-                w, sw = _tile_words(w2_ptr, s2_ptr, e, nt, kt, D, I, BLOCK_N, BLOCK_K)
-            w2, sw2 = _tile_words(w2_ptr, s2_ptr, e, nt, kn, D, I, BLOCK_N, BLOCK_K)
+            w, sw = _tile_words(w2_ptr, s2_ptr, e, nt, kt, D, I, BLOCK_N, BLOCK_K)
             for j in tl.static_range(4):
                 lo, hi = _slab_pair(w, sw, j, BLOCK_K, WDT, WIDE, SOFT)
                 acc = _dot(lo, _act_slab(h_ptr, h_off, live, kt, 2 * j, BLOCK_K), acc, IEEE)
                 acc = _dot(hi, _act_slab(h_ptr, h_off, live, kt, 2 * j + 1, BLOCK_K), acc, IEEE)
-            w, sw = w2, sw2
     else:
         for kt in range(0, nk):
             kk = kt * BLOCK_K + tl.arange(0, BLOCK_K)

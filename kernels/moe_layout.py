@@ -80,18 +80,22 @@ def parse_layout(name: str) -> TiledLayout | None:
     return TiledLayout((a, b), (c, d), m.group(5) is not None)
 
 
-def tile_for(N: int, K: int, max_bk: int = 256) -> tuple:
+SLAB_BKS = (256, 128)                # K tiles of the slab layout (W = BK / 8 in 16..32)
+
+
+def tile_for(N: int, K: int, max_bk: int = 256, bks: tuple = SLAB_BKS) -> tuple:
     """(BN, BK) of an [N, K] expert matrix, from its shape only (never the token count, so the
     K order of every sum is the same at every batch size): BK 256 where it divides K (a K step
     of a 64-row tile is 8 KB, two 128-byte lines a row), else 128 (the slabs' W >= 16); BN 64
     (one warpgroup's wgmma M), smaller where it does not divide (tiny models). H200, Flash dims,
     the v1 layout (benchmarks/results/h200_moe_2026-12-02/NOTES.md run 3): 64 x 128 gate/up
-    tiles +7-12 %, 128-row tiles on 8 warps +42-52 %."""
-    bk = next((b for b in (256, 128) if b <= max_bk and K % b == 0), None)
+    tiles +7-12 %, 128-row tiles on 8 warps +42-52 %. `bks`: the K tiles allowed, largest
+    first (the checkpoint layout's kernels take others: kernels/moe.py checkpoint_tile)."""
+    bk = next((b for b in bks if b <= max_bk and K % b == 0), None)
     bn = next((b for b in (64, 32, 16) if N % b == 0), None)
     if bk is None or bn is None:
-        raise ValueError(f"expert matrix [{N}, {K}]: the kernel layout needs N a multiple of 16 "
-                         f"and K of 128")
+        raise ValueError(f"expert matrix [{N}, {K}]: needs N a multiple of 16 and K of "
+                         f"{min(bks)}")
     return bn, bk
 
 
@@ -117,7 +121,7 @@ def to_kernel(w: torch.Tensor, s: torch.Tensor, tile: tuple) -> tuple:
     E, N, KH = w.shape
     K = 2 * KH
     bn, bk = tile
-    if N % bn or K % bk or bk not in (128, 256) or tuple(s.shape) != (E, N, K // MXFP4_BLOCK):
+    if N % bn or K % bk or bk not in SLAB_BKS or tuple(s.shape) != (E, N, K // MXFP4_BLOCK):
         raise ValueError(f"weights {tuple(w.shape)} / scales {tuple(s.shape)} do not tile "
                          f"as {bn}x{bk}")
     bits = _lane_bits()

@@ -207,21 +207,6 @@ def test_other_tilings(experts_2h):
     _assert_close(moe.moe_experts_launch(x, ids, w, *laid, LIMIT, name), ref, torch.bfloat16)
 
 
-def test_prefetch_plan_gives_the_same_bits(experts_2h):
-    """The tiled kernels' register double buffering (MoePlan.prefetch) loads the next K tile
-    early and sums in the same order: bit-equal, K in several steps, padded rows included."""
-    x = _x(7, 2 * H, torch.bfloat16, seed=40)
-    ids, w = _routing(7, 3, "holes", seed=41)
-    gu, dn = (64, 128), (64, 128)                                 # gate/up: 2 K steps
-    w1, s1, w3, s3, w2, s2 = experts_2h
-    tensors = ml.to_kernel(w1, s1, gu) + ml.to_kernel(w3, s3, gu) + ml.to_kernel(w2, s2, dn)
-    name = ml.TiledLayout(gu, dn).name
-    valid = torch.tensor([1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)
-    run = lambda pf: moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, name, valid,
-                                            plan=moe.MoePlan(gu, dn, True, prefetch=pf))
-    assert torch.equal(run(True), run(False))
-
-
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # silu(-huge)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # inf - inf
 # (no finite overflow: where a sum of finite terms overflows depends on the summation order)
@@ -402,6 +387,11 @@ def test_bad_inputs_name_the_argument(experts_h):
     old = name.replace("mxfp4-slab-v2", "mxfp4-tiled-v1")        # an older build's layout
     with pytest.raises(ValueError, match="mxfp4-tiled-v1.*rebuild the engine"):
         moe.moe_experts_launch(x, ids, w, *tensors, LIMIT, old)
+    buf = torch.empty(tensors[1].numel() + 1, dtype=torch.uint8)
+    shifted = buf[1:].view(tensors[1].shape)
+    shifted.copy_(tensors[1])
+    with pytest.raises(ValueError, match="s1 .*8-byte boundary"):    # read as 64-bit words
+        moe.moe_experts_launch(x, ids, w, tensors[0], shifted, *tensors[2:], LIMIT, name)
     with pytest.raises(ValueError, match="w1 and w2 must be 5-d"):    # checkpoint bytes, tiled name
         moe.moe_experts_launch(x, ids, w, *experts_h, LIMIT, name)
     with pytest.raises(ValueError, match="valid"):
