@@ -20,7 +20,8 @@ from torch import nn
 from dspark_compile.kernels import indexer_topk as _indexer_topk  # noqa: F401 (registers the op)
 from dspark_compile.kernels import sparse_attention as _sparse_attention  # noqa: F401 (registers)
 from dspark_compile.kernels.act_quant import rmsnorm_quant_reference, rmsnorm_reference
-from dspark_compile.kernels.common import masked_row_write, rope_last
+from dspark_compile.kernels.common import masked_row_write
+from dspark_compile.kernels.rope import rope_reference
 from dspark_compile.kernels.qkv_postprocess import (
     qkv_postprocess_reference, qkv_rope_reference)
 
@@ -63,7 +64,8 @@ class Indexer(nn.Module):
         # the entries that close in this step pooled and inserted by one op
         self.compressor.store(x, batch, state[f"{p}.idx_kv"], state[f"{p}.idx_score"], cos_sin, k_cache)
         qi = self.wq_b(qr, qr_q).view(B * T, cfg.index_n_heads, cfg.index_head_dim)
-        qi = rope_last(qi, cos_sin, batch.flat_pos(), cos_sin.shape[-1]).view(B, T, cfg.index_n_heads, -1)
+        qi = rope_reference(qi, cos_sin, batch.flat_pos(), cos_sin.shape[-1], False)
+        qi = qi.view(B, T, cfg.index_n_heads, -1)
         w = self.weights_proj(x, out_dtype=acc) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         # scores over the visible entries + top-k (ties: lowest entry index), -1 = no entry
         idx = torch.ops.dspark.indexer_topk(qi, w.view(B, T, -1), k_cache, batch.rows, batch.pos,
@@ -102,7 +104,7 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """o [M, H, d] -> inverse RoPE at the query position -> grouped wo_a -> wo_b."""
         cfg = self.cfg
-        o = rope_last(o, self.cos_sin, positions, cfg.qk_rope_head_dim, inverse=True)
+        o = rope_reference(o, self.cos_sin, positions, cfg.qk_rope_head_dim, True)
         flat = o.reshape(o.shape[0], -1)                                      # [M, H*d]
         # one fp8_linear over the o_groups: group g's heads times wo_a rows [g*o_lora, ...)
         z = self.wo_a(flat, groups=cfg.o_groups)                             # [M, G*o_lora]

@@ -8,17 +8,15 @@ scaling factor.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark_compile.kernels import moe as moe_kernel  # noqa: F401  (registers dspark::moe_experts)
+from dspark_compile.kernels import moe_gate as _moe_gate  # noqa: F401  (registers dspark::moe_gate)
 from dspark_compile.kernels import moe_layout
 from dspark_compile.kernels.act_quant import swiglu, swiglu_quant_reference
-from dspark_compile.kernels.common import simd_pointwise
-from dspark_compile.kernels.sampling.reference import fold_ids
 
 from dspark_compile.models.config import ModelConfig, Precision
-from dspark_compile.models.linear import E8M0_STORAGE, FP8Linear, acc_dtype
+from dspark_compile.models.linear import E8M0_STORAGE, FP8Linear
 
 
 class Gate(nn.Module):
@@ -36,23 +34,11 @@ class Gate(nn.Module):
         cfg = self.cfg
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = torch.ops.dspark.linear(x, self.weight, x.dtype, acc)   # exact bf16 products
-        score = torch.sqrt(simd_pointwise(F.softplus, logits))
-        if self.hash_layer:
-            # tokens are folded into [0, vocab) by Batch.make already; folding here as well keeps
-            # the gather addressable for any caller
-            idx = self.tid2eid[fold_ids(tokens, cfg.vocab_size)]
-        else:
-            idx = (score + self.bias.to(acc)).topk(cfg.num_experts_per_tok, dim=-1).indices
-        w = score.gather(-1, idx)
-        if cfg.norm_topk_prob:
-            # the k weights summed in slot order by adds, not by a reduction: a GPU reduction
-            # picks its block shape by the row count, which would make a token's sum batch
-            # dependent
-            total = w[..., :1]
-            for j in range(1, w.shape[-1]):
-                total = total + w[..., j:j + 1]
-            w = w / total.clamp_min(1e-20)
-        return idx, w * cfg.routed_scaling_factor
+        # scores, selection and weights in one op (kernels/moe_gate.py)
+        return torch.ops.dspark.moe_gate(
+            logits, None if self.hash_layer else self.bias,
+            self.tid2eid if self.hash_layer else None, tokens, cfg.num_experts_per_tok,
+            bool(cfg.norm_topk_prob), float(cfg.routed_scaling_factor))
 
 
 class Experts(nn.Module):
@@ -119,8 +105,9 @@ class MoE(nn.Module):
         e = self.experts
         routed = torch.ops.dspark.moe_experts(x, idx, w, *e.tensors(), float(self.cfg.swiglu_limit),
                                               e.layout, valid)
-        acc = acc_dtype(self.prec.dtype)
-        return (routed.to(acc) + self.shared_experts(x, xq).to(acc)).to(self.prec.dtype)
+        # one add: aten adds 16-bit floats in fp32 and rounds once, exactly what casting both
+        # to fp32, adding and casting back computes (two launches fewer a layer)
+        return routed + self.shared_experts(x, xq)
 
 
 def use_kernel_layouts(model: nn.Module, dtype: torch.dtype) -> list[str]:

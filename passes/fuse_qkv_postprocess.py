@@ -1,5 +1,6 @@
 """Fuse QKV post-processing: each `qkv_postprocess` / `qkv_rope` / `context_kv_store` region of
-the step becomes one `dspark::` op call (kernels/qkv_postprocess.py).
+the step becomes one `dspark::` op call (kernels/qkv_postprocess.py), and so does each `rope`
+region (kernels/rope.py: the attention output's inverse rotation, the indexer's query).
 
 Unfused (per target layer, what `qkv_postprocess_reference` exports to; ~100 aten nodes):
 
@@ -32,15 +33,16 @@ Option `ops`: the subset of the three ops to fuse (`PassConfig.options`).
 from __future__ import annotations
 
 from dspark_compile.kernels import qkv_postprocess as _kernels  # noqa: F401  (registers the ops)
+from dspark_compile.kernels import rope as _rope  # noqa: F401  (registers dspark::rope)
 
 from dspark_compile.passes.base import PassResult
 from dspark_compile.passes.regions import fuse_regions
 from dspark_compile.passes.registry import register_pass
 
-OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store")
+OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rope")
 
 
 @register_pass(name="fuse_qkv_postprocess", stage="fusion", expect_match=True)
 def fuse_qkv_postprocess_pass(gm, ctx) -> PassResult:
-    """Replace qkv_postprocess / qkv_rope / context_kv_store regions by their dspark:: ops."""
+    """Replace qkv_postprocess / qkv_rope / context_kv_store / rope regions by their dspark:: ops."""
     return fuse_regions(gm, OPS, ctx)

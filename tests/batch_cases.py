@@ -309,6 +309,18 @@ def _markov_sample(g, n, big):
                 start_pos=torch.randint(0, 1000, (n,), generator=g))
 
 
+def _rope(g, n, big):
+    H, D, R = (64, 512, 64) if big else (3, 192, 64)
+    return dict(x=_randn(g, n, H, D, scale=3, dtype=torch.bfloat16), cos_sin=cos_sin(R),
+                positions=torch.randint(0, 500, (n,), generator=g), rope_dim=R, inverse=True)
+
+
+def _moe_gate(g, n, big):
+    E, k = (256, 6) if big else (72, 6)
+    return dict(logits=_randn(g, n, E, scale=3), bias=_randn(g, E, scale=0.2), tid2eid=None,
+                tokens=torch.randint(0, 100, (n,), generator=g), k=k, norm_topk=True, scale=2.5)
+
+
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "seed")
 
 CASES: dict[str, Case] = {
@@ -324,6 +336,8 @@ CASES: dict[str, Case] = {
     "hc_post": Case(_hc_post, ("y", "X", "post", "comb"), _row_of_outputs),
     "hc_post_pre": Case(_hc_post_pre, ("y", "X", "post", "comb"), _row_of_outputs),
     "hc_post_head": Case(_hc_post_head, ("y", "X", "post", "comb"), _row_of_outputs),
+    "rope": Case(_rope, ("x", "positions"), _row_of_outputs),
+    "moe_gate": Case(_moe_gate, ("logits", "tokens"), _row_of_outputs),
     "qkv_rope": Case(lambda g, n, big: _qkv(g, n, big, None), ("q", "kv", "positions"),
                      _row_of_outputs),
     "qkv_postprocess": Case(lambda g, n, big: _qkv(g, n, big, "fp8"),

@@ -7,14 +7,14 @@ import torch
 from dspark_compile.passes import PassManager, assert_no_whole_cache_copy
 from dspark_compile.passes.graph_utils import alias_root
 
-OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store")
+OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rope")
 
 
 def test_counts_and_pattern_gone(tiny_step):
     lib, ep = tiny_step.lib, tiny_step.cleaned()
     cfg = tiny_step.cfg
     expected = {"qkv_postprocess": cfg.num_hidden_layers, "qkv_rope": cfg.n_mtp_layers,
-                "context_kv_store": cfg.n_mtp_layers}
+                "context_kv_store": cfg.n_mtp_layers, "rope": tiny_step.expected["rope"]}
     others_before = lib.region_counts(ep, [o for o in lib.ALL_OPS if o not in OPS])
     assert lib.region_counts(ep, OPS) == expected
     assert lib.op_counts(ep, OPS) == dict.fromkeys(OPS, 0)

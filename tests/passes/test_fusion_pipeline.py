@@ -30,7 +30,7 @@ def test_manager_verifies_every_fusion(tiny_step):
     assert [r["matches"] for r in stats[:4]] == [
         exp["rmsnorm_quant"] + exp["swiglu_quant"] + exp["act_quant"] + exp["rmsnorm"],
         exp["hc_pre"] + exp["hc_post"] + exp["hc_head"],
-        exp["qkv_postprocess"] + exp["qkv_rope"] + exp["context_kv_store"],
+        exp["qkv_postprocess"] + exp["qkv_rope"] + exp["context_kv_store"] + exp["rope"],
         exp["markov_sample"] + exp["rejection_sample"]]
     assert stats[4]["matches"] == 0                       # nothing left to drop
     assert tiny_step.lib.op_counts(ep) == tiny_step.expected_ops

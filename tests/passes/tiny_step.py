@@ -31,7 +31,7 @@ from dspark_compile.trace import export_step, state_input_names
 
 BUCKET = 2
 CLEANUP = ("remove_asserts", "remove_noops", "dce")
-ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rmsnorm_quant", "swiglu_quant",
+ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rope", "rmsnorm_quant", "swiglu_quant",
            "act_quant", "rmsnorm", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
            "hc_head", "hc_post_pre", "hc_post_head")
 
@@ -52,6 +52,8 @@ def expected_regions(cfg, prec) -> dict:
         "qkv_postprocess": L if prec.kv_fp8 else 0,   # target layers, FP8 SWA cache insert
         "qkv_rope": S + (0 if prec.kv_fp8 else L),    # draft layers (no store)
         "context_kv_store": S,                        # accepted rows into each draft ring
+        # the output's inverse rotation of every block, the indexer's query of C4 layers
+        "rope": L + S + sum(cfg.layer_ratio(i) == 4 for i in range(L)),
         "rmsnorm_quant": (3 * (L + S) + 1) if q else 0,
         "swiglu_quant": (L + S) if q else 0,
         "act_quant": (2 * (L + S) + 1) if q else 0,
