@@ -149,8 +149,9 @@ RESULTS = "benchmarks/results/h200_moe_2026-12-02/NOTES.md"
 # its M side). Decode blocks hold ~1-9 pairs; a block size chosen by token count would change a
 # token's K-sum tiles with the batch (issue 30 item 5: batch invariance).
 BLOCK_M = 16
-# Pairs per routing step: a [64, 256] one-hot (sm_120: 127 registers).
-BLOCK_P = 64
+# Pairs per routing scan step: the histogram and the prefix sum of 256 ids (B = 64's 2,304 pairs
+# in 9 steps), in every one of the E + 1 programs.
+BLOCK_P = 256
 # Output columns per combine program.
 BLOCK_D = 1024
 # Checkpoint-layout tiles: BK 128 (64-row blocks at BK 128 took 113 KB of shared memory on
@@ -227,7 +228,7 @@ def moe_route_launch(topk_ids: torch.Tensor, E: int, block_m: int = BLOCK_M,
     blk_e = torch.empty(nb, dtype=torch.int32, device=dev)
     blk_rows = torch.empty(nb, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
-    launch(mk._moe_route_kernel)[(1,)](
+    launch(mk._moe_route_kernel)[(E + 1,)](
         ids, vb, pair, blk_e, blk_rows, count, P, E, max(k, 1), nb, BLOCK_M=block_m,
         BLOCK_P=block_p, E_P2=next_pow2(E), HAS_VALID=has_valid, num_warps=4)
     return pair, blk_e, blk_rows, count

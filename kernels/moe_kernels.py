@@ -2,8 +2,8 @@
 
 Four launches, every grid static (sized from the shapes), nothing read back by the host:
 
-1. `_moe_route_kernel` (one program): the step's (token, slot) pairs sorted by expert into
-   blocks of BLOCK_M rows. Writes `pair_of_row[row]` (pair = token * k + slot), and per block
+1. `_moe_route_kernel` (E + 1 programs, one an expert): the step's (token, slot) pairs sorted
+   by expert into blocks of BLOCK_M rows. Writes `pair_of_row[row]` (pair = token * k + slot), and per block
    its expert, its live row count and, at `count_ptr`, how many blocks are live. Pairs keep
    their pair order within an expert (stable), so the layout is a pure function of topk_ids.
    A slot whose id is outside [0, E), or whose token is not `valid`, is no pair.
@@ -58,37 +58,49 @@ _PAIR_B = tl.constexpr((1, 0, 3, 2))
 def _moe_route_kernel(ids_ptr, valid_ptr, pair_ptr, blk_expert_ptr, blk_rows_ptr, count_ptr, P,
                       E, K_TOP, MAX_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                       E_P2: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Program e < E: expert e's blocks and rows; program E: the live count and the unused tail
+    of the block table. Every program counts all pairs per expert itself (a histogram of the
+    step's T * k ids, read from L2), so no program waits for another."""
+    me = tl.program_id(0)
     experts = tl.arange(0, E_P2)
-    # pass 1: pairs per expert
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
-        onehot, _, _ = _onehot(ids_ptr, valid_ptr, p0, P, E, K_TOP, experts, BLOCK_P, HAS_VALID)
-        counts += tl.sum(onehot, axis=0)
+        offs = p0 + tl.arange(0, BLOCK_P)
+        e, ok = _pair_expert(ids_ptr, valid_ptr, offs, offs < P, E, K_TOP, HAS_VALID)
+        # no pair counts in bin 0 and is taken out again (the histogram has no mask argument
+        # in every Triton this runs on)
+        counts += tl.histogram(tl.where(ok, e, 0), E_P2)
+        counts -= tl.where(experts == 0, tl.sum((~ok).to(tl.int32), axis=0), 0)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
     blk_end = tl.cumsum(nblk, axis=0)
-    blk_start = blk_end - nblk
-    n_blocks = tl.sum(nblk, axis=0)
-    tl.store(count_ptr, n_blocks)
-    # block table: block b belongs to the expert whose block range holds it
-    for b0 in range(0, MAX_BLOCKS, BLOCK_P):
-        b = b0 + tl.arange(0, BLOCK_P)
-        eb = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        sel = experts[None, :] == eb[:, None]
-        cnt = tl.sum(tl.where(sel, counts[None, :], 0), axis=1)
-        start = tl.sum(tl.where(sel, blk_start[None, :], 0), axis=1)
-        live = b < n_blocks
-        rows = tl.minimum(cnt - (b - start) * BLOCK_M, BLOCK_M)
-        tl.store(blk_expert_ptr + b, tl.where(live, eb, -1), mask=b < MAX_BLOCKS)
-        tl.store(blk_rows_ptr + b, tl.where(live, rows, 0), mask=b < MAX_BLOCKS)
-    # pass 2: row of each pair = its expert's first row + pairs of that expert before it
-    seen = blk_start * BLOCK_M
-    for p0 in range(0, P, BLOCK_P):
-        onehot, offs, ok = _onehot(ids_ptr, valid_ptr, p0, P, E, K_TOP, experts, BLOCK_P,
-                                   HAS_VALID)
-        before = tl.cumsum(onehot, axis=0) - onehot
-        row = tl.sum(onehot * (before + seen[None, :]), axis=1)
-        tl.store(pair_ptr + row, offs, mask=ok)
-        seen += tl.sum(onehot, axis=0)
+    if me == E:
+        n_blocks = tl.sum(nblk, axis=0)
+        tl.store(count_ptr, n_blocks)
+        for b0 in range(n_blocks, MAX_BLOCKS, BLOCK_P):
+            b = b0 + tl.arange(0, BLOCK_P)
+            tl.store(blk_expert_ptr + b, tl.full([BLOCK_P], -1, tl.int32), mask=b < MAX_BLOCKS)
+            tl.store(blk_rows_ptr + b, tl.zeros([BLOCK_P], tl.int32), mask=b < MAX_BLOCKS)
+    else:
+        mine = experts == me
+        count = tl.sum(tl.where(mine, counts, 0), axis=0)
+        n_mine = tl.sum(tl.where(mine, nblk, 0), axis=0)
+        start = tl.sum(tl.where(mine, blk_end, 0), axis=0) - n_mine
+        for b0 in range(0, n_mine, BLOCK_P):
+            j = b0 + tl.arange(0, BLOCK_P)
+            live = j < n_mine
+            tl.store(blk_expert_ptr + start + j, tl.full([BLOCK_P], 0, tl.int32) + me, mask=live)
+            tl.store(blk_rows_ptr + start + j, tl.minimum(count - j * BLOCK_M, BLOCK_M),
+                     mask=live)
+        # row of each of my pairs = my first row + my pairs before it (stable: pair order)
+        seen = start * BLOCK_M
+        if count > 0:
+            for p0 in range(0, P, BLOCK_P):
+                offs = p0 + tl.arange(0, BLOCK_P)
+                e, ok = _pair_expert(ids_ptr, valid_ptr, offs, offs < P, E, K_TOP, HAS_VALID)
+                hit = (ok & (e == me)).to(tl.int32)
+                row = seen + tl.cumsum(hit, axis=0) - hit
+                tl.store(pair_ptr + row, offs, mask=hit != 0)
+                seen += tl.sum(hit, axis=0)
 
 
 @triton.jit
@@ -99,15 +111,6 @@ def _pair_expert(ids_ptr, valid_ptr, offs, inb, E, K_TOP, HAS_VALID: tl.constexp
     if HAS_VALID:
         ok = ok & (tl.load(valid_ptr + offs // K_TOP, mask=inb, other=0) != 0)
     return tl.where(ok, e, -1), ok
-
-
-@triton.jit
-def _onehot(ids_ptr, valid_ptr, p0, P, E, K_TOP, experts, BLOCK_P: tl.constexpr,
-            HAS_VALID: tl.constexpr):
-    """[BLOCK_P, E_P2] int32 one-hot of the experts of pairs p0.., their indices, validity."""
-    offs = p0 + tl.arange(0, BLOCK_P)
-    e, ok = _pair_expert(ids_ptr, valid_ptr, offs, offs < P, E, K_TOP, HAS_VALID)
-    return (e[:, None] == experts[None, :]).to(tl.int32), offs, ok
 
 
 @triton.jit

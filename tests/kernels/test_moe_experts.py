@@ -108,10 +108,10 @@ def _assert_close(y, ref, dtype):
 # routing: exact layout
 # ------------------------------------------------------------------------------------------------
 
-def _expected_layout(ids, bm):
+def _expected_layout(ids, bm, n_experts=E):
     flat = ids.reshape(-1).tolist()
     rows, blocks = {}, []
-    for e in range(E):
+    for e in range(n_experts):
         pairs = [p for p, x in enumerate(flat) if x == e]
         for b in range(math.ceil(len(pairs) / bm)):
             blocks.append((e, pairs[b * bm:(b + 1) * bm]))
@@ -134,6 +134,25 @@ def test_route_layout(T, k, kind, bm):
     assert blk_e.tolist() == [e for e, _ in blocks] + [-1] * (nb - len(blocks))
     assert blk_rows.tolist() == [len(p) for _, p in blocks] + [0] * (nb - len(blocks))
     assert {r: pair[r].item() for r in rows} == rows          # stable: pair order per expert
+
+
+@pytest.mark.parametrize("n_experts", [256, 72])
+def test_route_layout_at_flash_expert_counts(n_experts):
+    """256 experts (a power of two: no spare histogram bin for the pairs that are none) and 72,
+    with padded tokens, ids out of range and -1 slots."""
+    T, k, bm = 64, 6, 16
+    g = _gen(n_experts)
+    ids = torch.randint(0, n_experts, (T, k), generator=g)
+    ids[::5, 1] = -1
+    ids[3::7, 0] = n_experts
+    valid = torch.rand(T, generator=g) > 0.2
+    pair, blk_e, blk_rows, count = moe.moe_route_launch(ids, n_experts, bm, valid=valid)
+    blocks, rows = _expected_layout(torch.where(valid[:, None], ids, -1), bm, n_experts)
+    nb = moe.max_blocks(T * k, n_experts, bm)
+    assert count.item() == len(blocks)
+    assert blk_e.tolist() == [e for e, _ in blocks] + [-1] * (nb - len(blocks))
+    assert blk_rows.tolist() == [len(p) for _, p in blocks] + [0] * (nb - len(blocks))
+    assert {r: pair[r].item() for r in rows} == rows
 
 
 def test_max_blocks_bounds_every_distribution():
