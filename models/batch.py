@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_compile.kernels.ring_slots import ring_slots_reference
 from dspark_compile.kernels.sampling.reference import fold_ids
 
 
@@ -46,10 +47,4 @@ class Batch:
         `ring` written positions of each row keep their slot: each slot is named at most once,
         and it holds what a sequential write would have left in it. Assumes a row's positions
         are distinct (the step's and prefill's are consecutive)."""
-        slots = self.rows[:, None] * ring + self.pos % ring
-        ok = self.valid[:, None].expand_as(slots)
-        if write is not None:
-            ok = ok & write
-        newest = torch.where(ok, self.pos, torch.full_like(self.pos, -1)).amax(1, keepdim=True)
-        ok = ok & (self.pos > newest - ring)
-        return torch.where(ok, slots, torch.full_like(slots, -1)).reshape(-1)
+        return ring_slots_reference(self.rows, self.pos, self.valid, write, ring)

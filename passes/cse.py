@@ -1,13 +1,15 @@
 """Common subexpression elimination of the glue: one node per value computed more than once.
 
 Every attention layer of the step recomputes the same bookkeeping from the batch: the SWA ring
-slots (`Batch.ring_slots`: ~12 aten launches), `pos % ring`, the flat positions. At flash-slice
+slots (`Batch.ring_slots`: one `dspark::ring_slots` call, or ~11 aten launches unfused), the
+flat positions. At flash-slice
 those repeats are about a quarter of the aten launches that are left between the `dspark::` ops.
 This pass keeps the first node of each repeated computation and points the repeats' uses at it.
 
-Two call nodes compute the same value when they call the same aten overload (or
-`operator.getitem`) on the same arguments; a repeat's uses are redirected as soon as it is found,
-so whole chains collapse in one forward sweep. A node takes part only when merging it cannot be
+Two call nodes compute the same value when they call the same aten or `dspark::` overload (or
+`operator.getitem`) on the same arguments. Every `dspark::` op is deterministic (its outputs are
+a function of its inputs); one that writes an argument has a side effect and never takes part.
+A repeat's uses are redirected as soon as it is found, so whole chains collapse in one sweep. A node takes part only when merging it cannot be
 observed:
 
 - it has no side effect and draws no random numbers (`graph_utils.has_side_effects`);
@@ -59,7 +61,7 @@ def _candidate(node: Node, unsafe: set) -> bool:
         return False
     t = node.target
     if t is not operator.getitem and not (isinstance(t, torch._ops.OpOverload)
-                                          and t.namespace == "aten"):
+                                          and t.namespace in ("aten", "dspark")):
         return False
     if has_side_effects(node) or alias_root(node) in unsafe:
         return False
@@ -90,6 +92,6 @@ def eliminate_common_subexpressions(graph: torch.fx.Graph) -> dict:
 
 @register_pass(name="cse", stage="fusion", after=("drop_region_markers",))
 def cse_pass(gm, ctx) -> PassResult:
-    """Merge repeated side-effect-free aten computations whose inputs are never written."""
+    """Merge repeated side-effect-free aten / dspark computations whose inputs are never written."""
     merged = eliminate_common_subexpressions(gm.graph)
     return PassResult(sum(merged.values()), notes={"merged": merged})

@@ -15,7 +15,8 @@ from dspark_compile.passes.registry import register_pass
 
 
 @register_pass(name="drop_region_markers", stage="fusion",
-               after=("fuse_qkv_postprocess", "fuse_act_quant", "fuse_mhc", "fuse_sampler"))
+               after=("fuse_qkv_postprocess", "fuse_act_quant", "fuse_mhc", "fuse_sampler",
+                      "fuse_ring_slots"))
 def drop_region_markers_pass(gm, ctx) -> PassResult:
     """Erase leftover region markers (identity views) and region annotations."""
     dropped, unannotated = 0, 0

@@ -321,6 +321,14 @@ def _moe_gate(g, n, big):
                 tokens=torch.randint(0, 100, (n,), generator=g), k=k, norm_topk=True, scale=2.5)
 
 
+def _ring_slots(g, n, big):
+    T = 6
+    return dict(rows=torch.randperm(n + 5, generator=g)[:n],
+                pos=torch.randint(0, 300, (n, 1), generator=g) + torch.arange(T)[None, :],
+                valid=torch.rand(n, generator=g) > 0.2, write=torch.rand(n, T, generator=g) > 0.3,
+                ring=8)
+
+
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "seed")
 
 CASES: dict[str, Case] = {
@@ -336,6 +344,8 @@ CASES: dict[str, Case] = {
     "hc_post": Case(_hc_post, ("y", "X", "post", "comb"), _row_of_outputs),
     "hc_post_pre": Case(_hc_post_pre, ("y", "X", "post", "comb"), _row_of_outputs),
     "hc_post_head": Case(_hc_post_head, ("y", "X", "post", "comb"), _row_of_outputs),
+    "ring_slots": Case(_ring_slots, ("rows", "pos", "valid", "write"),
+                       lambda kw, out, j: [out.view(kw["pos"].shape)[j]]),
     "rope": Case(_rope, ("x", "positions"), _row_of_outputs),
     "moe_gate": Case(_moe_gate, ("logits", "tokens"), _row_of_outputs),
     "qkv_rope": Case(lambda g, n, big: _qkv(g, n, big, None), ("q", "kv", "positions"),

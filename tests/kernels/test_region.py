@@ -5,10 +5,10 @@ import inspect
 import torch
 
 from dspark_compile.kernels import act_quant as aq
-from dspark_compile.kernels import mhc, qkv_postprocess, sampling  # noqa: F401
+from dspark_compile.kernels import mhc, qkv_postprocess, ring_slots, rope, sampling  # noqa: F401
 from dspark_compile.kernels import region as R
 
-ALL = {"qkv_postprocess", "qkv_rope", "context_kv_store", "act_quant", "swiglu_quant",
+ALL = {"qkv_postprocess", "qkv_rope", "context_kv_store", "rope", "ring_slots", "act_quant", "swiglu_quant",
        "rmsnorm_quant", "rmsnorm", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
        "hc_head", "hc_post_pre", "hc_post_head"}
 

@@ -128,16 +128,18 @@ def test_merges_whole_chains_in_one_sweep():
 
 
 def test_on_the_tiny_step_ring_slots_are_computed_once_per_ring(tiny_step):
-    """After the fusions, the step's repeated bookkeeping collapses: one `pos % ring` per
-    distinct ring (SWA window, compressor rings, draft context) instead of one per layer, with
-    the step's outputs and state updates unchanged on fresh inputs."""
+    """After the fusions, the step's repeated bookkeeping collapses: one `dspark::ring_slots`
+    call per distinct ring (SWA window, compressor rings, draft context) instead of one per
+    layer, with the step's outputs and state updates unchanged on fresh inputs."""
     ep = tiny_step.cleaned()
     fusions = ["fuse_act_quant", "fuse_mhc", "fuse_qkv_postprocess", "fuse_sampler",
-               "drop_region_markers"]
+               "fuse_ring_slots", "drop_region_markers"]
     PassManager(fusions).run(ep, state_inputs=tiny_step.states(ep))
-    before = _count(ep, aten.remainder.Scalar)
+    op = torch.ops.dspark.ring_slots.default
+    before = _count(ep, op)
     stats = PassManager(["cse"], config=PassConfig(verify=True, verify_seeds=1)).run(
         ep, input_factory=tiny_step.inputs, state_inputs=tiny_step.states(ep))
-    assert stats[0]["verified"] and stats[0]["matches"] > 0
-    rings = {n.args[1] for n in ep.graph_module.graph.nodes if n.target == aten.remainder.Scalar}
-    assert _count(ep, aten.remainder.Scalar) == len(rings) < before
+    assert stats[0]["verified"] and stats[0]["notes"]["merged"]["ring_slots.default"] > 0
+    calls = [n for n in ep.graph_module.graph.nodes if n.target == op]
+    keys = {(tuple(a.name if isinstance(a, torch.fx.Node) else a for a in n.args)) for n in calls}
+    assert len(calls) == len(keys) < before

@@ -16,8 +16,8 @@ from dspark_compile.kernels import region
 from dspark_compile.passes import PassConfig, PassManager, PassNoMatchWarning
 from dspark_compile.passes.regions import RegionSkippedWarning, find_regions
 
-FUSIONS = ["fuse_act_quant", "fuse_mhc", "fuse_qkv_postprocess", "fuse_sampler",
-           "drop_region_markers"]
+FUSIONS = ["fuse_act_quant", "fuse_mhc", "fuse_qkv_postprocess", "fuse_ring_slots",
+           "fuse_sampler", "drop_region_markers"]
 
 
 def test_manager_verifies_every_fusion(tiny_step):
@@ -27,12 +27,12 @@ def test_manager_verifies_every_fusion(tiny_step):
     assert [r["name"] for r in stats] == FUSIONS
     assert all(r["verified"] for r in stats)
     exp = tiny_step.expected
-    assert [r["matches"] for r in stats[:4]] == [
+    assert [r["matches"] for r in stats[:5]] == [
         exp["rmsnorm_quant"] + exp["swiglu_quant"] + exp["act_quant"] + exp["rmsnorm"],
         exp["hc_pre"] + exp["hc_post"] + exp["hc_head"],
         exp["qkv_postprocess"] + exp["qkv_rope"] + exp["context_kv_store"] + exp["rope"],
-        exp["markov_sample"] + exp["rejection_sample"]]
-    assert stats[4]["matches"] == 0                       # nothing left to drop
+        exp["ring_slots"], exp["markov_sample"] + exp["rejection_sample"]]
+    assert stats[5]["matches"] == 0                       # nothing left to drop
     assert tiny_step.lib.op_counts(ep) == tiny_step.expected_ops
     assert tiny_step.lib.annotated_nodes(ep) == []
 

@@ -31,7 +31,7 @@ from dspark_compile.trace import export_step, state_input_names
 
 BUCKET = 2
 CLEANUP = ("remove_asserts", "remove_noops", "dce")
-ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rope", "rmsnorm_quant", "swiglu_quant",
+ALL_OPS = ("qkv_postprocess", "qkv_rope", "context_kv_store", "rope", "ring_slots", "rmsnorm_quant", "swiglu_quant",
            "act_quant", "rmsnorm", "markov_sample", "rejection_sample", "sample", "hc_pre", "hc_post",
            "hc_head", "hc_post_pre", "hc_post_head")
 
@@ -54,6 +54,9 @@ def expected_regions(cfg, prec) -> dict:
         "context_kv_store": S,                        # accepted rows into each draft ring
         # the output's inverse rotation of every block, the indexer's query of C4 layers
         "rope": L + S + sum(cfg.layer_ratio(i) == 4 for i in range(L)),
+        # the SWA insert of every target layer, every compressor's ring (C4 layers have two:
+        # the attention's and the indexer's), the draft context
+        "ring_slots": L + sum((r > 0) + (r == 4) for r in map(cfg.layer_ratio, range(L))) + 1,
         "rmsnorm_quant": (3 * (L + S) + 1) if q else 0,
         "swiglu_quant": (L + S) if q else 0,
         "act_quant": (2 * (L + S) + 1) if q else 0,
