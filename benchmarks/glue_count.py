@@ -82,8 +82,8 @@ def main(argv=None) -> int:
         manifest = json.loads((Path(e) / "manifest.json").read_text())
         programs = {int(b): torch.export.load(str(Path(e) / entry["path"]))
                     for b, entry in manifest["programs"].items()}
-        rec = {"commit": manifest.get("build_config", {}).get("git_commit"),
-               "model": manifest.get("model_config", {}).get("hidden_size"), "buckets": {}}
+        rec = {"torch": manifest.get("torch_version"), "created_utc": manifest.get("created_utc"),
+               "hidden_size": manifest.get("model_config", {}).get("hidden_size"), "buckets": {}}
         for b, ep in sorted(programs.items()):
             c = rec["buckets"][str(b)] = count_program(ep)
             print(f"{e} bucket {b}: {c['dspark_calls']} dspark:: calls, "

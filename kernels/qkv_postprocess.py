@@ -285,6 +285,11 @@ def _check_inputs(q, kv, positions, cos_sin, check_q=True):
             raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
     if kv.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"kv must be bf16/fp16/fp32, got {kv.dtype}")
+    return T, H, D, check_rope_table(positions, cos_sin, T, D)
+
+
+def check_rope_table(positions, cos_sin, T: int, D: int) -> int:
+    """positions [T] int32/int64 and a cos/sin table [max_pos, R] for D-wide rows; returns R."""
     if positions.shape != (T,) or positions.dtype not in _INT_DTYPES:
         raise ValueError(f"positions must be int32/int64 [{T}], got {positions.dtype} "
                          f"{tuple(positions.shape)}")
@@ -294,7 +299,7 @@ def _check_inputs(q, kv, positions, cos_sin, check_q=True):
     R = cos_sin.shape[1]
     if R % 2 or not 0 < R <= D:
         raise ValueError(f"cos_sin.shape[1] (rope dim {R}) must be even and in (0, D={D}]")
-    return T, H, D, R
+    return R
 
 
 def _check_slots(slots, T, name="slots"):

@@ -10,8 +10,8 @@ and writes y once (Flash: 64 heads x 512, 64 KB a token in bf16).
 
 The kernel's grid is (token, head block); a program copies the heads' nope columns unchanged
 (the reference's cat copies them bit for bit) and rotates the rope pairs in fp32 with the
-table's cos / sin, one rounding to x.dtype at the end, as the reference rounds. `inverse`
-rotates by -angle (the sine negated: exact). A token's result depends on its own row only.
+table's cos / sin (kernels/qkv_postprocess.py `_rotate`), one rounding to x.dtype at the end,
+as the reference rounds. `inverse` rotates by -angle. A token's result depends on its own row only.
 """
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ import triton
 import triton.language as tl
 
 from dspark_compile.kernels.common import rope_last
-from dspark_compile.kernels.qkv_postprocess import _cos_sin_row
+from dspark_compile.kernels.qkv_postprocess import (
+    _FLOAT_DTYPES, _cos_sin_row, _rotate, check_rope_table)
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.region import fusable
 from dspark_compile.kernels.tl_helpers import (
     compile_config, interpreting, launch, next_pow2, round_to)
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INT_DTYPES = (torch.int32, torch.int64)
 # elements of x per program: 4 heads of 512 at Flash dims (kernels/qkv_postprocess.py measured
 # that size best for the same per-head copy-and-rotate pattern on the H200)
 TILE_ELEMS = 2048
@@ -44,9 +43,9 @@ def rope_reference(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tens
 
 @triton.jit
 def _rope_kernel(x_ptr, y_ptr, pos_ptr, cs_ptr, H, max_pos, stride_xt, stride_xh, stride_yt,
-                 stride_yh, stride_cs, SIGN: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                 SOFT: tl.constexpr):
+                 stride_yh, stride_cs, INVERSE: tl.constexpr, D: tl.constexpr,
+                 ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_R: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     NOPE: tl.constexpr = D - ROPE
@@ -62,15 +61,19 @@ def _rope_kernel(x_ptr, y_ptr, pos_ptr, cs_ptr, H, max_pos, stride_xt, stride_xh
 
     cs_row = _cos_sin_row(cs_ptr, pos_ptr, t, max_pos, stride_cs)
     offs_p = tl.arange(0, BLOCK_R)
-    pmask = offs_p < ROPE // 2
-    c = tl.load(cs_row + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
-    s = (tl.load(cs_row + ROPE // 2 + offs_p, mask=pmask, other=0.0).to(tl.float32) * SIGN)[None, :]
-    m2 = hmask[:, None] & pmask[None, :]
+    m2 = hmask[:, None] & (offs_p[None, :] < ROPE // 2)
     ev = NOPE + 2 * offs_p[None, :]
     xe = tl.load(x_rows + ev, mask=m2, other=0.0).to(tl.float32)
     xo = tl.load(x_rows + ev + 1, mask=m2, other=0.0).to(tl.float32)
-    tl.store(y_rows + ev, round_to(xe * c - xo * s, dt, SOFT).to(dt), mask=m2)
-    tl.store(y_rows + ev + 1, round_to(xo * c + xe * s, dt, SOFT).to(dt), mask=m2)
+    if INVERSE:
+        # by -angle: (e c + o s, o c - e s) is the forward rotation of (e, -o) with its odd
+        # output negated; both negations are exact
+        oe, oo = _rotate(xe, -xo, cs_row, ROPE, BLOCK_R)
+        oo = -oo
+    else:
+        oe, oo = _rotate(xe, xo, cs_row, ROPE, BLOCK_R)
+    tl.store(y_rows + ev, round_to(oe, dt, SOFT).to(dt), mask=m2)
+    tl.store(y_rows + ev + 1, round_to(oo, dt, SOFT).to(dt), mask=m2)
 
 
 def _check(x, cos_sin, positions, rope_dim):
@@ -78,19 +81,10 @@ def _check(x, cos_sin, positions, rope_dim):
         raise ValueError(f"rope: x must be [T, ..., D], got shape {tuple(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES + (torch.float64,):
         raise TypeError(f"rope: x must be bf16/fp16/fp32/fp64, got {x.dtype}")
-    T, D = x.shape[0], x.shape[-1]
-    if positions.shape != (T,) or positions.dtype not in _INT_DTYPES:
-        raise ValueError(f"rope: positions must be int32/int64 [{T}] (x's tokens), got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
-    if cos_sin.dim() != 2 or not cos_sin.dtype.is_floating_point:
-        raise ValueError(f"rope: cos_sin must be a float [max_pos, R] table, got {cos_sin.dtype} "
-                         f"{tuple(cos_sin.shape)}")
-    if rope_dim % 2 or not 0 < rope_dim <= min(D, cos_sin.shape[1]):
-        raise ValueError(f"rope: rope_dim={rope_dim} must be even and in (0, min(D={D}, "
-                         f"cos_sin.shape[1]={cos_sin.shape[1]})]")
-    if cos_sin.shape[1] != rope_dim:
-        raise ValueError(f"rope: cos_sin.shape[1]={cos_sin.shape[1]} must equal rope_dim="
-                         f"{rope_dim} (cos for the first half of the columns, sin for the second)")
+    R = check_rope_table(positions, cos_sin, x.shape[0], x.shape[-1])
+    if rope_dim != R:
+        raise ValueError(f"rope: rope_dim={rope_dim} must equal cos_sin.shape[1]={R} (cos for "
+                         f"the first half of the columns, sin for the second)")
 
 
 def rope_launch(x, cos_sin, positions, rope_dim, inverse, block_h=None):
@@ -115,7 +109,7 @@ def rope_launch(x, cos_sin, positions, rope_dim, inverse, block_h=None):
     block_h = max(1, min(next_pow2(H), block_h))
     launch(kernel)[(T, triton.cdiv(H, block_h))](
         x3, y3, positions, cos_sin, H, cos_sin.shape[0], x3.stride(0), x3.stride(1),
-        y3.stride(0), y3.stride(1), cos_sin.stride(0), SIGN=-1.0 if inverse else 1.0, D=D,
+        y3.stride(0), y3.stride(1), cos_sin.stride(0), INVERSE=bool(inverse), D=D,
         ROPE=rope_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_R=next_pow2(rope_dim // 2),
         SOFT=interpreting(kernel), num_warps=NUM_WARPS)
     return y
@@ -137,7 +131,7 @@ _D16 = "i32:16"
 _TYPES = dict(x_ptr="*bf16", y_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", H=_D16, max_pos="i32",
               stride_xt=_D16, stride_xh=_D16, stride_yt=_D16, stride_yh=_D16, stride_cs=_D16)
 add_compile_configs("rope", [
-    compile_config(_rope_kernel, _TYPES, dict(SIGN=-1.0, D=512, ROPE=64, BLOCK_H=4, BLOCK_D=512,
+    compile_config(_rope_kernel, _TYPES, dict(INVERSE=True, D=512, ROPE=64, BLOCK_H=4, BLOCK_D=512,
                                               BLOCK_R=32, SOFT=False), NUM_WARPS),
-    compile_config(_rope_kernel, _TYPES, dict(SIGN=1.0, D=128, ROPE=64, BLOCK_H=16, BLOCK_D=128,
+    compile_config(_rope_kernel, _TYPES, dict(INVERSE=False, D=128, ROPE=64, BLOCK_H=16, BLOCK_D=128,
                                               BLOCK_R=32, SOFT=False), NUM_WARPS)])

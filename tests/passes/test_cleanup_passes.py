@@ -30,18 +30,8 @@ def check_kept_behaviour(model, ep, make_inputs):
     toy.assert_same_behaviour(model, toy.roundtrip(ep), make_inputs)
 
 
-class Module(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
 def export(fn, make_inputs):
-    m = Module(fn).eval()
-    return m, torch.export.export(m, make_inputs(0))
+    return load_toy().export_fn(fn, make_inputs)
 
 
 def gen(seed):
@@ -235,7 +225,7 @@ def test_remove_noops_removes_to_copy_and_forced_copies():
     assert aten.to.dtype not in targets(ep)
     check_kept_behaviour(model, ep, _xc)
 
-    decomposed = torch.export.export(Module(fn).eval(), _xc(0)).run_decompositions()
+    decomposed = export(fn, _xc)[1].run_decompositions()
     assert aten._to_copy.default in targets(decomposed)
     run(decomposed, ["remove_noops"], _xc)
     assert aten._to_copy.default not in targets(decomposed)

@@ -5,6 +5,8 @@ inputs (outputs and every mutated input compared), and checks what was merged an
 reads of a tensor before and after its in-place update, a buffer that is written later, graph
 outputs, random draws and arguments that only look alike (0.0 vs -0.0) must stay apart.
 """
+import sys
+
 import torch
 
 from dspark_compile.passes import PassConfig, PassManager
@@ -13,18 +15,8 @@ from dspark_compile.passes.cse import eliminate_common_subexpressions
 aten = torch.ops.aten
 
 
-class Module(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
 def _export(fn, make_inputs):
-    m = Module(fn).eval()
-    return m, torch.export.export(m, make_inputs(0))
+    return sys.modules["dspark_tests_toy_step"].export_fn(fn, make_inputs)   # conftest loads it
 
 
 def _run(ep, make_inputs):
@@ -103,8 +95,8 @@ def test_written_buffers_outputs_random_and_signed_zeros_stay_apart():
         buf1.add_(x)                                  # written in place: its own buffer
         buf2 = torch.zeros_like(x)
         r1, r2 = torch.rand_like(x), torch.rand_like(x)
-        p, n = x + 0.0, x + -0.0                      # not the same argument
-        return buf1 + buf2, x * 3, x * 3, r1 - r2, p, n
+        p, n = (x + 0.0).neg(), (x + -0.0).neg()      # not the same argument: -0.0 + 0.0 is
+        return buf1 + buf2, x * 3, x * 3, r1 - r2, p, n  # 0.0, -0.0 + -0.0 is -0.0
 
     g = lambda seed: (torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)),)
     _, ep = _export(fn, g)
@@ -112,7 +104,12 @@ def test_written_buffers_outputs_random_and_signed_zeros_stay_apart():
     assert _count(ep, aten.zeros_like.default) == 2
     assert _count(ep, aten.rand_like.default) == 2
     assert _count(ep, aten.mul.Tensor) == 2           # both returned: must not alias
+    assert _count(ep, aten.add.Tensor) == 3           # buf1 + buf2, x + 0.0, x + -0.0
     assert stats[0]["matches"] == 0
+    x = -torch.zeros(3, 4)
+    out = ep.module()(x)
+    assert torch.equal(torch.signbit(out[4]), torch.ones(3, 4, dtype=torch.bool))   # -(0.0)
+    assert torch.equal(torch.signbit(out[5]), torch.zeros(3, 4, dtype=torch.bool))  # -(-0.0)
 
 
 def test_merges_whole_chains_in_one_sweep():

@@ -92,6 +92,23 @@ def export_toy(T: int = 4, seed: int = 0):
 
 
 # ---------------------------------------------------------------- test helpers
+class FnModule(torch.nn.Module):
+    """A plain function as a module, to export it (the cleanup and cse tests' small cases)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def export_fn(fn, make_inputs):
+    """(eager module, program exported on make_inputs(0)) of a plain function."""
+    m = FnModule(fn).eval()
+    return m, torch.export.export(m, make_inputs(0))
+
+
 def roundtrip(ep):
     """torch.export.save + load through memory."""
     buf = io.BytesIO()
