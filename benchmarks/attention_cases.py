@@ -14,7 +14,8 @@ Variants: `eager` and `compile` (the reference: the candidates gathered and dequ
 einsum scores, softmax with the sink column; the indexer's einsum + relu + head sum + stable
 sort), `ours` (the op); sparse_attention's plan varied (tuning, not declared configurations):
 `ours-split1` (no split), `ours-h64` (64 heads a program), `ours-n16` / `ours-n64` (candidates a
-block), `ours-s3` (3 pipeline stages).
+block), `ours-s3` (3 pipeline stages), `ours-c1` / `ours-c2` / `ours-n16c1` (chunks of 1 or 2
+blocks, split over programs).
 
 bytes_moved (the floors the targets compare with; "KV entries actually visited", each once):
 
@@ -138,10 +139,14 @@ def _variant(**changes):
 
 
 # tuning variants: no split; 64 heads a program (the H200's 227 KB of shared memory take it,
-# SM12x's 99 KB do not); 16 or 64 candidates a block; 3 stages
+# SM12x's 99 KB do not); 16 or 64 candidates a block; 3 stages; chunks of 1 or 2 candidate
+# blocks, split over programs (B = 1 fills the GPU: 6 tokens x 2 head blocks x the chunks)
 ATTENTION_VARIANTS = {"ours-split1": _variant(split=False), "ours-h64": _variant(block_h=64),
                       "ours-n16": _variant(block_n=16), "ours-n64": _variant(block_n=64),
-                      "ours-s3": _variant(num_stages=3)}
+                      "ours-s3": _variant(num_stages=3),
+                      "ours-c1": _variant(chunk=1, split=True),
+                      "ours-c2": _variant(chunk=2, split=True),
+                      "ours-n16c1": _variant(block_n=16, chunk=1, split=True)}
 
 
 def _attention_check(make):
