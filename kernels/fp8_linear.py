@@ -43,7 +43,10 @@ the H200's ~2 PFLOP/s dense FP8) is of the same order as the bytes.
 The plan (`fp8_linear_plan`) streams W once: few tokens, so tiles are narrow in M (16) with the
 product computed as (W x^T) (SWAP_AB: N fills the MMA's wide side, the tokens its narrow one)
 and K split over programs until the grid covers ~2 waves of SMs; partial sums go to an fp32
-workspace and one reduction launch sums them in split order (deterministic: no atomics).
+workspace and the last program of each output tile (an atomic tile counter,
+kernels/semaphores.py) sums them in split order, in the same launch: deterministic, since the
+atomic only elects who sums, never the order. `fold_splitk=False` keeps the former second
+launch (`_splitk_sum_kernel`), bit for bit the same result.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ import triton.language as tl
 from dspark_compile.kernels.common import cached_decode, fp8_group_dequant, row_matmul
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.semaphores import tile_counters
 from dspark_compile.kernels.tl_helpers import (
     compile_config, exp2_int, interpreting, launch, round_to)
 
@@ -110,8 +114,10 @@ class Fp8LinearPlan:
     """Launch choices of one (M bucket, N, K, groups) shape.
 
     block_m x block_n output tiles, K in blocks of 128; `split_k` programs share a tile's K
-    range (kb_per_split blocks each) and write fp32 partials that `_splitk_sum_kernel` adds;
-    `swap_ab` computes the tile as (W x^T) so the weight rows fill the MMA's M side; `fp8_mma`
+    range (kb_per_split blocks each) and write fp32 partials, summed in split order by the
+    tile's last program (`fold_splitk`: one launch, kernels/semaphores.py's tile counters) or
+    by a second launch, `_splitk_sum_kernel` (same bits; the benchmark times both); `swap_ab`
+    computes the tile as (W x^T) so the weight rows fill the MMA's M side; `fp8_mma`
     multiplies fp8 x fp8 on the tensor cores (narrow inner accumulation, see the module
     docstring), else bf16 x bf16 from the exactly widened fp8 values (fp32 outputs)."""
     block_m: int
@@ -122,6 +128,8 @@ class Fp8LinearPlan:
     num_warps: int
     num_stages: int
     fp8_mma: bool = True
+    # the sum launch was 60 of a step's 113 GEMM launches at B = 1 on the H200 (131 us of 490)
+    fold_splitk: bool = True
 
 
 # M bucket -> (block_m, block_n, swap_ab, num_warps, num_stages at 1-byte activations).
@@ -230,14 +238,12 @@ def _fp8_load(ptrs, mask, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB_PER_SPLIT,
-                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ys,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FP8: tl.constexpr,
-                       SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr, FP8_MMA: tl.constexpr,
-                       SOFT: tl.constexpr):
-    # M tiles are the grid's fastest axis: the programs sharing a weight tile run together
-    # and read it from HBM once (L2 serves the others)
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _fp8_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, pid_m, pid_n, pid_s, M, N, K, N_GROUP, KB_PER_SPLIT,
+              stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, A_FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+              NUM_STAGES: tl.constexpr, FP8_MMA: tl.constexpr, SOFT: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] sum of output tile (pid_m, pid_n) over split pid_s's K blocks
+    (every GEMM kernel of this op and of fp8_linear_multi runs this body)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
@@ -278,10 +284,59 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, N_GROUP, KB
             acc += (d * sa[:, None]) * sw[None, :]
     if SWAP_AB:
         acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _finish_tile(acc, y_ptr, p_ptr, cnt_ptr, pid_m, pid_n, pid_s, M, N, SPLIT_K, stride_ps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
+                 SOFT: tl.constexpr):
+    """One split: y = acc rounded once. Split K: acc is partial pid_s of the tile, stored to
+    p[pid_s] (fp32 [S, M, N], row stride N like y's). FOLD: the tile's last program to count
+    on its counter (cnt_ptr) sums p[0..S-1] in split order from zeros, exactly as
+    _splitk_sum_kernel does (-0.0 partials give +0.0 there too), rounds once into y and sets
+    the counter back to 0 for the next launch; without FOLD _splitk_sum_kernel does that."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    # int32 offsets (M * N < 2^31, the launcher checks): a tile of int64 pointers held through
+    # the sum loop cost 50 more registers at the 64 x 64 tile
+    rows = offs_m[:, None] * N + offs_n[None, :]
     dt = y_ptr.dtype.element_ty
-    y = round_to(acc, dt, SOFT).to(dt)
-    y_rows = y_ptr + pid_s * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym
-    tl.store(y_rows + offs_n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rows, round_to(acc, dt, SOFT).to(dt), mask=mask)
+    else:
+        tl.store(p_ptr + pid_s.to(tl.int64) * stride_ps + rows, acc, mask=mask)
+        if FOLD:
+            # every thread's partial is stored before the one atomic (issued by one thread)
+            # releases them at GPU scope; the last program acquires every other program's
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_K - 1:
+                tot = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                p_split = p_ptr
+                for s in tl.range(0, SPLIT_K, num_stages=1):
+                    # .cg: from L2, never a line an earlier launch left in this SM's L1
+                    tot += tl.load(p_split + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                    p_split += stride_ps
+                tl.store(y_ptr + rows, round_to(tot, dt, SOFT).to(dt), mask=mask)
+                tl.store(cnt_ptr, 0)
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, N_GROUP,
+                       SPLIT_K, KB_PER_SPLIT, stride_xm, stride_xsm, stride_wn, stride_wsn,
+                       stride_ps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       A_FP8: tl.constexpr, SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr,
+                       FP8_MMA: tl.constexpr, FOLD: tl.constexpr, SOFT: tl.constexpr):
+    # M tiles are the grid's fastest axis: the programs sharing a weight tile run together
+    # and read it from HBM once (L2 serves the others)
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    acc = _fp8_tile(x_ptr, xs_ptr, w_ptr, ws_ptr, pid_m, pid_n, pid_s, M, N, K, N_GROUP,
+                    KB_PER_SPLIT, stride_xm, stride_xsm, stride_wn, stride_wsn, BLOCK_M, BLOCK_N,
+                    A_FP8, SWAP_AB, NUM_STAGES, FP8_MMA, SOFT)
+    _finish_tile(acc, y_ptr, p_ptr, cnt_ptr + pid_m + pid_n * tl.num_programs(0), pid_m, pid_n,
+                 pid_s, M, N, SPLIT_K, stride_ps, BLOCK_M, BLOCK_N, FOLD, SOFT)
 
 
 @triton.jit
@@ -334,10 +389,26 @@ def _check(x, x_s, w, w_s, groups):
     return x2, xs2, x2.shape[0], N, K
 
 
+def _counters(device, plan: Fp8LinearPlan, tiles: int):
+    """The launch's tile counters when it folds its split-K sum (plan.fold_splitk, split > 1),
+    else None: the two-launch path (also while a CUDA graph captures on a device whose counter
+    ring does not exist yet: kernels/semaphores.py)."""
+    if plan.split_k == 1 or not plan.fold_splitk:
+        return None
+    return tile_counters(device, tiles)
+
+
+def check_offsets(M: int, N: int) -> None:
+    """The kernels address an output tile with int32 offsets (_finish_tile)."""
+    if M * N >= 2 ** 31:
+        raise ValueError(f"fp8_linear: x rows M = {M} times w rows N = {N} must stay under "
+                         f"2^31 (int32 output offsets)")
+
+
 def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | None = None):
     """The Triton path; fp64 (exact mode) and W8A16 activations it has no kernel for (other
     than bf16 / fp32 in the output's dtype) run the reference. `plan` overrides
-    fp8_linear_plan (tests)."""
+    fp8_linear_plan (tests, the benchmark's two-launch variant)."""
     a16_ok = x.dtype in _A16_DTYPES and x.dtype == out_dtype
     if out_dtype not in _OUT_DTYPES or (x_s is None and not a16_ok):
         return fp8_linear_reference(x, x_s, w, w_s, groups, out_dtype)
@@ -351,23 +422,26 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
                                     invariant=batch_invariant(), interpret=interpreting(kernel))
         if p.split_k * p.kb_per_split < K // GROUP or (groups > 1 and (N // groups) % p.block_n):
             raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
-        split = p.split_k > 1
-        out = torch.empty((p.split_k, M, N), dtype=torch.float32, device=x.device) if split \
-            else y
+        check_offsets(M, N)
         grid = (triton.cdiv(M, p.block_m), triton.cdiv(N, p.block_n), p.split_k)
+        cnt = _counters(x.device, p, grid[0] * grid[1])
+        fold = cnt is not None
+        part = torch.empty((p.split_k, M, N), dtype=torch.float32, device=x.device) \
+            if p.split_k > 1 else y.new_empty(0, dtype=torch.float32)
+        if cnt is None:
+            cnt = y.new_empty(0, dtype=torch.int32)     # never read
         xs_arg = xs2 if a_fp8 else w_s              # unused without A_FP8; any pointer
         launch(kernel)[grid](
             x2.view(torch.uint8) if a_fp8 else x2, xs_arg, w.view(torch.uint8),
-            w_s.view(torch.uint8), out, M, N, K, N // groups, p.kb_per_split, x2.stride(0),
-            xs_arg.stride(0), w.stride(0), w_s.stride(0), out.stride(-2),
-            out.stride(0) if split else 0, BLOCK_M=p.block_m, BLOCK_N=p.block_n, A_FP8=a_fp8,
-            SWAP_AB=p.swap_ab, NUM_STAGES=p.num_stages, FP8_MMA=a_fp8 and p.fp8_mma,
-            SOFT=interpreting(kernel),
-            num_warps=p.num_warps)
-        if split:
+            w_s.view(torch.uint8), y, part, cnt, M, N, K, N // groups, p.split_k,
+            p.kb_per_split, x2.stride(0), xs_arg.stride(0), w.stride(0), w_s.stride(0), M * N,
+            BLOCK_M=p.block_m, BLOCK_N=p.block_n, A_FP8=a_fp8, SWAP_AB=p.swap_ab,
+            NUM_STAGES=p.num_stages, FP8_MMA=a_fp8 and p.fp8_mma, FOLD=fold,
+            SOFT=interpreting(kernel), num_warps=p.num_warps)
+        if p.split_k > 1 and not fold:
             sk = _splitk_sum_kernel
             launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
-                out, y, M * N, p.split_k, out.stride(0), BLOCK=SUM_BLOCK,
+                part, y, M * N, p.split_k, part.stride(0), BLOCK=SUM_BLOCK,
                 SOFT=interpreting(sk), num_warps=4)
     return y.reshape(*x.shape[:-1], N)
 
@@ -387,24 +461,33 @@ def fp8_linear(x: torch.Tensor, x_s: torch.Tensor | None, w: torch.Tensor, w_s: 
 
 
 # SM12x readiness: every tile of TILES with each activation type and each output the launcher
-# writes there (the compute dtype, or fp32 split-K partials): fp8 / bf16 activations in a bf16
-# step (fp8 MMAs, into bf16 or the partials), fp8 / fp32 ones in fp32 compute (bf16 MMAs);
-# and the split-K sum into each output.
+# writes there: fp8 / bf16 activations in a bf16 step (fp8 MMAs), fp8 / fp32 ones in fp32
+# compute (bf16 MMAs); split-K partials are fp32 whatever the output. Each with the folded
+# sum (the default) and without it (the two-launch path: benchmarks, capture before the
+# counters exist), and the split-K sum launch into each output.
 _D16 = "i32:16"   # K, N, strides: multiples of 16 at every model shape (the JIT specialises them)
-_RUNS = [("*u8", "*bf16", True, True), ("*u8", "*fp32", True, True), ("*u8", "*fp32", True, False),
-         ("*bf16", "*bf16", False, False), ("*bf16", "*fp32", False, False),
-         ("*fp32", "*fp32", False, False)]
+_RUNS = [("*u8", "*bf16", True, True), ("*u8", "*fp32", True, False),
+         ("*bf16", "*bf16", False, False), ("*fp32", "*fp32", False, False)]
+
+
+def gemm_compile_types(x_type: str, y_type: str, a_fp8: bool) -> dict:
+    """The Triton types of _fp8_tile's runtime arguments, shared by this op's kernel and
+    fp8_linear_multi's."""
+    return dict(x_ptr=x_type, xs_ptr="*fp32" if a_fp8 else "*u8", p_ptr="*fp32", cnt_ptr="*i32",
+                M="i32", K=_D16, stride_xm=_D16, stride_xsm="i32")
+
+
 for _bm, _bn, _swap, _warps, _st in sorted(set(TILES.values()) | set(INVARIANT_TILES.values())):
-    for _xt, _yt, _a8, _f8 in _RUNS:
+    for (_xt, _yt, _a8, _f8), _fold in ((r, f) for r in _RUNS for f in (True, False)):
         _ab = 1 if _a8 else int(_xt[-2:]) // 8
         add_compile_configs("fp8_linear", [compile_config(
             _fp8_linear_kernel,
-            dict(x_ptr=_xt, xs_ptr="*fp32" if _a8 else "*u8", w_ptr="*u8", ws_ptr="*u8",
-                 y_ptr=_yt, M="i32", N=_D16, K=_D16, N_GROUP=_D16, KB_PER_SPLIT="i32",
-                 stride_xm=_D16, stride_xsm="i32", stride_wn=_D16, stride_wsn="i32",
-                 stride_ym=_D16, stride_ys="i32"),
+            dict(gemm_compile_types(_xt, _yt, _a8), w_ptr="*u8", ws_ptr="*u8", y_ptr=_yt,
+                 N=_D16, N_GROUP=_D16, SPLIT_K="i32", KB_PER_SPLIT="i32", stride_wn=_D16,
+                 stride_wsn="i32", stride_ps="i32"),
             dict(BLOCK_M=_bm, BLOCK_N=_bn, A_FP8=_a8, SWAP_AB=_swap,
-                 NUM_STAGES=_stages(_bm, _bn, _ab, _st), FP8_MMA=_f8, SOFT=False), _warps)])
+                 NUM_STAGES=_stages(_bm, _bn, _ab, _st), FP8_MMA=_f8, FOLD=_fold, SOFT=False),
+            _warps)])
 for _yt in ("*bf16", "*fp32"):
     add_compile_configs("fp8_linear", [compile_config(
         _splitk_sum_kernel, dict(p_ptr="*fp32", y_ptr=_yt, MN="i32", S="i32", stride_ps="i32"),

@@ -12,6 +12,7 @@ import torch
 
 from dspark_compile.kernels import common
 from dspark_compile.kernels import fp8_linear as fl
+from dspark_compile.kernels import semaphores
 from dspark_compile.kernels.act_quant import act_quant_reference
 from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.linear import linear_reference
@@ -145,6 +146,143 @@ def test_w8a16_kernel(dtype):
     ref = fl.fp8_linear_reference(x, None, w, w_s, 1, dtype)
     mag = (x.float().abs() @ fp8_block_dequant(w, w_s).abs().T).max()
     _assert_matches(y, ref, float((2 * K + 1) * 2.0 ** -24 * mag), dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# split-K folded into the GEMM launch (the tile's last program sums; kernels/semaphores.py)
+# ------------------------------------------------------------------------------------------------
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _bits(t):
+    """Bit patterns: NaN payloads and signed zeros compared too."""
+    return t.contiguous().view(_INT[t.element_size()])
+
+
+def _no_sum_launch(monkeypatch):
+    """Make the two-launch path's sum kernel fail if it is launched."""
+    def boom(*a, **k):
+        raise AssertionError("the folded path launched _splitk_sum_kernel")
+    monkeypatch.setattr(fl, "_splitk_sum_kernel", type("NoLaunch", (), {"__getitem__": boom})())
+
+
+def _poison_workspace(x, x_s, w, w_s, dtype, split):
+    """A two-launch call on -x just before: the next launch of this shape gets its freed
+    workspace back (the allocator reuses it) holding the wrong partials, so a fold that read
+    a split before it was written would not pass by luck."""
+    neg = (x.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn)
+    fl.fp8_linear_launch(neg, x_s, w, w_s, 1, dtype,
+                         plan=_split_plan(w.shape[1], split, False, dtype == torch.bfloat16))
+
+
+def _split_plan(K, split, fold=True, fp8_mma=True):
+    per = -(-K // 128 // split)
+    return fl.Fp8LinearPlan(16, 64, True, split, per, 4, 2, fp8_mma=fp8_mma, fold_splitk=fold)
+
+
+def _ring_is_zero():
+    ring = semaphores.ring_of(DEV)
+    return ring is None or not bool(ring.any())
+
+
+# (M, N, K): M = 1, 5, 17 (17: a second, padded 16-row tile); N = 320 (a partial 64-wide tile
+# and a partial 128-row scale block); K = 384 (3 blocks: splits of 1 + 1 + 1, or 2 + 1)
+FOLD_SHAPES = [(1, 128, 256), (5, 320, 384), (17, 512, 256), (17, 320, 384)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("M,N,K", FOLD_SHAPES)
+def test_folded_split_k_is_the_two_launch_sum_bit_for_bit(M, N, K, dtype, monkeypatch):
+    """Every split of K (2 and K/128 splits): the folded launch equals the two-launch result
+    bit for bit and the reference within the summation bound, without a sum launch, and
+    leaves every tile counter at 0."""
+    w, w_s = _weights(N, K, 41)
+    x, x_s = _acts(M, K, 42)
+    ref = fl.fp8_linear_reference(x, x_s, w, w_s, 1, dtype)
+    for split in sorted({2, K // 128}):
+        two = fl.fp8_linear_launch(x, x_s, w, w_s, 1, dtype,
+                                   plan=_split_plan(K, split, False, dtype == torch.bfloat16))
+        _poison_workspace(x, x_s, w, w_s, dtype, split)
+        with monkeypatch.context() as m:
+            _no_sum_launch(m)
+            folded = fl.fp8_linear_launch(x, x_s, w, w_s, 1, dtype,
+                                          plan=_split_plan(K, split, True, dtype == torch.bfloat16))
+        assert torch.equal(_bits(folded), _bits(two)), (split, M, N, K)
+        _assert_matches(folded, ref, _fp32_atol(x, x_s, w, w_s, 1), dtype)
+        assert _ring_is_zero()
+
+
+def test_counters_reset_between_calls_of_any_shape(monkeypatch):
+    """Calls of different shapes in sequence, each twice: every result is the two-launch one,
+    each launch takes slots after the previous launch's, and all are back at 0 after."""
+    _no_sum_launch(monkeypatch)
+    got = []
+    for M, N, K in [(5, 320, 384), (1, 128, 256), (17, 512, 256), (5, 320, 384)]:
+        w, w_s = _weights(N, K, N + K)
+        x, x_s = _acts(M, K, M)
+        want = fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32)
+        for _ in range(2):
+            got.append(fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.float32,
+                                             plan=_split_plan(K, K // 128)))
+            _assert_matches(got[-1], want, _fp32_atol(x, x_s, w, w_s, 1), torch.float32)
+            assert _ring_is_zero()
+        assert torch.equal(got[-1], got[-2])
+    a, b = semaphores.tile_counters(DEV, 3), semaphores.tile_counters(DEV, 5)
+    assert b.data_ptr() == a.data_ptr() + 3 * 4                # the next slots of the ring
+
+
+def test_zero_rows_and_nan_inf_propagate_through_the_fold(monkeypatch):
+    """Padded all-zero rows give exact zeros (+0.0, as the two-launch sum from zeros gives), a
+    NaN / inf activation makes exactly the reference's NaN rows, with K split in 3."""
+    M, N, K = 7, 320, 384
+    w, w_s = _weights(N, K, 43)
+    xf = torch.randn(M, K, generator=_gen(44))
+    xf[1] = 0.0
+    xf[2, 5], xf[3, 200], xf[4, 300] = float("nan"), float("inf"), float("-inf")
+    x, x_s = act_quant_reference(xf.to(DEV))
+    ref = fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32)
+    two = fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.float32, plan=_split_plan(K, 3, False,
+                                                                                  False))
+    _poison_workspace(x, x_s, w, w_s, torch.float32, 3)
+    _no_sum_launch(monkeypatch)
+    y = fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.float32, plan=_split_plan(K, 3, True,
+                                                                                False))
+    assert torch.equal(_bits(y), _bits(two))
+    assert torch.equal(y.isnan(), ref.isnan()) and bool(y[2:5].isnan().all())
+    assert torch.equal(_bits(y[1]), _bits(torch.zeros_like(y[1])))
+    clean = [0, 1, 5, 6]
+    _assert_matches(y[clean], ref[clean], _fp32_atol(x[clean], x_s[clean], w, w_s, 1),
+                    torch.float32)
+
+
+def test_tile_counters_come_from_one_ring_and_refuse_bad_counts(monkeypatch):
+    with pytest.raises(ValueError, match="count"):
+        semaphores.tile_counters(DEV, 0)
+    with pytest.raises(ValueError, match="count"):
+        semaphores.tile_counters(DEV, semaphores.RING_SLOTS + 1)
+    ring = semaphores.tile_counters(DEV, 1)
+    base = semaphores.ring_of(DEV).data_ptr()
+    last = semaphores.tile_counters(DEV, semaphores.RING_SLOTS - 1)   # wraps to the start
+    assert last.data_ptr() == base and ring.dtype == torch.int32
+
+
+def test_capture_before_the_ring_exists_takes_the_two_launch_path(monkeypatch):
+    """While a CUDA graph captures and the device has no counter ring yet, no ring is
+    allocated (it would belong to the graph): the launch sums with the second launch."""
+    monkeypatch.setattr(semaphores, "_RINGS", {})
+    monkeypatch.setattr(semaphores, "_capturing", lambda device: True)
+    launched = []
+    real = fl._splitk_sum_kernel
+    monkeypatch.setattr(fl, "_splitk_sum_kernel", type("Count", (), {
+        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    M, N, K = 5, 128, 256
+    w, w_s = _weights(N, K, 45)
+    x, x_s = _acts(M, K, 46)
+    y = fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.bfloat16, plan=_split_plan(K, 2))
+    assert launched and semaphores.ring_of(DEV) is None
+    assert torch.equal(y, fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.bfloat16,
+                                               plan=_split_plan(K, 2, False)))
 
 
 # ------------------------------------------------------------------------------------------------
