@@ -97,6 +97,19 @@ def _fp8_linear(g, n, big):
                 out_dtype=torch.bfloat16)
 
 
+def _fp8_linear_multi(g, n, big):
+    """wq_a + wkv on the GPU (1024 and 512 rows, K = 4096); two weights of their own split."""
+    K, Ns = (4096, (1024, 512)) if big else (512, (200, 128))
+    kw = dict(x=None, x_s=None, w2=None, w_s2=None, w3=None, w_s3=None, out_dtype=torch.bfloat16)
+    for j, N in enumerate(Ns):
+        w = torch.randn(N, K, generator=g) * 0.05
+        w[:, :128] *= 64
+        wq, ws = fp8_block_quant(w)
+        kw[f"w{j}"], kw[f"w_s{j}"] = wq, ws.view(torch.uint8)
+    kw["x"], kw["x_s"] = act_quant_reference(torch.randn(n, K, generator=g) * 3)
+    return kw
+
+
 def _linear(g, n, big):
     N, K = (2048, 4096) if big else (200, 384)
     return dict(x=_randn(g, n, K, dtype=torch.bfloat16), w=_randn(g, N, K, dtype=torch.bfloat16),
@@ -337,6 +350,7 @@ CASES: dict[str, Case] = {
     "rmsnorm_quant": Case(_rmsnorm_quant, ("x",), _row_of_outputs),
     "rmsnorm": Case(_rmsnorm, ("x",), _row_of_outputs),
     "fp8_linear": Case(_fp8_linear, ("x", "x_s"), _row_of_outputs, gpu_pool=400),
+    "fp8_linear_multi": Case(_fp8_linear_multi, ("x", "x_s"), _row_of_outputs, gpu_pool=400),
     "linear": Case(_linear, ("x",), _row_of_outputs, gpu_pool=400),
     "moe_experts": Case(_moe_experts, ("x", "topk_ids", "topk_weights"), _row_of_outputs),
     "hc_pre": Case(_hc_pre, ("X",), _row_of_outputs),

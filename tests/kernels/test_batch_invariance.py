@@ -18,6 +18,7 @@ import torch
 from batch_cases import CASES, take
 from dspark_compile.kernels.registry import KERNELS
 import dspark_compile.kernels.sampling  # noqa: F401  (registers the samplers)
+import dspark_compile.kernels.fp8_linear_multi  # noqa: F401  (the op group_fp8_linears inserts)
 import dspark_compile.models.step  # noqa: F401  (registers every op the step uses)
 
 POOL = 64   # the references' pool; the kernels' is the case's (tests/batch_cases.py gpu_pool,
