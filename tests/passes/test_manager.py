@@ -62,8 +62,8 @@ def test_default_flag_and_disabled():
 def test_builtin_default_pipeline():
     assert PassManager().names == ["remove_asserts", "remove_noops", "dce", "fuse_act_quant",
                                    "fuse_mhc", "fuse_qkv_postprocess", "fuse_ring_slots",
-                                   "fuse_sampler", "drop_region_markers", "cse", "lint_host_sync",
-                                   "check_state_in_place"]
+                                   "fuse_sampler", "drop_region_markers", "cse", "group_fp8_linears",
+                                   "lint_host_sync", "check_state_in_place"]
 
 
 # ------------------------------------------------------------------ build-time errors
