@@ -5,9 +5,9 @@ Flash dims (D = 4096, m = 4, 24 mix rows, 20 Sinkhorn passes, bf16 stream).
     python benchmarks/kernel_bench.py --only mhc --batches 1,16,64 --variants 'ours*'
 
 Variants: `eager` / `compile` (the reference), `ours` (the op's plan), and the mix kernel's
-tiling varied as (BLOCK_D, SPLIT) with the rows per tile as the plan sets them: `ours-dXsY`.
-A batch-invariant plan fixes both by D alone (kernels/mhc.py `_tiles`); these variants say
-which fixed pair is fastest across T before one becomes the plan.
+tiling varied as (BLOCK_T rows, BLOCK_D columns) a program: `ours-tXdY`. Every tiling gives the
+same bits (kernels/mhc.py: one tree over D), so the plan may take the fastest at each T
+(`GPU_TILES`); these variants say which that is.
 
 bytes_moved: post_pre reads y (T·D·2) and X (T·m·D·2) and fn (24·m·D·4), writes X' (T·m·D·2),
 a (T·D·2), post and comb (T·(m + m²)·4); pre reads X and fn and writes a, post, comb.
@@ -21,9 +21,8 @@ from dspark_compile.kernels import mhc
 
 M, MIX, ITERS = 4, 24, 20
 TOKENS_PER_REQUEST = 6
-# (BLOCK_D, SPLIT) pairs timed beside the plan; a row tile of 4 rows at every T for the wide
-# d-blocks (the [rows, 32, BLOCK_D] accumulators must stay near 8192)
-TILINGS = ((16, 256), (16, 64), (16, 32), (32, 64), (32, 32), (64, 64), (64, 16))
+# (BLOCK_T, BLOCK_D) timed beside the plan: [rows, 32, BLOCK_D] accumulators near 8192
+TILINGS = ((1, 256), (2, 128), (4, 64), (8, 32), (16, 16), (4, 32), (8, 16))
 
 
 def _gen(device, seed):
@@ -86,9 +85,8 @@ def cases(batches):
         T = TOKENS_PER_REQUEST * B
         for post in (True, False):
             make = _make(T, D, post)
-            extra = {f"ours-d{bd}s{s}": _ours(post, dict(block_t=4 if bd > 16 else None,
-                                                          block_d=bd, split=s))
-                     for bd, s in TILINGS}
+            extra = {f"ours-t{bt}d{bd}": _ours(post, dict(block_t=bt, block_d=bd))
+                     for bt, bd in TILINGS}
             out.append(Case("mhc", "hc_post_pre" if post else "hc_pre",
                             {"B": B, "T": T, "D": D}, make, _ref(post), _ours(post),
                             floor_bytes(T, D, post), check=_check(make, post), extra=extra,

@@ -1,8 +1,8 @@
 """Whether the kernels' launch plans are batch invariant (the default, always in an engine).
 
-Batch invariant: every reduction order a plan fixes (split-K, attention chunks, mHC's d-blocks)
-is a function of the weight's or the cache's shape, never of how many rows or tokens share the
-launch, so a row's bits are the same alone, at any batch size and any position. Greedy
+Batch invariant: every reduction order a plan fixes (split-K, attention chunks) is a function
+of the weight's or the cache's shape, never of how many rows or tokens share the launch (mHC
+needs no such plan: its sums follow one tree over D at every tiling, kernels/mhc.py), so a row's bits are the same alone, at any batch size and any position. Greedy
 speculative decoding then emits exactly the tokens of target-only decoding (the verify step
 computes a row with 6 tokens a row and other rows beside it, the target-only step with one).
 

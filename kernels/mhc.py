@@ -24,21 +24,23 @@ graph materialises X' in fp32 and every Sinkhorn intermediate instead. fn is 1.5
 (fp32 [24, 16384]); every row tile reads it, from L2 after the first.
 
 Kernels, two launches per op with a projection:
-1. `_hc_mix_kernel`, grid (row tiles of BLOCK_T, SPLIT): program (tile, s) walks the d-blocks
-   s, s + SPLIT, ... of all m streams; POST computes X' there (rounded to X's dtype, stored), PROJ
-   accumulates partial Σx² and partial μ (elementwise products summed over the d-blocks, reduced
-   once at the end; no tl.dot, which would round fn to bf16 / tf32 on tensor cores, and this
-   works for fp64) into a [SPLIT, T, ·] workspace. Split over D spreads decode's few rows
-   (T = B·(block+1), ≤ ~400) over the SMs.
-2. `_hc_gates_kernel`, one program per row: sums the SPLIT partials in a fixed order
-   (deterministic), the gates, the softmax + Sinkhorn on an m × m tile, then Σ_i gate_i X_i.
+1. `_hc_mix_kernel`, grid (row tiles of BLOCK_T, d-blocks of BLOCK_D): program (tile, db) takes
+   d-block db of all m streams; POST computes X' there (rounded to X's dtype, stored), PROJ
+   forms the block's products x·fn and x² (the m streams added in stream order, elementwise; no
+   tl.dot, which would round fn to bf16 / tf32 on tensor cores, and this works for fp64), sums
+   them over the block's BLOCK_D columns by the pairwise tree below and stores one partial per
+   row and d-block in a [T, ·, d-blocks] workspace.
+2. `_hc_gates_kernel`, one program per row: sums the row's d-block partials by the same tree,
+   the gates, the softmax + Sinkhorn on an m × m tile, then Σ_i gate_i X_i.
 hc_post alone is launch 1 with POST only.
 
-Measured on an H200 (bf16, Flash dims, CUDA-graph timings) with a reduction per d-block and the
-partials summed one split at a time, the two costs the current kernels remove: post_pre 49 µs at
-T = 6 and 402 µs at T = 384 against 253 / 546 µs for the eager reference's graph; pre 45 / 318
-against 239 / 383; post 4.8 / 55 against 17 / 169. The current kernels are checked by the
-interpreter tests and the SM12x compile; their H200 timing is still to be taken.
+Batch invariance by construction: μ and Σx² of a row are sums over the columns d of D (each
+term the m streams added in order), taken as ONE fixed binary tree: adjacent pairs (2i, 2i + 1)
+first, then adjacent pairs of those, ..., over D padded with zeros to a power of two. A d-block
+of a power-of-two width is a subtree of it, and the gates sum the blocks' partials by its upper
+levels, so every tiling (rows per tile, d-block width) and every batch gives a row the same
+bits; the plan picks the fastest tiling for each T (`_tiles`) and the interpreter's one-block
+tiling equals the GPU's (test_mhc.py::test_every_tiling_gives_the_same_bits).
 """
 from __future__ import annotations
 
@@ -49,11 +51,10 @@ import triton
 import triton.language as tl
 
 from dspark_compile.kernels.common import row_matmul, simd_pointwise, upcast
-from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.region import fusable
 from dspark_compile.kernels.tl_helpers import (
-    compile_config, interpreting, launch, multiprocessors, next_pow2, round_to)
+    compile_config, interpreting, launch, next_pow2, round_to)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,74 +151,89 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _hc_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, mu_ptr, ss_ptr, T, D,
+def _halve(x, ROWS: tl.constexpr, N: tl.constexpr):
+    """[ROWS, N] -> [ROWS, N / 2]: columns 2i and 2i + 1 added (one add: the same bits
+    whichever thread does it)."""
+    a, b = tl.split(tl.reshape(x, [ROWS, N // 2, 2]))
+    return a + b
+
+
+@triton.jit
+def _tree_sum(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """Sum of each row of x [ROWS, N = 2^LOG_N] by the adjacent-pairs tree (module docstring)."""
+    for i in tl.static_range(LOG_N):
+        x = _halve(x, ROWS, N >> i)
+    return tl.reshape(x, [ROWS])
+
+
+@triton.jit
+def _hc_mix_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, mu_ptr, ss_ptr, T, D, NDB,
                    stride_yt, stride_xt, stride_nt, M: tl.constexpr, MIX: tl.constexpr,
                    MIX_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   POST: tl.constexpr, PROJ: tl.constexpr, SOFT: tl.constexpr):
-    s = tl.program_id(1)
+                   LOG_D: tl.constexpr, POST: tl.constexpr, PROJ: tl.constexpr,
+                   SOFT: tl.constexpr):
+    db = tl.program_id(1)
     cdt = mu_ptr.dtype.element_ty                  # the workspace holds the compute dtype
     dt = x_ptr.dtype.element_ty
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     tm = t < T
     r = tl.arange(0, MIX_P2)
-    # products accumulate elementwise and are reduced over the d-block once, after the loop: a
-    # reduction per step (cross-thread shuffles) cost ~1.5x the whole kernel at T = 384 (H200)
     mu = tl.zeros((BLOCK_T, MIX_P2, BLOCK_D), dtype=cdt)
     ss = tl.zeros((BLOCK_T, BLOCK_D), dtype=cdt)
-    for db in range(s, tl.cdiv(D, BLOCK_D), tl.num_programs(1)):
-        d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-        m2 = tm[:, None] & (d < D)[None, :]
+    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    m2 = tm[:, None] & (d < D)[None, :]
+    if POST:
+        y = tl.load(y_ptr + t[:, None] * stride_yt + d[None, :], mask=m2, other=0.0).to(cdt)
+    for j in tl.static_range(M):
         if POST:
-            y = tl.load(y_ptr + t[:, None] * stride_yt + d[None, :], mask=m2, other=0.0).to(cdt)
-        for j in tl.static_range(M):
-            if POST:
-                mixed = tl.zeros((BLOCK_T, BLOCK_D), dtype=cdt)
-                for i in tl.static_range(M):
-                    c = tl.load(comb_ptr + t * (M * M) + (i * M + j), mask=tm, other=0.0)
-                    xi = tl.load(x_ptr + t[:, None] * stride_xt + i * D + d[None, :], mask=m2,
-                                 other=0.0)
-                    mixed += c.to(cdt)[:, None] * xi.to(cdt)
-                p = tl.load(post_ptr + t * M + j, mask=tm, other=0.0).to(cdt)
-                xj = _round(p[:, None] * y + mixed, dt, SOFT)
-                tl.store(xn_ptr + t[:, None] * stride_nt + j * D + d[None, :], xj.to(dt), mask=m2)
-            else:
-                xj = tl.load(x_ptr + t[:, None] * stride_xt + j * D + d[None, :], mask=m2,
-                             other=0.0).to(cdt)
-            if PROJ:
-                ss += xj * xj
-                f = tl.load(fn_ptr + r[:, None] * (M * D) + j * D + d[None, :],
-                            mask=(r < MIX)[:, None] & (d < D)[None, :], other=0.0).to(cdt)
-                mu += xj[:, None, :] * f[None, :, :]
-    if PROJ:
-        row = s * T + t                                       # workspace [SPLIT, T, MIX_P2]
-        tl.store(mu_ptr + row[:, None] * MIX_P2 + r[None, :], tl.sum(mu, axis=2),
-                 mask=tm[:, None])
-        tl.store(ss_ptr + row, tl.sum(ss, axis=1), mask=tm)
+            mixed = tl.zeros((BLOCK_T, BLOCK_D), dtype=cdt)
+            for i in tl.static_range(M):
+                c = tl.load(comb_ptr + t * (M * M) + (i * M + j), mask=tm, other=0.0)
+                xi = tl.load(x_ptr + t[:, None] * stride_xt + i * D + d[None, :], mask=m2,
+                             other=0.0)
+                mixed += c.to(cdt)[:, None] * xi.to(cdt)
+            p = tl.load(post_ptr + t * M + j, mask=tm, other=0.0).to(cdt)
+            xj = _round(p[:, None] * y + mixed, dt, SOFT)
+            tl.store(xn_ptr + t[:, None] * stride_nt + j * D + d[None, :], xj.to(dt), mask=m2)
+        else:
+            xj = tl.load(x_ptr + t[:, None] * stride_xt + j * D + d[None, :], mask=m2,
+                         other=0.0).to(cdt)
+        if PROJ:
+            ss += xj * xj
+            f = tl.load(fn_ptr + r[:, None] * (M * D) + j * D + d[None, :],
+                        mask=(r < MIX)[:, None] & (d < D)[None, :], other=0.0).to(cdt)
+            mu += xj[:, None, :] * f[None, :, :]
+    if PROJ:       # workspace mu [T, MIX_P2, NDB], ss [T, NDB]: this block's subtree sums
+        mu = tl.reshape(_tree_sum(tl.reshape(mu, [BLOCK_T * MIX_P2, BLOCK_D]),
+                                  BLOCK_T * MIX_P2, BLOCK_D, LOG_D), [BLOCK_T, MIX_P2])
+        tl.store(mu_ptr + (t[:, None] * MIX_P2 + r[None, :]) * NDB + db, mu, mask=tm[:, None])
+        tl.store(ss_ptr + t * NDB + db, _tree_sum(ss, BLOCK_T, BLOCK_D, LOG_D), mask=tm)
 
 
 @triton.jit
-def _reduce_splits(mu_ptr, ss_ptr, t, T, SPLIT, MIX_P2: tl.constexpr, SB: tl.constexpr):
-    """Sum row t's SPLIT partials (SB splits per load, a fixed order) into split 0's row, which
-    the gates then read with their own index patterns; returns Σx². One load per split and
-    column serialised on latency took ~40 µs at T = 6 (split 128, H200)."""
+def _reduce_blocks(mu_ptr, ss_ptr, t, NDB, MIX_P2: tl.constexpr, NDB_P2: tl.constexpr,
+                   LOG_NDB: tl.constexpr):
+    """Sum row t's d-block partials by the tree's upper levels (blocks past NDB are the zero
+    padding) into the first MIX_P2 slots of the row's workspace, which the gates then read
+    with their own index patterns; returns Σx². All partials come in one load: summing them
+    one load per group of splits serialised on latency (8 groups: ~8 µs a call at T = 6)."""
     r = tl.arange(0, MIX_P2)
-    mu = tl.zeros((MIX_P2,), dtype=mu_ptr.dtype.element_ty)
-    ss = tl.zeros((SB,), dtype=ss_ptr.dtype.element_ty)
-    for s0 in range(0, SPLIT, SB):
-        s = s0 + tl.arange(0, SB)
-        row = s.to(tl.int64) * T + t
-        mu += tl.sum(tl.load(mu_ptr + row[:, None] * MIX_P2 + r[None, :],
-                             mask=(s < SPLIT)[:, None], other=0.0), axis=0)
-        ss += tl.load(ss_ptr + row, mask=s < SPLIT, other=0.0)
-    tl.debug_barrier()       # every thread has read split 0's row before it is overwritten
-    tl.store(mu_ptr + t * MIX_P2 + r, mu)
+    b = tl.arange(0, NDB_P2)
+    rows = mu_ptr + t * (MIX_P2 * NDB)
+    mu = tl.load(rows + r[:, None] * NDB + b[None, :], mask=(b < NDB)[None, :], other=0.0)
+    mu = _tree_sum(mu, MIX_P2, NDB_P2, LOG_NDB)
+    ss = _tree_sum(tl.reshape(tl.load(ss_ptr + t * NDB + b, mask=b < NDB, other=0.0),
+                              [1, NDB_P2]), 1, NDB_P2, LOG_NDB)
+    tl.debug_barrier()       # every thread has read the row's partials before they are overwritten
+    tl.store(rows + r, mu)
     tl.debug_barrier()       # and the sums are visible to every thread of the program
     return tl.sum(ss, axis=0)
 
 
 @triton.jit
-def _mu_at(mu_ptr, t, idx, mask, MIX_P2: tl.constexpr):
-    return tl.load(mu_ptr + t * MIX_P2 + idx, mask=mask, other=0.0)
+def _mu_at(mu_ptr, t, idx, mask, ROW: tl.constexpr, NDB):
+    """The reduced μ of row t (the first MIX_P2 slots of its [MIX_P2, NDB] workspace)."""
+    return tl.load(mu_ptr + t * (ROW * NDB) + idx, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -237,30 +253,30 @@ def _sinkhorn_tile(c, i, M: tl.constexpr, eps, ITERS):
 
 @triton.jit
 def _hc_gates_kernel(mu_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, a_ptr, post_ptr, comb_ptr, T, D,
-                     SPLIT, ITERS, stride_xt, stride_at, eps_hi, eps_lo, neps_hi, neps_lo,
+                     NDB, ITERS, stride_xt, stride_at, eps_hi, eps_lo, neps_hi, neps_lo,
                      M: tl.constexpr, M_P2: tl.constexpr, MIX_P2: tl.constexpr,
-                     SB: tl.constexpr, BLOCK_D: tl.constexpr, PRE: tl.constexpr,
-                     SOFT: tl.constexpr):
+                     NDB_P2: tl.constexpr, LOG_NDB: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PRE: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cdt = mu_ptr.dtype.element_ty
     dt = x_ptr.dtype.element_ty
     # the eps constants as hi + lo fp32 pairs: exact to ~2^-48 in fp64, the fp32 value in fp32
     eps = tl.cast(eps_hi, cdt) + tl.cast(eps_lo, cdt)
     norm_eps = tl.cast(neps_hi, cdt) + tl.cast(neps_lo, cdt)
-    ss = _reduce_splits(mu_ptr, ss_ptr, t, T, SPLIT, MIX_P2, SB)
+    ss = _reduce_blocks(mu_ptr, ss_ptr, t, NDB, MIX_P2, NDB_P2, LOG_NDB)
     rho = 1.0 / tl.sqrt(ss / (M * D) + norm_eps)
     i = tl.arange(0, M_P2)
     im = i < M
     b = tl.load(base_ptr + i, mask=im, other=0.0).to(cdt)
-    g = _mu_at(mu_ptr, t, i, im, MIX_P2) * rho * tl.load(scale_ptr).to(cdt) + b
+    g = _mu_at(mu_ptr, t, i, im, MIX_P2, NDB) * rho * tl.load(scale_ptr).to(cdt) + b
     g = tl.where(im, _sigmoid(g) + eps, 0.0)
     if PRE:
         b = tl.load(base_ptr + M + i, mask=im, other=0.0).to(cdt)
-        p = _mu_at(mu_ptr, t, M + i, im, MIX_P2) * rho * tl.load(scale_ptr + 1).to(cdt)
+        p = _mu_at(mu_ptr, t, M + i, im, MIX_P2, NDB) * rho * tl.load(scale_ptr + 1).to(cdt)
         tl.store(post_ptr + t * M + i, 2.0 * _sigmoid(p + b), mask=im)
         valid = im[:, None] & im[None, :]
         k = 2 * M + i[:, None] * M + i[None, :]
-        c = _mu_at(mu_ptr, t, k, valid, MIX_P2) * rho * tl.load(scale_ptr + 2).to(cdt)
+        c = _mu_at(mu_ptr, t, k, valid, MIX_P2, NDB) * rho * tl.load(scale_ptr + 2).to(cdt)
         c = _sinkhorn_tile(c + tl.load(base_ptr + k, mask=valid, other=0.0).to(cdt), i, M, eps,
                            ITERS)
         tl.store(comb_ptr + t * (M * M) + i[:, None] * M + i[None, :], c, mask=valid)
@@ -280,15 +296,14 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # GPU tiles (BLOCK_T, BLOCK_D) of the mix kernel, by rows: [BLOCK_T, MIX_P2 = 32, BLOCK_D] = 8192
 # accumulators. Few rows want wide d-blocks (each program reads fn's columns once); many rows
 # want tall tiles, as every row tile reads all of fn (1.5 MB per site) from L2. H200, post_pre at
-# Flash dims, reducing per d-block: (4, 64) 34 µs vs (16, 16) 66 µs at T = 6; 400 vs 259 µs at
-# T = 384.
+# Flash dims, one d-block a program: (4, 64) 34 µs vs (16, 16) 66 µs at T = 6; 400 vs 259 µs at
+# T = 384. Any tiling gives a row the same bits (module docstring), so the table may follow T.
 GPU_TILES = ((64, (4, 64)), (None, (16, 16)))       # (up to T rows, tile)
-# batch invariant tiles: one d-block width at every T (16: the [16, 32, 16] tile of many rows
-# stays within the 8192 accumulators), 4 or 16 rows a tile
-INVARIANT_BLOCK_D, INVARIANT_ROWS_FEW, INVARIANT_ROWS_MANY = 16, 4, 16
-GATES_BLOCK_D, SPLIT_BLOCK = 1024, 32
+# the gates load a row's d-block partials at once: [MIX_P2, blocks] <= 32 x 256 values, 64
+# registers a thread at 4 warps; wider d-blocks where D would need more blocks
+MAX_BLOCKS = 256
+GATES_BLOCK_D = 1024
 MIX_WARPS, GATES_WARPS = 8, 4   # 8: the accumulators take 32 registers per thread, not 64
-PROGRAMS_PER_SM = 2        # the split over D aims at this many mix programs per SM
 
 
 def _compute_dtype(X: torch.Tensor) -> torch.dtype:
@@ -334,27 +349,25 @@ def _check_post(y, X, post, comb) -> None:
                          f"{tuple(post.shape)} and {tuple(comb.shape)}")
 
 
-def _tiles(T, D, kernel, device, block_t=None, block_d=None, split=None):
-    """(BLOCK_T, BLOCK_D, SPLIT) of the mix kernel. Triton's interpreter pays per operation, not
-    per element: there one program takes up to 16 rows and the whole (≤ 256) row. The arguments
-    override (tests run the GPU tilings interpreted). Batch invariant plans (kernels/
-    invariance.py) fix what orders a row's sums, BLOCK_D (the lanes) and SPLIT (the d-blocks
-    each lane walks), by D alone: 16-wide d-blocks, split sized for one row tile; the rows per
-    tile stay free (each row's sums are its own)."""
+def _log2(n: int) -> int:
+    return n.bit_length() - 1
+
+
+def _tiles(T, D, kernel, block_t=None, block_d=None):
+    """(BLOCK_T, BLOCK_D, d-blocks) of the mix kernel: GPU_TILES by T, or the arguments (tests
+    run the GPU tilings interpreted). Triton's interpreter pays per operation, not per element:
+    there one program takes up to 16 rows and the whole (<= 256) row. Both are powers of two
+    (aranges; BLOCK_D a subtree of the sum's tree), BLOCK_D at least next_pow2(D) / MAX_BLOCKS."""
     if interpreting(kernel):
         bt, bd = min(next_pow2(T), 16), min(next_pow2(D), 256)
-    elif batch_invariant():
-        bt, bd = (INVARIANT_ROWS_FEW if T <= GPU_TILES[0][0] else INVARIANT_ROWS_MANY), \
-            INVARIANT_BLOCK_D
     else:
         bt, bd = next(tile for rows, tile in GPU_TILES if rows is None or T <= rows)
     bt, bd = block_t or bt, block_d or bd
-    n_db = triton.cdiv(D, bd)
-    if split is None:
-        want = PROGRAMS_PER_SM * multiprocessors(device)
-        row_tiles = 1 if batch_invariant() else triton.cdiv(T, bt)
-        split = 1 if interpreting(kernel) else max(1, min(n_db, triton.cdiv(want, row_tiles)))
-    return bt, bd, max(1, min(split, n_db))
+    if bd < 1 or bt < 1 or bd & (bd - 1) or bt & (bt - 1):
+        raise ValueError(f"mHC tiles: block_t and block_d must be powers of two, got "
+                         f"block_t={bt}, block_d={bd}")
+    bd = max(bd, next_pow2(D) // MAX_BLOCKS)
+    return bt, bd, triton.cdiv(D, bd)
 
 
 def _mix_launch(X, fn, y=None, post=None, comb=None, tiles=None):
@@ -362,25 +375,25 @@ def _mix_launch(X, fn, y=None, post=None, comb=None, tiles=None):
     T, m, D = X.shape
     cdt = _compute_dtype(X)
     kernel = _hc_mix_kernel
-    bt, bd, split = _tiles(T, D, kernel, X.device, **(tiles or {}))
+    bt, bd, n_db = _tiles(T, D, kernel, **(tiles or {}))
     mix = fn.shape[0] if fn is not None else 1
-    mu = X.new_empty((split, T, next_pow2(mix)) if fn is not None else (1,), dtype=cdt)
-    ss = X.new_empty((split, T) if fn is not None else (1,), dtype=cdt)
+    mu = X.new_empty((T, next_pow2(mix), n_db) if fn is not None else (1,), dtype=cdt)
+    ss = X.new_empty((T, n_db) if fn is not None else (1,), dtype=cdt)
     if y is not None:
         xn = torch.empty_like(X, memory_format=torch.contiguous_format)
         y = y if y.stride(-1) == 1 else y.contiguous()
         post, comb = post.contiguous(), comb.contiguous()
     else:                        # no post: X is the stream; unused pointers get X
         xn, y, post, comb = X, X[:, 0], X, X
-    launch(kernel)[(triton.cdiv(T, bt), split)](
-        y, X, post, comb, xn, fn.contiguous() if fn is not None else X, mu, ss, T, D,
+    launch(kernel)[(triton.cdiv(T, bt), n_db)](
+        y, X, post, comb, xn, fn.contiguous() if fn is not None else X, mu, ss, T, D, n_db,
         y.stride(0), X.stride(0), xn.stride(0), M=m, MIX=mix, MIX_P2=next_pow2(mix),
-        BLOCK_T=bt, BLOCK_D=bd, POST=xn is not X, PROJ=fn is not None,
+        BLOCK_T=bt, BLOCK_D=bd, LOG_D=_log2(bd), POST=xn is not X, PROJ=fn is not None,
         SOFT=interpreting(kernel), num_warps=MIX_WARPS)
-    return xn, mu, ss, split
+    return xn, mu, ss, n_db
 
 
-def _gates_launch(Xs, mu, ss, split, scale, base, eps, norm_eps, iters, pre: bool):
+def _gates_launch(Xs, mu, ss, n_db, scale, base, eps, norm_eps, iters, pre: bool):
     """Launch 2 on the stream the projection read (X, or X' of a merged op)."""
     T, m, D = Xs.shape
     cdt = _compute_dtype(Xs)
@@ -390,11 +403,11 @@ def _gates_launch(Xs, mu, ss, split, scale, base, eps, norm_eps, iters, pre: boo
     kernel = _hc_gates_kernel
     interp = interpreting(kernel)
     bd = next_pow2(D) if interp else min(GATES_BLOCK_D, next_pow2(D))
-    sb = next_pow2(split) if interp else SPLIT_BLOCK
     launch(kernel)[(T,)](
-        mu, ss, Xs, scale.contiguous(), base.contiguous(), a, post, comb, T, D, split,
+        mu, ss, Xs, scale.contiguous(), base.contiguous(), a, post, comb, T, D, n_db,
         int(iters), Xs.stride(0), a.stride(0), *_split_eps(eps), *_split_eps(norm_eps), M=m,
-        M_P2=next_pow2(m), MIX_P2=mu.shape[-1], SB=sb, BLOCK_D=bd, PRE=pre, SOFT=interp,
+        M_P2=next_pow2(m), MIX_P2=mu.shape[1], NDB_P2=next_pow2(n_db),
+        LOG_NDB=_log2(next_pow2(n_db)), BLOCK_D=bd, PRE=pre, SOFT=interp,
         num_warps=GATES_WARPS)
     return (a, post, comb) if pre else a
 
@@ -414,9 +427,9 @@ def _hc_launch(X, fn, scale, base, eps, norm_eps, iters, pre: bool, post_args=No
         gated = _gated_fake(X, pre)
         return ((torch.empty_like(X),) if post_args is not None else ()) + gated
     y = post_args[0] if post_args is not None else None
-    xn, mu, ss, split = _mix_launch(X, fn, y, *(post_args[1:] if post_args else (None, None)),
-                                    tiles=tiles)
-    gated = _gates_launch(xn, mu, ss, split, scale, base, eps, norm_eps, iters, pre)
+    xn, mu, ss, n_db = _mix_launch(X, fn, y, *(post_args[1:] if post_args else (None, None)),
+                                   tiles=tiles)
+    gated = _gates_launch(xn, mu, ss, n_db, scale, base, eps, norm_eps, iters, pre)
     gated = gated if isinstance(gated, tuple) else (gated,)
     return ((xn,) if post_args is not None else ()) + gated
 
@@ -522,26 +535,26 @@ def hc_post_head(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: tor
 _D16 = "i32:16"    # D, row strides: multiples of 16 at Flash dims, as the JIT specialises them
 _MIX_TYPES = dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32",
                   xn_ptr="*bf16", fn_ptr="*fp32", mu_ptr="*fp32", ss_ptr="*fp32", T="i32",
-                  D=_D16, stride_yt=_D16, stride_xt=_D16, stride_nt=_D16)
+                  D=_D16, NDB="i32", stride_yt=_D16, stride_xt=_D16, stride_nt=_D16)
 _GATES_TYPES = dict(mu_ptr="*fp32", ss_ptr="*fp32", x_ptr="*bf16", scale_ptr="*fp32",
                     base_ptr="*fp32", a_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", T="i32",
-                    D=_D16, SPLIT="i32", ITERS="i32", stride_xt=_D16, stride_at=_D16,
+                    D=_D16, NDB="i32", ITERS="i32", stride_xt=_D16, stride_at=_D16,
                     eps_hi="fp32", eps_lo="fp32", neps_hi="fp32", neps_lo="fp32")
-_M = 4
+_M, _D = 4, 4096
 
 
 def _mix_config(post: bool, mix: int):
     return [compile_config(_hc_mix_kernel, _MIX_TYPES, dict(
-        M=_M, MIX=mix, MIX_P2=next_pow2(mix), BLOCK_T=bt, BLOCK_D=bd, POST=post, PROJ=mix > 1,
-        SOFT=False), MIX_WARPS) for bt, bd in [tile for _, tile in GPU_TILES] + [
-            (INVARIANT_ROWS_FEW, INVARIANT_BLOCK_D), (INVARIANT_ROWS_MANY, INVARIANT_BLOCK_D)]]
+        M=_M, MIX=mix, MIX_P2=next_pow2(mix), BLOCK_T=bt, BLOCK_D=bd, LOG_D=_log2(bd),
+        POST=post, PROJ=mix > 1, SOFT=False), MIX_WARPS) for _, (bt, bd) in GPU_TILES]
 
 
 def _gates_config(pre: bool):
     mix = (2 + _M) * _M if pre else _M
+    blocks = sorted({next_pow2(triton.cdiv(_D, bd)) for _, (_, bd) in GPU_TILES})
     return [compile_config(_hc_gates_kernel, _GATES_TYPES, dict(
-        M=_M, M_P2=_M, MIX_P2=next_pow2(mix), SB=SPLIT_BLOCK, BLOCK_D=GATES_BLOCK_D, PRE=pre,
-        SOFT=False), GATES_WARPS)]
+        M=_M, M_P2=_M, MIX_P2=next_pow2(mix), NDB_P2=n, LOG_NDB=_log2(n),
+        BLOCK_D=GATES_BLOCK_D, PRE=pre, SOFT=False), GATES_WARPS) for n in blocks]
 
 
 _PRE_MIX, _HEAD_MIX = (2 + _M) * _M, _M

@@ -3,7 +3,7 @@ references.
 
 On a machine without CUDA the launchers run the Triton kernels in Triton's CPU interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1). The kernels sum in another order than torch (the
-projection per d-block and split, the Sinkhorn sums as tile reductions), so results agree to
+projection by a pairwise tree over D, the Sinkhorn sums as tile reductions), so results agree to
 rounding: ~1e-12 relative in fp64, ~1e-5 in fp32, and NaN never passes (assert_close).
 Shapes are small and irregular (odd T, D not a multiple of the d-block, m = 4 and m = 3) to keep
 the interpreter fast and every mask exercised.
@@ -71,16 +71,41 @@ def test_kernels_match_references(T, m, D, dtype):
                         TOL[dtype])
 
 
-@pytest.mark.parametrize("tiles", [dict(block_t=2, block_d=16, split=2),
-                                   dict(block_t=4, block_d=8, split=3),
-                                   dict(block_t=8, block_d=32, split=1)])
+@pytest.mark.parametrize("tiles", [dict(block_t=2, block_d=16), dict(block_t=4, block_d=8),
+                                   dict(block_t=8, block_d=32), dict(block_t=1, block_d=64)])
 def test_gpu_tilings_interpreted(tiles):
-    """Row tiles with masked rows, d-blocks with a partial last one, and splits over D whose
-    programs take different numbers of d-blocks, the partials summed by the gates kernel."""
+    """Row tiles with masked rows (T = 5 over tiles of 1, 2, 4, 8), d-blocks with a partial last
+    one (D = 40), several d-blocks summed by the gates kernel's tree."""
     for op in ("hc_pre", "hc_post", "hc_post_pre", "hc_post_head"):
         a = _inputs(5, 4, 40, torch.float64, seed=3, head=op.endswith("head"))
         _assert_outputs(_call(lambda *x: _launcher(op)(*x, tiles=tiles), a, op),
                         _call(KERNELS[op].reference, a, op), TOL[torch.float64])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tiling_gives_the_same_bits(dtype):
+    """Batch invariance by construction: a row's sums follow one tree over D, whatever the rows
+    per tile, the d-block width (1 to 64 columns; D = 40 pads to 64) and the rows beside it, so
+    every output is bit-equal across tilings, and a row alone equals the same row in a batch."""
+    for op in ("hc_pre", "hc_post_pre", "hc_post_head"):
+        a = _inputs(7, 4, 40, dtype, seed=11, head=op.endswith("head"))
+        want = _call(_launcher(op), a, op)
+        for tiles in (dict(block_t=1, block_d=1), dict(block_t=2, block_d=8),
+                      dict(block_t=4, block_d=16), dict(block_t=8, block_d=64)):
+            got = _call(lambda *x: _launcher(op)(*x, tiles=tiles), a, op)
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g, w), (op, tiles, i)
+        row = {k: (v[3:4] if k in ("y", "X", "post", "comb") else v) for k, v in a.items()}
+        alone = _call(lambda *x: _launcher(op)(*x, tiles=dict(block_t=1, block_d=4)), row, op)
+        for i, (g, w) in enumerate(zip(alone, want)):
+            assert torch.equal(g[0], w[3]), (op, "alone", i)
+
+
+def test_tiles_must_be_powers_of_two():
+    a = _inputs(3, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="powers of two"):
+        mhc.hc_pre_launch(a["X"], a["fn"], a["scale"], a["base"], EPS, NORM_EPS, ITERS,
+                          tiles=dict(block_t=2, block_d=12))
 
 
 def test_bf16_stream_rounds_like_the_reference():
