@@ -15,7 +15,7 @@ einsum scores, softmax with the sink column; the indexer's einsum + relu + head 
 sort), `ours` (the op); sparse_attention's plan varied (tuning, not declared configurations):
 `ours-split1` (no split), `ours-h64` (64 heads a program), `ours-n16` / `ours-n64` (candidates a
 block), `ours-s3` (3 pipeline stages), `ours-c1` / `ours-c2` / `ours-n16c1` (chunks of 1 or 2
-blocks, split over programs).
+blocks, split over programs), `ours-previous` (the plan before CHUNK_BLOCKS = 2: chunks of >= 4 blocks).
 
 bytes_moved (the floors the targets compare with; "KV entries actually visited", each once):
 
@@ -134,6 +134,19 @@ def _attention_plan(d, **changes):
     return dataclasses.replace(sa.sparse_attention_plan(B * T_, H, n), **changes)
 
 
+def _previous_plan(d):
+    """The invariant plan before CHUNK_BLOCKS: chunks of >= 4 blocks, as many as fill 2 waves
+    for one token's head blocks (kernels/sparse_attention.py at 6dbd08a)."""
+    p = _attention_plan(d)
+    B, T_, H, _ = d["q"].shape
+    n = d["window"] + (d["cmp_idx"].shape[-1] if d["cmp_idx"] is not None
+                       else d["cmp_kv"].shape[1] if d["ratio"] else 0)
+    blocks, n_hb = -(-n // p.block_n), -(-H // p.block_h)
+    n_chunks = max(1, min(blocks // 4, -(-2 * sa.SM_COUNT_HINT // n_hb)))
+    split = n_chunks > 1 and B * T_ * n_hb < 2 * sa.SM_COUNT_HINT
+    return dataclasses.replace(p, chunk=-(-blocks // n_chunks), split=split)
+
+
 def _variant(**changes):
     return lambda d: sa.sparse_attention_launch(**d, plan=_attention_plan(d, **changes))
 
@@ -144,6 +157,8 @@ def _variant(**changes):
 ATTENTION_VARIANTS = {"ours-split1": _variant(split=False), "ours-h64": _variant(block_h=64),
                       "ours-n16": _variant(block_n=16), "ours-n64": _variant(block_n=64),
                       "ours-s3": _variant(num_stages=3),
+                      "ours-previous": lambda d: sa.sparse_attention_launch(
+                          **d, plan=_previous_plan(d)),
                       "ours-c1": _variant(chunk=1, split=True),
                       "ours-c2": _variant(chunk=2, split=True),
                       "ours-n16c1": _variant(block_n=16, chunk=1, split=True)}

@@ -123,11 +123,21 @@ def sparse_attention_reference(q: torch.Tensor, swa_kv: torch.Tensor, swa_scale,
 
 SM_COUNT_HINT = 132      # H200: sizes the split for the compile configs and CPU plans
 TARGET_WAVES = 2         # programs per SM the split aims for
-MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split: below this the partials' traffic dominates
+# Candidate blocks per chunk (batch-invariant plans). A program takes ~10 µs a block of 32
+# candidates whatever the load (H100, 2026-12-06, kernels.csv in benchmarks/results/
+# h100_attention_2026-12-06: 4 blocks 40 µs at B = 1, 260 µs for 6 waves of them at B = 64),
+# so a token's blocks run one after another unless the chunks spread them over programs. With
+# 2 blocks a chunk, B = 1 (12 programs of heads x tokens) runs SWA's 4 blocks as 24 programs of
+# 2 and C4's 20 as 120 of 2 plus the combine, against 12 of 4 (SWA) and 60 of 4 (C4) with the
+# 4-block chunks of before (predicted: 40 -> ~22, 49 -> ~25 µs). When the tokens alone fill the
+# GPU the programs merge their chunks in registers, one merge a chunk (~5 % of a block).
+CHUNK_BLOCKS = 2
+MIN_BLOCKS_PER_SPLIT = 4  # batch-dependent plans: candidate blocks per split
 # 32 heads x (448 + 64) dims per program: sm_120 cross-compile with 8 warps, 32 candidates a
 # block and 2 stages: 75 KB shared memory, no spills (64 heads: 99-132 KB, over SM12x's 99 KB)
 BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 32, 8, 2
 COMBINE_HEADS = 16       # heads per combine program (16 x 512 fp32 partials per split)
+COMBINE_STAGES = 3       # the combine's split loads in flight
 
 
 @dataclass(frozen=True)
@@ -156,22 +166,24 @@ def sparse_attention_plan(tokens: int, heads: int, n_candidates: int, interpret:
                           sm_count: int = SM_COUNT_HINT,
                           invariant: bool = True) -> SparseAttentionPlan:
     """`n_candidates`: the most candidates a token can have (window + the compressed list or
-    cache capacity): static, so every launch of a bucket's layer has one plan. The chunks are
-    sized so that one token's chunks fill ~TARGET_WAVES of the SMs (at least
-    MIN_BLOCKS_PER_SPLIT blocks each); the split is taken while the tokens alone leave the GPU
-    idle. `invariant` False (kernels/invariance.py) sizes the chunks for the token count too,
-    as the benchmark's batch-dependent variant."""
+    cache capacity): static, so every launch of a bucket's layer has one plan. Chunks of
+    CHUNK_BLOCKS blocks; the split is taken while the tokens alone leave the GPU idle.
+    `invariant` False (kernels/invariance.py) sizes the chunks for the token count instead (one
+    token's chunks fill ~TARGET_WAVES of the SMs, at least MIN_BLOCKS_PER_SPLIT blocks each), as
+    the benchmark's batch-dependent variant."""
     if interpret:   # the interpreter pays per operation: big tiles, one chunk unless asked
         return SparseAttentionPlan(max(16, next_pow2(heads)), 16, 1 << 20, False, 4, 1)
     block_h = min(BLOCK_H, max(16, next_pow2(heads)))
     n_hb = triton.cdiv(heads, block_h)
     blocks = triton.cdiv(n_candidates, BLOCK_N)
-    programs = (1 if invariant else tokens) * n_hb
-    n_chunks = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT,
-                          triton.cdiv(TARGET_WAVES * sm_count, max(programs, 1))))
-    split = n_chunks > 1 and tokens * n_hb < TARGET_WAVES * sm_count
-    return SparseAttentionPlan(block_h, BLOCK_N, triton.cdiv(blocks, n_chunks), split,
-                               NUM_WARPS, NUM_STAGES)
+    if invariant:
+        chunk = CHUNK_BLOCKS
+    else:
+        n_chunks = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT,
+                              triton.cdiv(TARGET_WAVES * sm_count, max(tokens * n_hb, 1))))
+        chunk = triton.cdiv(blocks, n_chunks)
+    split = blocks > chunk and tokens * n_hb < TARGET_WAVES * sm_count
+    return SparseAttentionPlan(block_h, BLOCK_N, chunk, split, NUM_WARPS, NUM_STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,7 +408,8 @@ def _merge_weights(big, den, m, l):
 
 @triton.jit
 def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SOFT: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COMBINE_STAGES: tl.constexpr,
+                    SOFT: tl.constexpr):
     """o = num / den after merging the chunks' partials in chunk order (`_merge_weights`)."""
     tok = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -408,7 +421,9 @@ def _combine_kernel(ws_ptr, o_ptr, H, SPLIT, stride_ot, stride_oh, D: tl.constex
     big = tl.full([BLOCK_H], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     num = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(SPLIT):
+    # the splits' loads pipelined (10 splits of C4 at B = 1 otherwise wait one load each);
+    # merged in split order, as the in-register merge does
+    for s in tl.range(0, SPLIT, num_stages=COMBINE_STAGES):
         m = tl.load(rows + s * stride_s + D, mask=hm, other=-1.0e30)
         l = tl.load(rows + s * stride_s + D + 1, mask=hm, other=0.0)
         acc = tl.load(rows[:, None] + s * stride_s + offs_d[None, :],
@@ -527,7 +542,8 @@ def sparse_attention_launch(q, swa_kv, swa_scale, swa_rope, cmp_kv, cmp_scale, c
         ck = _combine_kernel
         launch(ck)[(B * T, triton.cdiv(H, COMBINE_HEADS))](
             ws, o, H, split, o.stride(0), o.stride(1), D=D, BLOCK_H=COMBINE_HEADS,
-            BLOCK_D=next_pow2(D), SOFT=interpreting(ck), num_warps=4)
+            BLOCK_D=next_pow2(D), COMBINE_STAGES=1 if interpreting(ck) else COMBINE_STAGES,
+            SOFT=interpreting(ck), num_warps=4)
     return o.view(B, T, H, D)
 
 
@@ -575,7 +591,8 @@ def _configs():
                 SOFT=False), p.num_warps))
     out.append(compile_config(_combine_kernel, dict(ws_ptr="*fp32", o_ptr="*bf16", H=_D16,
                                                     SPLIT="i32", stride_ot=_D16, stride_oh=_D16),
-                              dict(D=512, BLOCK_H=COMBINE_HEADS, BLOCK_D=512, SOFT=False), 4))
+                              dict(D=512, BLOCK_H=COMBINE_HEADS, BLOCK_D=512,
+                                   COMBINE_STAGES=COMBINE_STAGES, SOFT=False), 4))
     return out
 
 
