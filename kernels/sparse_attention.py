@@ -129,8 +129,9 @@ TARGET_WAVES = 2         # programs per SM the split aims for
 # so a token's blocks run one after another unless the chunks spread them over programs. With
 # 2 blocks a chunk, B = 1 (12 programs of heads x tokens) runs SWA's 4 blocks as 24 programs of
 # 2 and C4's 20 as 120 of 2 plus the combine, against 12 of 4 (SWA) and 60 of 4 (C4) with the
-# 4-block chunks of before (predicted: 40 -> ~22, 49 -> ~25 µs). When the tokens alone fill the
-# GPU the programs merge their chunks in registers, one merge a chunk (~5 % of a block).
+# 4-block chunks of before: 40.5 -> 29.8 µs (SWA), 52.9 -> 45.5 µs (C4) at 8k context (H200,
+# same run; 1-block chunks: 24.0 / 71.2). When the tokens alone fill the GPU the programs merge
+# their chunks in registers, one merge a chunk.
 CHUNK_BLOCKS = 2
 MIN_BLOCKS_PER_SPLIT = 4  # batch-dependent plans: candidate blocks per split
 # 32 heads x (448 + 64) dims per program: sm_120 cross-compile with 8 warps, 32 candidates a
@@ -182,7 +183,12 @@ def sparse_attention_plan(tokens: int, heads: int, n_candidates: int, interpret:
         n_chunks = max(1, min(blocks // MIN_BLOCKS_PER_SPLIT,
                               triton.cdiv(TARGET_WAVES * sm_count, max(tokens * n_hb, 1))))
         chunk = triton.cdiv(blocks, n_chunks)
-    split = blocks > chunk and tokens * n_hb < TARGET_WAVES * sm_count
+    programs, n_chunks = tokens * n_hb, triton.cdiv(blocks, chunk)
+    # split while the tokens leave most SMs idle, or while the split grid still fits the waves
+    # (each split program stores a 66 KB fp32 partial that the combine reads back: at B = 16,
+    # SWA's 384 split programs took 98.7 µs against 84.0 for 192 programs of 4 blocks; H200)
+    split = n_chunks > 1 and (2 * programs < sm_count
+                              or programs * n_chunks <= TARGET_WAVES * sm_count)
     return SparseAttentionPlan(block_h, BLOCK_N, chunk, split, NUM_WARPS, NUM_STAGES)
 
 

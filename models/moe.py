@@ -105,9 +105,10 @@ class MoE(nn.Module):
         e = self.experts
         routed = torch.ops.dspark.moe_experts(x, idx, w, *e.tensors(), float(self.cfg.swiglu_limit),
                                               e.layout, valid)
-        # one add: aten adds 16-bit floats in fp32 and rounds once, exactly what casting both
-        # to fp32, adding and casting back computes (two launches fewer a layer)
-        return routed + self.shared_experts(x, xq)
+        # the routed sum is fp32 (fp64 in exact mode) and the shared expert's output is in the
+        # compute dtype: the add promotes to the routed dtype (the shared values exactly) and the
+        # sum is rounded once to the compute dtype, the residual stream's, that mHC's post takes
+        return (routed + self.shared_experts(x, xq)).to(self.prec.dtype)
 
 
 def use_kernel_layouts(model: nn.Module, dtype: torch.dtype) -> list[str]:

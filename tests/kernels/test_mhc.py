@@ -71,6 +71,14 @@ def test_kernels_match_references(T, m, D, dtype):
                         TOL[dtype])
 
 
+# the tilings below run in the interpreter on CPU tensors; on a GPU machine the batch-invariance
+# test (tests/kernels/test_batch_invariance.py, 1 to 400 rows across the tile switch at 64) and
+# test_gpu_flash_shapes cover the compiled kernels
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="interpreter tilings on CPU tensors (GPU: see above)")
+
+
+@INTERPRETED
 @pytest.mark.parametrize("tiles", [dict(block_t=2, block_d=16), dict(block_t=4, block_d=8),
                                    dict(block_t=8, block_d=32), dict(block_t=1, block_d=64)])
 def test_gpu_tilings_interpreted(tiles):
@@ -82,6 +90,7 @@ def test_gpu_tilings_interpreted(tiles):
                         _call(KERNELS[op].reference, a, op), TOL[torch.float64])
 
 
+@INTERPRETED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_tiling_gives_the_same_bits(dtype):
     """Batch invariance by construction: a row's sums follow one tree over D, whatever the rows

@@ -4,7 +4,7 @@ import torch
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.config import ModelConfig, Precision
 from dspark_compile.models.mhc import HyperConnection
-from dspark_compile.models.moe import Gate
+from dspark_compile.models.moe import MoE, Gate
 from dspark_compile.models.presets import preset
 from dspark_compile.models.rope import rope_frequencies
 from dspark_compile.kernels.sampling.reference import fold_ids
@@ -83,6 +83,24 @@ def test_bias_routing_selects_with_bias_but_weights_without():
     assert set(idx[0].tolist()) == {cfg.n_routed_experts - 1, cfg.n_routed_experts - 2}
     # all scores are sqrt(softplus(0)): equal weights after renormalisation
     torch.testing.assert_close(w, torch.full_like(w, cfg.routed_scaling_factor / cfg.num_experts_per_tok))
+
+
+def test_moe_returns_the_compute_dtype():
+    """The routed experts sum in fp32; the layer's output is the residual stream's dtype (bf16
+    here): mHC's post takes y in the stream's dtype, and its GPU kernel refuses anything else."""
+    cfg = tiny_cfg()
+    moe = MoE(cfg, hash_layer=False, prec=Precision(dtype=torch.bfloat16, act_quant=False))
+    g = torch.Generator().manual_seed(3)
+    for name, buf in moe.named_buffers():
+        if buf.dtype == torch.float8_e4m3fn:
+            buf.copy_((torch.randn(buf.shape, generator=g) * 0.1).to(buf.dtype))
+        elif buf.is_floating_point():
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype) * 0.1)
+        elif buf.dtype == torch.uint8:
+            buf.copy_(torch.randint(118, 126, buf.shape, generator=g, dtype=torch.uint8))
+    x = torch.randn(4, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    y = moe(x, None, torch.arange(4))
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape and bool(torch.isfinite(y).all())
 
 
 def test_out_of_range_ids_never_reach_a_gather():
