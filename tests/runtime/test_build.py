@@ -106,7 +106,11 @@ def test_manifest_fields(default_engine):
     assert sorted(m["pass_stats"], key=int) == [str(b) for b in DEFAULT_BUCKETS]
     for rows in m["pass_stats"].values():
         assert [r["name"] for r in rows] == pm.names
-        assert all(r["nodes_after"] <= r["nodes_before"] for r in rows)
+        # every pass shrinks the graph, except the grouping of FP8 linears: one call of the
+        # grouped op and a getitem per member replace the members, one node more a group
+        for r in rows:
+            grows = r["matches"] if r["name"] == "group_fp8_linears" else 0
+            assert r["nodes_after"] <= r["nodes_before"] + grows, r
     assert m["graph_memory_bytes"] == {str(b): None for b in DEFAULT_BUCKETS}  # CPU: no graphs
     assert m["weights"]["file"] == "weights.safetensors"
     assert all(len(t["sha256"]) == 64 for t in m["weights"]["tensors"].values())
