@@ -295,10 +295,12 @@ def _hc_gates_kernel(mu_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, a_ptr, post_ptr
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # GPU tiles (BLOCK_T, BLOCK_D) of the mix kernel, by rows: [BLOCK_T, MIX_P2 = 32, BLOCK_D] = 8192
 # accumulators. Few rows want wide d-blocks (each program reads fn's columns once); many rows
-# want tall tiles, as every row tile reads all of fn (1.5 MB per site) from L2. H200, post_pre at
-# Flash dims, one d-block a program: (4, 64) 34 µs vs (16, 16) 66 µs at T = 6; 400 vs 259 µs at
-# T = 384. Any tiling gives a row the same bits (module docstring), so the table may follow T.
-GPU_TILES = ((64, (4, 64)), (None, (16, 16)))       # (up to T rows, tile)
+# want tall tiles, as every row tile reads all of fn (1.5 MB per site) from L2. H200, post_pre
+# (mix + gates) at Flash dims, one d-block a program, 2026-12-06: T = 6: (4, 64) 18.2 µs,
+# (2, 128) 18.3, (16, 16) 19.2, (8, 16) 31.3; T = 96: (4, 64) 36.9, (2, 128) 38.8, (16, 16) 44.3;
+# T = 384 (an earlier kernel, 2026-12-01): (4, 64) 400 vs (16, 16) 259. Any tiling gives a row
+# the same bits (module docstring), so the table follows T.
+GPU_TILES = ((128, (4, 64)), (None, (16, 16)))      # (up to T rows, tile)
 # the gates load a row's d-block partials at once: [MIX_P2, blocks] <= 32 x 256 values, 64
 # registers a thread at 4 warps; wider d-blocks where D would need more blocks
 MAX_BLOCKS = 256
