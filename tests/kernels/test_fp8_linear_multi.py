@@ -86,6 +86,15 @@ def test_default_plans_are_each_weights_own_and_one_launch(monkeypatch):
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, alone))
 
 
+def _alone_and_one_launch(monkeypatch, x, x_s, ws, plans, dtype=torch.float32):
+    """(each weight's separate fp8_linear call, the one-launch multi call) under `plans`."""
+    alone = [fl.fp8_linear_launch(x, x_s, w, s, 1, dtype, plan=p)
+             for (w, s), p in zip(ws, plans)]
+    _one_launch(monkeypatch)
+    return alone, fm.fp8_linear_multi_launch(x, x_s, [w for w, _ in ws], [s for _, s in ws],
+                                             dtype, plans=plans)
+
+
 def test_zero_rows_and_nan_inf_match_the_separate_calls(monkeypatch):
     """Padded zero rows, NaN / inf activations and a NaN fp8 byte, K split in 3 and 2: each
     output is the separate call's bits and NaN exactly where the reference has it."""
@@ -97,12 +106,8 @@ def test_zero_rows_and_nan_inf_match_the_separate_calls(monkeypatch):
     x, x_s = act_quant_reference(xf.to(DEV))
     x = x.clone()
     x.view(torch.uint8)[5, 17] = 0x7F
-    plans = [_plan(K, 3, False), _plan(K, 2, False)]
-    alone = [fl.fp8_linear_launch(x, x_s, w, s, 1, torch.float32, plan=p)
-             for (w, s), p in zip(ws, plans)]
-    _one_launch(monkeypatch)
-    got = fm.fp8_linear_multi_launch(x, x_s, [w for w, _ in ws], [s for _, s in ws],
-                                     torch.float32, plans=plans)
+    alone, got = _alone_and_one_launch(monkeypatch, x, x_s, ws,
+                                       [_plan(K, 3, False), _plan(K, 2, False)])
     for (w, s), y, a in zip(ws, got, alone):
         ref = fl.fp8_linear_reference(x, x_s, w, s, 1, torch.float32)
         assert torch.equal(_bits(y), _bits(a))
@@ -115,12 +120,8 @@ def test_w8a16_activations_match_the_separate_calls(monkeypatch):
     M, K, Ns = 3, 256, (128, 320)
     ws = [_weights(N, K, 40 + j) for j, N in enumerate(Ns)]
     x = torch.randn(M, K, generator=_gen(6)).to(DEV)
-    plans = [_plan(K, 2, False), _plan(K, 1, False)]
-    alone = [fl.fp8_linear_launch(x, None, w, s, 1, torch.float32, plan=p)
-             for (w, s), p in zip(ws, plans)]
-    _one_launch(monkeypatch)
-    got = fm.fp8_linear_multi_launch(x, None, [w for w, _ in ws], [s for _, s in ws],
-                                     torch.float32, plans=plans)
+    alone, got = _alone_and_one_launch(monkeypatch, x, None, ws,
+                                       [_plan(K, 2, False), _plan(K, 1, False)])
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, alone))
 
 
