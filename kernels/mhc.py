@@ -215,8 +215,8 @@ def _reduce_blocks(mu_ptr, ss_ptr, t, NDB, MIX_P2: tl.constexpr, NDB_P2: tl.cons
                    LOG_NDB: tl.constexpr):
     """Sum row t's d-block partials by the tree's upper levels (blocks past NDB are the zero
     padding) into the first MIX_P2 slots of the row's workspace, which the gates then read
-    with their own index patterns; returns Σx². All partials come in one load: summing them
-    one load per group of splits serialised on latency (8 groups: ~8 µs a call at T = 6)."""
+    with their own index patterns; returns Σx². All partials come in one load: 256 partials
+    summed in 8 dependent loads of 32 took 10.9 µs a gates call at T = 6 (H200)."""
     r = tl.arange(0, MIX_P2)
     b = tl.arange(0, NDB_P2)
     rows = mu_ptr + t * (MIX_P2 * NDB)

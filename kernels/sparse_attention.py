@@ -168,7 +168,8 @@ def sparse_attention_plan(tokens: int, heads: int, n_candidates: int, interpret:
                           invariant: bool = True) -> SparseAttentionPlan:
     """`n_candidates`: the most candidates a token can have (window + the compressed list or
     cache capacity): static, so every launch of a bucket's layer has one plan. Chunks of
-    CHUNK_BLOCKS blocks; the split is taken while the tokens alone leave the GPU idle.
+    CHUNK_BLOCKS blocks; the split (bit-neutral) follows the token count: taken while the
+    tokens leave most SMs idle, or while the split grid fits TARGET_WAVES of them.
     `invariant` False (kernels/invariance.py) sizes the chunks for the token count instead (one
     token's chunks fill ~TARGET_WAVES of the SMs, at least MIN_BLOCKS_PER_SPLIT blocks each), as
     the benchmark's batch-dependent variant."""

@@ -105,9 +105,9 @@ class MoE(nn.Module):
         e = self.experts
         routed = torch.ops.dspark.moe_experts(x, idx, w, *e.tensors(), float(self.cfg.swiglu_limit),
                                               e.layout, valid)
-        # the routed sum is fp32 (fp64 in exact mode) and the shared expert's output is in the
-        # compute dtype: the add promotes to the routed dtype (the shared values exactly) and the
-        # sum is rounded once to the compute dtype, the residual stream's, that mHC's post takes
+        # the routed sum is fp32 (fp64 in exact mode), the shared expert's output the compute
+        # dtype: added in the routed dtype (the shared values exactly), then rounded to the
+        # compute dtype, the residual stream's, which mHC's post takes
         return (routed + self.shared_experts(x, xq)).to(self.prec.dtype)
 
 

@@ -107,9 +107,10 @@ def test_manifest_fields(default_engine):
     for rows in m["pass_stats"].values():
         assert [r["name"] for r in rows] == pm.names
         # every pass shrinks the graph, except the grouping of FP8 linears: one call of the
-        # grouped op and a getitem per member replace the members, one node more a group
+        # grouped op and a getitem per member replace the members, one node more a group of
+        # at least 2 members (matches counts the members)
         for r in rows:
-            grows = r["matches"] if r["name"] == "group_fp8_linears" else 0
+            grows = r["matches"] // 2 if r["name"] == "group_fp8_linears" else 0
             assert r["nodes_after"] <= r["nodes_before"] + grows, r
     assert m["graph_memory_bytes"] == {str(b): None for b in DEFAULT_BUCKETS}  # CPU: no graphs
     assert m["weights"]["file"] == "weights.safetensors"
