@@ -60,7 +60,8 @@ class StreamEvent(NamedTuple):
     request: int        # Engine.stream: the prompt's index; GenerationStream: the id add() returned
     tokens: list[int]   # token ids newly committed to this request by this step (stop ids
                         # included, as generate() includes them); [] only for a cancelled request
-    finished: bool      # the request ended (stop id, max_new_tokens, cancelled)
+    finished: bool      # the request ended (stop id, max_new_tokens, cancelled, failed)
+    error: BaseException | None = None   # it failed inside the engine (isolate_failures)
 
 
 WAITING, PREFILL, RUNNING, DONE = "waiting", "prefill", "running", "done"
@@ -100,7 +101,20 @@ class GenerationStream:
     """Continuous batching over one engine's state rows (Engine.open_stream; one per engine at
     a time). add() and cancel() may be called from other threads than step(). `result`: the
     acceptance counts (per verification method) and the scheduling iterations that ran a step,
-    as GenerationResult holds them (Engine.generate returns it with the tokens filled in)."""
+    as GenerationResult holds them (Engine.generate returns it with the tokens filled in).
+
+    `isolate_failures` (off: an exception leaves step(), as generate() wants; the server turns
+    it on): an exception of the engine's calls for some requests ends those requests alone,
+    each with StreamEvent(id, [], True, error=the exception), and frees their rows; the others
+    go on. Which requests a failure ends:
+      - admission (the row's sampling settings, the prompt's prefill calls) or the read of its
+        first token: that request;
+      - a decode step's launch or the read of its outputs: every request of that launch (one
+        batch writes all its rows: none of their states is known good any more);
+      - a device error (a CUDA error is sticky: every later call fails too) is not one
+        request's: it leaves step()."""
+
+    isolate_failures = False
 
     def __init__(self, engine, overlap: bool, prefill_tokens: int, speculative: bool = True):
         self.engine, self.overlap, self.prefill_tokens = engine, overlap, prefill_tokens
@@ -172,17 +186,17 @@ class GenerationStream:
         with torch.no_grad():
             self._apply_incoming(events)
             if self.overlap:
-                self._admit()
+                self._admit(events)
                 self._launch(events)
                 self._read(events, keep_call=self._call)
             else:
-                while self._admit():
+                while self._admit(events):
                     self._read(events)     # first tokens: a request ended by it frees its row
                 self._launch(events)
                 self._read(events)
             if not self.active and not self.waiting:
                 self._read(events)         # steps launched ahead on rows that all ended
-        return [StreamEvent(r, toks, done) for r, (toks, done) in events.items()]
+        return [StreamEvent(r, *e) for r, e in events.items()]
 
     def close(self) -> None:
         """Cancel every request and free every row; the stream takes no more requests."""
@@ -283,10 +297,22 @@ class GenerationStream:
         with self._lock:
             self._live.discard(r.id)
 
+    def _failed(self, requests: list, exc: Exception, events: dict) -> None:
+        """The engine raised `exc` for `requests`: end them (rows freed) with the exception
+        on their last event, or re-raise where failures are not isolated."""
+        if not self.isolate_failures or _device_error(exc):
+            raise exc
+        for r in requests:
+            if r.status != DONE:
+                self._end(r)
+                e = events.setdefault(r.id, [[], True])
+                e[1] = True
+                e.append(exc)
+
     def _decoding(self) -> bool:
         return any(r.status == RUNNING for r in self.active.values())
 
-    def _admit(self) -> bool:
+    def _admit(self, events: dict) -> bool:
         """Launch prefill calls: the partly prefilled request first, then waiting requests into
         free rows, within the token budget while other requests decode (unbounded when none
         does: nobody waits behind a prompt then). True when anything was launched."""
@@ -301,9 +327,13 @@ class GenerationStream:
                     break
                 r = self.waiting.popleft()
                 r.row, r.status = self.free.pop(0), PREFILL
-                r.calls, r.last = eng.prefill_calls(r.prompt), len(r.prompt) - 1
                 self.active[r.id] = r
-                set_row_sampling(eng.state, r.row, r.params)
+                try:
+                    r.calls, r.last = eng.prefill_calls(r.prompt), len(r.prompt) - 1
+                    set_row_sampling(eng.state, r.row, r.params)
+                except Exception as e:  # noqa: BLE001 -- this request's alone (_failed)
+                    self._failed([r], e, events)
+                    continue
             calls = []
             # the step's first call always runs (progress), later ones within the budget
             while r.calls and (self._spent == 0 or self._spent + r.calls[0][2] <= budget):
@@ -311,7 +341,11 @@ class GenerationStream:
                 self._spent += calls[-1][2]
             if not calls:
                 break
-            out = eng.launch_prefill(r.row, r.prompt, calls)
+            try:
+                out = eng.launch_prefill(r.row, r.prompt, calls)
+            except Exception as e:  # noqa: BLE001 -- this request's alone (_failed)
+                self._failed([r], e, events)
+                continue
             launched = True
             if not r.calls:
                 r.status, r.inflight = RUNNING, r.inflight + 1
@@ -340,11 +374,16 @@ class GenerationStream:
             group = rows[start:start + big]
             b = eng.bucket_for(len(group))
             rows_ = [r.row for r in group]
-            if self.speculative:
-                greedy = b in eng.greedy_modules and all(r.params.temperature <= 0 for r in group)
-                out = eng.launch(rows_, b, greedy)
-            else:
-                out = eng.launch(rows_, b, False, target=True)
+            try:
+                if self.speculative:
+                    greedy = b in eng.greedy_modules and all(r.params.temperature <= 0
+                                                             for r in group)
+                    out = eng.launch(rows_, b, greedy)
+                else:
+                    out = eng.launch(rows_, b, False, target=True)
+            except Exception as e:  # noqa: BLE001 -- the group's requests (_failed)
+                self._failed(group, e, events)
+                continue
             for r in group:
                 r.inflight += 1
                 r.steps_inflight += 1
@@ -356,7 +395,14 @@ class GenerationStream:
         counted = set()
         while self.records and self.records[0].call != keep_call:
             rec = self.records.popleft()
-            host = rec.launched.wait()
+            try:
+                host = rec.launched.wait()
+            except Exception as e:  # noqa: BLE001 -- the launch's requests (_failed)
+                for r in rec.requests:
+                    r.inflight -= 1
+                    r.steps_inflight -= rec.kind == "step"
+                self._failed(rec.requests, e, events)
+                continue
             if rec.kind == "prefill":
                 r = rec.requests[0]
                 r.inflight -= 1
@@ -409,3 +455,12 @@ class GenerationStream:
         if done:
             self._end(r)
         self._event(events, r, added, done)
+
+
+def _device_error(exc: BaseException) -> bool:
+    """A fault of the device, not of one request: CUDA reports an illegal access or a failed
+    launch as a sticky error (every later call on the context fails too)."""
+    import torch
+    accel = getattr(torch, "AcceleratorError", None)
+    return ((accel is not None and isinstance(exc, accel))
+            or "CUDA error" in str(exc) or "CUDA driver error" in str(exc))

@@ -10,6 +10,7 @@
                  greedy-variant share, speculative-decoding acceptance, latency histograms
     app.py       the FastAPI application: /v1/models, /v1/completions (JSON or SSE), /health,
                  /metrics
+    server.py    uvicorn around the app: slow and oversized clients refused, SIGTERM drains
     cli.py       the `serve` subcommand (imports nothing of the extra until it runs)
 
 FastAPI, uvicorn and prometheus-client are the `serve` extra; :func:`require_extra` turns their
@@ -20,7 +21,9 @@ from __future__ import annotations
 import importlib.util
 
 EXTRA = "serve"
-EXTRA_MODULES = ("fastapi", "uvicorn", "prometheus_client", "pydantic")
+# httptools: uvicorn[standard]'s HTTP parser, whose protocol class the server extends with a
+# header timeout (server.py)
+EXTRA_MODULES = ("fastapi", "uvicorn", "httptools", "prometheus_client", "pydantic")
 INSTALL_HINT = "pip install 'dspark-compile[serve]'"
 
 

@@ -1,33 +1,52 @@
 """The FastAPI application: the routes, each short, over the engine loop.
 
-    GET  /health           200 while the engine thread runs, 503 once it failed
+    GET  /health           200 while the engine thread runs; 503 once it failed or while the
+                           server drains
     GET  /v1/models        the one engine served (its id: --model-name, default the directory)
     POST /v1/completions   one choice per prompt; JSON, or server-sent events with `stream`
     GET  /metrics          Prometheus text format (metrics.py)
 
+A completion request, in order: the body is read (at most --max-request-bytes, else 413 before
+the rest is read; within --body-timeout, else 408), parsed and validated, then tokenized and
+checked against the engine (prepare.py) -- both on a small thread pool, never on the event
+loop, whose thread answers every other client meanwhile -- then submitted to the engine loop.
+
 Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 names the field
-(schema errors from protocol.py, engine limits from prepare.py), 404 an unknown model, 429 a
-full queue, 503 a stopped engine; anything else is a one-line 500 (the traceback goes to the
-server's log, never to the client).
+or the problem (schema errors from protocol.py, engine limits from prepare.py, a body that is
+not UTF-8 JSON), 404 an unknown model, 408 a body too slow, 413 a body too large, 415 a body
+that is not JSON, 429 a full queue, 500 a request the engine failed on (that request alone:
+loop.py), 503 a stopped or draining engine. Every refusal before the engine is counted as
+`invalid`. Anything else is a bug: its traceback is logged with the request id and the client
+gets a one-line 500.
+
+Every response carries `X-Request-Id` (the client's, when it is 1-128 printable ASCII
+characters, else a generated one), and every request is one access-log line: its id, method,
+path, status, prompt and completion tokens, finish reasons and duration.
 
 A client that disconnects cancels its requests: a streamed response listens for the
 disconnect while it sends (whatever the ASGI server's spec version), a JSON response waits
-for either the result or the disconnect.
+for either the result or the disconnect. A streaming client that reads nothing for
+--send-timeout is disconnected the same way.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from dspark_compile.serve.loop import EngineDown, EngineLoop, QueueFull, Ticket
+from dspark_compile.serve.loop import EngineDown, EngineLoop, QueueFull, RequestFailed, Ticket
 from dspark_compile.serve.metrics import CONTENT_TYPE, Metrics
 from dspark_compile.serve.prepare import (BadRequest, EngineLimits, Job, api_field, api_message,
                                           prepare)
@@ -35,6 +54,19 @@ from dspark_compile.serve.protocol import (Completion, CompletionChoice, Complet
                                            ModelCard, ModelList, Usage, error_response,
                                            validation_message)
 from dspark_compile.serve.text import TextStream, Tokenizer
+
+log = logging.getLogger("dspark_compile.serve")
+access_log = logging.getLogger("dspark_compile.serve.access")   # one line per request
+ACCESS = "dspark.access"                 # the scope key of a request's Access record
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")    # printable ASCII, no spaces
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_request_bytes: int     # a larger body: 413
+    body_timeout: float        # seconds for the whole body to arrive, else 408
+    send_timeout: float        # seconds a stream's client may read nothing, then disconnected
+
 
 @dataclass
 class ServeState:
@@ -45,41 +77,62 @@ class ServeState:
     model_name: str
     fingerprint: str | None
     created: int
+    http: HttpLimits
+    executor: Executor          # parsing and tokenization, off the event loop
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None):
-    return JSONResponse(error_response(status, message, param, code), status_code=status)
+@dataclass
+class Access:
+    """What the access-log line of one request says."""
+    request_id: str
+    start: float
+    status: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish: list = field(default_factory=list)
+
+
+class ApiError(Exception):
+    """A refusal in OpenAI's error body; `close`: the connection closes after it (the body
+    was not read to its end)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, outcome: str = "invalid", close: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.outcome, self.close = outcome, close
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           close: bool = False):
+    return JSONResponse(error_response(status, message, param, code), status_code=status,
+                        headers={"Connection": "close"} if close else None)
 
 
 def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="dspark-compile", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     m = state.metrics
+    app.add_middleware(RequestLog, metrics=m)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = validation_message(list(exc.errors()))
-        if request.url.path == "/v1/completions":
-            m.outcome("invalid")
         return _error(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception):
-        # the ASGI server logs the traceback; the client gets one line
-        return _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
-
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        if not state.loop.alive:
-            reason = state.loop.down_reason() if state.loop.error else "engine thread stopped"
+        if not state.loop.alive or state.loop.draining:
+            reason = (state.loop.down_reason() if state.loop.error or state.loop.draining
+                      else "engine thread stopped")
             return _error(503, reason)
         return {"status": "ok", "in_flight": state.loop.in_flight}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return ModelList(data=[ModelCard(id=state.model_name, created=state.created,
                                          max_model_len=state.limits.max_seq_len)])
@@ -89,16 +142,24 @@ def create_app(state: ServeState) -> FastAPI:
         return Response(m.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        arrival = time.monotonic()
-        if req.model != state.model_name:
-            m.outcome("invalid")
-            return _error(404, f"model {req.model!r} is not served here (this server serves "
-                               f"{state.model_name!r}; see /v1/models)", "model",
-                          "model_not_found")
+    async def completions(request: Request):
+        acc: Access = request.scope[ACCESS]
         try:
-            jobs = prepare(req, state.limits, state.tokenizer)
-            tickets = _submit(state.loop, jobs)
+            raw = await _read_body(request, state.http)
+            req = await _off_loop(state, parse_request, raw,
+                                  request.headers.get("content-type"))
+            if req.model != state.model_name:
+                raise ApiError(404, f"model {_clip(req.model)!r} is not served here (this "
+                                    f"server serves {state.model_name!r}; see /v1/models)",
+                               "model", "model_not_found")
+            jobs = await _off_loop(state, prepare, req, state.limits, state.tokenizer)
+            tickets = _submit(state.loop, jobs, acc.request_id)
+        except ClientDisconnect:
+            m.outcome("cancelled")
+            return Response(status_code=499)
+        except ApiError as e:
+            m.outcome(e.outcome)
+            return _error(e.status, e.message, e.param, e.code, e.close)
         except BadRequest as e:
             m.outcome("invalid")
             return _error(e.status, str(e), e.param)
@@ -109,23 +170,108 @@ def create_app(state: ServeState) -> FastAPI:
         except EngineDown as e:
             m.outcome("error")
             return _error(503, str(e))
-        m.prompt_tokens.inc(sum(len(j.prompt) for j in jobs))
+        acc.prompt_tokens = sum(len(j.prompt) for j in jobs)
+        m.prompt_tokens.inc(acc.prompt_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        runs = [_Run(state, job, ticket, arrival) for job, ticket in zip(jobs, tickets)]
+        runs = [_Run(state, job, ticket, acc.start) for job, ticket in zip(jobs, tickets)]
         if req.stream:
-            return _EventStream(_sse(state, req, rid, runs), on_disconnect=lambda: _cancel(runs))
-        return await _json(state, req, rid, runs, request)
+            return _EventStream(_sse(state, req, rid, runs, acc),
+                                on_disconnect=lambda: _cancel(runs),
+                                send_timeout=state.http.send_timeout)
+        return await _json(state, req, rid, runs, request, acc)
 
     return app
 
 
-def _submit(loop: EngineLoop, jobs: list[Job]) -> list[Ticket]:
+# ---- the request, before the engine --------------------------------------------------------
+
+async def _read_body(request: Request, http: HttpLimits) -> bytes:
+    """The body, refused with 413 past the limit (at once when Content-Length says so, else
+    as a chunked body's bytes arrive; the rest is read and dropped by the server's protocol,
+    server.py) and with 408 when it takes longer than the timeout (the connection closes)."""
+    limit = http.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body of {int(declared)} bytes exceeds this server's "
+                            f"limit of {limit} bytes (--max-request-bytes)")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(http.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body exceeds this server's limit of "
+                                        f"{limit} bytes (--max-request-bytes)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {http.body_timeout:g} s "
+                            f"(--body-timeout; {size} bytes came)", close=True) from None
+    return b"".join(chunks)
+
+
+def _off_loop(state: ServeState, fn, *args):
+    return asyncio.get_running_loop().run_in_executor(state.executor, fn, *args)
+
+
+def parse_request(raw: bytes, content_type: str | None) -> CompletionRequest:
+    """A body -> a validated CompletionRequest, or ApiError naming the problem (run off the
+    event loop: parsing takes time in proportion to the body)."""
+    if content_type is not None and not _is_json(content_type):
+        raise ApiError(415, f"the body must be JSON: Content-Type {_clip(content_type)!r} "
+                            "(send application/json)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body: not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+                            f"{e.start})", "body") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"body: invalid JSON ({e.msg}: line {e.lineno} column {e.colno})",
+                       "body") from None
+    except RecursionError:
+        raise ApiError(400, "body: JSON nested too deeply", "body") from None
+    except ValueError as e:      # a duplicate key; an integer past Python's 4300 digits
+        raise ApiError(400, f"body: invalid JSON ({str(e)[:200]})", "body") from None
+    try:
+        return CompletionRequest.model_validate(obj)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise ApiError(400, message, param) from None
+    except RecursionError:       # a value nested within the JSON parser's depth, not pydantic's
+        raise ApiError(400, "body: JSON nested too deeply", "body") from None
+
+
+def _is_json(content_type: str) -> bool:
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/")
+                                          and mime.endswith("+json"))
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """A key given twice is refused: readers that keep the first and readers that keep the
+    last (proxies, loggers, this server) would see different requests."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {_clip(k)!r} is given twice")
+        out[k] = v
+    return out
+
+
+def _clip(s: str, n: int = 80) -> str:
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def _submit(loop: EngineLoop, jobs: list[Job], request_id: str) -> list[Ticket]:
     """All of a request's prompts or none."""
     tickets = []
+    aloop = asyncio.get_running_loop()
     try:
         for job in jobs:
             try:
-                tickets.append(loop.submit(job.prompt, job.params, asyncio.get_running_loop()))
+                tickets.append(loop.submit(job.prompt, job.params, aloop,
+                                           f"{request_id} (prompt {job.index})"))
             except ValueError as e:       # the stream's own validation
                 raise BadRequest(api_field(str(e)), api_message(str(e))) from None
     except BaseException:
@@ -134,6 +280,8 @@ def _submit(loop: EngineLoop, jobs: list[Job]) -> list[Ticket]:
         raise
     return tickets
 
+
+# ---- the request in the engine --------------------------------------------------------------
 
 class _Run:
     """One job in flight: its ticket's events -> (text delta, ids delta, finish reason)."""
@@ -160,16 +308,29 @@ class _Run:
                 else:
                     m.itl.observe((now - self.last) / len(item.tokens), len(item.tokens))
                 self.last = now
-            text, ids = self.text.add(item.tokens)
+            try:
+                text, ids = self.text.add(item.tokens)
+                if item.finished or self.text.stopped:
+                    text += self.text.finish()
+            except Exception as e:  # noqa: BLE001 -- the tokenizer's fault: this request's
+                self._failed(e)
             if self.text.stopped and not item.finished:   # a stop string: the engine stops too
                 self.state.loop.cancel(self.ticket)
             if item.finished or self.text.stopped:
-                text += self.text.finish()
                 self.finish = "stop" if self.text.stopped else "length"
                 m.outcome(self.finish)
                 m.e2e.observe(now - self.arrival)
             if text or ids or self.finish:
                 yield text, ids, self.finish
+
+    def _failed(self, e: Exception):
+        log.error("request %s: detokenizing its output failed (the request ends, the others "
+                  "go on)", self.ticket.tag, exc_info=e)
+        self.state.loop.cancel(self.ticket)
+        self.finish = "error"
+        self.state.metrics.outcome("error")
+        raise RequestFailed(f"detokenizing this request's output failed: "
+                            f"{type(e).__name__}: {str(e)[:200]}") from None
 
     def cancel(self) -> None:
         if self.finish is None:
@@ -189,29 +350,47 @@ def _usage(runs: list[_Run]) -> Usage:
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
+def _account(acc: Access, runs: list[_Run]) -> None:
+    acc.completion_tokens = sum(len(r.text.ids) for r in runs)
+    acc.finish = [r.finish or "cancelled" for r in runs]
+
+
 async def _json(state: ServeState, req: CompletionRequest, rid: str, runs: list[_Run],
-                request: Request):
+                request: Request, acc: Access):
     async def collect(run: _Run):
         async for _ in run.deltas():
             pass
 
-    work = asyncio.ensure_future(asyncio.gather(*(collect(r) for r in runs)))
+    tasks = [asyncio.ensure_future(collect(r)) for r in runs]
+    work = asyncio.ensure_future(asyncio.gather(*tasks))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():                  # the client left first
             work.cancel()
             return Response(status_code=499)
-        work.result()                        # EngineDown -> 503 below
+        work.result()                        # EngineDown -> 503, RequestFailed -> 500
     except EngineDown as e:
         return _error(503, str(e))
+    except RequestFailed as e:
+        return _error(500, _prompt_label(runs) + str(e), code="engine_error")
     finally:
         gone.cancel()
+        for t in tasks:                      # the others of a request one prompt failed
+            t.cancel()
         _cancel(runs)                        # a no-op for the finished ones
+        _account(acc, runs)
     choices = [CompletionChoice(index=r.job.index, text=r.text.text, token_ids=r.text.ids,
                                 finish_reason=r.finish) for r in runs]
     return Completion(id=rid, model=state.model_name, system_fingerprint=state.fingerprint,
                       choices=choices, usage=_usage(runs))
+
+
+def _prompt_label(runs: list[_Run]) -> str:
+    if len(runs) == 1:
+        return ""
+    failed = [r.job.index for r in runs if r.finish == "error"]
+    return f"prompt {failed[0]}: " if failed else ""
 
 
 async def _disconnected(request: Request) -> None:
@@ -235,9 +414,12 @@ def _chunk(base: dict, choices: list, usage: Usage | None = None) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_Run]):
+async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_Run],
+               acc: Access):
     """OpenAI's completion stream: `data: {chunk}` per delta, a usage chunk (choices [])
-    when stream_options.include_usage, then `data: [DONE]`."""
+    when stream_options.include_usage, then `data: [DONE]`. A prompt the engine failed on,
+    or every prompt when the server stops, ends with an error event (OpenAI's error body);
+    the others go on, and the stream still ends with `data: [DONE]`."""
     merged: asyncio.Queue = asyncio.Queue()
     base = _chunk_base(state, rid)
 
@@ -245,7 +427,7 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_
         try:
             async for delta in run.deltas():
                 await merged.put((run, delta))
-        except EngineDown as e:
+        except (EngineDown, RequestFailed) as e:
             await merged.put((run, e))
         finally:
             await merged.put((run, None))
@@ -257,8 +439,13 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_
             run, item = await merged.get()
             if item is None:
                 left -= 1
-            elif isinstance(item, EngineDown):
-                yield f"data: {_json_error(503, str(item))}\n\n"
+            elif isinstance(item, BaseException):
+                label = f"prompt {run.job.index}: " if len(runs) > 1 else ""
+                if isinstance(item, EngineDown):
+                    body = _json_error(503, label + str(item))
+                else:
+                    body = _json_error(500, label + str(item), "engine_error")
+                yield f"data: {body}\n\n"
             else:
                 text, ids, finish = item
                 yield _chunk(base, [{"index": run.job.index, "text": text, "token_ids": ids,
@@ -270,39 +457,115 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_
         for t in tasks:
             t.cancel()
         _cancel(runs)
+        _account(acc, runs)
 
 
-def _json_error(status: int, message: str) -> str:
-    return json.dumps(error_response(status, message))
+def _json_error(status: int, message: str, code: str | None = None) -> str:
+    return json.dumps(error_response(status, message, code=code))
+
+
+class _SendTimeout(OSError):
+    """The client read nothing for the send timeout: treated as a disconnect."""
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events that stop, and cancel their requests, when the client disconnects:
-    the disconnect is listened for while sending, whatever ASGI spec version the server
-    speaks (Starlette listens only below 2.4 and otherwise notices at the next send)."""
+    """Server-sent events that stop, and cancel their requests, when the client disconnects
+    or reads nothing for `send_timeout` seconds: the disconnect is listened for while
+    sending, whatever ASGI spec version the server speaks (Starlette listens only below 2.4
+    and otherwise notices at the next send)."""
 
-    def __init__(self, content, on_disconnect):
+    def __init__(self, content, on_disconnect, send_timeout: float):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_disconnect = on_disconnect
+        self.on_disconnect, self.send_timeout = on_disconnect, send_timeout
 
     async def __call__(self, scope, receive, send):
         async def listen():
             while (await receive())["type"] != "http.disconnect":
                 pass
 
-        sending = asyncio.ensure_future(self.stream_response(send))
+        async def timed_send(message):
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _SendTimeout(f"the client read nothing for {self.send_timeout:g} s "
+                                   "(--send-timeout)") from None
+
+        sending = asyncio.ensure_future(self.stream_response(timed_send))
         gone = asyncio.ensure_future(listen())
         try:
             await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not sending.done():
-                self.on_disconnect()
                 sending.cancel()
                 await asyncio.gather(sending, return_exceptions=True)
-                await self.body_iterator.aclose()
             gone.cancel()
-        if sending.done() and not sending.cancelled() and sending.exception() is not None:
-            exc = sending.exception()
-            if not isinstance(exc, OSError):        # a closed socket is a disconnect
-                raise exc
+            ended = (sending.done() and not sending.cancelled()
+                     and sending.exception() is None)
+            if not ended:
+                self.on_disconnect()
+            await self.body_iterator.aclose()
+        exc = sending.exception() if not sending.cancelled() else None
+        if isinstance(exc, _SendTimeout):
+            log.info("%s: stream ended", exc)
+        elif exc is not None and not isinstance(exc, OSError):   # a closed socket: a disconnect
+            raise exc
+
+
+# ---- request ids and the access log ---------------------------------------------------------
+
+class RequestLog:
+    """Pure ASGI middleware: a request id for every request (the client's X-Request-Id when
+    valid), returned in the response's X-Request-Id; one access-log line when the response
+    ends; a bug's traceback logged with the id, the client told in one line (a completion
+    counted as `error`). A request uvicorn cancels at shutdown (it outlived the drain and the
+    shutdown's grace) gets a 503 if nothing was sent yet, and one log line, no traceback."""
+
+    def __init__(self, app, metrics: Metrics | None = None):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        acc = Access(_request_id(scope), time.monotonic())
+        scope[ACCESS] = acc
+        header = (b"x-request-id", acc.request_id.encode())
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                acc.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as e:  # noqa: BLE001 -- a bug: logged with its request id
+            log.error("request %s: internal error", acc.request_id, exc_info=e)
+            if self.metrics is not None and scope.get("path") == "/v1/completions":
+                self.metrics.outcome("error")
+            if acc.status is None:
+                await _error(500, f"internal error (request {acc.request_id}): "
+                                  f"{type(e).__name__}")(scope, receive, send_)
+        except asyncio.CancelledError:       # the end of this task: nothing awaits it
+            log.warning("request %s: cancelled at shutdown", acc.request_id)
+            if acc.status is None:
+                await _error(503, "the server shut down before this request "
+                                  "finished")(scope, receive, send_)
+        finally:
+            access_log.info("request_id=%s method=%s path=%s status=%s prompt_tokens=%d "
+                            "completion_tokens=%d finish=%s duration_ms=%.1f", acc.request_id,
+                            scope.get("method"), json.dumps(_clip(scope.get("path", ""), 200)),
+                            acc.status if acc.status is not None else "-", acc.prompt_tokens,
+                            acc.completion_tokens, ",".join(acc.finish) or "-",
+                            1000 * (time.monotonic() - acc.start))
+
+
+def _request_id(scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            if REQUEST_ID.fullmatch(given):
+                return given
+            break
+    return uuid.uuid4().hex

@@ -4,15 +4,32 @@ CLI works without them."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 from dspark_compile.cli_common import command, device, engine_errors, int_arg
 # server.py imports nothing of the extra at module level
-from dspark_compile.serve.server import DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
+from dspark_compile.serve.server import (BODY_BYTES_PER_TOKEN, BODY_OTHER_BYTES,
+                                         DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT,
+                                         DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST, DEFAULT_MAX_QUEUE,
+                                         DEFAULT_PORT, DEFAULT_SEND_TIMEOUT)
 
 
 _port = int_arg(0, 65535, "a port number")
 _count = int_arg(0)
+_bytes = int_arg(1, None, "a number of bytes >= 1")
+MAX_SECONDS = 24 * 3600.0       # asyncio's timers take any float; a day is past any use
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, > 0 and finite."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(v) and 0 < v <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"must be in (0, {MAX_SECONDS:g}] seconds, got {text}")
+    return v
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -28,10 +45,30 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send (default: the engine directory's name)")
     p.add_argument("--device", default=None, help="default: the device the engine was built for")
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
+    p.add_argument("--max-request-bytes", type=_bytes, default=None, metavar="N",
+                   help="a larger request body gets HTTP 413 before it is read (default: "
+                        f"{BODY_BYTES_PER_TOKEN} bytes a token for every state row's positions, "
+                        f"max_rows x max_seq_len x {BODY_BYTES_PER_TOKEN} + "
+                        f"{BODY_OTHER_BYTES // 1024} KiB)")
+    p.add_argument("--header-timeout", type=_seconds, default=DEFAULT_HEADER_TIMEOUT,
+                   metavar="S", help="a connection whose request line and headers take longer "
+                                     f"gets 408 and is closed (default {DEFAULT_HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT, metavar="S",
+                   help="a request body that takes longer to arrive gets 408 (default "
+                        f"{DEFAULT_BODY_TIMEOUT:g})")
+    p.add_argument("--send-timeout", type=_seconds, default=DEFAULT_SEND_TIMEOUT, metavar="S",
+                   help="a streaming client that reads nothing for this long is disconnected "
+                        f"and its request cancelled (default {DEFAULT_SEND_TIMEOUT:g})")
+    p.add_argument("--drain-timeout", type=_seconds, default=DEFAULT_DRAIN_TIMEOUT,
+                   metavar="S", help="on SIGTERM / SIGINT: new requests get 503 while those in "
+                                     "flight get this long to finish; the rest then end with "
+                                     f"an error (default {DEFAULT_DRAIN_TIMEOUT:g})")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="no line per request on stdout (failures are still logged)")
 
 
 @command("serve", "serve an engine over an OpenAI-compatible HTTP API", _serve_args,
-         flags={"max_queue": "--max-queue"})
+         flags={"max_queue": "--max-queue", "max_request_bytes": "--max-request-bytes"})
 def cmd_serve(args) -> int:
     from dspark_compile.serve import require_extra
     require_extra()          # before the engine loads: a missing extra fails in a second
@@ -45,6 +82,10 @@ def cmd_serve(args) -> int:
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
                           target=False)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s", flush=True)
-    Server(eng, model_name=args.model_name, max_queue=args.max_queue).run(
-        args.host, args.port, log=lambda line: print(line, flush=True))
+    Server(eng, model_name=args.model_name, max_queue=args.max_queue,
+           max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+           body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+           drain_timeout=args.drain_timeout).run(
+        args.host, args.port, log=lambda line: print(line, flush=True),
+        access_log=not args.no_access_log)
     return 0

@@ -25,6 +25,7 @@ counters: drafts, draft tokens, accepted tokens, accepted tokens per draft posit
     dspark_inter_token_latency_seconds      histogram, one observation per token: the gap
                                             since the request's previous tokens / tokens committed
     dspark_request_latency_seconds          histogram: arrival -> last token
+    dspark_engine_up                        1 while the engine thread runs, 0 once it failed
 
 The engine's counters (GenerationStream.counters()) are read by the engine thread after each
 step and exposed from that snapshot at scrape time, so a scrape never touches the stream.
@@ -74,6 +75,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._snapshot: dict = {}
         self._samples: collections.deque = collections.deque()   # (time, committed tokens)
+        self.down = False
         r.register(_EngineCollector(self))
 
     # ---- written by the engine thread
@@ -87,6 +89,13 @@ class Metrics:
                 s.append((now, committed))
             while len(s) > 2 and now - s[1][0] > RATE_WINDOW_S:
                 s.popleft()
+
+    def engine_down(self) -> None:
+        """The engine thread failed: nothing runs or waits any more (every request in flight
+        was answered 503), whatever the last snapshot held."""
+        with self._lock:
+            self.down = True
+            self._snapshot = {**self._snapshot, "running": 0, "waiting": 0}
 
     # ---- written by the HTTP handlers
     def outcome(self, outcome: str) -> None:
@@ -201,5 +210,7 @@ class _EngineCollector:
                                 value=int(c.get("running", 0)))
         yield GaugeMetricFamily("dspark_requests_waiting", "Requests waiting for a state row "
                                 "(queue depth)", value=int(c.get("waiting", 0)))
+        yield GaugeMetricFamily("dspark_engine_up", "1 while the engine thread runs, 0 once "
+                                "it failed (/health answers 503)", value=0 if self.m.down else 1)
         yield GaugeMetricFamily("dspark_queue_capacity", "Requests that may wait for a state "
                                 "row (--max-queue)", value=self.m.max_queue)

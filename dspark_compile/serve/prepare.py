@@ -27,6 +27,10 @@ class EngineLimits:
     max_seq_len: int        # positions per state row: prompt + new tokens + the lookahead
     block: int              # dspark_block_size
     eos_token_id: int | None
+    # the requests the server holds at once (state rows + --max-queue): a request of more
+    # prompts could never be admitted (one engine request per prompt)
+    max_prompts: int | None = None
+    queue: str = ""         # how max_prompts is made up, for the message
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most new tokens a prompt of this length can get (<= 0: the prompt alone is too
@@ -66,10 +70,17 @@ def api_message(message: str) -> str:
 
 
 def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> list[Job]:
+    """Run off the event loop (the tokenizer's time grows with the prompt's length)."""
     prompts = req.prompts
+    if limits.max_prompts is not None and len(prompts) > limits.max_prompts:
+        raise BadRequest("prompt", f"{len(prompts)} prompts in one request: this server holds "
+                                   f"at most {limits.max_prompts} requests at once "
+                                   f"({limits.queue}), so at most {limits.max_prompts} prompts "
+                                   "can be admitted together")
     if isinstance(prompts[0], str):
         if tokenizer is None:
             raise BadRequest("prompt", "this engine has no tokenizer.json: send token ids")
+        _fits_in_characters(prompts, limits, tokenizer)
         prompts = [tokenizer.encode(p) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
@@ -113,3 +124,19 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
             raise BadRequest(api_field(str(e)), api_message(str(e))) from None
         jobs.append(Job(i, list(p), sp, req.stop))
     return jobs
+
+
+def _fits_in_characters(texts: list[str], limits: EngineLimits, tokenizer) -> None:
+    """A text too long to fit is refused before it is tokenized (the tokenizer's time and
+    memory grow with it: 4 x 5 MB of text took a process to 3 GB) when the tokenizer bounds
+    the characters a token covers (text.py: Tokenizer.max_token_chars)."""
+    per_token = getattr(tokenizer, "max_token_chars", None)
+    if not per_token:
+        return
+    for i, text in enumerate(texts):
+        least = -(-len(text) // per_token)
+        if least > limits.max_seq_len:
+            raise BadRequest("prompt", f"prompt {i}: {len(text)} characters are at least "
+                                       f"{least} tokens (this tokenizer's longest token has "
+                                       f"{per_token} characters), more than the engine's "
+                                       f"{limits.max_seq_len} positions")

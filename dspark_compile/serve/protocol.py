@@ -24,6 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 INT64 = (-(1 << 63), (1 << 63) - 1)     # the decode state keeps a request's seed as int64
 MAX_STOP_STRINGS = 16
+# the text held back while it could start a stop string is at most one stop string long, and
+# every committed token compares that tail with each stop string: 16 x 1024 characters bound
+# that work per token
+MAX_STOP_CHARS = 1024
 
 
 class _Request(BaseModel):
@@ -66,6 +70,7 @@ class CompletionRequest(_Request):
     @classmethod
     def _prompt(cls, v):
         if isinstance(v, str):
+            _unicode(v, "the prompt")
             return [v]
         if not isinstance(v, list) or not v:
             raise ValueError("expected a string, a non-empty list of token ids, or a non-empty "
@@ -73,6 +78,8 @@ class CompletionRequest(_Request):
         if all(_is_id(t) for t in v):
             return [list(v)]
         if all(isinstance(p, str) for p in v):
+            for i, p in enumerate(v):
+                _unicode(p, f"prompt {i}" if len(v) > 1 else "the prompt")
             return list(v)
         if all(isinstance(p, list) for p in v):
             for i, p in enumerate(v):
@@ -100,7 +107,19 @@ class CompletionRequest(_Request):
             raise ValueError("stop strings must be non-empty")
         if len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+        for i, s in enumerate(v):
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop string {i} has {len(s)} characters, at most "
+                                 f"{MAX_STOP_CHARS}")
+            _unicode(s, f"stop string {i}")
         return tuple(dict.fromkeys(v))
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_only(cls, v, info):
+        if v is not None and not info.data.get("stream", False):
+            raise ValueError("only with stream: true (it sets what the stream sends)")
+        return v
 
     @field_validator("n", "best_of")
     @classmethod
@@ -145,6 +164,16 @@ class CompletionRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _unicode(s: str, what: str) -> None:
+    """JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate, which is no character: the
+    tokenizer cannot take it and no output can contain it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate "
+                         f"U+{ord(s[e.start]):04X} at character {e.start}") from None
 
 
 def _is_id(t) -> bool:
@@ -205,7 +234,10 @@ class ErrorResponse(BaseModel):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error", 415: "invalid_request_error",
+               431: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}
 
 
 def error_response(status: int, message: str, param: str | None = None,

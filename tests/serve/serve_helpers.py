@@ -5,7 +5,9 @@
   knows every request's exact output whatever it shares the batch with; stop ids and
   max_new_tokens end a request as the engine does (stop id included), rows are bounded, the
   counters have the real keys. For the pure unit tests of the app; the engine tests run the
-  real stream.
+  real stream. `fail_prompts`: prompts whose admission raises inside the "engine" (after
+  validation), reported as GenerationStream does with isolate_failures: the request alone
+  ends with an event carrying the exception.
 - `train_tokenizer`: a byte-level BPE tokenizer (Hugging Face `tokenizers`) trained on a
   built-in text, written as tokenizer.json, for text in and out.
 """
@@ -42,6 +44,7 @@ class StreamEvent(NamedTuple):
     request: int
     tokens: list
     finished: bool
+    error: BaseException | None = None
 
 
 def fake_tokens(prompt, seed: int, vocab: int, n: int) -> list[int]:
@@ -64,6 +67,8 @@ class FakeStream:
                   "committed_tokens": 0}
         self.added: list[tuple[list[int], object]] = []
         self.step_hook = None       # called at the start of every step (tests: slow it down)
+        self.fail_prompts: dict[tuple, Exception] = {}   # prompt -> raised at its admission
+        self.isolate_failures = False
 
     def add(self, prompt, params) -> int:
         if not prompt:
@@ -72,7 +77,7 @@ class FakeStream:
         with self._lock:
             rid = self._next
             self._next += 1
-            self._req[rid] = {"params": params, "out": [],
+            self._req[rid] = {"params": params, "out": [], "prompt": tuple(prompt),
                               "all": fake_tokens(prompt, params.seed, self.vocab,
                                                  params.max_new_tokens)}
             self._waiting.append(rid)
@@ -104,6 +109,13 @@ class FakeStream:
             self._cancels.clear()
             while self._waiting and len(self._running) < self.max_rows:
                 rid = self._waiting.pop(0)
+                err = self.fail_prompts.get(self._req[rid]["prompt"])
+                if err is not None:
+                    try:
+                        raise err
+                    except Exception as e:   # noqa: BLE001 -- the raise gives it a traceback
+                        events.append(StreamEvent(rid, [], True, e))
+                    continue
                 self._running[rid] = self._req[rid]
             if not self._running:
                 return events

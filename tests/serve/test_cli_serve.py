@@ -20,7 +20,10 @@ def test_cli_imports_nothing_of_the_extra_at_start_up():
     assert r.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("argv", [["--port", "70000"], ["--port", "x"], ["--max-queue", "-1"]])
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--port", "x"], ["--max-queue", "-1"],
+                                  ["--max-request-bytes", "0"], ["--header-timeout", "0"],
+                                  ["--body-timeout", "nan"], ["--send-timeout", "inf"],
+                                  ["--drain-timeout", "-1"], ["--drain-timeout", "soon"]])
 def test_bad_flags_are_usage_errors(argv, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["serve", str(tmp_path), *argv])
