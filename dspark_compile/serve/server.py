@@ -347,47 +347,59 @@ def _protocol(header_timeout: float, linger: float):
     return Protocol
 
 
-class _DroppingQueueHandler(logging.Handler):
-    """Hands records to the writer thread; a full queue drops them (an unread stdout pipe must
-    not stall the event loop)."""
+class _QueueHandler(logging.Handler):
+    """Formats a record and hands the line to the writer thread; a full queue drops it (an
+    unread stdout pipe must not stall the event loop)."""
 
-    def __init__(self, queue):
+    def __init__(self, lines):
         super().__init__()
-        self.queue, self.dropped = queue, 0
+        self.lines, self.dropped = lines, 0
 
     def emit(self, record):
         import queue
         try:
-            record.msg, record.args = self.format(record), None
-            record.exc_info = record.exc_text = None
-            self.queue.put_nowait(record)
+            self.lines.put_nowait(self.format(record))
         except queue.Full:
             self.dropped += 1
 
 
-def _log_to_stdout(access_log: bool):
+def _log_to_stdout(access_log: bool, out=None, wait: float = 5.0):
     """The server's log lines (dspark_compile.serve: access lines at INFO, failures with their
-    tracebacks at ERROR) to stdout from a writer thread; returns the listener to stop."""
-    import logging.handlers
+    tracebacks at ERROR) to stdout from a writer thread; returns the function that stops it
+    (it writes what is queued, waiting `wait` s at most: a pipe nobody reads never empties)."""
     import queue
-    q = queue.Queue(LOG_QUEUE)
+    lines: queue.Queue = queue.Queue(LOG_QUEUE)
+    out = out or sys.stdout
     logger = logging.getLogger("dspark_compile.serve")
-    handler = _DroppingQueueHandler(q)
+    handler = _QueueHandler(lines)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    access = logging.getLogger("dspark_compile.serve.access")
     if not access_log:
-        logging.getLogger("dspark_compile.serve.access").setLevel(logging.WARNING)
-    out = logging.StreamHandler(sys.stdout)
-    out.setFormatter(logging.Formatter("%(message)s"))
-    listener = logging.handlers.QueueListener(q, out)
-    listener.start()
+        access.setLevel(logging.WARNING)
+
+    def write():
+        while (line := lines.get()) is not None:
+            try:
+                out.write(line + "\n")
+                out.flush()
+            except (OSError, ValueError):      # stdout closed: nothing more can be written
+                return
+
+    writer = threading.Thread(target=write, name="dspark-log", daemon=True)
+    writer.start()
 
     def stop():
-        listener.stop()                    # writes what is queued
         logger.removeHandler(handler)
         logger.propagate = True
+        access.setLevel(logging.NOTSET)
+        try:
+            lines.put(None, timeout=wait)
+        except queue.Full:
+            pass
+        writer.join(wait)
     return stop
 
 

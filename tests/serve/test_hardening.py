@@ -247,6 +247,38 @@ def test_a_bug_is_a_logged_traceback_with_the_request_id_and_a_one_line_500(tmp_
         assert metric(url, "dspark_requests_total", (("outcome", "error"),)) == 1
 
 
+def test_log_lines_never_stall_the_server_on_an_unread_stdout():
+    """The CLI's log writer: with stdout stuck (a pipe nobody reads), logging goes on at once
+    (lines past the queue's 10,000 are dropped and counted) and stopping it returns."""
+    from dspark_compile.serve.server import LOG_QUEUE, _log_to_stdout, _QueueHandler
+
+    gate = threading.Event()
+
+    class Stuck:
+        def write(self, text):
+            gate.wait(60)
+
+        def flush(self):
+            pass
+
+    stop = _log_to_stdout(True, out=Stuck(), wait=0.2)
+    try:
+        (handler,) = [h for h in logging.getLogger("dspark_compile.serve").handlers
+                      if isinstance(h, _QueueHandler)]
+        access = logging.getLogger("dspark_compile.serve.access")
+        t = threading.Thread(target=lambda: [access.info("line %d", i)
+                                             for i in range(LOG_QUEUE + 100)])
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "logging blocked on the stuck stdout"
+        assert handler.dropped >= 99
+    finally:
+        stop()
+        gate.set()
+    assert not [h for h in logging.getLogger("dspark_compile.serve").handlers
+                if isinstance(h, _QueueHandler)]
+
+
 # ---- 3. large bodies: off the event loop, bounded ----------------------------------------
 
 def test_tokenizing_a_prompt_leaves_the_event_loop_free(tmp_path):
