@@ -264,7 +264,9 @@ class _ServerProcess:
         exe = Path(sys.executable).with_name("dspark-compile")
         cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli"])
         self.proc = subprocess.Popen(cmd + ["serve", engine_dir, "--port", "0", "--threads",
-                                            str(threads), "--model-name", "bench"],
+                                            str(threads), "--model-name", "bench",
+                                            # one access line a request would go unread here
+                                            "--no-access-log"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         self.log = []
