@@ -97,18 +97,29 @@ def not_an_engine(dest: Path) -> Optional[str]:
     """Why replacing `dest` would delete something save_engine did not write (None: it may go).
     What it wrote is its manifest's file table (every file but the manifest, the whole tree)
     plus the manifest and _write_json_atomic's hidden temporaries; a manifest that cannot be
-    read cannot say which files are the engine's, so the directory is refused."""
+    read cannot say which files are the engine's, so the directory is refused, and so is one
+    whose file table names a path outside it (dspark_compile/artifact_paths.py) or `dest`
+    itself when it is a symbolic link (replacing it would not rebuild what it points to)."""
+    from dspark_compile.artifact_load import MAX_MANIFEST_BYTES
+    from dspark_compile.artifact_paths import check_rel, read_file
     dest = Path(dest)
+    if dest.is_symlink():
+        return "it is a symbolic link: build to the directory it points to"
     allowed: set[str] = set()
     path = dest / MANIFEST
     if dest.is_dir() and path.is_file() and not path.is_symlink():
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            manifest = json.loads(read_file(dest, MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
+        except (ArtifactError, OSError, ValueError, RecursionError) as e:
             return (f"its {MANIFEST} cannot be read ({type(e).__name__}), so which files are "
                     "the engine's cannot be told")
         files = manifest.get("files") if isinstance(manifest, dict) else None
         allowed = set(files) if isinstance(files, dict) else set()
+        for rel in allowed:
+            try:
+                check_rel(rel, "files")
+            except ArtifactError as e:
+                return f"its {MANIFEST} names a file outside it ({e})"
     return replace_refusal(dest, "an engine", MANIFEST, allowed,
                            (rf"\.{MANIFEST}\.\d+\.[0-9a-f]{{8}}\.tmp",))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import pkgutil
 from typing import Optional
 
@@ -68,12 +69,17 @@ def _label(key) -> str:
 
 # --------------------------------------------------------------------------- hashing
 def sha256_file(path) -> tuple[str, int]:
-    h, size = hashlib.sha256(), 0
+    """(sha256, size) of a file the build wrote (a load reads through artifact_paths)."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
+        size = os.fstat(f.fileno()).st_size
+        return sha256_stream(f), size
+
+
+def sha256_stream(f) -> str:
+    h = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

@@ -1,24 +1,45 @@
 """Validated load of an engine directory.
 
-`load_manifest` checks the manifest checksum, format version, toolchain versions, target SM, pass
-source hashes, the schemas of the `dspark::` ops the programs call, any caller expectations, and
-the size and sha256 of every file; each failure raises `ArtifactError` naming the field or file.
-`load_engine` registers the `dspark::` ops (imports every `dspark_compile.kernels` module) before
-`torch.export.load`, and attaches the shared weights (dspark_compile/artifact_weights.py).
+`load_manifest` checks, first, that every path the manifest names stays inside the engine
+directory and that nothing in it is a link or a special file (dspark_compile/artifact_paths.py),
+then the manifest checksum, format version, toolchain versions, target SM, pass source hashes,
+the schemas of the `dspark::` ops the programs call, any caller expectations, and the size and
+sha256 of every file; each failure raises `ArtifactError` naming the field or file.
+`load_engine` refuses an engine whose programs are code unless trusted (check_code_trust),
+registers the `dspark::` ops (imports every `dspark_compile.kernels` module), loads each program
+after checking that its archive holds a graph and raw tensors only
+(dspark_compile/program_load.py), and attaches the shared weights
+(dspark_compile/artifact_weights.py).
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
 from dspark_compile.artifact_format import (
-    FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, prefill_key, prefill_program_path,
-    register_kernel_ops, sha256_file, target_key, target_program_path)
+    COMPILED_DIR, FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, prefill_key,
+    prefill_program_path, register_kernel_ops, sha256_stream, target_key, target_program_path)
+from dspark_compile.artifact_paths import check_engine, open_file, read_file
 from dspark_compile.artifact_weights import _attach_weights, _load_weights
 from dspark_compile.versions import ENV_FIELDS, environment_fields
+
+
+MAX_MANIFEST_BYTES = 64 << 20   # the tiny engine's is 0.2 MB; a real model's a few MB
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object hook: a key given twice is refused (json.loads would keep the last one,
+    silently, and another reader might keep the first)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} appears twice in one object")
+        out[k] = v
+    return out
 
 
 def _read_manifest(engine_dir: Path) -> dict:
@@ -29,15 +50,20 @@ def _read_manifest(engine_dir: Path) -> dict:
         raise ArtifactError(f"engine directory {engine_dir} is not a directory (an engine is a "
                             "directory that `dspark-compile build --out` wrote)",
                             path=str(engine_dir))
-    if path.exists() and not path.is_file():
-        raise ArtifactError(f"{engine_dir} is not an engine: {MANIFEST} is not a file",
-                            path=MANIFEST)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{engine_dir} is not an engine: {MANIFEST} is missing", path=MANIFEST)
+    if path.is_symlink() or not path.is_file():
+        what = "a symbolic link" if path.is_symlink() else "not a file"
+        raise ArtifactError(f"{engine_dir} is not an engine: {MANIFEST} is {what}",
+                            path=MANIFEST)
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{MANIFEST} is corrupted (not valid JSON: {e})", path=MANIFEST) from e
+        text = read_file(engine_dir, MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8")
+        manifest = json.loads(text, object_pairs_hook=_unique_keys)
+    except ArtifactError as e:
+        raise ArtifactError(f"{MANIFEST}: {e}", path=MANIFEST) from None
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError, digits
+        raise ArtifactError(f"{MANIFEST} is corrupted (not valid JSON: "
+                            f"{type(e).__name__}: {str(e)[:200]})", path=MANIFEST) from None
     except OSError as e:
         raise ArtifactError(f"{engine_dir / MANIFEST} cannot be read ({e.strerror or e})",
                             path=MANIFEST) from e
@@ -106,20 +132,17 @@ def _check_ops(manifest: dict) -> None:
 
 
 def _check_files(engine_dir: Path, manifest: dict) -> None:
+    """Every file of the table has its size and sha256 (the paths were checked first)."""
     for rel, info in sorted(manifest.get("files", {}).items()):
-        p = engine_dir / rel
-        if p.exists() and not p.is_file():
-            raise ArtifactError(f"engine file '{rel}' is not a file", path=rel)
-        if not p.is_file():
-            raise ArtifactError(f"engine file '{rel}' is missing", path=rel)
-        size = p.stat().st_size
-        if size < info["size"]:
-            raise ArtifactError(f"engine file '{rel}' is truncated: {size} of {info['size']} "
-                                "bytes", path=rel)
-        if size != info["size"]:
-            raise ArtifactError(f"engine file '{rel}' has the wrong size: {size} bytes, manifest "
-                                f"says {info['size']}", path=rel)
-        digest, _ = sha256_file(p)
+        with open_file(engine_dir, rel) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < info["size"]:
+                raise ArtifactError(f"engine file '{rel}' is truncated: {size} of "
+                                    f"{info['size']} bytes", path=rel)
+            if size != info["size"]:
+                raise ArtifactError(f"engine file '{rel}' has the wrong size: {size} bytes, "
+                                    f"manifest says {info['size']}", path=rel)
+            digest = sha256_stream(f)
         if digest != info["sha256"]:
             raise ArtifactError(f"engine file '{rel}' is corrupted: sha256 {digest[:12]}…, "
                                 f"manifest says {info['sha256'][:12]}…", path=rel)
@@ -238,6 +261,9 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     engine_dir = Path(engine_dir)
     skip = set(skip)
     manifest = _read_manifest(engine_dir)
+    # before any other file is opened or even looked at: an engine names only files inside
+    # itself (dspark_compile/artifact_paths.py)
+    check_engine(engine_dir, manifest)
     if "format_version" not in skip and manifest.get("format_version") != FORMAT_VERSION:
         raise _mismatch("format_version", manifest.get("format_version"), FORMAT_VERSION, True)
     expect = dict(expect or {})
@@ -270,14 +296,34 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     return manifest
 
 
+TRUST_FLAG = "--trust-engine-code"
+
+
+def check_code_trust(manifest: dict, trust_code: bool) -> None:
+    """An engine whose programs are code (`--backend inductor`: the Python and the kernels
+    Inductor generated, in compiled/) loads only when the caller trusts its author; an aten
+    engine's load executes nothing from the directory (dspark_compile/program_load.py)."""
+    bc = manifest.get("build_config")
+    backend = bc.get("backend", "aten") if isinstance(bc, dict) else "aten"
+    if backend != "aten" and not trust_code:
+        raise ArtifactError(
+            f"manifest field 'build_config.backend' is {backend!r}: loading this engine runs the "
+            f"Python code in its {COMPILED_DIR}/ directory, so it loads only for an engine you "
+            f"built or trust: pass {TRUST_FLAG} (Engine.load(trust_code=True)), or load an engine "
+            "built with --backend aten, which executes nothing from its directory",
+            field="build_config.backend")
+
+
 def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] = (),
-                device="cpu", check_files: bool = True):
+                device="cpu", check_files: bool = True, trust_code: bool = False):
     """Validate and load an engine: returns (manifest, {bucket: ExportedProgram},
     {FQN: weight tensor}). The weights are loaded once (onto `device`) and the same tensors
-    are attached to every program."""
+    are attached to every program. `trust_code`: load an engine whose programs are code
+    (check_code_trust); refused otherwise."""
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=check_files,
                              device=device)
+    check_code_trust(manifest, trust_code)
     configs = _engine_fields(manifest, device)
     register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
@@ -303,15 +349,18 @@ def _engine_fields(manifest: dict, device=None):
     return check_engine_fields(manifest, dev)
 
 
+def _load_program_file(engine_dir, manifest: dict, rel: str):
+    """The program at the validated manifest's path `rel`, refused unless it is a graph and raw
+    tensors only (dspark_compile/program_load.py: loading it executes nothing from it)."""
+    from dspark_compile.program_load import load_program_file
+    return load_program_file(Path(engine_dir), rel, manifest["files"][rel])
+
+
 def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
     """Bucket's program of a validated manifest, with the shared `weights` attached (the ops
     must be registered: register_kernel_ops)."""
     entry = manifest["programs"][str(bucket)]
-    try:
-        ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
-    except Exception as e:
-        raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
-                            path=entry["path"]) from e
+    ep = _load_program_file(engine_dir, manifest, entry["path"])
     _attach_weights(ep, entry["shared_weights"], weights, bucket)
     return ep
 
@@ -322,11 +371,7 @@ def _load_table(engine_dir, manifest: dict, weights: dict, table: str, key) -> d
     listed together."""
     out = {}
     for k, entry in sorted(manifest.get(table, {}).items(), key=lambda kv: int(kv[0])):
-        try:
-            ep = torch.export.load(str(Path(engine_dir) / entry["path"]))
-        except Exception as e:
-            raise ArtifactError(f"cannot load program '{entry['path']}': {type(e).__name__}: {e}",
-                                path=entry["path"]) from e
+        ep = _load_program_file(engine_dir, manifest, entry["path"])
         _attach_weights(ep, entry["shared_weights"], weights, key(int(k)))
         out[int(k)] = ep
     configs = _engine_fields(manifest)

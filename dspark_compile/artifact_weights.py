@@ -105,19 +105,43 @@ def _save_weights(weights: dict, path: Path) -> dict:
     return summary
 
 
+def _summary_dtype(name: str, info) -> torch.dtype:
+    """The dtype the manifest's weights table gives weight `name` (a torch dtype's name and
+    nothing else: the name is looked up on the torch module)."""
+    dtype = getattr(torch, info.get("dtype"), None) \
+        if isinstance(info, dict) and isinstance(info.get("dtype"), str) else None
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ArtifactError(f"manifest field 'weights.tensors': '{name}' is not a dtype name "
+                            f"and a shape of ints: {str(info)[:120]}", field="weights.tensors")
+    return dtype
+
+
 def _load_weights(path: Path, summary: dict, device) -> dict:
     from safetensors.torch import load_file
 
-    raw = load_file(str(path), device=str(device))
+    wanted = {name: _summary_dtype(name, info) for name, info in summary.items()}
+    try:
+        # safetensors checks its header (offsets, dtypes, shapes against the file's bytes)
+        raw = load_file(str(path), device=str(device))
+    except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError, and torch's errors
+        raise ArtifactError(f"{WEIGHTS_FILE} cannot be read: {type(e).__name__}: "
+                            f"{str(e)[:300]}", path=WEIGHTS_FILE) from None
     if set(raw) != set(summary):
         missing, extra = sorted(set(summary) - set(raw)), sorted(set(raw) - set(summary))
         raise ArtifactError(f"{WEIGHTS_FILE} does not hold the tensors the manifest lists "
-                            f"(missing {missing}, unexpected {extra})", path=WEIGHTS_FILE)
+                            f"(missing {missing[:5]}, unexpected {extra[:5]})", path=WEIGHTS_FILE)
     out = {}
     for name, t in raw.items():
-        want = getattr(torch, summary[name]["dtype"])
+        want = wanted[name]
         if t.dtype != want:
-            t = t.view(want)
+            try:
+                t = t.view(want)
+            except RuntimeError as e:
+                raise ArtifactError(f"weight '{name}' is {t.dtype} {list(t.shape)} in "
+                                    f"{WEIGHTS_FILE}, which cannot be read as {want}: "
+                                    f"{str(e)[:200]}", path=WEIGHTS_FILE) from None
         if list(t.shape) != summary[name]["shape"]:
             raise ArtifactError(f"weight '{name}' has shape {list(t.shape)}, manifest says "
                                 f"{summary[name]['shape']}", path=WEIGHTS_FILE)
@@ -139,10 +163,14 @@ def _stand_in(t: torch.Tensor, is_param: bool):
 
 
 def _save_program(ep, path: Path, shared: list) -> None:
-    """torch.export.save with the shared weights swapped for stand-ins (restored after)."""
+    """torch.export.save with the shared weights swapped for stand-ins and without the export's
+    example inputs (restored after): torch.export.save pickles those, and a load refuses a
+    program holding a pickle (dspark_compile/program_load.py); the runtime allocates its own."""
     entries = _weight_entries(ep)
     saved = []
+    example_inputs = ep.example_inputs
     try:
+        ep.example_inputs = None
         for name in shared:
             table = ep.state_dict if name in ep.state_dict else ep.constants
             saved.append((table, name, table[name]))
@@ -152,6 +180,7 @@ def _save_program(ep, path: Path, shared: list) -> None:
             warnings.filterwarnings("ignore", message="No complete tensor found")
             torch.export.save(ep, str(path))
     finally:
+        ep.example_inputs = example_inputs
         for table, name, t in saved:
             table[name] = t
 

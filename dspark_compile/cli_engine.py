@@ -314,6 +314,11 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="device to run on (default: the device the engine was built for)")
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
+    p.add_argument("--trust-engine-code", action="store_true",
+                   help="load an engine whose programs are code (--backend inductor: the Python "
+                        "in its compiled/ directory runs); only for an engine you built or "
+                        "trust. An aten engine needs no flag: its load executes nothing from "
+                        "the directory")
 
 
 @command("run", "generate with a built engine", _run_args, flags=SAMPLING_FLAGS)
@@ -349,7 +354,7 @@ def cmd_run(args) -> int:
                              f"--no-target-programs): rebuild it without that flag for "
                              f"{'--no-speculation' if args.no_speculation else '--check-lossless'}")
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
-                          target=need_target)
+                          target=need_target, trust_code=args.trust_engine_code)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
           + (f" (graphs captured: {sorted(eng.graphs)})" if eng.graphs else ""))
     spec = not args.no_speculation

@@ -18,6 +18,17 @@ entry is only ever used where Triton itself would have produced the same one; an
 version other than the store's just misses, compiles and says so in one line (or, with
 `policy="require"`, is refused).
 
+What the store holds is GPU code and data only: the kernels' cubins and their metadata JSON.
+Triton's host-side launcher module (`cuda_utils*.so`, built by Triton 3.7 from its own
+driver.c, triton/backends/nvidia/driver.py; Triton 3.6 builds one a kernel signature) is native
+code a cache hit would import, so the store never holds one: a load on a machine whose Triton
+cache lacks it builds it there with the C compiler (once per machine and Triton version for
+3.7), into Triton's own cache directory. The store's manager
+hands Triton only the files of the engine's checked file table, only cubins and JSON, and a
+group file's members only by plain name inside its entry; artifact_paths.check_tree refuses any
+other file in the store before the load reads anything, and `use_store` a metadata JSON with
+tensor-descriptor entries (`_check_metadata`).
+
 Build side: `record()` around a warm-up run of every program (dspark_compile/trace.py) notes
 every entry Triton read or wrote, and `collect()` adds the kernels already compiled in this
 process (a `--verify-passes` run before the warm-up launches kernels that never reach the
@@ -34,10 +45,12 @@ from pathlib import Path
 
 import torch
 
-STORE_ROOT = "kernels/triton"
+from dspark_compile.artifact_paths import STORE_ROOT, STORE_SUFFIXES, check_rel, check_tree
 GROUP_PREFIX = "__grp__"
 POLICIES = ("use", "require", "ignore")
-_KEPT = (".json", ".cubin", ".hsaco", ".so", ".pyd")    # what a cache hit reads
+# what a cache hit reads that is not host code: the binary and its metadata (never a launcher
+# module, .so / .pyd)
+_KEPT = STORE_SUFFIXES
 
 
 def toolchain(device: torch.device) -> dict:
@@ -58,11 +71,13 @@ def store_dir(tc: dict) -> str:
 class _Process:
     """This process's view: the stores installed, the cache manager they front, and what was
     read, written and compiled through it."""
-    stores: list = field(default_factory=list)        # Paths of installed stores
+    stores: dict = field(default_factory=dict)        # Path of an installed store -> its files
     fallback: type | None = None                     # the manager configured before install
     recording: dict | None = None                    # key -> {filename: path}, inside record()
-    compiles: int = 0                                # kernels (and launcher modules) compiled
+    compiles: int = 0                                # kernels compiled
+    launcher_builds: int = 0                         # launcher modules built (C compiler)
     store_hits: int = 0
+    store_files: list = field(default_factory=list)  # the names the stores answered with
 
 
 _PROC = _Process()
@@ -82,18 +97,20 @@ class StoreCacheManager:
             _PROC.recording.setdefault(self.key, {})[filename] = str(path)
 
     def _stored(self, filename: str):
-        if self._plain:
+        """The store's file for this key, only if the engine's file table lists it and it is a
+        cubin or metadata JSON (a launcher module is never taken from an engine)."""
+        if self._plain or not filename.endswith(STORE_SUFFIXES) or "/" in filename:
             return None
-        for root in _PROC.stores:
-            p = root / self.key / filename
-            if p.is_file():
-                return p
+        for root, files in _PROC.stores.items():
+            if f"{self.key}/{filename}" in files:
+                return root / self.key / filename
         return None
 
     def get_file(self, filename):
         p = self._stored(filename)
         if p is not None:
             _PROC.store_hits += 1
+            _PROC.store_files.append(filename)
             self._record(filename, p)
             return str(p)
         path = self._fallback.get_file(filename)
@@ -109,9 +126,12 @@ class StoreCacheManager:
             except (OSError, ValueError, KeyError, TypeError):
                 names = None
             if isinstance(names, dict):
-                found = {c: p.parent / n for c, n in names.items() if (p.parent / n).is_file()}
-                if len(found) == len(names):
+                # members by their own plain name inside this entry, each one the store holds
+                found = {c: self._stored(c) for c, n in names.items()
+                         if isinstance(c, str) and c == n}
+                if names and len(found) == len(names) and None not in found.values():
                     _PROC.store_hits += 1
+                    _PROC.store_files.extend(found)
                     self._record(grp, p)
                     for c, q in found.items():
                         self._record(c, q)
@@ -125,7 +145,7 @@ class StoreCacheManager:
     def put(self, data, filename, binary=True):
         path = self._fallback.put(data, filename, binary=binary)
         if filename.endswith((".so", ".pyd")):
-            _PROC.compiles += 1          # Triton's launcher module, built with the C compiler
+            _PROC.launcher_builds += 1   # Triton's launcher module, built with the C compiler
         self._record(filename, path)
         return path
 
@@ -158,10 +178,21 @@ def activate() -> None:
 
 
 def compiles() -> int:
-    """Kernels (and launcher modules) compiled in this process through the store's manager
-    since it was first activated: what a load on a machine that matches the store must keep
-    at zero."""
+    """Kernels compiled in this process through the store's manager since it was first
+    activated: what a load on a machine that matches the store must keep at zero."""
     return _PROC.compiles
+
+
+def launcher_builds() -> int:
+    """Triton launcher modules (host code, `.so`) built in this process with the C compiler:
+    one per machine and Triton version, on the first load whose Triton cache lacks it (the
+    store never carries one)."""
+    return _PROC.launcher_builds
+
+
+def store_files() -> list:
+    """The file names the installed stores answered Triton's lookups with (cubins and JSON)."""
+    return list(_PROC.store_files)
 
 
 # --------------------------------------------------------------------------- build side
@@ -222,10 +253,11 @@ def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
     out: dict = {}
     kernels = 0
     for key, files in sorted(entries.items()):
-        # a load reads the binary and the metadata (and launcher modules); the IRs Triton also
-        # caches (ttir, ttgir, llir, ptx) are 85 % of the bytes and never read back
+        # a load reads the binary and the metadata; the IRs Triton also caches (ttir, ttgir,
+        # llir, ptx) are 85 % of the bytes and never read back, and a launcher module (.so) is
+        # host code the loading machine builds itself
         members = {f: p for f, p in files.items() if p and not f.startswith(GROUP_PREFIX)
-                   and f.endswith(_KEPT)}
+                   and f.endswith(_KEPT) and "/" not in f}
         data = {}
         for f, p in members.items():
             try:
@@ -242,8 +274,9 @@ def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
             names = {c: c for c in data}
             out[f"{root}/{key}/{g}"] = json.dumps({"child_paths": names}, sort_keys=True)
     entry = {**tc, "path": root, "entries": len({k.split("/")[-2] for k in out}),
-             "kernels": kernels, "bytes": int(sum(len(b) if isinstance(b, bytes) else len(b.encode())
-                                               for b in out.values()))}
+             "kernels": kernels,
+             "bytes": int(sum(len(b) if isinstance(b, bytes) else len(b.encode())
+                              for b in out.values()))}
     return out, entry
 
 
@@ -307,9 +340,10 @@ def install(engine_dir: Path, manifest: dict, device: torch.device, policy: str 
         return False
     why = check(manifest, toolchain(device))
     if why is None:
-        root = (Path(engine_dir) / manifest["kernel_store"]["path"]).resolve()
-        if not root.is_dir():
-            why = f"its kernel store {manifest['kernel_store']['path']} is missing"
+        rel = check_rel(manifest["kernel_store"].get("path"), "kernel_store.path")
+        root = Path(engine_dir) / rel
+        if root.is_symlink() or not root.is_dir():
+            why = f"its kernel store {rel} is missing"
     if why is not None:
         if policy == "require":
             raise ArtifactError(f"engine {engine_dir}: {why}; rebuild it on this machine, or "
@@ -318,13 +352,52 @@ def install(engine_dir: Path, manifest: dict, device: torch.device, policy: str 
         warnings.warn(f"engine {engine_dir}: {why}: Triton compiles the kernels at first use",
                       stacklevel=2)
         return False
-    use_store(root)
+    prefix = rel + "/"
+    use_store(root, {f[len(prefix):] for f in manifest.get("files", {}) if f.startswith(prefix)})
     return True
 
 
-def use_store(root: Path) -> None:
-    """Triton's lookups in this process read the store at `root` first (install, once checked)."""
+def use_store(root: Path, files: set | None = None) -> None:
+    """Triton's lookups in this process read the store at `root` first (install, once the
+    engine is checked): its cubins and metadata JSON listed in `files` ("{key}/{name}", the
+    engine's file table; None: every such file under `root`). Anything else in the store (a
+    link, a launcher module) is refused, naming it."""
     _activate()
-    root = Path(root).resolve()
-    if root not in _PROC.stores:
-        _PROC.stores.append(root)
+    root = Path(root).absolute()
+    check_tree(root)                       # no link, no special file below it
+    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+    other = sorted(f for f in on_disk if not f.endswith(STORE_SUFFIXES))
+    if other:
+        from dspark_compile.artifact_format import ArtifactError
+        raise ArtifactError(f"kernel store {root}: '{other[0]}' is not a cubin or metadata "
+                            "JSON (a launcher module is built on this machine, never taken "
+                            "from an engine)", path=other[0])
+    usable = {f for f in on_disk if f.count("/") == 1}
+    usable = usable if files is None else usable & set(files)
+    for f in sorted(usable):
+        if f.endswith(".json") and not f.split("/")[1].startswith(GROUP_PREFIX):
+            _check_metadata(root, f)
+    _PROC.stores[root] = usable
+
+
+_METADATA_LIMIT = 1 << 20       # a kernel's metadata JSON is ~2 kB
+
+
+def _check_metadata(root: Path, rel: str) -> None:
+    """A stored kernel's metadata: a JSON object without tensor-descriptor entries. Our kernels
+    take no tensor descriptor, and Triton versions that generate a launcher's C source per
+    signature write a descriptor's metadata fields into it: an engine's JSON must not reach
+    that C compiler."""
+    from dspark_compile.artifact_format import ArtifactError
+    try:
+        with open(root / rel, "rb") as fh:
+            data = fh.read(_METADATA_LIMIT + 1)
+        if len(data) > _METADATA_LIMIT:
+            raise ValueError(f"larger than {_METADATA_LIMIT} bytes")
+        meta = json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ArtifactError(f"kernel store {root}: '{rel}' is not readable JSON "
+                            f"({type(e).__name__})", path=rel) from None
+    if not isinstance(meta, dict) or meta.get("tensordesc_meta"):
+        raise ArtifactError(f"kernel store {root}: '{rel}' is not a kernel's metadata without "
+                            "tensor descriptors", path=rel)

@@ -18,6 +18,7 @@ The page has no script and no external reference: inline CSS, inline SVG plots.
 from __future__ import annotations
 
 import html
+import io
 import json
 import zipfile
 from collections import Counter
@@ -60,14 +61,27 @@ def _none(text: str) -> str:
     return f'<p class="none">{_e(text)}</p>'
 
 
-def program_op_counts(engine_dir: Path, rel: str):
+_STEP_JSON_LIMIT = 16 << 20      # benchmarks/step.py writes a few kB
+
+
+def program_op_counts(engine_dir: Path, rel: str, size: int | None = None):
     """{op: calls} of the `dspark::` ops in a stored program, or None when its file cannot be
-    read that way (torch.export.save writes the graph as JSON inside the .pt2 zip)."""
+    read that way (torch.export.save writes the graph as JSON inside the .pt2 zip). The file
+    is read through artifact_paths (inside the engine, no link, at most `size` bytes: its
+    file-table size) and only an uncompressed graph record is parsed."""
+    from dspark_compile.artifact_paths import read_file
+    from dspark_compile.artifact_format import ArtifactError
     try:
-        with zipfile.ZipFile(engine_dir / rel) as z:
-            name = next(n for n in z.namelist() if n.endswith("models/model.json"))
-            nodes = json.loads(z.read(name))["graph_module"]["graph"]["nodes"]
-    except (OSError, zipfile.BadZipFile, StopIteration, KeyError, ValueError):
+        data = read_file(Path(engine_dir), rel, size if size is not None else 1 << 30)
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            info = next(i for i in z.infolist() if i.filename.endswith("models/model.json"))
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
+                return None
+            nodes = json.loads(z.read(info))["graph_module"]["graph"]["nodes"]
+    except (ArtifactError, OSError, zipfile.BadZipFile, StopIteration, KeyError, TypeError,
+            ValueError, RecursionError):
+        return None
+    if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
         return None
     prefix = "torch.ops.dspark."
     return dict(sorted(Counter(n["target"][len(prefix):].split(".")[0] for n in nodes
@@ -168,13 +182,17 @@ _STEP_COLS = ("case", "B", "variant", "status", "us_median", "us_p10", "us_p90",
 
 
 def _step(engine_dir: Path, plots) -> str:
+    from dspark_compile.artifact_paths import read_file
+    from dspark_compile.artifact_format import ArtifactError
     path = engine_dir / STEP_JSON
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return ""
     try:
-        rec = json.loads(path.read_text())
+        rec = json.loads(read_file(engine_dir, STEP_JSON, _STEP_JSON_LIMIT).decode("utf-8"))
         rows = list(rec.get("rows", []))
-    except (ValueError, AttributeError, TypeError) as e:
+        if not all(isinstance(r, dict) for r in rows):
+            raise TypeError("a row is not a table")
+    except (ArtifactError, ValueError, AttributeError, TypeError, RecursionError) as e:
         return "<h2>step benchmark</h2>" + _none(f"{STEP_JSON} is not readable: {e}")
     env = rec.get("environment", {})
     head = ", ".join(f"{k} {env[k]}" for k in ("device", "torch", "triton", "git_commit",
@@ -199,8 +217,11 @@ def render_report(engine_dir, manifest: dict, loads_here: str = "") -> str:
     engine_dir = Path(engine_dir)
     stats = manifest.get("pass_stats") or {}
     progs = manifest.get("programs") or {}
-    counts = {str(b): program_op_counts(engine_dir, progs[str(b)]["path"])
-              for b in manifest["buckets"] if str(b) in progs}
+    files = manifest.get("files") or {}
+    counts = {str(b): program_op_counts(engine_dir, progs[str(b)]["path"],
+                                        files[progs[str(b)]["path"]]["size"])
+              for b in manifest["buckets"]
+              if str(b) in progs and progs[str(b)].get("path") in files}
     parts = [_summary(engine_dir, manifest, loads_here), "<h2>passes per bucket</h2>"]
     for b in manifest["buckets"]:
         rows = stats.get(str(b))

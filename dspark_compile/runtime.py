@@ -32,7 +32,6 @@ reads them before any later replay writes them.
 from __future__ import annotations
 
 import bisect
-import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -40,18 +39,21 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.artifact import (MANIFEST, check_state_layout, load_engine,
-                                     update_manifest_field)
+from dspark_compile.artifact import check_state_layout, load_engine, update_manifest_field
 # warm_up / capture_graph: imported here too for callers of the runtime's old names
 from dspark_compile.graphs import StepGraph, capture_graph, packed, unpack, warm_up  # noqa: F401
 
 
 def _build_device(engine_dir: Path) -> str | None:
-    """The device the engine's programs were built for, read without validation (a missing or
-    corrupted manifest is reported by the validated load that follows)."""
+    """The device the engine's programs were built for, read through the manifest's checked
+    reader (no link, no FIFO, bounded size) but not validated further (a missing or broken
+    manifest is reported by the validated load that follows)."""
+    from dspark_compile.artifact import ArtifactError, _read_manifest
     try:
-        return json.loads((engine_dir / MANIFEST).read_text())["build_config"]["device"]
-    except (OSError, ValueError, KeyError, TypeError):
+        dev = _read_manifest(engine_dir)["build_config"]["device"]
+        torch.device(dev)
+        return dev
+    except (ArtifactError, KeyError, TypeError, RuntimeError):
         return None
 
 
@@ -133,7 +135,7 @@ class Engine:
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
              record_graph_memory: bool = True, greedy_variants: bool = True,
              backend: str | None = None, prefill: str | None = None,
-             kernels: str = "use", target: bool = True) -> "Engine":
+             kernels: str = "use", target: bool = True, trust_code: bool = False) -> "Engine":
         """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
         draft-sampler plan, used for steps whose live rows are all greedy. `backend`: refuse an
         engine built with another --backend (manifest field 'build_config.backend'); None =
@@ -144,7 +146,9 @@ class Engine:
         (else one line says so and they compile at first use), "require"d (ArtifactError
         otherwise) or "ignore"d. `target`: also load (and on CUDA capture) the engine's
         target-only programs, when it has them (build --no-target-programs leaves them out),
-        for speculative=False; False saves their load and capture."""
+        for speculative=False; False saves their load and capture. `trust_code`: load an
+        engine whose programs are code (--backend inductor: generated Python in compiled/),
+        refused otherwise; an aten engine's load executes nothing from its directory."""
         t0 = time.perf_counter()
         if prefill not in (None, "programs", "eager"):
             raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
@@ -170,7 +174,8 @@ class Engine:
             raise ValueError("CUDA graphs need a CUDA device")
         from dspark_compile.program_load import faster_deserialization
         with faster_deserialization():
-            manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device)
+            manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device,
+                                                      trust_code=trust_code)
         from dspark_compile.kernel_store import install
         install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,

@@ -100,3 +100,82 @@ def test_install_refuses_a_mismatch_only_when_required(tmp_path, monkeypatch):
     assert kernel_store.install(tmp_path, _manifest(), torch.device("cpu")) is False
     with pytest.raises(ValueError, match="policy must be one of"):
         kernel_store.install(tmp_path, _manifest(), cuda, policy="sometimes")
+
+
+# ------------------------------------------------------------------ host code is never stored
+KEY = "W2ZGDJ3N4MUWXMHXZGGIHRFR5J5KBCSUUKAYGTBC3FCHQAQWWNCA"
+LAUNCHER = "cuda_utils.cpython-312-x86_64-linux-gnu.so"
+
+
+def test_collect_stores_cubins_and_metadata_only(tmp_path):
+    """The build stores what a cache hit reads that is not host code: a launcher module
+    (Triton's cuda_utils .so) and the IRs are left out."""
+    src = {}
+    for name in ("k.cubin", "k.json", "k.ptx", "k.ttir", LAUNCHER):
+        (tmp_path / name).write_bytes(b"x" * 8)
+        src[name] = str(tmp_path / name)
+    files, meta = kernel_store.collect({KEY: {**src, "__grp__k.json": None}},
+                                       {"sm": "90", "triton": "x", "cuda": ""})
+    root = f"kernels/triton/sm90-tritonx/{KEY}"
+    assert sorted(files) == [f"{root}/__grp__k.json", f"{root}/k.cubin", f"{root}/k.json"]
+    assert json.loads(files[f"{root}/__grp__k.json"])["child_paths"] == {
+        "k.cubin": "k.cubin", "k.json": "k.json"}
+
+
+@pytest.fixture
+def isolated_store(monkeypatch, tmp_path):
+    """kernel_store's process state and Triton's cache manager and directory, restored after
+    the test (this process's other tests run kernels in Triton's interpreter)."""
+    from triton import knobs
+    monkeypatch.setattr(knobs.cache, "manager_class", knobs.cache.manager_class)
+    monkeypatch.setattr(knobs.cache, "dir", str(tmp_path / "triton_cache"))
+    monkeypatch.setattr(kernel_store, "_PROC", kernel_store._Process())
+    root = tmp_path / "store"
+    (root / KEY).mkdir(parents=True)
+    for name in ("k.cubin", "unlisted.cubin"):
+        (root / KEY / name).write_bytes(b"\0" * 16)
+    (root / KEY / "k.json").write_text('{"name": "k", "tensordesc_meta": []}')
+    (root / KEY / "__grp__k.json").write_text(json.dumps(
+        {"child_paths": {"k.cubin": "k.cubin", "k.json": "k.json"}}))
+    return root
+
+
+def test_the_store_answers_only_listed_cubins_and_metadata(isolated_store, tmp_path):
+    root = isolated_store
+    listed = {f"{KEY}/{n}" for n in ("k.cubin", "k.json", "__grp__k.json")}
+    kernel_store.use_store(root, listed)
+    cm = kernel_store.StoreCacheManager(KEY)
+    assert cm.get_file("k.cubin") == str(root / KEY / "k.cubin")
+    assert cm.get_file("unlisted.cubin") is None            # on disk, not in the file table
+    assert cm.get_group("k.json") == {"k.cubin": str(root / KEY / "k.cubin"),
+                                      "k.json": str(root / KEY / "k.json")}
+    # a launcher module is never taken from a store, listed or not: the fallback cache answers
+    assert cm.get_file(LAUNCHER) is None
+    # a group naming a member by another path (outside its entry) is not a hit
+    (root / KEY / "__grp__k.json").write_text(json.dumps(
+        {"child_paths": {"k.cubin": "../../elsewhere/k.cubin", "k.json": "k.json"}}))
+    assert cm.get_group("k.json") is None
+    assert all(n.endswith((".cubin", ".json")) for n in kernel_store.store_files())
+
+
+def test_a_store_holding_a_launcher_module_is_refused(isolated_store):
+    (isolated_store / KEY / LAUNCHER).write_bytes(b"\x7fELF")
+    with pytest.raises(ArtifactError, match=f"{LAUNCHER}' is not a cubin or metadata JSON"):
+        kernel_store.use_store(isolated_store)
+    assert not kernel_store._PROC.stores
+
+
+def test_a_kernel_metadata_with_tensor_descriptors_is_refused(isolated_store):
+    """Triton versions that write a launcher's C source per signature put a tensor
+    descriptor's metadata fields into it; no kernel of ours takes a descriptor."""
+    (isolated_store / KEY / "k.json").write_text(
+        '{"name": "k", "tensordesc_meta": [{"swizzle": "0); system(\\"x\\"); (0"}]}')
+    with pytest.raises(ArtifactError, match="'.*k.json' is not a kernel's metadata without"):
+        kernel_store.use_store(isolated_store)
+
+
+def test_a_store_holding_a_link_is_refused(isolated_store, tmp_path):
+    (tmp_path / "elsewhere.cubin").write_bytes(b"\0")
+    (isolated_store / KEY / "linked.cubin").symlink_to(tmp_path / "elsewhere.cubin")
+    with pytest.raises(ArtifactError, match="linked.cubin' is a symbolic link"):
+        kernel_store.use_store(isolated_store)

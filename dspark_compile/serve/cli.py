@@ -45,6 +45,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model id clients send (default: the engine directory's name)")
     p.add_argument("--device", default=None, help="default: the device the engine was built for")
     p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
+    p.add_argument("--trust-engine-code", action="store_true",
+                   help="load an engine whose programs are code (--backend inductor: the Python "
+                        "in its compiled/ directory runs); only for an engine you built or "
+                        "trust. An aten engine needs no flag: its load executes nothing from "
+                        "the directory")
     p.add_argument("--max-request-bytes", type=_bytes, default=None, metavar="N",
                    help="a larger request body gets HTTP 413 before it is read (default: "
                         f"{BODY_BYTES_PER_TOKEN} bytes a token for every state row's positions, "
@@ -80,7 +85,7 @@ def cmd_serve(args) -> int:
     with engine_errors():
         # a server decodes speculatively only: the target-only programs are not loaded
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
-                          target=False)
+                          target=False, trust_code=args.trust_engine_code)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s", flush=True)
     Server(eng, model_name=args.model_name, max_queue=args.max_queue,
            max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
