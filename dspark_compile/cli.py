@@ -63,6 +63,19 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
                         "safetensors only, no subdirectory)")
 
 
+# --shard-size's bound: a shard holds at least one byte, and the byte count must be an int the
+# writer can compare (1e308 MB is inf bytes, which int() cannot convert)
+MAX_SHARD_MB = float(1 << 40)          # 2^60 bytes: beyond any disk
+
+
+def _shard_bytes(mb: float) -> int:
+    """--shard-size MB -> bytes: a finite number in [1 byte, MAX_SHARD_MB], else one line."""
+    if not 1 / (1 << 20) <= mb <= MAX_SHARD_MB:       # NaN fails too
+        raise ValueError(f"--shard-size must be a positive number of MB, from "
+                         f"{1 / (1 << 20):.3g} (one byte) to {MAX_SHARD_MB:.0f}, got {mb}")
+    return int(mb * (1 << 20))
+
+
 @command("synth", "write a synthetic DeepSeek-V4 + DSpark checkpoint", _synth_args,
          flags={"overwrite=True": "--overwrite", "shard_size_bytes": "--shard-size"})
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -79,9 +92,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     dev = device(args.device)
     shard = None
     if args.shard_size is not None:
-        if not 0 < args.shard_size < float("inf"):
-            raise ValueError(f"--shard-size must be a positive number of MB, got {args.shard_size}")
-        shard = int(args.shard_size * (1 << 20))
+        shard = _shard_bytes(args.shard_size)
     out = synth_checkpoint(args.preset, args.out, seed=args.seed, shard_size_bytes=shard,
                            device=dev, overwrite=args.overwrite)
     files = sorted(p.name for p in out.iterdir())

@@ -17,10 +17,11 @@ from dspark_compile.cli_common import command, device, engine_errors, path_arg
 
 PRECISIONS = ("bfloat16", "float32", "float64")
 
-# SamplingParams' names as its messages spell them -> the flags that set them
+# SamplingParams' fields -> the flags that set them (SamplingParams.validate's `names`, and
+# to_flags for the engine's own messages, which name the fields)
 SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
                   "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
-                  "stop id": "--stop-ids: id", "verify": "--verify"}
+                  "stop_ids": "--stop-ids", "verify": "--verify"}
 
 
 IDS_RULE = ("comma-separated token ids >= 0; spaces around an id are ignored, an empty item "
@@ -50,8 +51,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help=f"prompt token ids, {IDS_RULE} (repeat for a batch of prompts)")
     p.add_argument("--max-new-tokens", type=int, default=32,
                    help="new tokens per request at most (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); finite, >= 0")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off (default); >= 0")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default), as is any value below 1e-5; finite, >= 0")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="0 = off (default), as is any value >= the vocabulary; >= 0")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
     p.add_argument("--seed", type=int, default=0,
                    help="prompt i samples with seed + i (default 0; seed + i fits in 64 bits)")
@@ -64,16 +67,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args):
-    """One SamplingParams per prompt, checked (their messages name SamplingParams' fields, the
-    command's `flags` turn them into these flags); stop ids are checked against the vocabulary
-    in _check_requests."""
-    from dspark_compile.models.generate import SamplingParams
-    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             seed=args.seed + i, max_new_tokens=args.max_new_tokens,
-                             stop_ids=tuple(args.stop_ids or ()), verify=args.verify)
-              for i in range(len(args.prompt_ids))]
-    for sp in params:
-        sp.validate(sys.maxsize)
+    """One SamplingParams per prompt, checked by SamplingParams.validate (one rule set, its
+    messages naming these flags); stop ids are checked against the vocabulary in
+    _check_requests."""
+    from dspark_compile.models.generate import INT64_MAX, SamplingError, SamplingParams
+    params = []
+    for i in range(len(args.prompt_ids)):
+        sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed + i, max_new_tokens=args.max_new_tokens,
+                            stop_ids=tuple(args.stop_ids or ()), verify=args.verify)
+        try:
+            params.append(sp.validate(None, SAMPLING_FLAGS))
+        except SamplingError as e:
+            if e.field == "seed" and i and args.seed <= INT64_MAX:
+                raise ValueError(f"--seed {args.seed}: prompt {i} samples with --seed + {i} = "
+                                 f"{args.seed + i}, beyond 64 bits (a signed int64)") from None
+            raise
     return params
 
 
@@ -101,7 +110,7 @@ def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, bl
                              + f"; the model's max_position_embeddings is {max_positions} "
                              "(config.json)")
     for sp in params:
-        sp.validate(vocab)
+        sp.validate(vocab, SAMPLING_FLAGS)
 
 
 def _report(res, seconds: float, speculative: bool) -> None:
@@ -328,7 +337,7 @@ def cmd_run(args) -> int:
     from dspark_compile.runtime import Engine
 
     params = _params(args)
-    if args.check_lossless and args.temperature > 0:
+    if args.check_lossless and params[0].method != "greedy":
         raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
     if args.check_lossless and args.no_speculation:
         raise ValueError("--check-lossless compares speculative decoding with --no-speculation "

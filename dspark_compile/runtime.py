@@ -42,6 +42,7 @@ import torch
 from dspark_compile.artifact import check_state_layout, load_engine, update_manifest_field
 # warm_up / capture_graph: imported here too for callers of the runtime's old names
 from dspark_compile.graphs import StepGraph, capture_graph, packed, unpack, warm_up  # noqa: F401
+from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -356,7 +357,8 @@ class Engine:
         the host, rows in the given order. `bucket`: run that bucket's program (default: the
         smallest that fits), padding with the trash row. `variant`: "full" or "greedy" (the
         greedy draft-sampler plan: only valid when every live row is greedy); default: greedy
-        exactly when every live row's temperature is <= 0 and the engine has the variant.
+        exactly when every live row is greedy (temperature < GREEDY_BELOW) and the engine has the
+        variant.
         `speculative=False`: the bucket's target-only program instead (one token per row:
         tokens [n, 1]; `variant` does not apply)."""
         rows = [int(r) for r in rows]
@@ -457,9 +459,10 @@ class Engine:
         # copy of max_rows + 1 floats), since a sampled row must never run the greedy plan.
         # generate() knows its requests' parameters and decides without this read.
         temps = self.state["row.temperature"].cpu()
-        all_greedy = bool((temps[live] <= 0).all())
+        all_greedy = bool(greedy_rows(temps[live]).all())
         if variant == "greedy" and not all_greedy:
-            raise ValueError("variant='greedy' with a sampled (temperature > 0) row in the batch")
+            raise ValueError(f"variant='greedy' with a sampled (temperature >= {GREEDY_BELOW}) "
+                             "row in the batch")
         return all_greedy
 
     # ------------------------------------------------------------------ generation
@@ -552,8 +555,7 @@ class Engine:
         validate_prompts(prompts, self.cfg.vocab_size)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        for sp in params:
-            sp.validate(self.cfg.vocab_size)
+        params = [sp.validate(self.cfg.vocab_size) for sp in params]
         check_request_positions(prompts, params, self.cache.max_seq_len,
                                 self.cfg.dspark_block_size)
         return params

@@ -42,9 +42,7 @@ no acceptance is counted.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import numbers
 import operator
 import threading
 from collections import deque
@@ -232,31 +230,9 @@ class GenerationStream:
             raise ValueError(f"prompt: token ids {bad[:5]} outside [0, {V})")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ints = {}
-        for name in ("max_new_tokens", "top_k", "seed"):
-            v = getattr(params, name)
-            try:
-                if isinstance(v, bool):
-                    raise TypeError
-                ints[name] = operator.index(v)
-            except TypeError:
-                raise ValueError(f"{name} must be an int, got {v!r}") from None
-        for name in ("temperature", "top_p"):
-            v = getattr(params, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise ValueError(f"{name} must be a number, got {v!r}")
-            ints[name] = float(v)
-        try:
-            stops = tuple(operator.index(s) for s in params.stop_ids)
-        except TypeError:
-            raise ValueError(f"stop_ids must be a list of token ids, got {params.stop_ids!r}") \
-                from None
-        bad = [s for s in stops if not 0 <= s < V]
-        if bad:
-            raise ValueError(f"stop_ids: {bad[:5]} outside [0, {V})")
-        # a copy in plain Python numbers: the caller's object may change while the request runs
-        params = dataclasses.replace(params, stop_ids=stops, **ints)
-        params.validate(V)
+        # a checked copy in plain Python numbers: the caller's object may change while the
+        # request runs
+        params = params.validate(V)
         need = request_positions(len(prompt), params.max_new_tokens, self.N)
         if need > self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens="
@@ -376,7 +352,7 @@ class GenerationStream:
             rows_ = [r.row for r in group]
             try:
                 if self.speculative:
-                    greedy = b in eng.greedy_modules and all(r.params.temperature <= 0
+                    greedy = b in eng.greedy_modules and all(r.params.method == "greedy"
                                                              for r in group)
                     out = eng.launch(rows_, b, greedy)
                 else:

@@ -6,22 +6,52 @@ does. These loops are the reference the compiled engine is compared against.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 import torch
 
-from dspark_compile.kernels.sampling.reference import VERIFY
+from dspark_compile.kernels.sampling.reference import VERIFY, is_greedy
 from dspark_compile.models.config import CacheConfig, request_positions, rope_positions
 from dspark_compile.models.state import allocate_state, trash_row
 from dspark_compile.models.step import DraftVerifyStep, prefill, target_decode_step
 
 
+# What the decode state holds (models/state.py): row.temperature and row.top_p are float32,
+# row.top_k, row.seed and the positions int64. A value beyond these cannot be stored.
+FLOAT32_MAX = 3.4028234663852886e38
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _shown(n: int) -> str:
+    """An int for a message: its digits, or its size beyond 40 of them (Python refuses to
+    print an int of more than 4300 digits)."""
+    if abs(n) < 10 ** 40:
+        return str(n)
+    return f"{'a negative' if n < 0 else 'an'} int of {n.bit_length()} bits"
+
+
+class SamplingError(ValueError):
+    """A SamplingParams field the samplers or the decode state cannot take: `field` is
+    SamplingParams' name for it, `rule` what was wrong ("must be ..., got ..."); the message is
+    "<the caller's name for the field> <rule>"."""
+
+    def __init__(self, field: str, name: str, rule: str):
+        super().__init__(f"{name} {rule}")
+        self.field, self.rule = field, rule
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0     # 0: greedy
-    top_k: int = 0               # 0: off
-    top_p: float = 1.0           # >= 1: off
+    """One request's sampling. `validate` is the one rule set every entry point applies (the
+    eager loops, the engine, the stream, the CLI, the server): each field against what the
+    samplers and the decode state take; it returns the copy that enters the state."""
+    temperature: float = 0.0     # < GREEDY_BELOW (1e-5; 0 included): greedy
+    top_k: int = 0               # 0: off (as is any top_k >= the vocabulary)
+    top_p: float = 1.0           # 1: off
     seed: int = 0
     max_new_tokens: int = 32
     stop_ids: tuple = ()
@@ -30,29 +60,80 @@ class SamplingParams:
     # (token-wise rejection); greedy rows ignore it (kernels/sampling/reference.py)
     verify: str = "block"
 
-    def validate(self, vocab: int) -> None:
-        if self.verify not in VERIFY:
-            raise ValueError(f"verify must be one of {sorted(VERIFY)}, got {self.verify!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 < self.top_p <= 1.0:   # NaN fails too
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
-                             f"{self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not -(1 << 63) <= self.seed < (1 << 63):   # the state keeps it as int64
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
-        for s in self.stop_ids:
-            if not 0 <= s < vocab:
-                raise ValueError(f"stop id {s} outside [0, {vocab})")
+    def validate(self, vocab: int | None = None, names: dict | None = None) -> "SamplingParams":
+        """A checked copy in plain Python numbers, a temperature below GREEDY_BELOW stored as 0
+        (greedy: kernels/sampling/reference.py says why), or SamplingError naming the field as
+        `names` maps it (SamplingParams' name -> a CLI flag or an API field; default the field's
+        own name). `vocab`: stop ids must be below it (None: not known yet)."""
+        names = names or {}
 
+        def bad(f: str, rule: str):
+            raise SamplingError(f, names.get(f, f), rule)
+
+        def integer(f: str) -> int:
+            v = getattr(self, f)
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                return operator.index(v)
+            except TypeError:
+                bad(f, f"must be an int, got {v!r}")
+
+        def real(f: str) -> float:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                bad(f, f"must be a number, got {v!r}")
+            try:
+                return float(v)
+            except OverflowError:       # an int beyond float64: as far out of range as inf
+                return math.inf if v > 0 else -math.inf
+
+        if not isinstance(self.verify, str) or self.verify not in VERIFY:
+            bad("verify", f"must be one of {sorted(VERIFY)}, got {self.verify!r}")
+        max_new = integer("max_new_tokens")
+        if max_new < 1:
+            bad("max_new_tokens", f"must be >= 1, got {max_new}")
+        if max_new > INT64_MAX:
+            bad("max_new_tokens", f"must be <= {INT64_MAX} (positions are int64), got "
+                                  f"{_shown(max_new)}")
+        temperature = real("temperature")
+        if not math.isfinite(temperature) or temperature < 0:
+            bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {temperature}")
+        if temperature > FLOAT32_MAX:
+            bad("temperature", f"must be <= {FLOAT32_MAX} (the largest float32, as the decode "
+                               f"state holds it), got {temperature}")
+        top_k = integer("top_k")
+        if top_k < 0:
+            bad("top_k", f"must be >= 0 (0 = off), got {top_k}")
+        if top_k > INT64_MAX:
+            bad("top_k", f"must be <= {INT64_MAX} (the decode state holds it as int64; any "
+                         f"top_k >= the vocabulary keeps every token), got {_shown(top_k)}")
+        top_p = real("top_p")
+        if not 0.0 < top_p <= 1.0:   # NaN fails too
+            bad("top_p", f"must be in (0, 1], got {top_p}")
+        seed = integer("seed")
+        if not INT64_MIN <= seed <= INT64_MAX:
+            bad("seed", f"must fit in 64 bits (a signed int64, as the decode state holds it), "
+                        f"got {_shown(seed)}")
+        if isinstance(self.stop_ids, (str, bytes)) or not hasattr(self.stop_ids, "__iter__"):
+            bad("stop_ids", f"must be a list of token ids, got {self.stop_ids!r}")
+        try:
+            stops = tuple(operator.index(s) for s in self.stop_ids)
+        except TypeError:
+            bad("stop_ids", f"must be a list of integer token ids, got {self.stop_ids!r}")
+        for s in stops:
+            if s < 0 or (vocab is not None and s >= vocab):
+                bad("stop_ids", f"must be token ids in [0, {vocab}), got {_shown(s)}" if vocab
+                    is not None else f"must be token ids >= 0, got {_shown(s)}")
+        if is_greedy(temperature):
+            temperature = 0.0
+        return dataclasses.replace(self, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   seed=seed, max_new_tokens=max_new, stop_ids=stops)
 
     @property
     def method(self) -> str:
         """How this request's drafts are verified: "greedy", "token" or "block"."""
-        return "greedy" if self.temperature <= 0 else self.verify
+        return "greedy" if is_greedy(self.temperature) else self.verify
 
 
 @dataclass
@@ -114,7 +195,9 @@ def check_request_positions(prompts, params, max_seq_len: int, block: int) -> No
 
 
 def set_row_sampling(state: dict, row: int, sp: SamplingParams) -> None:
-    state["row.temperature"][row] = sp.temperature
+    """A request's sampling into its state row (values SamplingParams.validate accepted; a
+    greedy temperature is stored as 0, as validate returns it)."""
+    state["row.temperature"][row] = 0.0 if is_greedy(sp.temperature) else sp.temperature
     state["row.top_k"][row] = sp.top_k
     state["row.top_p"][row] = sp.top_p
     state["row.seed"][row] = sp.seed
@@ -149,8 +232,7 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
     validate_prompts(prompts, cfg.vocab_size)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-    for sp in params:
-        sp.validate(cfg.vocab_size)
+    params = [sp.validate(cfg.vocab_size) for sp in params]
     if speculative and model.mtp is None:
         raise ValueError("speculative decoding needs the DSpark draft (mtp.*) in the checkpoint")
     N = cfg.dspark_block_size if speculative else 0

@@ -48,6 +48,20 @@ def config_only(tmp_path):
     (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
     (["--seed", str(1 << 63)], "--seed must fit in 64 bits"),
+    # beyond what the decode state holds (issue 50: a traceback, or "Overflow when unpacking
+    # long long" with no flag named)
+    (["--temperature", "1e39"], "--temperature must be <= 3.4028234663852886e+38 (the largest "
+                                "float32, as the decode state holds it), got 1e+39"),
+    (["--temperature", "1e400"], "--temperature must be a finite number >= 0 (0 = greedy), "
+                                 "got inf"),
+    (["--top-k", str(1 << 63)], f"--top-k must be <= {(1 << 63) - 1} (the decode state holds "
+                                "it as int64"),
+    (["--top-k", "1" + "0" * 40], f"--top-k must be <= {(1 << 63) - 1}"),
+    (["--max-new-tokens", str(1 << 63)], f"--max-new-tokens must be <= {(1 << 63) - 1} "
+                                         "(positions are int64)"),
+    (["--seed", str(-(1 << 63) - 1)], "--seed must fit in 64 bits"),
+    (["--seed", str((1 << 63) - 1), "--prompt-ids", "3"],
+     f"--seed {(1 << 63) - 1}: prompt 1 samples with --seed + 1 = {1 << 63}, beyond 64 bits"),
 ])
 @pytest.mark.parametrize("command", ["generate", "run"])
 def test_bad_sampling_flags_are_named_before_anything_is_read(tmp_path, capsys, command, flags,
@@ -57,13 +71,62 @@ def test_bad_sampling_flags_are_named_before_anything_is_read(tmp_path, capsys, 
     assert says in _one_line(capsys, command)
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--max-new-tokens", "1" + "0" * 30], "--max-new-tokens must be <= 9223372036854775807"),
+    (["--max-new-tokens", "5000"], "--prompt-ids (prompt 0): 2 tokens + --max-new-tokens 5000 "
+                                   "need 5009 positions"),
+    (["--prompt-ids", "1," + "9" * 30], f"token ids [{'9' * 30}] outside [0, 512)"),
+    (["--stop-ids", "1" + "0" * 30], "--stop-ids must be token ids in [0, 512), got 1" + "0" * 30),
+])
+def test_numbers_beyond_the_model_are_named_before_loading(config_only, capsys, flags, says):
+    assert cli.main(["generate", str(config_only), "--prompt-ids", "1,2"] + flags) == 1
+    assert says in _one_line(capsys, "generate")
+
+
+SHARD = "--shard-size must be a positive number of MB"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["synth", "--preset", "tiny", "--shard-size", "1e308"],
+     "--shard-size must be a positive number of MB, from 9.54e-07 (one byte) to 1099511627776, "
+     "got 1e+308"),
+    (["synth", "--preset", "tiny", "--shard-size", "1e-300"], SHARD),
+    (["synth", "--preset", "tiny", "--shard-size", "nan"], SHARD),
+    (["synth", "--preset", "tiny", "--shard-size=-inf"], SHARD),
+    (["synth", "--preset", "tiny", "--seed", "9" * 30], "--seed must fit in 64 bits"),
+])
+def test_numeric_synth_flags_out_of_range_are_one_line(tmp_path, capsys, argv, says):
+    assert cli.main(argv + ["--out", str(tmp_path / "ck")]) == 1
+    assert says in _one_line(capsys, "synth")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-seq-len", "9" * 30], f"--max-seq-len={'9' * 30} exceeds the model's "
+                                  "max_position_embeddings=4096"),
+    (["--max-rows", "9" * 30], f"--max-rows={'9' * 30} rows"),
+    (["--buckets", "1," + "9" * 30], "--buckets up to " + "9" * 30),
+    (["--threads", "9" * 30], "argument --threads: must be <= "),
+])
+def test_numeric_build_flags_beyond_any_machine_are_one_line(config_only, tmp_path, capsys,
+                                                            flags, says):
+    out = tmp_path / "engine"
+    try:            # argparse's usage errors exit 2, the command's own errors return 1
+        assert cli.main(["build", str(config_only), "--out", str(out)] + flags) == 1
+    except SystemExit as e:
+        assert e.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_generate_checks_prompts_and_stop_ids_against_config_json(config_only, capsys):
     assert cli.main(["generate", str(config_only), "--prompt-ids", "1,2", "--prompt-ids",
                      "3,512,9"]) == 1
     assert ("--prompt-ids (prompt 1): token ids [512] outside [0, 512) (the model's vocab_size)"
             in _one_line(capsys, "generate"))
     assert cli.main(["generate", str(config_only), "--prompt-ids", "1", "--stop-ids", "7,600"]) == 1
-    assert "--stop-ids: id 600 outside [0, 512)" in _one_line(capsys, "generate")
+    assert "--stop-ids must be token ids in [0, 512), got 600" in _one_line(capsys, "generate")
 
 
 def test_generate_without_a_draft_names_no_speculation(config_only, capsys):

@@ -4,12 +4,13 @@ so every refusal is a 400 naming the API's field, before anything reaches the en
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 
 from dspark_compile.models.config import request_positions
-from dspark_compile.models.generate import SamplingParams
-from dspark_compile.serve.protocol import INT64, CompletionRequest
+from dspark_compile.models.generate import INT64_MAX, SamplingError, SamplingParams
+from dspark_compile.serve.protocol import CompletionRequest
 
 
 class BadRequest(ValueError):
@@ -46,9 +47,8 @@ class Job:
     stop_strings: tuple[str, ...]
 
 
-# SamplingParams' own messages name its fields; the API's names for them
-API_FIELDS = {"max_new_tokens": "max_tokens", "stop id": "stop_token_ids",
-              "stop_ids": "stop_token_ids"}
+# SamplingParams' fields (as its messages name them) -> the API's names for them
+API_FIELDS = {"max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
 
 
 def api_field(message: str) -> str | None:
@@ -72,6 +72,8 @@ def api_message(message: str) -> str:
 def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> list[Job]:
     """Run off the event loop (the tokenizer's time grows with the prompt's length)."""
     prompts = req.prompts
+    # the sampling fields first: cheap, and refused before any prompt is tokenized
+    base = _sampling(req, limits)
     if limits.max_prompts is not None and len(prompts) > limits.max_prompts:
         raise BadRequest("prompt", f"{len(prompts)} prompts in one request: this server holds "
                                    f"at most {limits.max_prompts} requests at once "
@@ -93,17 +95,10 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
         if bad:
             raise BadRequest("prompt", f"prompt {i}: token ids {bad[:5]} outside "
                                        f"[0, {limits.vocab_size})")
-    stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
-    bad = [t for t in stop_ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise BadRequest("stop_token_ids", f"ids {bad[:5]} outside [0, {limits.vocab_size})")
-    eos = limits.eos_token_id
-    if not req.ignore_eos and eos is not None and eos not in stop_ids:
-        stop_ids += (eos,)
-    # one prompt after another gets seed, seed + 1, ... (the CLI's convention)
-    seed = secrets.randbits(62) if req.seed is None else req.seed
-    if seed + len(prompts) - 1 > INT64[1]:
-        raise BadRequest("seed", f"seed + {len(prompts) - 1} (one per prompt) must fit in 64 bits")
+    last = base.seed + len(prompts) - 1      # one prompt after another: seed, seed + 1, ...
+    if last > INT64_MAX:
+        raise BadRequest("seed", f"seed + {len(prompts) - 1} (prompt {len(prompts) - 1}'s seed) "
+                                 f"must fit in 64 bits (a signed int64), got {last}")
     jobs = []
     for i, p in enumerate(prompts):
         room = limits.max_new_tokens(len(p))
@@ -115,15 +110,33 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
             raise BadRequest("max_tokens", f"{max_new} new tokens after the {len(p)}-token "
                                            f"prompt {i} exceed the engine's {limits.max_seq_len} "
                                            f"positions: at most {room}")
-        sp = SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0),
-                            top_p=req.top_p, seed=seed + i, max_new_tokens=max_new,
-                            stop_ids=stop_ids, verify=req.verify)
-        try:
-            sp.validate(limits.vocab_size)
-        except ValueError as e:
-            raise BadRequest(api_field(str(e)), api_message(str(e))) from None
+        sp = _checked(dataclasses.replace(base, seed=base.seed + i, max_new_tokens=max_new),
+                      limits)
         jobs.append(Job(i, list(p), sp, req.stop))
     return jobs
+
+
+def _sampling(req: CompletionRequest, limits: EngineLimits) -> SamplingParams:
+    """The request's sampling fields as prompt 0's SamplingParams (its seed; a null max_tokens
+    as 1 until a prompt's room is known), checked by SamplingParams.validate."""
+    stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
+    eos = limits.eos_token_id
+    if not req.ignore_eos and eos is not None and eos not in stop_ids:
+        stop_ids += (eos,)
+    seed = secrets.randbits(62) if req.seed is None else req.seed
+    return _checked(SamplingParams(
+        temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=seed,
+        max_new_tokens=1 if req.max_tokens is None else req.max_tokens, stop_ids=stop_ids,
+        verify=req.verify), limits)
+
+
+def _checked(sp: SamplingParams, limits: EngineLimits) -> SamplingParams:
+    """SamplingParams.validate -- the rules of every entry point, against what the decode state
+    holds -- with a refusal as a 400 naming the API's field."""
+    try:
+        return sp.validate(limits.vocab_size, API_FIELDS)
+    except SamplingError as e:
+        raise BadRequest(API_FIELDS.get(e.field, e.field), e.rule) from None
 
 
 def _fits_in_characters(texts: list[str], limits: EngineLimits, tokenizer) -> None:

@@ -13,16 +13,18 @@ Extensions over OpenAI's completions schema (sent through the `openai` client's 
 Fields of OpenAI's schema that an engine cannot honour (`n` > 1, `best_of` > 1, `echo`,
 `logprobs`, `suffix`, `logit_bias`, penalties) are refused by name rather than ignored.
 Unknown fields are refused too, so a misspelt `top_k` is a 400, not a silent default.
+
+The sampling fields' ranges (max_tokens, temperature, top_p, top_k, seed, stop_token_ids) are
+not restated here: prepare.py checks them with SamplingParams.validate, the one rule set of
+every entry point (the CLI's flags, the engine's stream), against what the decode state holds.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-INT64 = (-(1 << 63), (1 << 63) - 1)     # the decode state keeps a request's seed as int64
 MAX_STOP_STRINGS = 16
 # the text held back while it could start a stop string is at most one stop string long, and
 # every committed token compares that tail with each stop string: 16 x 1024 characters bound
@@ -44,11 +46,11 @@ class CompletionRequest(_Request):
     # a string, a list of token ids, or a list of either (one choice per prompt); normalised
     # to list[str] or list[list[int]] by the validator
     prompt: Any
-    max_tokens: Optional[int] = Field(16, ge=1)   # None: as many as the positions allow
-    temperature: float = Field(1.0, ge=0.0)       # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)                   # 0 or -1: off
-    seed: Optional[int] = Field(None, ge=INT64[0], le=INT64[1])   # None: a random seed
+    max_tokens: Optional[int] = 16      # None: as many as the positions allow
+    temperature: float = 1.0            # below 1e-5 (0 included): greedy
+    top_p: float = 1.0
+    top_k: int = Field(0, ge=-1)        # 0 or -1: off (-1 is the API's spelling of 0)
+    seed: Optional[int] = None          # None: a random seed
     stop: Optional[Union[str, list[str]]] = Field(None, validate_default=True)  # -> tuple
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
@@ -89,13 +91,6 @@ class CompletionRequest(_Request):
             return [list(p) for p in v]
         raise ValueError("expected a string, a list of token ids, or a list of strings or of "
                          "token-id lists (not a mixture)")
-
-    @field_validator("temperature")
-    @classmethod
-    def _finite(cls, v):
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
 
     @field_validator("stop", mode="after")
     @classmethod

@@ -11,11 +11,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dspark_compile.kernels.sampling.reference import GREEDY_BELOW
+
 # nats below the row max that the threshold histograms' bins split evenly (the last bin is open)
 HIST_SPAN = tl.constexpr(32.0)
 # relative error allowed for an fp32 bin mass (sums of <= 10^4 fp32 terms a program, then <= 64
 # chunk partials: < 1e-5; exp error ~1e-7): it only widens a bracket
 MASS_EPS = tl.constexpr(1e-4)
+# temperatures below this are greedy (reference.GREEDY_BELOW: the reason and the number)
+_GREEDY_BELOW = tl.constexpr(GREEDY_BELOW)
 
 
 @triton.jit
@@ -66,13 +70,25 @@ def key_f32(k):
 
 
 @triton.jit
+def is_greedy_t(t):
+    """reference.greedy_rows of fp32 temperature(s) t: t < GREEDY_BELOW (NaN: not greedy)."""
+    return t < _GREEDY_BELOW
+
+
+@triton.jit
+def divisor_t(t):
+    """The divisor of a row's logits, as process_logits scales them: its fp32 temperature t,
+    1 for greedy rows (their z are read only where they stay unscaled)."""
+    return tl.where(is_greedy_t(t), 1.0, t)
+
+
+@triton.jit
 def row_t(temp_ptr, r, SCALED: tl.constexpr):
-    """The divisor of request r's logits when a row pass reads them unscaled (SCALED): its
-    temperature, 1 for greedy rows (T <= 0), as process_logits scales them; 1.0 otherwise."""
+    """The divisor of request r's logits when a row pass reads them unscaled (SCALED):
+    divisor_t of its temperature; 1.0 otherwise."""
     t = tl.full((), 1.0, tl.float32)
     if SCALED:
-        t = tl.load(temp_ptr + r).to(tl.float32)
-        t = tl.where(t <= 0.0, 1.0, t)
+        t = divisor_t(tl.load(temp_ptr + r).to(tl.float32))
     return t
 
 
@@ -311,7 +327,7 @@ def row_degenerate(nan, m):
 @triton.jit
 def row_flags(temp_ptr, topk_ptr, topp_ptr, b, V):
     """(greedy, k, top_p, k_on, p_on) of request b: its temperature, top-k and top-p."""
-    greedy = tl.load(temp_ptr + b).to(tl.float32) <= 0.0
+    greedy = is_greedy_t(tl.load(temp_ptr + b).to(tl.float32))
     k = tl.load(topk_ptr + b).to(tl.int64)
     p = tl.load(topp_ptr + b).to(tl.float32)
     k_on = (k > 0) & (k < V)

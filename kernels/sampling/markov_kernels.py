@@ -14,9 +14,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dspark_compile.kernels.philox import STREAM_DRAFT
 from dspark_compile.kernels.sampling.device import (
-    block_max_floor, fixed_mass, lane_argmax_finish, lane_argmax_update, load_z, pack_argmax,
-    row_degenerate, row_flags, row_t, scale_z, tile_max, tl_vocab_gumbel, unpack_token,
-    unpack_value)
+    block_max_floor, divisor_t, fixed_mass, lane_argmax_finish, lane_argmax_update, load_z,
+    pack_argmax, row_degenerate, row_flags, row_t, scale_z, tile_max, tl_vocab_gumbel,
+    unpack_token, unpack_value)
 from dspark_compile.kernels.sampling.row_passes import for_each_item
 from dspark_compile.kernels.tl_helpers import pdl_enter, pdl_release
 
@@ -86,8 +86,7 @@ def _markov_logits_kernel(base_ptr, w1_ptr, w2_ptr, anchor_ptr, prev_ptr, temp_p
         tl.store(z_ptr + rows[:, None] * stride_zb + offs_v[None, :], lg,
                  mask=rmask[:, None] & vmask[None, :])
         t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
-        greedy = t <= 0.0
-        z = tl.math.div_rn(lg, tl.where(greedy, 1.0, t)[:, None])
+        z = tl.math.div_rn(lg, divisor_t(t)[:, None])
         zn, bmax, barg, bnan = _block_maxima(z, vmask, blk, BLOCK_V)
         e = tl.where(zn > float("-inf"), tl.exp(zn - bmax[:, None]), 0.0)
         bsum = tl.sum(e, axis=1)

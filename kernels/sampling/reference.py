@@ -1,7 +1,8 @@
 """The samplers' specification in PyTorch: logits processing, probabilities, Gumbel keys, id
 folding, and the reference of each op (`markov_sample`, `rejection_sample`, `sample`).
 
-- A row is greedy iff temperature[b] <= 0: argmax of the raw logits (ties -> lowest id).
+- A row is greedy iff temperature[b] < GREEDY_BELOW (1e-5, compared in fp32; 0 and negative
+  included): argmax of the raw logits (ties -> lowest id).
 - Otherwise z = logits / T (fp32), then top-k keeps every token with z >= the k-th largest
   (top_k <= 0 or >= V: off; ties kept, so the kept set is a threshold z >= tau), top-p keeps the
   smallest set of largest tokens whose mass reaches top_p of the top-k distribution (top_p >= 1
@@ -26,6 +27,19 @@ from dspark_compile.kernels.region import fusable
 
 NEG_INF = float("-inf")
 
+# Temperatures below this are greedy, in every sampler (this reference, the Triton kernels
+# through kernels/sampling/device.py, the engine's choice of its greedy program) and at
+# admission (models/generate.py SamplingParams.validate stores them as 0). Why 1e-5 (vLLM's
+# _SAMPLING_EPS is the same): z = logits / T in fp32 overflows to inf once |logit| > T * 3.4e38,
+# and an inf makes the row degenerate (token 0, all-zero probabilities): at T = 1e-38 already
+# for |logit| > 3.4, at the subnormal T = 1e-45 for every |logit| > 5e-7 -- the garbage of
+# issue 50. At T >= 1e-5 only |logit| > 3.4e33 overflows. Nothing is lost below it: a token
+# gap logits below the best has relative weight exp(-gap / T), which fp32 rounds away next to
+# 1 (< 2^-24) for gap > 16.7 T and flushes to 0 for gap > 104 T: at T < 1e-5 the distribution
+# is the argmax's one-hot save for logits within 1.7e-4 of the best, and bf16 logits of
+# magnitude >= 1 are 2^-7 apart or equal (where greedy takes the lowest id).
+GREEDY_BELOW = 1e-5
+
 
 def fold_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """ids outside [0, vocab) -> 0 (same dtype and shape)."""
@@ -33,8 +47,18 @@ def fold_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def greedy_rows(temperature: torch.Tensor) -> torch.Tensor:
-    """[B] bool: temperature <= 0 (a NaN temperature is not greedy; its row is degenerate)."""
-    return temperature <= 0
+    """[B] bool: temperature < GREEDY_BELOW, compared in fp32 as the kernels do (a NaN
+    temperature is not greedy; its row is degenerate)."""
+    return temperature.float() < GREEDY_BELOW
+
+
+def is_greedy(temperature: float) -> bool:
+    """The same rule for one host temperature (a Python number; NaN is not greedy). Compared
+    in float64: a value in [1e-5 rounded down to fp32, 1e-5) is greedy here and not in fp32,
+    but SamplingParams.validate stores every temperature this calls greedy as 0, so a state
+    row is greedy for the kernels exactly when its request is greedy here (fp32 rounding is
+    monotone: T >= 1e-5 stores as >= fp32(1e-5))."""
+    return temperature < GREEDY_BELOW
 
 
 def degenerate_rows(x: torch.Tensor) -> torch.Tensor:

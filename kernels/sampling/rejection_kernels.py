@@ -24,8 +24,8 @@ import triton.language as tl
 
 from dspark_compile.kernels.philox import STREAM_ACCEPT
 from dspark_compile.kernels.sampling.device import (
-    lane_argmax_finish, lane_argmax_update, load_z, pack_argmax, row_degenerate, row_flags, row_t,
-    scale_z, tile_max, tl_uniform, tl_vocab_gumbel, unpack_token)
+    divisor_t, lane_argmax_finish, lane_argmax_update, load_z, pack_argmax, row_degenerate,
+    row_flags, row_t, scale_z, tile_max, tl_uniform, tl_vocab_gumbel, unpack_token)
 from dspark_compile.kernels.tl_helpers import pdl_enter, pdl_release
 
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -50,7 +50,7 @@ def _rows_stats_kernel(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_
     r = tl.program_id(0)
     blk = tl.program_id(1)
     temp = tl.load(temp_ptr + r // RPR).to(tl.float32)
-    t = tl.where(temp <= 0.0, 1.0, temp)            # greedy rows: z = l
+    t = divisor_t(temp)                             # greedy rows: z = l
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     vm = offs < V
     x = tl.load(logits_ptr + r.to(tl.int64) * stride_lr + offs, mask=vm, other=0.0)
