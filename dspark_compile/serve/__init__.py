@@ -8,8 +8,11 @@
                  add and cancel requests from the event loop
     metrics.py   the Prometheus registry: request outcomes, queue depth, steps per bucket,
                  greedy-variant share, speculative-decoding acceptance, latency histograms
+    chat_format.py  chat messages -> a prompt (DeepSeek-V4's format, or the engine's Jinja
+                 template), the reply's reasoning split from its content
+    chat.py      /v1/chat/completions over the completions machinery; /tokenize, /detokenize
     app.py       the FastAPI application: /v1/models, /v1/completions (JSON or SSE), /health,
-                 /metrics
+                 /metrics, /version
     server.py    uvicorn around the app: slow and oversized clients refused, SIGTERM drains
     cli.py       the `serve` subcommand (imports nothing of the extra until it runs)
 
@@ -34,3 +37,11 @@ def require_extra() -> None:
     if missing:
         raise ValueError(f"serve needs {', '.join(missing)} (the '{EXTRA}' extra): "
                          f"{INSTALL_HINT}")
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("dspark-compile")
+    except PackageNotFoundError:
+        return "unknown"

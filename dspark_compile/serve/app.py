@@ -59,6 +59,7 @@ log = logging.getLogger("dspark_compile.serve")
 access_log = logging.getLogger("dspark_compile.serve.access")   # one line per request
 ACCESS = "dspark.access"                 # the scope key of a request's Access record
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")    # printable ASCII, no spaces
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class ServeState:
     created: int
     http: HttpLimits
     executor: Executor          # parsing and tokenization, off the event loop
+    chat: object = None         # chat_format.ChatFormat: how conversations become prompts
 
 
 @dataclass
@@ -144,34 +146,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         acc: Access = request.scope[ACCESS]
-        try:
-            raw = await _read_body(request, state.http)
-            req = await _off_loop(state, parse_request, raw,
-                                  request.headers.get("content-type"))
-            if req.model != state.model_name:
-                raise ApiError(404, f"model {_clip(req.model)!r} is not served here (this "
-                                    f"server serves {state.model_name!r}; see /v1/models)",
-                               "model", "model_not_found")
-            jobs = await _off_loop(state, prepare, req, state.limits, state.tokenizer)
-            tickets = _submit(state.loop, jobs, acc.request_id)
-        except ClientDisconnect:
-            m.outcome("cancelled")
-            return Response(status_code=499)
-        except ApiError as e:
-            m.outcome(e.outcome)
-            return _error(e.status, e.message, e.param, e.code, e.close)
-        except BadRequest as e:
-            m.outcome("invalid")
-            return _error(e.status, str(e), e.param)
-        except QueueFull as e:
-            m.outcome("queue_full")
-            return _error(429, f"the server is at capacity ({e}): retry later",
-                          code="queue_full")
-        except EngineDown as e:
-            m.outcome("error")
-            return _error(503, str(e))
-        acc.prompt_tokens = sum(len(j.prompt) for j in jobs)
-        m.prompt_tokens.inc(acc.prompt_tokens)
+        admitted = await admit(state, request, acc, parse_request, _prepare_completion)
+        if not isinstance(admitted, tuple):
+            return admitted                  # a refusal
+        req, jobs, tickets = admitted
         rid = f"cmpl-{uuid.uuid4().hex}"
         runs = [_Run(state, job, ticket, acc.start) for job, ticket in zip(jobs, tickets)]
         if req.stream:
@@ -180,7 +158,88 @@ def create_app(state: ServeState) -> FastAPI:
                                 send_timeout=state.http.send_timeout)
         return await _json(state, req, rid, runs, request, acc)
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        from dspark_compile.serve.chat import chat_completions as handle
+        return await handle(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        from dspark_compile.serve.chat import tokenize as handle
+        return await _utility(state, request, handle)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        from dspark_compile.serve.chat import detokenize as handle
+        return await _utility(state, request, handle)
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            return _error(404, f"model {_clip(model_id)!r} is not served here (this server "
+                               f"serves {state.model_name!r})", "model", "model_not_found")
+        return ModelCard(id=state.model_name, created=state.created,
+                         max_model_len=state.limits.max_seq_len)
+
+    @app.get("/version")
+    async def version():
+        from dspark_compile.serve import package_version
+        return {"version": package_version()}
+
     return app
+
+
+async def admit(state: ServeState, request: Request, acc: Access, parse, to_jobs):
+    """A request read, parsed, checked and submitted: (the parsed request, its jobs, their
+    tickets), or the refusal's response (every refusal counted by outcome). `parse(raw,
+    content_type)` and `to_jobs(parsed, state)` run off the event loop."""
+    m = state.metrics
+    try:
+        raw = await _read_body(request, state.http)
+        req = await _off_loop(state, parse, raw, request.headers.get("content-type"))
+        if req.model != state.model_name:
+            raise ApiError(404, f"model {_clip(req.model)!r} is not served here (this "
+                                f"server serves {state.model_name!r}; see /v1/models)",
+                           "model", "model_not_found")
+        jobs = await _off_loop(state, to_jobs, req, state)
+        tickets = _submit(state.loop, jobs, acc.request_id)
+    except ClientDisconnect:
+        m.outcome("cancelled")
+        return Response(status_code=499)
+    except ApiError as e:
+        m.outcome(e.outcome)
+        return _error(e.status, e.message, e.param, e.code, e.close)
+    except BadRequest as e:
+        m.outcome("invalid")
+        return _error(e.status, str(e), e.param)
+    except QueueFull as e:
+        m.outcome("queue_full")
+        return _error(429, f"the server is at capacity ({e}): retry later", code="queue_full")
+    except EngineDown as e:
+        m.outcome("error")
+        return _error(503, str(e))
+    acc.prompt_tokens = sum(len(j.prompt) for j in jobs)
+    m.prompt_tokens.inc(acc.prompt_tokens)
+    return req, jobs, tickets
+
+
+async def _utility(state: ServeState, request: Request, handle) -> Response:
+    """/tokenize and /detokenize: the body read as a completion's, `handle(raw, content_type,
+    state)` off the event loop, its dict as JSON or its refusal in OpenAI's error body."""
+    try:
+        raw = await _read_body(request, state.http)
+        out = await _off_loop(state, handle, raw, request.headers.get("content-type"), state)
+    except ClientDisconnect:
+        return Response(status_code=499)
+    except ApiError as e:
+        return _error(e.status, e.message, e.param, e.code, e.close)
+    except BadRequest as e:
+        return _error(e.status, str(e), e.param)
+    return JSONResponse(out)
+
+
+def _prepare_completion(req: CompletionRequest, state: ServeState) -> list[Job]:
+    return prepare(req, state.limits, state.tokenizer)
 
 
 # ---- the request, before the engine --------------------------------------------------------
@@ -216,6 +275,18 @@ def _off_loop(state: ServeState, fn, *args):
 def parse_request(raw: bytes, content_type: str | None) -> CompletionRequest:
     """A body -> a validated CompletionRequest, or ApiError naming the problem (run off the
     event loop: parsing takes time in proportion to the body)."""
+    obj = load_json(raw, content_type)
+    try:
+        return CompletionRequest.model_validate(obj)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise ApiError(400, message, param) from None
+    except RecursionError:       # a value nested within the JSON parser's depth, not pydantic's
+        raise ApiError(400, "body: JSON nested too deeply", "body") from None
+
+
+def load_json(raw: bytes, content_type: str | None):
+    """A body -> its JSON value, or ApiError naming the problem."""
     if content_type is not None and not _is_json(content_type):
         raise ApiError(415, f"the body must be JSON: Content-Type {_clip(content_type)!r} "
                             "(send application/json)")
@@ -233,13 +304,9 @@ def parse_request(raw: bytes, content_type: str | None) -> CompletionRequest:
         raise ApiError(400, "body: JSON nested too deeply", "body") from None
     except ValueError as e:      # a duplicate key; an integer past Python's 4300 digits
         raise ApiError(400, f"body: invalid JSON ({str(e)[:200]})", "body") from None
-    try:
-        return CompletionRequest.model_validate(obj)
-    except ValidationError as e:
-        message, param = validation_message(list(e.errors()))
-        raise ApiError(400, message, param) from None
-    except RecursionError:       # a value nested within the JSON parser's depth, not pydantic's
-        raise ApiError(400, "body: JSON nested too deeply", "body") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(obj).__name__}", "body")
+    return obj
 
 
 def _is_json(content_type: str) -> bool:
@@ -355,13 +422,15 @@ def _account(acc: Access, runs: list[_Run]) -> None:
     acc.finish = [r.finish or "cancelled" for r in runs]
 
 
-async def _json(state: ServeState, req: CompletionRequest, rid: str, runs: list[_Run],
-                request: Request, acc: Access):
-    async def collect(run: _Run):
+async def collect(state: ServeState, runs: list[_Run], request: Request,
+                  acc: Access) -> Response | None:
+    """Every run to its end (None), or the response that ends the request early: 499 when
+    the client left first, 503 when the engine stopped, 500 when it failed the request."""
+    async def drain(run: _Run):
         async for _ in run.deltas():
             pass
 
-    tasks = [asyncio.ensure_future(collect(r)) for r in runs]
+    tasks = [asyncio.ensure_future(drain(r)) for r in runs]
     work = asyncio.ensure_future(asyncio.gather(*tasks))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -380,6 +449,14 @@ async def _json(state: ServeState, req: CompletionRequest, rid: str, runs: list[
             t.cancel()
         _cancel(runs)                        # a no-op for the finished ones
         _account(acc, runs)
+    return None
+
+
+async def _json(state: ServeState, req: CompletionRequest, rid: str, runs: list[_Run],
+                request: Request, acc: Access):
+    failed = await collect(state, runs, request, acc)
+    if failed is not None:
+        return failed
     choices = [CompletionChoice(index=r.job.index, text=r.text.text, token_ids=r.text.ids,
                                 finish_reason=r.finish) for r in runs]
     return Completion(id=rid, model=state.model_name, system_fingerprint=state.fingerprint,
@@ -513,6 +590,17 @@ class _EventStream(StreamingResponse):
             raise exc
 
 
+# what chat.py shares
+Run, EventStream, cancel_runs, usage, account, json_error = (_Run, _EventStream, _cancel, _usage,
+                                                            _account, _json_error)
+
+
+def continuous_usage(req: CompletionRequest) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage in every chunk."""
+    return bool(req.stream_options
+                and getattr(req.stream_options, "continuous_usage_stats", False))
+
+
 # ---- request ids and the access log ---------------------------------------------------------
 
 class RequestLog:
@@ -542,7 +630,7 @@ class RequestLog:
             await self.app(scope, receive, send_)
         except Exception as e:  # noqa: BLE001 -- a bug: logged with its request id
             log.error("request %s: internal error", acc.request_id, exc_info=e)
-            if self.metrics is not None and scope.get("path") == "/v1/completions":
+            if self.metrics is not None and scope.get("path") in COMPLETION_PATHS:
                 self.metrics.outcome("error")
             if acc.status is None:
                 await _error(500, f"internal error (request {acc.request_id}): "

@@ -79,6 +79,7 @@ class Server:
         from concurrent.futures import ThreadPoolExecutor
 
         from dspark_compile.serve.app import HttpLimits, ServeState, create_app
+        from dspark_compile.serve.chat_format import ChatFormat
         from dspark_compile.serve.loop import EngineLoop
         from dspark_compile.serve.metrics import Metrics
         from dspark_compile.serve.prepare import EngineLimits
@@ -102,6 +103,10 @@ class Server:
         prometheus_client.disable_created_metrics()
         self.engine = engine
         self.tokenizer = Tokenizer.of_engine(engine.dir) if tokenizer == "engine" else tokenizer
+        # a checkpoint's chat template that does not compile is refused here, naming the file
+        self.chat = ChatFormat.of_engine(engine.dir, self.tokenizer,
+                                         getattr(cfg, "bos_token_id", None),
+                                         getattr(cfg, "eos_token_id", None))
         self.limits = EngineLimits(vocab_size=cfg.vocab_size, max_seq_len=seq,
                                    block=cfg.dspark_block_size,
                                    eos_token_id=getattr(cfg, "eos_token_id", None),
@@ -121,7 +126,7 @@ class Server:
                                 tokenizer=self.tokenizer, model_name=self.model_name,
                                 fingerprint=f"dspark-{checksum[:16]}" if checksum else None,
                                 created=int(time.time()), http=self.http,
-                                executor=self.executor)
+                                executor=self.executor, chat=self.chat)
         self.app = create_app(self.state)
         self._uvicorn = None
         self._aloop: asyncio.AbstractEventLoop | None = None

@@ -1,0 +1,353 @@
+"""POST /v1/chat/completions: OpenAI's chat API over the completions machinery (app.py).
+
+A chat request is a conversation plus the completions endpoint's sampling fields. The
+conversation is rendered into one prompt (chat_format.py: the engine's Jinja template if it
+ships one, else DeepSeek-V4's format), and every other field is forwarded to CompletionRequest,
+so the sampling fields, their validation and their error messages are the completions
+endpoint's own, by construction. Chat's own fields:
+
+    messages                 system / user / assistant; content a string or a list of
+                             {"type": "text", "text"} parts (joined with a blank line, as
+                             DeepSeek's encoding joins content blocks); an assistant
+                             message's reasoning_content is accepted and dropped (the format
+                             keeps no earlier turn's reasoning)
+    max_completion_tokens    OpenAI's newer name of max_tokens (both: they must agree);
+                             neither: as many as the engine's positions allow
+    reasoning_effort         none | minimal | low | medium | high | xhigh | max: any but
+                             none turns thinking on (DeepSeek's API maps them to high / max)
+    thinking                 {"type": "enabled" | "disabled"} (DeepSeek's API)
+    chat_template_kwargs     {"thinking" | "enable_thinking": bool, "reasoning_effort"} (vLLM's)
+    logprobs, top_logprobs   only false / null
+
+Thinking is off unless the request turns it on (vLLM's default for DeepSeek-V4: a client that
+knows nothing of reasoning gets the plain answer). With thinking on, the reply's text up to
+`</think>` is `reasoning_content` and the rest `content`, in the message and in every stream
+chunk's delta.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dspark_compile.serve import app as _app
+from dspark_compile.serve.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
+from dspark_compile.serve.loop import EngineDown, RequestFailed
+from dspark_compile.serve.prepare import BadRequest, Job, prepare
+from dspark_compile.serve.protocol import CompletionRequest, validation_message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    reasoning_content: Optional[str] = None     # accepted, dropped (an earlier turn's)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n\n".join(p.text for p in self.content)
+
+
+class Thinking(_Strict):
+    type: Literal["enabled", "disabled"]
+
+
+class TemplateKwargs(_Strict):
+    thinking: Optional[bool] = None
+    enable_thinking: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+
+
+class ChatCompletionRequest(BaseModel):
+    # the fields not named here are the completions endpoint's: forwarded, validated there
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    reasoning_effort: Optional[str] = None
+    thinking: Optional[Thinking] = None
+    chat_template_kwargs: Optional[TemplateKwargs] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A validated chat request: the conversation, its mode, the forwarded fields."""
+    model: str
+    messages: list[dict]
+    thinking: bool
+    effort: str | None              # the format's name: high | max (None: chat mode)
+    completion: CompletionRequest   # prompt: a placeholder until the conversation is rendered
+
+    @property
+    def stream(self) -> bool:
+        return self.completion.stream
+
+
+def parse_chat(raw: bytes, content_type: str | None) -> Chat:
+    """A body -> a Chat, or app.ApiError naming the field (run off the event loop)."""
+    return chat_of(_app.load_json(raw, content_type))
+
+
+def chat_of(obj: dict) -> Chat:
+    try:
+        req = ChatCompletionRequest.model_validate(obj)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise _app.ApiError(400, message, param) from None
+    if req.logprobs:
+        raise _app.ApiError(400, "logprobs: not supported (send false or leave it out)",
+                            "logprobs")
+    if req.top_logprobs is not None:
+        raise _app.ApiError(400, "top_logprobs: not supported (send null or leave it out)",
+                            "top_logprobs")
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    elif req.max_tokens is not None and req.max_tokens != max_tokens:
+        raise _app.ApiError(400, f"max_completion_tokens: {max_tokens} contradicts max_tokens "
+                                 f"{req.max_tokens} (send one)", "max_completion_tokens")
+    forward = {**(req.model_extra or {}), "model": req.model, "prompt": "x",
+               "max_tokens": max_tokens}
+    try:
+        completion = CompletionRequest.model_validate(forward)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise _app.ApiError(400, message, param) from None
+    thinking, effort = _mode(req)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return Chat(req.model, messages, thinking, effort, completion)
+
+
+def _mode(req: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """(thinking, the format's effort) from the request's three ways of saying it."""
+    kw = req.chat_template_kwargs or TemplateKwargs()
+    said = {}
+    for name, v in (("chat_template_kwargs.thinking", kw.thinking),
+                    ("chat_template_kwargs.enable_thinking", kw.enable_thinking),
+                    ("thinking.type", None if req.thinking is None
+                     else req.thinking.type == "enabled")):
+        if v is not None:
+            said[name] = v
+    if len(set(said.values())) > 1:
+        raise _app.ApiError(400, f"{', '.join(said)} disagree on thinking", next(iter(said)))
+    effort = req.reasoning_effort
+    param = "reasoning_effort"
+    if kw.reasoning_effort is not None:
+        if effort is not None and effort != kw.reasoning_effort:
+            raise _app.ApiError(400, "reasoning_effort: contradicts chat_template_kwargs."
+                                     "reasoning_effort (send one)", param)
+        effort, param = kw.reasoning_effort, "chat_template_kwargs.reasoning_effort"
+    if effort is not None and effort not in EFFORTS:
+        raise _app.ApiError(400, f"{param}: {effort!r} is not one of {', '.join(EFFORTS)}",
+                            param)
+    thinking = next(iter(said.values())) if said else False
+    if effort is not None:
+        if EFFORTS[effort] is None:            # "none"
+            if said and thinking:
+                raise _app.ApiError(400, f"{param}: 'none' turns thinking off, which "
+                                         f"{next(iter(said))} turns on", param)
+            thinking = False
+        elif not said:
+            thinking = True
+    return thinking, (EFFORTS.get(effort) or "high") if thinking else None
+
+
+def render(chat: Chat, state) -> str:
+    """The conversation as the prompt's text (BadRequest naming the message it cannot
+    render)."""
+    tok = state.tokenizer
+    if tok is None:
+        raise BadRequest("messages", "this engine has no tokenizer.json: chat needs one "
+                                     "(use /v1/completions with token ids)")
+    fmt = state.chat
+    try:
+        text = fmt.render(chat.messages, chat.thinking, chat.effort)
+    except ChatError as e:
+        raise BadRequest(e.param, e.message) from None
+    if text.startswith(fmt.bos) and tok.encode(""):
+        text = text[len(fmt.bos):]       # the tokenizer adds BOS itself: not twice
+    return text
+
+
+def prepare_chat(chat: Chat, state) -> list[Job]:
+    """The conversation rendered and tokenized, then the completions endpoint's checks
+    (run off the event loop)."""
+    text = render(chat, state)
+    tok = state.tokenizer
+    try:
+        return prepare(chat.completion.model_copy(update={"prompt": [text]}), state.limits,
+                       tok)
+    except BadRequest as e:         # the one prompt is the rendered conversation
+        message = e.message.replace("-token prompt 0", "-token conversation").replace(
+            "prompt 0", "the rendered conversation")
+        raise BadRequest("messages" if e.param == "prompt" else e.param, message,
+                         e.status) from None
+
+
+async def chat_completions(state, request):
+    acc = request.scope[_app.ACCESS]
+    admitted = await _app.admit(state, request, acc, parse_chat, prepare_chat)
+    if not isinstance(admitted, tuple):
+        return admitted                      # a refusal
+    chat, jobs, tickets = admitted
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    run = _app.Run(state, jobs[0], tickets[0], acc.start)
+    if chat.stream:
+        return _app.EventStream(_sse(state, chat, rid, run, acc),
+                                on_disconnect=lambda: _app.cancel_runs([run]),
+                                send_timeout=state.http.send_timeout)
+    failed = await _app.collect(state, [run], request, acc)
+    if failed is not None:
+        return failed
+    reasoning, content = split_reasoning(run.text.text, chat.thinking)
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": state.model_name, "system_fingerprint": state.fingerprint,
+            "choices": [{"index": 0, "message": message, "finish_reason": run.finish,
+                         "logprobs": None}],
+            "usage": _app.usage([run]).model_dump()}
+    return _app.JSONResponse(body)
+
+
+async def _sse(state, chat: Chat, rid: str, run, acc):
+    """OpenAI's chat stream: a first chunk with the role, a chunk per delta (content and
+    reasoning_content apart), the last with finish_reason, a usage chunk when
+    stream_options.include_usage (usage in every chunk with continuous_usage_stats), then
+    `data: [DONE]`; a failure is an error event, then `data: [DONE]`."""
+    base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": state.model_name, "system_fingerprint": state.fingerprint}
+    every = _app.continuous_usage(chat.completion)
+    split = ReasoningSplit(chat.thinking)
+
+    def chunk(delta: dict, finish=None, usage=None) -> str:
+        body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                     "logprobs": None}]}
+        if usage is not None or every:
+            body["usage"] = (usage or _app.usage([run])).model_dump()
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        try:
+            async for text, _ids, finish in run.deltas():
+                reasoning, content = split.add(text)
+                if finish:
+                    r, c = split.finish()
+                    reasoning, content = reasoning + r, content + c
+                delta = {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content:
+                    delta["content"] = content
+                if delta or finish:
+                    yield chunk(delta, finish)
+        except EngineDown as e:
+            yield f"data: {_app.json_error(503, str(e))}\n\n"
+        except RequestFailed as e:
+            yield f"data: {_app.json_error(500, str(e), 'engine_error')}\n\n"
+        if chat.completion.include_usage:
+            body = {**base, "choices": [], "usage": _app.usage([run]).model_dump()}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        raise
+    finally:
+        _app.cancel_runs([run])
+        _app.account(acc, [run])
+
+
+# ---- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    # {"prompt": text} or {"messages": [...]} with chat's rendering fields
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list] = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def tokenize(raw: bytes, content_type: str | None, state) -> dict:
+    """vLLM's /tokenize: {"count", "max_model_len", "tokens"} of a text or of a conversation
+    rendered as /v1/chat/completions renders it (run off the event loop)."""
+    obj = _app.load_json(raw, content_type)
+    req = _validated(TokenizeRequest, obj)
+    _served(req.model, state)
+    if (req.prompt is None) == (req.messages is None):
+        raise _app.ApiError(400, "body: send one of prompt or messages", "prompt")
+    if state.tokenizer is None:
+        raise _app.ApiError(400, "this engine has no tokenizer.json", "prompt")
+    if req.messages is not None:
+        text = render(chat_of({**obj, "model": state.model_name}), state)
+    else:
+        if req.model_extra:
+            name = next(iter(req.model_extra))
+            raise _app.ApiError(400, f"{name}: unknown field", name)
+        text = req.prompt
+    _fits(text, state)
+    ids = state.tokenizer.encode(text)
+    return {"count": len(ids), "max_model_len": state.limits.max_seq_len, "tokens": ids}
+
+
+def detokenize(raw: bytes, content_type: str | None, state) -> dict:
+    """vLLM's /detokenize: {"prompt": the text of the ids}."""
+    req = _validated(DetokenizeRequest, _app.load_json(raw, content_type))
+    _served(req.model, state)
+    if state.tokenizer is None:
+        raise _app.ApiError(400, "this engine has no tokenizer.json", "tokens")
+    v = state.limits.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < v]
+    if bad:
+        raise _app.ApiError(400, f"tokens: ids {bad[:5]} outside [0, {v})", "tokens")
+    if len(req.tokens) > state.limits.max_seq_len:
+        raise _app.ApiError(400, f"tokens: {len(req.tokens)} ids, more than the engine's "
+                                 f"{state.limits.max_seq_len} positions", "tokens")
+    return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+def _validated(schema, obj):
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise _app.ApiError(400, message, param) from None
+
+
+def _served(model: str | None, state) -> None:
+    if model is not None and model != state.model_name:
+        raise _app.ApiError(404, f"model {model[:80]!r} is not served here (this server "
+                                 f"serves {state.model_name!r})", "model", "model_not_found")
+
+
+def _fits(text: str, state) -> None:
+    """A text that cannot fit the engine is refused before it is tokenized (prepare.py)."""
+    per_token = getattr(state.tokenizer, "max_token_chars", None)
+    if per_token and -(-len(text) // per_token) > state.limits.max_seq_len:
+        raise _app.ApiError(400, f"prompt: {len(text)} characters are more tokens than the "
+                                 f"engine's {state.limits.max_seq_len} positions", "prompt")
