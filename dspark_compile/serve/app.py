@@ -31,6 +31,7 @@ for either the result or the disconnect. A streaming client that reads nothing f
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -81,6 +82,8 @@ class ServeState:
     http: HttpLimits
     executor: Executor          # parsing and tokenization, off the event loop
     chat: object = None         # chat_format.ChatFormat: how conversations become prompts
+    api_key: str | None = None  # requests must send `Authorization: Bearer <key>`
+    allowed_origins: tuple = () # CORS: browser origins allowed ('*': any); () none
 
 
 @dataclass
@@ -115,6 +118,16 @@ def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="dspark-compile", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
     m = state.metrics
+    # outermost last: the access log sees every answer, CORS headers go on refusals too, and a
+    # CORS preflight (OPTIONS, which carries no key) is answered before the key check
+    if state.api_key is not None:
+        app.add_middleware(ApiKey, key=state.api_key)
+    if state.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
     app.add_middleware(RequestLog, metrics=m)
 
     @app.exception_handler(RequestValidationError)
@@ -599,6 +612,36 @@ def continuous_usage(req: CompletionRequest) -> bool:
     """vLLM's stream_options.continuous_usage_stats: usage in every chunk."""
     return bool(req.stream_options
                 and getattr(req.stream_options, "continuous_usage_stats", False))
+
+
+# ---- the API key -------------------------------------------------------------------------------
+
+OPEN_PATHS = ("/health", "/metrics")     # probes and scrapers carry no key
+
+
+class ApiKey:
+    """Pure ASGI middleware: every request but /health, /metrics and CORS preflights sends
+    `Authorization: Bearer <key>`, else 401 in OpenAI's error body. The key is compared in
+    constant time (hmac.compare_digest), so the answer's timing does not spell it out."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, ("Bearer " + key).encode()
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope.get("path") in OPEN_PATHS
+                or scope.get("method") == "OPTIONS"):
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self.key):
+            return await self.app(scope, receive, send)
+        body = {"error": {"message": "Incorrect API key provided: send `Authorization: "
+                                     "Bearer <key>` with this server's --api-key"
+                          if given else "Missing API key: send `Authorization: Bearer <key>` "
+                                        "with this server's --api-key",
+                          "type": "invalid_request_error", "param": None,
+                          "code": "invalid_api_key"}}
+        await JSONResponse(body, status_code=401,
+                           headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 
 # ---- request ids and the access log ---------------------------------------------------------

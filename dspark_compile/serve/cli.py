@@ -70,6 +70,50 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                                      f"an error (default {DEFAULT_DRAIN_TIMEOUT:g})")
     p.add_argument("--no-access-log", action="store_true",
                    help="no line per request on stdout (failures are still logged)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help="requests must send `Authorization: Bearer KEY`, else HTTP 401 "
+                          "(/health and /metrics stay open); the command line is visible to "
+                          "other users of the machine: --api-key-file keeps it out")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="--api-key read from the first line of this file")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser origins allowed to call the API (CORS), comma-separated, "
+                        "e.g. https://app.example.com, or '*' for any; default: none (no CORS "
+                        "headers: browsers refuse cross-origin calls)")
+
+
+def _api_key(args) -> str | None:
+    """The key of --api-key or --api-key-file; ValueError (one line) when it is unusable."""
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it "
+                             f"({type(e).__name__}: {e})") from None
+        flag = "--api-key-file"
+    elif args.api_key is not None:
+        key, flag = args.api_key, "--api-key"
+    else:
+        return None
+    if not key or any(not 0x21 <= ord(c) <= 0x7e for c in key):
+        raise ValueError(f"{flag}: the key must be printable ASCII without spaces (it is sent "
+                         "in an HTTP header), and not empty")
+    return key
+
+
+def _origins(text: str | None) -> tuple[str, ...]:
+    if text is None:
+        return ()
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not (o.startswith(("http://", "https://")) and "*" not in o):
+            raise ValueError(f"--allowed-origins: {o!r} is not an origin (scheme://host[:port],"
+                             " or '*' alone)")
+    if not origins:
+        raise ValueError("--allowed-origins: no origin given")
+    return origins
 
 
 @command("serve", "serve an engine over an OpenAI-compatible HTTP API", _serve_args,
@@ -80,6 +124,7 @@ def cmd_serve(args) -> int:
     from dspark_compile.runtime import Engine
     from dspark_compile.serve.server import Server
 
+    api_key, origins = _api_key(args), _origins(args.allowed_origins)   # before the load
     dev = device(args.device) if args.device else None
     t = time.perf_counter()
     with engine_errors():
@@ -90,7 +135,8 @@ def cmd_serve(args) -> int:
     Server(eng, model_name=args.model_name, max_queue=args.max_queue,
            max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
            body_timeout=args.body_timeout, send_timeout=args.send_timeout,
-           drain_timeout=args.drain_timeout).run(
+           drain_timeout=args.drain_timeout, api_key=api_key,
+           allowed_origins=origins).run(
         args.host, args.port, log=lambda line: print(line, flush=True),
         access_log=not args.no_access_log)
     return 0

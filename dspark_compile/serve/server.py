@@ -74,7 +74,8 @@ class Server:
                  header_timeout: float = DEFAULT_HEADER_TIMEOUT,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT,
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
-                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT):
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+                 api_key: str | None = None, allowed_origins=()):
         require_extra()
         from concurrent.futures import ThreadPoolExecutor
 
@@ -126,7 +127,8 @@ class Server:
                                 tokenizer=self.tokenizer, model_name=self.model_name,
                                 fingerprint=f"dspark-{checksum[:16]}" if checksum else None,
                                 created=int(time.time()), http=self.http,
-                                executor=self.executor, chat=self.chat)
+                                executor=self.executor, chat=self.chat, api_key=api_key,
+                                allowed_origins=tuple(allowed_origins))
         self.app = create_app(self.state)
         self._uvicorn = None
         self._aloop: asyncio.AbstractEventLoop | None = None

@@ -130,3 +130,64 @@ def test_bad_chat_requests_are_400s_naming_the_field(url, patch, param):
                            {"model": "tiny", "messages": TURNS, **patch})
     err = json.loads(body)["error"]
     assert status == 400 and err["param"] == param, body
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    proc, u = _start(tmp_path_factory.mktemp("guarded"), "--api-key", KEY,
+                     "--allowed-origins", "https://ok.example")
+    yield u
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_an_api_key_server_answers_401_in_openais_body_without_the_bearer_key(guarded):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, h, body = call(guarded, "GET", "/v1/models", headers=headers)
+        err = json.loads(body)["error"]
+        assert status == 401 and err["code"] == "invalid_api_key", (headers, body)
+        assert err["type"] == "invalid_request_error" and h.get("www-authenticate") == "Bearer"
+    status, _, _ = call(guarded, "POST", "/v1/chat/completions", {"model": "tiny",
+                                                                  "messages": TURNS})
+    assert status == 401
+    assert call(guarded, "GET", "/health")[0] == 200            # probes and scrapers: open
+    assert call(guarded, "GET", "/metrics")[0] == 200
+    ok = openai.OpenAI(base_url=guarded + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    assert [m.id for m in ok.models.list()] == ["tiny"]
+    r = ok.chat.completions.create(model="tiny", messages=TURNS[1:2])
+    assert r.choices[0].message.content == REPLY
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=guarded + "/v1", api_key="nope",
+                      max_retries=0).models.list()
+
+
+def test_cors_answers_only_the_allowed_origins(url, guarded):
+    pre = {"Origin": "https://ok.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    status, h, _ = call(guarded, "OPTIONS", "/v1/chat/completions", headers=pre)
+    assert status == 200 and h.get("access-control-allow-origin") == "https://ok.example"
+    status, h, _ = call(guarded, "OPTIONS", "/v1/chat/completions",
+                        headers={**pre, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in {k.lower() for k in h}
+    # the same origin's actual request gets the header (a refusal too: the browser shows it)
+    _, h, _ = call(guarded, "GET", "/v1/models", headers={"Origin": "https://ok.example"})
+    assert h.get("access-control-allow-origin") == "https://ok.example"
+    # off by default
+    _, h, _ = call(url, "GET", "/v1/models", headers={"Origin": "https://ok.example"})
+    assert "access-control-allow-origin" not in {k.lower() for k in h}
+
+
+def test_model_card_version_and_detokenize(url):
+    status, _, body = call(url, "GET", "/v1/models/tiny")
+    assert status == 200 and json.loads(body)["id"] == "tiny"
+    assert call(url, "GET", "/v1/models/other")[0] == 404
+    status, _, body = call(url, "GET", "/version")
+    assert status == 200 and json.loads(body)["version"]
+    status, _, body = call(url, "POST", "/tokenize", {"prompt": "Hello there"})
+    ids = json.loads(body)["tokens"]
+    status, _, body = call(url, "POST", "/detokenize", {"model": "tiny", "tokens": ids})
+    assert status == 200 and json.loads(body)["prompt"] == "Hello there"
+    status, _, body = call(url, "POST", "/detokenize", {"tokens": [5, 99999]})
+    assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
+    status, _, body = call(url, "POST", "/tokenize", {"prompt": "x", "messages": TURNS})
+    assert status == 400

@@ -53,3 +53,17 @@ def test_an_address_in_use_is_one_line_naming_the_flags():
         port = s.getsockname()[1]
         with pytest.raises(OSError, match=f"--host 127.0.0.1 --port {port}: cannot bind"):
             _bind("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--allowed-origins", "ftp://x.example"], "--allowed-origins"),
+    (["--allowed-origins", "https://*.example"], "--allowed-origins"),
+    (["--api-key", "has space"], "--api-key"),
+    (["--api-key", ""], "--api-key"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file"),
+])
+def test_bad_api_key_or_origins_are_one_line_before_the_engine_loads(argv, flag, capsys,
+                                                                     tmp_path):
+    assert main(["serve", str(tmp_path / "nope"), *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "nope" not in err
