@@ -27,6 +27,14 @@ counters: drafts, draft tokens, accepted tokens, accepted tokens per draft posit
     dspark_request_latency_seconds          histogram: arrival -> last token
     dspark_engine_up                        1 while the engine thread runs, 0 once it failed
 
+The same numbers under vLLM's names too (a `model_name` label; _VllmCollector):
+vllm:num_requests_running / _waiting, vllm:spec_decode_num_drafts / _draft_tokens /
+_accepted_tokens (/ _accepted_tokens_per_pos, positions from 0 as vLLM counts them),
+vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total
+{finished_reason: stop | length | abort}, vllm:time_to_first_token_seconds,
+vllm:inter_token_latency_seconds and vllm:time_per_output_token_seconds (the same
+inter-token observations), vllm:e2e_request_latency_seconds.
+
 The engine's counters (GenerationStream.counters()) are read by the engine thread after each
 step and exposed from that snapshot at scrape time, so a scrape never touches the stream.
 """
@@ -51,8 +59,8 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.
 
 
 class Metrics:
-    def __init__(self, block: int, max_queue: int):
-        self.block, self.max_queue = block, max_queue
+    def __init__(self, block: int, max_queue: int, model_name: str = ""):
+        self.block, self.max_queue, self.model_name = block, max_queue, model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("dspark_requests", "Requests by outcome", ["outcome"],
@@ -77,6 +85,7 @@ class Metrics:
         self._samples: collections.deque = collections.deque()   # (time, committed tokens)
         self.down = False
         r.register(_EngineCollector(self))
+        r.register(_VllmCollector(self))
 
     # ---- written by the engine thread
     def engine_counters(self, snapshot: dict, now: float | None = None) -> None:
@@ -142,11 +151,15 @@ class Hist:
         return []
 
     def collect(self):
-        acc, cumulative = 0, []
+        yield HistogramMetricFamily(self.name, self.doc, buckets=self.cumulative(),
+                                    sum_value=self.sum)
+
+    def cumulative(self) -> list:
+        acc, out = 0, []
         for bound, c in zip(self.buckets + (float("inf"),), self.counts):
             acc += c
-            cumulative.append((_le(bound), acc))
-        yield HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+            out.append((_le(bound), acc))
+        return out
 
 
 def _le(bound: float) -> str:
@@ -214,3 +227,68 @@ class _EngineCollector:
                                 "it failed (/health answers 503)", value=0 if self.m.down else 1)
         yield GaugeMetricFamily("dspark_queue_capacity", "Requests that may wait for a state "
                                 "row (--max-queue)", value=self.m.max_queue)
+
+
+# vLLM's finished_reason label of vllm:request_success_total, from this server's outcomes
+VLLM_FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+class _VllmCollector:
+    """The same numbers under vLLM's names (`vllm:` prefix, a `model_name` label), so
+    dashboards and benchmark reports built on vLLM's metrics read this server unchanged.
+    vllm:time_per_output_token_seconds holds the inter-token observations, as
+    vllm:inter_token_latency_seconds does (this server times the gap between deliveries)."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m, c = self.m, self.m.snapshot()
+        label = [m.model_name]
+
+        def fam(kind, name, doc, value, extra=()):
+            f = kind(name, doc, labels=["model_name", *(k for k, _ in extra)])
+            f.add_metric(label + [v for _, v in extra], value)
+            return f
+
+        yield fam(GaugeMetricFamily, "vllm:num_requests_running", "Requests holding a state "
+                  "row", int(c.get("running", 0)))
+        yield fam(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for a "
+                  "state row", int(c.get("waiting", 0)))
+        for name, key, doc in (("drafts", "row_steps", "Drafts verified"),
+                               ("draft_tokens", "draft_tokens", "Draft tokens proposed"),
+                               ("accepted_tokens", "accepted_tokens", "Draft tokens accepted")):
+            yield fam(CounterMetricFamily, f"vllm:spec_decode_num_{name}", doc,
+                      int(c.get(key, 0)))
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens at this 0-based position",
+                                      labels=["model_name", "position"])
+        for k, n in enumerate(c.get("accepted_at") or [0] * m.block):
+            per_pos.add_metric(label + [str(k)], int(n))       # vLLM counts positions from 0
+        yield per_pos
+        yield fam(CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens of admitted "
+                  "requests", _value(m.prompt_tokens))
+        yield fam(CounterMetricFamily, "vllm:generation_tokens", "Tokens committed",
+                  int(c.get("committed_tokens", 0)))
+        success = CounterMetricFamily("vllm:request_success", "Requests finished, by reason",
+                                      labels=["model_name", "finished_reason"])
+        by_outcome = {s.labels["outcome"]: s.value for f in m.requests.collect()
+                      for s in f.samples if s.name.endswith("_total")}
+        for outcome, reason in VLLM_FINISHED.items():
+            success.add_metric(label + [reason], by_outcome.get(outcome, 0.0))
+        yield success
+        for name, h in (("time_to_first_token_seconds", m.ttft),
+                        ("inter_token_latency_seconds", m.itl),
+                        ("time_per_output_token_seconds", m.itl),
+                        ("e2e_request_latency_seconds", m.e2e)):
+            f = HistogramMetricFamily(f"vllm:{name}", h.doc, labels=["model_name"])
+            f.add_metric(label, h.cumulative(), h.sum)
+            yield f
+
+
+def _value(counter) -> float:
+    return next(s.value for f in counter.collect() for s in f.samples
+                if s.name.endswith("_total"))

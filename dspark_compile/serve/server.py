@@ -116,7 +116,7 @@ class Server:
         self.http = HttpLimits(max_request_bytes, body_timeout, send_timeout)
         self.header_timeout, self.drain_timeout = header_timeout, drain_timeout
         self.model_name = model_name or Path(engine.dir).resolve().name
-        self.metrics = Metrics(cfg.dspark_block_size, max_queue)
+        self.metrics = Metrics(cfg.dspark_block_size, max_queue, self.model_name)
         self.stream = engine.open_stream()
         # a request the engine fails on fails alone (scheduler.py)
         self.stream.isolate_failures = True

@@ -191,3 +191,32 @@ def test_model_card_version_and_detokenize(url):
     assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
     status, _, body = call(url, "POST", "/tokenize", {"prompt": "x", "messages": TURNS})
     assert status == 400
+
+
+def test_metrics_carry_vllms_names_with_the_same_numbers(url, client):
+    from prometheus_client.parser import text_string_to_metric_families
+    client.chat.completions.create(model="tiny", messages=TURNS[1:2])     # at least one
+    got = {}
+    for fam in text_string_to_metric_families(call(url, "GET", "/metrics")[2]):
+        for s in fam.samples:
+            got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    tiny = (("model_name", "tiny"),)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total"):
+        assert (name, tiny) in got, name
+    same = {"vllm:generation_tokens_total": "dspark_generation_tokens_total",
+            "vllm:prompt_tokens_total": "dspark_prompt_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens_total":
+                "dspark_spec_decode_num_accepted_tokens_total",
+            "vllm:time_to_first_token_seconds_count": "dspark_time_to_first_token_seconds_count",
+            "vllm:inter_token_latency_seconds_count": "dspark_inter_token_latency_seconds_count",
+            "vllm:time_per_output_token_seconds_count":
+                "dspark_inter_token_latency_seconds_count",
+            "vllm:e2e_request_latency_seconds_count": "dspark_request_latency_seconds_count"}
+    for v, d in same.items():
+        assert got[(v, tiny)] == got[(d, ())], v
+    assert got[("vllm:generation_tokens_total", tiny)] > 0
+    assert got[("vllm:request_success_total", (("finished_reason", "stop"),) + tiny)] == \
+        got[("dspark_requests_total", (("outcome", "stop"),))] > 0
