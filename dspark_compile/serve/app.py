@@ -368,8 +368,10 @@ class _Run:
 
     def __init__(self, state: ServeState, job: Job, ticket: Ticket, arrival: float):
         self.state, self.job, self.ticket, self.arrival = state, job, ticket, arrival
-        self.text = TextStream(state.tokenizer, job.prompt, job.stop_strings,
-                               job.params.stop_ids)
+        tok = state.tokenizer
+        if tok is not None and not job.skip_special_tokens:
+            tok = tok.keeping_special()
+        self.text = TextStream(tok, job.prompt, job.stop_strings, job.params.stop_ids)
         self.finish: str | None = None
         self.last: float | None = None
 
@@ -506,12 +508,14 @@ def _chunk(base: dict, choices: list, usage: Usage | None = None) -> str:
 
 async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_Run],
                acc: Access):
-    """OpenAI's completion stream: `data: {chunk}` per delta, a usage chunk (choices [])
-    when stream_options.include_usage, then `data: [DONE]`. A prompt the engine failed on,
+    """OpenAI's completion stream: `data: {chunk}` per delta (with the usage so far in each
+    when stream_options.continuous_usage_stats, vLLM's), a usage chunk (choices []) when
+    stream_options.include_usage, then `data: [DONE]`. A prompt the engine failed on,
     or every prompt when the server stops, ends with an error event (OpenAI's error body);
     the others go on, and the stream still ends with `data: [DONE]`."""
     merged: asyncio.Queue = asyncio.Queue()
     base = _chunk_base(state, rid)
+    every = continuous_usage(req)
 
     async def pump(run: _Run):
         try:
@@ -539,7 +543,8 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[_
             else:
                 text, ids, finish = item
                 yield _chunk(base, [{"index": run.job.index, "text": text, "token_ids": ids,
-                                     "finish_reason": finish, "logprobs": None}])
+                                     "finish_reason": finish, "logprobs": None}],
+                             _usage(runs) if every else None)
         if req.include_usage:
             yield _chunk(base, [], _usage(runs))
         yield "data: [DONE]\n\n"

@@ -45,6 +45,7 @@ class Job:
     prompt: list[int]
     params: SamplingParams
     stop_strings: tuple[str, ...]
+    skip_special_tokens: bool = True    # False: the text keeps special tokens' strings
 
 
 # SamplingParams' fields (as its messages name them) -> the API's names for them
@@ -112,7 +113,7 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
                                            f"positions: at most {room}")
         sp = _checked(dataclasses.replace(base, seed=base.seed + i, max_new_tokens=max_new),
                       limits)
-        jobs.append(Job(i, list(p), sp, req.stop))
+        jobs.append(Job(i, list(p), sp, req.stop, req.skip_special_tokens))
     return jobs
 
 

@@ -10,6 +10,11 @@ Extensions over OpenAI's completions schema (sent through the `openai` client's 
 - every choice carries `token_ids`, the ids behind its `text` (the only output of an engine
   without a tokenizer); stream chunks carry the ids they add.
 
+vLLM's extensions: `stream_options.continuous_usage_stats` (usage in every chunk),
+`skip_special_tokens` (false: special tokens' strings stay in the text), `min_tokens` (only
+where it cannot bind: with ignore_eos and no stop / stop_token_ids), `repetition_penalty`
+(only 1).
+
 Fields of OpenAI's schema that an engine cannot honour (`n` > 1, `best_of` > 1, `echo`,
 `logprobs`, `suffix`, `logit_bias`, penalties) are refused by name rather than ignored.
 Unknown fields are refused too, so a misspelt `top_k` is a 400, not a silent default.
@@ -39,6 +44,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's: usage in every chunk
 
 
 class CompletionRequest(_Request):
@@ -67,6 +73,10 @@ class CompletionRequest(_Request):
     logit_bias: Optional[dict[str, float]] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's extensions
+    min_tokens: int = Field(0, ge=0)     # only where it cannot bind (see _min_tokens)
+    skip_special_tokens: bool = True     # False: the text keeps the special tokens' strings
+    repetition_penalty: Optional[float] = None     # only 1 (off)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -148,8 +158,45 @@ class CompletionRequest(_Request):
     @classmethod
     def _no_penalty(cls, v):
         if v != 0:
-            raise ValueError("not supported (only 0)")
+            raise ValueError("not supported: penalties need the sampler to see each "
+                             "request's past tokens, which this engine's does not (only 0, "
+                             "off)")
         return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("not supported: penalties need the sampler to see each "
+                             "request's past tokens, which this engine's does not (only 1, "
+                             "off)")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v, info):
+        """vLLM's min_tokens masks the stop tokens until that many tokens came; this engine's
+        sampler cannot, so it is accepted only where no stop can come earlier: ignore_eos
+        with no stop_token_ids and no stop strings (a load generator's fixed-length
+        requests), where the request runs to max_tokens anyway."""
+        if v == 0:
+            return v
+        d = info.data
+        if d.get("max_tokens") is not None and v > d["max_tokens"]:
+            raise ValueError(f"{v} exceeds max_tokens {d['max_tokens']}")
+        if not d.get("ignore_eos") or d.get("stop_token_ids") or d.get("stop"):
+            raise ValueError("> 0 needs the sampler to hold back the stop tokens, which this "
+                             "engine's does not; send it only with ignore_eos and no stop / "
+                             "stop_token_ids (or send 0)")
+        return v
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens "
+                             f"{self.max_tokens}")
+        if not self.ignore_eos or self.stop_token_ids or self.stop:
+            raise ValueError("min_tokens: > 0 needs the sampler to hold back the stop tokens, "
+                             "which this engine's does not; send it only with ignore_eos and "
+                             "no stop / stop_token_ids (or send 0)")
+        return self
 
     @property
     def prompts(self) -> list:

@@ -58,7 +58,17 @@ class Tokenizer:
         return list(batch([text])[0].ids)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+        return self.tok.decode(list(ids), skip_special_tokens=self.skip_special)
+
+    skip_special = True
+
+    def keeping_special(self) -> "Tokenizer":
+        """The same tokenizer, decoding special tokens to their strings (vLLM's
+        skip_special_tokens: false)."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.skip_special = False
+        return other
 
 
 def _longest_token(tok) -> int | None:

@@ -220,3 +220,37 @@ def test_metrics_carry_vllms_names_with_the_same_numbers(url, client):
     assert got[("vllm:generation_tokens_total", tiny)] > 0
     assert got[("vllm:request_success_total", (("finished_reason", "stop"),) + tiny)] == \
         got[("dspark_requests_total", (("outcome", "stop"),))] > 0
+
+
+def test_a_streamed_completion_with_vllms_extensions(client):
+    n = 40                      # past the script's <|eos|>: ignore_eos lets the request go on
+    stream = client.completions.create(
+        model="tiny", prompt="Hi", max_tokens=n, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"min_tokens": n, "ignore_eos": True, "skip_special_tokens": False,
+                    "repetition_penalty": 1.0, "top_k": -1})
+    text, ids, seen = "", [], []
+    for chunk in stream:
+        seen.append(chunk.usage.completion_tokens)          # usage in every chunk
+        for c in chunk.choices:
+            text += c.text
+            ids += c.model_extra["token_ids"]
+    assert seen == sorted(seen) and seen[-1] == n == len(ids)
+    assert text.startswith(REPLY + "<|eos|>")                # the special token's string kept
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1.0}, "frequency_penalty"),
+    ({"min_tokens": 5}, "min_tokens"),                      # eos could stop it earlier
+    ({"min_tokens": 5, "ignore_eos": True, "stop": ["x"]}, "min_tokens"),
+    ({"stream": True, "stream_options": {"continuous_usage": True}}, "stream_options"),
+    ({"use_beam_search": True}, "use_beam_search"),
+])
+def test_vllm_fields_the_engine_cannot_honour_are_refused_by_name(url, patch, param):
+    for path, body in (("/v1/completions", {"prompt": "Hi"}),
+                       ("/v1/chat/completions", {"messages": TURNS})):
+        status, _, text = call(url, "POST", path, {"model": "tiny", **body, **patch})
+        err = json.loads(text)["error"]
+        assert status == 400 and err["param"].startswith(param), (path, text)
