@@ -24,6 +24,20 @@ moved aside just before that rename and deleted after it, so a failed build leav
 engine as it was and no partial directory behind. A build killed before its cleanup (SIGKILL)
 leaves its temporary, named for its pid; the next build of the same destination removes it
 once that process is gone (models/atomic_dir.py).
+
+One build a destination: save_engine (and build_engine, from its checks on) holds the
+destination's lock (`.<name>.lock` beside it, models/atomic_dir.py output_lock), so a second
+build of the same output is refused at once, naming the first's pid, host and start time; a
+lock left by a killed build is free again (the kernel drops it with its holder). With
+`overwrite=False` an output that holds anything, or one that appears during the write, is
+refused, never replaced.
+
+Disk space. Before anything is written the engine's size is estimated (engine_bytes: the
+weights' bytes, the extra files, ENGINE_PROGRAM_BYTES_PER_NODE a program node, the manifest)
+and compared with the free space of the output's file system; after the programs are written
+the rest is checked again with their real sizes. A write that still runs out of space (or
+quota, or finds the file system read-only) fails as one NoSpaceError naming the output and the
+bytes it needs, its temporary removed.
 """
 from __future__ import annotations
 
@@ -33,7 +47,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -49,7 +63,8 @@ from dspark_compile.artifact_load import (  # noqa: F401  (re-exported: the engi
 from dspark_compile.artifact_weights import (
     _plan_weights, _programs_device, _save_program, _save_weights)
 from dspark_compile.models.atomic_dir import (
-    fsync_dir, move_into_place, remove_stale_temps, replace_refusal, temp_dir)
+    canonical, check_free_space, disk_errors, fsync_dir, move_into_place, needed_bytes,
+    output_lock, remove_stale_temps, replace_refusal, temp_dir)
 from dspark_compile.versions import ENV_FIELDS, environment_fields, target_sm
 
 # Computed by save_engine; a caller's manifest_fields may not set them.
@@ -124,19 +139,96 @@ def not_an_engine(dest: Path) -> Optional[str]:
                            (rf"\.{MANIFEST}\.\d+\.[0-9a-f]{{8}}\.tmp",))
 
 
-def _swap_into_place(tmp: Path, dest: Path) -> None:
+def _swap_into_place(tmp: Path, dest: Path, overwrite: bool) -> None:
     why = not_an_engine(dest)
     if why:
         raise ArtifactError(f"refusing to replace {dest}: {why}", path=str(dest))
-    move_into_place(tmp, dest)
+    move_into_place(tmp, dest, replace=overwrite)
+
+
+def occupied(dest: Path) -> Optional[str]:
+    """Why writing `dest` without overwrite would replace something (None: absent or empty)."""
+    dest = Path(dest)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        return "exists and is not a directory"
+    if dest.is_dir() and any(dest.iterdir()):
+        return ("already holds an engine" if (dest / MANIFEST).is_file()
+                else "exists and is not empty")
+    return None
+
+
+# --------------------------------------------------------------------------- size
+# A program file's bytes per graph node: the tiny model's bucket-1 step (1,084 nodes after the
+# passes) took 1,118,894 bytes (1,032 a node) with its weights stored apart; twice that covers
+# the lifted constants and larger models' longer names.
+ENGINE_PROGRAM_BYTES_PER_NODE = 2048
+# The manifest's bytes: the tiny engine's (371 weights, one program) was 120,660 bytes, ~150
+# a weight (its sha256, dtype, shape) and ~15,000 a program (file entry, pass stats); these
+# are about three times that.
+MANIFEST_BYTES_PER_WEIGHT, MANIFEST_BYTES_PER_PROGRAM = 512, 1 << 16
+# The safetensors header's bytes a tensor (its name, dtype, shape and offsets as JSON).
+HEADER_BYTES_PER_TENSOR = 256
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of `tensors` (an iterable), each storage counted once."""
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def engine_bytes(weight_bytes: int, n_weights: int, program_nodes: list[int],
+                 extra_bytes: int = 0) -> int:
+    """What an engine of these parts takes on disk, estimated from above (module comment
+    "Disk space"); models/atomic_dir.py needed_bytes adds the file system's share."""
+    files = weight_bytes + HEADER_BYTES_PER_TENSOR * n_weights + extra_bytes \
+        + ENGINE_PROGRAM_BYTES_PER_NODE * sum(program_nodes) \
+        + MANIFEST_BYTES_PER_WEIGHT * n_weights + MANIFEST_BYTES_PER_PROGRAM * len(program_nodes)
+    return needed_bytes(files, len(program_nodes) + 2 + n_weights // 1000)
 
 
 # --------------------------------------------------------------------------- save
+def _manifest(fields: dict, programs: dict, prefill_programs: dict, target_programs: dict,
+              every: dict, shared: dict, tensors: dict) -> dict:
+    """The manifest of the written engine, less its file table and checksum."""
+    buckets = sorted(programs)
+    env = environment_fields()
+    return {
+        "format_version": FORMAT_VERSION,
+        **{k: env[k] for k in ENV_FIELDS},
+        # a JSON copy; non-JSON values (e.g. in pass notes) are recorded as their str()
+        **json.loads(json.dumps(fields, default=str)),
+        "buckets": buckets,
+        "programs": {str(b): {"path": program_path(b), "shared_weights": shared[b],
+                              "user_inputs": list(programs[b].graph_signature.user_inputs)}
+                     for b in buckets},
+        "weights": {"file": WEIGHTS_FILE, "tensors": tensors},
+        "dspark_ops": _dspark_ops(every),
+        "graph_memory_bytes": {str(b): None for b in buckets},
+        **({"prefill_programs": {
+            str(c): {"path": prefill_program_path(c), "shared_weights": shared[prefill_key(c)],
+                     "user_inputs": list(ep.graph_signature.user_inputs)}
+            for c, ep in sorted(prefill_programs.items())}} if prefill_programs else {}),
+        **({"target_programs": {
+            str(b): {"path": target_program_path(b), "shared_weights": shared[target_key(b)],
+                     "user_inputs": list(ep.graph_signature.user_inputs)}
+            for b, ep in sorted(target_programs.items())}} if target_programs else {}),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"),
+    }
+
+
 def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                 manifest_fields: Optional[dict] = None,
                 extra_files: Optional[dict] = None,
                 prefill_programs: Optional[dict] = None,
-                target_programs: Optional[dict] = None) -> dict:
+                target_programs: Optional[dict] = None, overwrite: bool = True,
+                free_bytes: Optional[Callable[[Path], int]] = None) -> dict:
     """Write an engine directory atomically; returns the manifest.
 
     programs: {bucket B (int > 0): ExportedProgram}.
@@ -153,8 +245,13 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     extra_files: {"kernels/sm_XY/<name>" | "compiled/<name>" | "tokenizer.json": bytes | str}
         build reports, compiled programs (dspark_compile/compiled.py) and the checkpoint's
         tokenizer, checksummed like every file.
+    overwrite: replace an engine at `out_dir` (never a directory holding other files); False:
+        refuse any `out_dir` that is not absent or empty, before writing and at the rename.
+    free_bytes: the free bytes of a path's file system (default: shutil.disk_usage's); the
+        tests' seam for a full disk.
+    Holds `out_dir`'s lock while it writes (a concurrent writer: OutputLocked, naming it).
     """
-    out_dir = Path(out_dir).absolute()
+    out_dir = canonical(Path(out_dir).absolute())
     if not programs:
         raise ArtifactError("save_engine needs at least one program", field="programs")
     for b, ep in programs.items():
@@ -205,51 +302,41 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                                 path=rel)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
-    tmp = temp_dir(out_dir)
-    try:
+    with output_lock(out_dir, "build"):
+        why = None if overwrite else occupied(out_dir)
+        if why:
+            raise ArtifactError(f"{out_dir} {why}; pass overwrite=True to replace an engine",
+                                path=str(out_dir))
+        remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
         store, shared = _plan_weights(every, weights)
-        (tmp / PROGRAM_DIR).mkdir()
-        buckets = sorted(programs)
-        for key, ep in every.items():
-            _save_program(ep, tmp / _program_file(key), shared[key])
-        tensors = _save_weights(store, tmp / WEIGHTS_FILE)
-        for rel, content in extra_files.items():
-            p = tmp / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
-        env = environment_fields()
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            **{k: env[k] for k in ENV_FIELDS},
-            # a JSON copy; non-JSON values (e.g. in pass notes) are recorded as their str()
-            **json.loads(json.dumps(fields, default=str)),
-            "buckets": buckets,
-            "programs": {str(b): {"path": program_path(b), "shared_weights": shared[b],
-                                  "user_inputs": list(programs[b].graph_signature.user_inputs)}
-                         for b in buckets},
-            "weights": {"file": WEIGHTS_FILE, "tensors": tensors},
-            "dspark_ops": _dspark_ops(every),
-            "graph_memory_bytes": {str(b): None for b in buckets},
-            **({"prefill_programs": {
-                str(c): {"path": prefill_program_path(c), "shared_weights": shared[prefill_key(c)],
-                         "user_inputs": list(ep.graph_signature.user_inputs)}
-                for c, ep in sorted(prefill_programs.items())}} if prefill_programs else {}),
-            **({"target_programs": {
-                str(b): {"path": target_program_path(b), "shared_weights": shared[target_key(b)],
-                         "user_inputs": list(ep.graph_signature.user_inputs)}
-                for b, ep in sorted(target_programs.items())}} if target_programs else {}),
-            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"),
-        }
-        manifest["files"] = _file_table(tmp)
-        manifest["checksum"] = _checksum(manifest)
-        _write_json_atomic(tmp / MANIFEST, manifest)
-        fsync_dir(tmp)
-        _swap_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        sizes = (tensor_bytes(store.values()), len(store))
+        extra = sum(len(c.encode() if isinstance(c, str) else c) for c in extra_files.values())
+        need = engine_bytes(*sizes, [len(ep.graph.nodes) for ep in every.values()], extra)
+        check_free_space(out_dir, need, "the engine", free_bytes)
+        with disk_errors(out_dir, "the engine", need):
+            tmp = temp_dir(out_dir)
+            try:
+                (tmp / PROGRAM_DIR).mkdir()
+                for key, ep in every.items():
+                    _save_program(ep, tmp / _program_file(key), shared[key])
+                # the programs are on disk: the rest (weights, extra files, manifest) again
+                check_free_space(out_dir, engine_bytes(*sizes, [0] * len(every), extra),
+                                 "the rest of the engine", free_bytes)
+                tensors = _save_weights(store, tmp / WEIGHTS_FILE)
+                for rel, content in extra_files.items():
+                    p = tmp / rel
+                    p.parent.mkdir(parents=True, exist_ok=True)
+                    p.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
+                manifest = _manifest(fields, programs, prefill_programs, target_programs,
+                                     every, shared, tensors)
+                manifest["files"] = _file_table(tmp)
+                manifest["checksum"] = _checksum(manifest)
+                _write_json_atomic(tmp / MANIFEST, manifest)
+                fsync_dir(tmp)
+                _swap_into_place(tmp, out_dir, overwrite)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     return manifest
 
 

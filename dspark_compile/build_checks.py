@@ -92,8 +92,8 @@ def check_build(ckpt, out, bc):
     import torch
 
     from dspark_compile.artifact import not_an_engine
-    from dspark_compile.models.checkpoint import CheckpointError
-    from dspark_compile.models.config import ModelConfig, request_positions
+    from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
+    from dspark_compile.models.config import request_positions
 
     out = Path(out)
     why = not_an_engine(out)
@@ -101,11 +101,9 @@ def check_build(ckpt, out, bc):
         raise ValueError(f"out_dir {out}: {why}; refusing to replace it")
     writable_sibling(out, "out_dir")
     root = Path(ckpt)
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} is not a directory (config.json + safetensors)")
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {root}")
-    cfg = ModelConfig.from_file(root / "config.json")
+        raise CheckpointError(missing_dir(root))
+    cfg = read_config(root / "config.json")
     if not cfg.has_draft:
         raise ValueError("config field 'dspark_block_size': the checkpoint has no DSpark draft; "
                          "the engine compiles the draft-plus-verify step")
@@ -126,6 +124,7 @@ def check_build(ckpt, out, bc):
         if bc.arch not in ARCHS:
             raise ValueError(f"arch must be one of {', '.join(sorted(ARCHS))}, got {bc.arch!r}")
     if bc.dump_dir is not None:
+        _check_dump_dir(Path(bc.dump_dir), out)
         writable_dir(Path(bc.dump_dir), "dump_dir")
     try:
         dev = torch.device(bc.device)
@@ -138,6 +137,20 @@ def check_build(ckpt, out, bc):
     _check_tokenizer(root)
     _check_state_fits(cfg, bc, dev)
     return cfg
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """`path` is `root` or below it, symbolic links and `..` resolved."""
+    path, root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return path == root or root in path.parents
+
+
+def _check_dump_dir(dump: Path, out: Path) -> None:
+    """Graphs dumped into the engine directory made it a directory of other files, which the
+    write at the end then refused to replace: minutes of export lost."""
+    if _inside(dump, out):
+        raise ValueError(f"dump_dir {dump} is inside out_dir {out}: the engine directory holds "
+                         "only the engine's files; dump the graphs elsewhere")
 
 
 def _check_positions(cfg, msl) -> None:

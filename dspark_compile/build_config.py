@@ -14,7 +14,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # BuildConfig fields the manifest leaves out: they change how a build runs, not what the engine
 # computes
-NOT_RECORDED = ("dump_dir", "verify_passes", "compile_workers")
+NOT_RECORDED = ("dump_dir", "verify_passes", "compile_workers", "overwrite")
 
 
 @dataclass
@@ -50,6 +50,10 @@ class BuildConfig:
     # worker processes compiling the programs side by side (dspark_compile/compile_workers.py);
     # 0 = one per program up to half the CPU cores, 1 = in the building process
     compile_workers: int = 0
+    # replace an engine already at the output (never a directory holding other files); False
+    # (the CLI without --overwrite): an output that is not absent or empty is refused, also one
+    # that appears while the build runs (dspark_compile/artifact.py save_engine)
+    overwrite: bool = True
 
     def __post_init__(self):
         from dspark_compile.compiled import BACKENDS

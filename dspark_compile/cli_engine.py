@@ -279,7 +279,8 @@ def _build_device(args) -> str:
          flags={"max_seq_len": "--max-seq-len", "max_rows": "--max-rows", "buckets": "--buckets",
                 "out_dir": "--out", "compile_workers": "--compile-workers",
                 "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs",
-                "prefill_chunks": "--prefill-chunks", "target_programs": "--no-target-programs"})
+                "prefill_chunks": "--prefill-chunks", "target_programs": "--no-target-programs",
+                "overwrite=True": "--overwrite"})
 def cmd_build(args) -> int:
     from dspark_compile.artifact import MANIFEST
     from dspark_compile.build_config import BuildConfig
@@ -299,7 +300,7 @@ def cmd_build(args) -> int:
                      verify_passes=args.verify_passes, dump_dir=args.dump_graphs, arch=args.arch,
                      device=dev, backend=args.backend, compile_workers=args.compile_workers or 0,
                      prefill_chunks=args.prefill_chunks,
-                     target_programs=not args.no_target_programs)
+                     target_programs=not args.no_target_programs, overwrite=args.overwrite)
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")

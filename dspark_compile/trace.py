@@ -142,16 +142,49 @@ def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, 
 
 
 def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print,
+                 free_bytes: Callable[[Path], int] | None = None) -> dict:
+    """Build the engine of checkpoint `ckpt` into `out` (atomically); returns the manifest.
+
+    The output is locked from the checks on (a second build of the same `out` is refused
+    naming this one, models/atomic_dir.py output_lock); `bc.overwrite` False refuses an `out`
+    that is not absent or empty (the CLI without --overwrite). The output file system's free
+    space is checked once the weights are loaded, before minutes of export, and again before
+    the write (save_engine). free_bytes: the free bytes of a path's file system (default:
+    shutil.disk_usage's); the tests' seam for a full disk."""
+    from dspark_compile.artifact import occupied
     from dspark_compile.build_checks import check_build
+    from dspark_compile.models.atomic_dir import canonical, output_lock
+
+    out = canonical(Path(out).absolute())
+    # options, output and config.json first: loading and exporting take minutes
+    check_build(ckpt, out, bc)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, "build"):
+        why = None if bc.overwrite else occupied(out)
+        if why:
+            raise ValueError(f"out_dir {out} {why}; pass overwrite=True to replace an engine")
+        return _build(ckpt, out, bc, log, free_bytes)
+
+
+def _weights_estimate(model, bc: BuildConfig, ckpt: Path) -> int:
+    """The engine's bytes as far as they are known before export (artifact.engine_bytes with
+    programs of no nodes): the model's weights and buffers, the tokenizer, the manifest."""
+    from dspark_compile.artifact import engine_bytes, tensor_bytes
+    tensors = [*model.parameters(), *model.buffers()]
+    n_programs = len(bc.buckets) * (2 if bc.target_programs else 1) + len(bc.prefill_chunks)
+    tok = ckpt / TOKENIZER_FILE
+    return engine_bytes(tensor_bytes(tensors), len(tensors), [0] * n_programs,
+                        tok.stat().st_size if tok.is_file() else 0)
+
+
+def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
     from dspark_compile.models import load_model
+    from dspark_compile.models.atomic_dir import check_free_space
     from dspark_compile.models.checkpoint import load_checkpoint
     from dspark_compile.models.state import allocate_state
     from dspark_compile.passes import PassConfig, PassManager
 
-    out = Path(out)
-    # options, output and config.json first: loading and exporting take minutes
-    check_build(ckpt, out, bc)
     t0 = time.perf_counter()
     log(f"[load] checkpoint {ckpt}")
     cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
@@ -167,6 +200,7 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     use_kernel_layouts(model, prec.dtype)
     cache = bc.cache(cfg.dspark_block_size)
     log(f"[load] done in {time.perf_counter() - t0:.1f}s")
+    check_free_space(out, _weights_estimate(model, bc, Path(ckpt)), "the engine", free_bytes)
 
     pconf = PassConfig(disabled=frozenset(bc.disabled_passes), verify=bc.verify_passes,
                        dump_dir=bc.dump_dir, target_device=bc.device)
@@ -227,7 +261,8 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()
     manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra,
-                           prefill_programs=prefill_programs, target_programs=target_programs)
+                           prefill_programs=prefill_programs, target_programs=target_programs,
+                           overwrite=bc.overwrite, free_bytes=free_bytes)
     log(f"[write] {out} in {time.perf_counter() - t:.1f}s (total {time.perf_counter() - t0:.1f}s)")
     log(pm.format_stats(stats[str(max(bc.buckets))]))
     return manifest

@@ -13,6 +13,7 @@ read tensor by tensor through `safe_open` (memory-mapped), each moved to `device
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -25,6 +26,11 @@ from dspark_compile.models.schema import TensorSpec, checkpoint_schema
 INDEX_NAME = "model.safetensors.index.json"
 _DRAFT_PREFIX = "mtp."
 _MAX_LISTED = 5
+# A model's config.json is a few KB (the Flash config: 2.3 KB; Hugging Face configs with long
+# quantization exclusion lists reach ~100 KB). A larger one is refused before it is read: a
+# 1 GB file took seconds and gigabytes to parse, and compress_ratios (one entry a layer) then
+# sized a decode-state check of millions of layers that ran for minutes.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -43,6 +49,35 @@ def _listing(names: list[str]) -> str:
 
 
 # ---- files and headers -------------------------------------------------------------------
+
+def read_config(path: str | Path) -> ModelConfig:
+    """`config.json` as a ModelConfig (ModelConfig.from_file), refused as a CheckpointError
+    naming the file when it is not a regular file (a FIFO blocked the read forever), larger
+    than MAX_CONFIG_BYTES, or nested deeper than the JSON parser recurses (a RecursionError
+    escaped as a traceback)."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file", file=path.name)
+    if path.is_file() and path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes; a model's config.json "
+                              f"is a few KB (at most {MAX_CONFIG_BYTES:,} bytes are read)",
+                              file=path.name)
+    try:
+        return ModelConfig.from_file(path)
+    except RecursionError:
+        raise CheckpointError(f"{path} is not valid JSON (nested too deep to parse)",
+                              file=path.name) from None
+
+
+def missing_dir(root: Path) -> str:
+    """Why `root` is not a checkpoint directory it could be read as (it is not one)."""
+    if root.is_symlink():
+        return (f"checkpoint {root} is a symbolic link to no directory (dangling, or a loop: "
+                f"{root} -> {os.readlink(root)})")
+    if root.exists():
+        return f"checkpoint {root} is not a directory (config.json + safetensors)"
+    return f"checkpoint directory not found: {root}"
+
 
 def _read_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (safetensors dtype string, shape) from one file's header."""
@@ -161,6 +196,24 @@ def _check_against_schema(found, schema: dict[str, TensorSpec], cfg: ModelConfig
                                   f"{ST_DTYPES[spec.dtype]} ({spec.dtype})", tensor=name, file=file)
 
 
+def _check_tensor_count(cfg: ModelConfig, located: dict, include_draft: bool) -> None:
+    """Each routed expert of each layer is six tensors (w1, w2, w3, each weight and scale):
+    when config.json's counts need more tensors than the files hold, the schema cannot match,
+    and building it would take minutes (340,000 layers in a 0.7 MB config.json built a schema of
+    millions of names); refuse at once, naming the fields."""
+    layers = cfg.num_hidden_layers + (cfg.n_mtp_layers if include_draft and cfg.has_draft else 0)
+    least = 6 * layers * cfg.n_routed_experts
+    found = len(located) if include_draft else \
+        sum(not n.startswith(_DRAFT_PREFIX) for n in located)
+    if least > found:
+        raise CheckpointError(f"config.json's num_hidden_layers={cfg.num_hidden_layers}"
+                              + (f" (+ {cfg.n_mtp_layers} draft layers)" if layers >
+                                 cfg.num_hidden_layers else "")
+                              + f" and n_routed_experts={cfg.n_routed_experts} need at least "
+                              f"{least:,} tensors (6 an expert); the checkpoint's files hold "
+                              f"{found:,}", file="config.json")
+
+
 def validate_tid2eid(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Every hash-routing id is an expert id in [0, n_routed_experts)."""
     for name, spec in checkpoint_schema(cfg).items():
@@ -189,16 +242,17 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | dict | None = None, dev
     """
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {root}")
+        raise CheckpointError(missing_dir(root))
     if cfg is None:
-        cfg = ModelConfig.from_file(root / "config.json")
+        cfg = read_config(root / "config.json")
     elif isinstance(cfg, dict):
         cfg = ModelConfig.from_dict(cfg)
+    located = _locate(root)
+    _check_tensor_count(cfg, located, include_draft)
     schema = checkpoint_schema(cfg)
     keep = (lambda n: True) if include_draft else (lambda n: not n.startswith(_DRAFT_PREFIX))
     schema = {n: s for n, s in schema.items() if keep(n)}
 
-    located = _locate(root)
     sharded = len({f for f, _, _ in located.values()}) > 1 or (root / INDEX_NAME).exists()
     found = {n: v for n, v in located.items() if keep(n)}
     _check_against_schema(found, schema, cfg, include_draft, sharded)

@@ -38,6 +38,7 @@ one for a seed other than the committed one.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -46,12 +47,13 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from dspark_compile.models.atomic_dir import (
-    move_into_place, remove_stale_temps, replace_refusal, temp_dir)
+    canonical, check_free_space, disk_errors, move_into_place, needed_bytes, output_lock,
+    remove_stale_temps, replace_refusal, temp_dir)
 from dspark_compile.models.config import ModelConfig
 from dspark_compile.models.presets import preset
 from dspark_compile.models.quant_formats import fp8_block_quant, mxfp4_quant
@@ -65,6 +67,11 @@ SINGLE_NAME = "model.safetensors"
 TOKENIZER_NAME = "tokenizer.json"
 TRAIN_REPORT_NAME = "train_report.json"
 MAX_BUILTIN_TOKENIZER_VOCAB = 4096
+# Bytes beside the tensors' data: a safetensors header's entry (name, dtype, shape, offsets as
+# JSON) is ~100 bytes; config.json ~2 KB; the built-in tokenizer of the tiny vocabulary
+# (512) 21 KB, so one of 4096 at most ~170 KB.
+HEADER_BYTES_PER_TENSOR = 256
+SMALL_FILES_BYTES = 256 << 10
 TRAINED_PRESETS = ("tiny-trained",)
 
 
@@ -343,20 +350,30 @@ def _plan_shards(units: list[_Unit], schema, shard_bytes: int | None) -> list[li
 
 def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: int = 0,
                      shard_size_bytes: int | None = None, device="cpu", include_draft: bool = True,
-                     overwrite: bool = False, scales: SynthScales | None = None) -> Path:
+                     overwrite: bool = False, scales: SynthScales | None = None,
+                     free_bytes: Callable[[Path], int] | None = None) -> Path:
     """Write config.json + safetensors for a preset name or a config.json-style dict.
 
     One `model.safetensors` unless `shard_size_bytes` is given or the checkpoint exceeds
     DEFAULT_SHARD_BYTES; then `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`.
     Written into a temporary sibling directory and renamed into place when complete, so
-    `out_dir` never holds a partial checkpoint. Returns `out_dir`.
+    `out_dir` never holds a partial checkpoint; the write holds `out_dir`'s lock (a concurrent
+    writer of it: OutputLocked, naming it) and is refused up front when the file system lacks
+    the checkpoint's bytes (`free_bytes`, default shutil.disk_usage's free: the tests' seam),
+    or fails as one NoSpaceError when it runs out of space anyway (models/atomic_dir.py).
+    Returns `out_dir`.
     """
     if isinstance(preset_or_config, str) and preset_or_config in TRAINED_PRESETS:
-        from dspark_compile.models.train import trained_checkpoint
+        from dspark_compile.models.train import DATA_DIR, trained_checkpoint
         if shard_size_bytes is not None or not include_draft or scales is not None:
             raise ValueError(f"synth: preset {preset_or_config!r} is a trained checkpoint; "
                              "shard size, include_draft and scales do not apply to it")
-        return trained_checkpoint(out_dir, seed=seed, overwrite=overwrite)
+        # the committed checkpoint's files (a retrained one has the same tensors)
+        need = needed_bytes(sum(f.stat().st_size for f in DATA_DIR.iterdir()), 4)
+        with _locked(out_dir, need) as out:
+            _check_out(out, overwrite)
+            check_free_space(out, need, "the checkpoint", free_bytes)
+            return trained_checkpoint(out_dir, seed=seed, overwrite=overwrite)
     if isinstance(preset_or_config, str):
         raw = preset(preset_or_config)
     elif isinstance(preset_or_config, dict):
@@ -369,23 +386,16 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
     cfg = ModelConfig.from_dict(raw)
     if not include_draft:  # same target weights as the full checkpoint, no draft fields
         raw = {k: v for k, v in raw.items() if not k.startswith("dspark_")}
-    out = Path(out_dir)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"output directory {out} exists and is not empty (pass "
-                              "overwrite=True to replace it)")
-    why = _not_a_checkpoint(out)
-    if why:   # overwrite replaces a checkpoint, never a directory of other files
-        raise FileExistsError(f"refusing to replace {out}: {why}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)     # of earlier writes of out that were killed
-
     schema = synth_schema(cfg, include_draft)
     units = _units(schema)
     shards = _plan_shards(units, schema, shard_size_bytes)
     sc = scales or SynthScales()
     dev = torch.device(device)
-    tmp = temp_dir(out)
-    try:
+    need = needed_bytes(sum(nbytes(sp.shape, sp.dtype) for sp in schema.values())
+                        + HEADER_BYTES_PER_TENSOR * len(schema) + SMALL_FILES_BYTES,
+                        len(shards) + 3)
+
+    def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
@@ -400,18 +410,18 @@ def synth_checkpoint(preset_or_config: str | dict, out_dir: str | Path, seed: in
         if cfg.vocab_size <= MAX_BUILTIN_TOKENIZER_VOCAB:
             from dspark_compile.models.tokenizer import builtin_text, train_bpe, write_tokenizer
             write_tokenizer(train_bpe(builtin_text(), cfg), tmp)
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    _write_atomically(Path(out_dir), overwrite, need, free_bytes, fill)
+    return Path(out_dir)
 
 
 def write_checkpoint(raw: dict, tensors: dict[str, torch.Tensor], out_dir: str | Path,
-                     overwrite: bool = False, files: dict[str, str] | None = None) -> Path:
+                     overwrite: bool = False, files: dict[str, str] | None = None,
+                     free_bytes: Callable[[Path], int] | None = None) -> Path:
     """config.json (`raw`), one model.safetensors of `tensors` (validated against the schema)
     and the text `files` (name -> content: tokenizer.json, train_report.json), written into a
-    temporary sibling directory renamed into place. Returns `out_dir`."""
+    temporary sibling directory renamed into place, as synth_checkpoint writes. Returns
+    `out_dir`."""
     cfg = ModelConfig.from_dict(raw)
     schema = synth_schema(cfg)
     missing = [n for n, sp in schema.items() if n not in tensors and not sp.optional]
@@ -427,34 +437,67 @@ def write_checkpoint(raw: dict, tensors: dict[str, torch.Tensor], out_dir: str |
     if set(files or {}) - allowed:
         raise ValueError(f"write_checkpoint: files {sorted(set(files) - allowed)} are not "
                          f"checkpoint files ({sorted(allowed)})")
-    out = Path(out_dir)
-    tmp = checkpoint_temp_dir(out, overwrite)
-    try:
+    names = [n for n in schema if n in tensors]
+    need = needed_bytes(sum(nbytes(schema[n].shape, schema[n].dtype) for n in names)
+                        + HEADER_BYTES_PER_TENSOR * len(names) + SMALL_FILES_BYTES
+                        + sum(len(t.encode()) for t in (files or {}).values()),
+                        2 + len(files or {}))
+
+    def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        names = [n for n in schema if n in tensors]
         write_safetensors(tmp / SINGLE_NAME, [(n, schema[n].shape, schema[n].dtype) for n in names],
                           {n: tensors[n] for n in names})
         for name, text in (files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    _write_atomically(Path(out_dir), overwrite, need, free_bytes, fill)
+    return Path(out_dir)
+
+
+@contextlib.contextmanager
+def _locked(out_dir, need: int):
+    """`out_dir`'s lock held (canonical `out_dir` yielded), and a write that runs out of space
+    reported as one NoSpaceError naming it and the `need`ed bytes (models/atomic_dir.py)."""
+    out = canonical(Path(out_dir).absolute())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, "synth"), disk_errors(out, "the checkpoint", need):
+        yield out
+
+
+def _write_atomically(out_dir: Path, overwrite: bool, need: int, free_bytes,
+                      fill: Callable[[Path], None]) -> None:
+    """`fill(tmp)` writes the checkpoint into a temporary sibling of `out_dir`, renamed into
+    place when complete (never over a directory that appeared meanwhile unless `overwrite`),
+    all under `out_dir`'s lock, once its file system has `need` bytes free; the temporary is
+    removed on any failure."""
+    with _locked(out_dir, need) as out:
+        tmp = checkpoint_temp_dir(out, overwrite)
+        try:
+            check_free_space(out, need, "the checkpoint", free_bytes)
+            fill(tmp)
+            move_into_place(tmp, out, replace=overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def checkpoint_temp_dir(out: Path, overwrite: bool) -> Path:
     """The temporary directory a checkpoint for `out` is written into (moved into place when
     complete), once `out` may be written: absent, empty, or (overwrite) a checkpoint."""
+    _check_out(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)
+    return temp_dir(out)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """`out` may be written: absent, empty, or (overwrite) a checkpoint."""
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"output directory {out} exists and is not empty (pass "
                               "overwrite=True to replace it)")
     why = _not_a_checkpoint(out)
     if why:
         raise FileExistsError(f"refusing to replace {out}: {why}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out)
-    return temp_dir(out)
 
 
 def _not_a_checkpoint(out: Path) -> str | None:

@@ -553,3 +553,58 @@ def test_flash_slice_built_in_gpu_memory():
     validate_tid2eid(T, cfg)
     del T
     torch.cuda.empty_cache()
+
+
+# ---- hostile directories and config.json ------------------------------------------------------
+def _with_config(tmp_path, tiny_dir, text=None) -> "os.PathLike":
+    root = tmp_path / "ck"
+    root.mkdir()
+    os.symlink(tiny_dir / "model.safetensors", root / "model.safetensors")
+    if text is not None:
+        (root / "config.json").write_text(text)
+    return root
+
+
+def test_config_json_beyond_the_size_limit_is_refused_unread(tmp_path, tiny_dir):
+    from dspark_compile.models.checkpoint import MAX_CONFIG_BYTES
+    root = _with_config(tmp_path, tiny_dir)
+    with open(root / "config.json", "wb") as f:    # sparse: no gigabyte written
+        f.truncate(1 << 30)
+    err = load_error(root)
+    assert err.file == "config.json" and "1,073,741,824 bytes" in str(err)
+    assert f"at most {MAX_CONFIG_BYTES:,} bytes are read" in str(err)
+
+
+def test_config_json_that_is_a_fifo_is_refused_not_waited_on(tmp_path, tiny_dir):
+    root = _with_config(tmp_path, tiny_dir)
+    os.mkfifo(root / "config.json")          # reading it would block until a writer came
+    err = load_error(root)
+    assert err.file == "config.json" and "is not a regular file" in str(err)
+
+
+def test_config_json_nested_past_the_parser_is_named(tmp_path, tiny_dir):
+    root = _with_config(tmp_path, tiny_dir, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    err = load_error(root)                   # json's RecursionError escaped as a traceback
+    assert err.file == "config.json" and "nested too deep" in str(err)
+
+
+def test_a_checkpoint_path_that_is_a_symlink_loop_says_so(tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    err = load_error(loop)
+    assert "symbolic link to no directory" in str(err) and f"{loop} -> {loop}" in str(err)
+
+
+@pytest.mark.parametrize("field, value", [("n_routed_experts", 10 ** 8),
+                                          ("num_hidden_layers", 300_000)])
+def test_counts_no_file_could_hold_are_refused_before_the_schema(tmp_path, tiny_dir, tiny_synth,
+                                                                 field, value):
+    """A schema of 10^8 experts or 300,000 layers takes minutes to build (millions of names); the
+    files' tensor count refuses it at once. The test would time out without that check."""
+    raw = {**preset("tiny"), field: value}
+    if field == "num_hidden_layers":
+        raw["compress_ratios"] = [0] * (value + 3)
+    root = _with_config(tmp_path, tiny_dir, json.dumps(raw))
+    err = load_error(root)
+    assert err.file == "config.json" and f"{field}={value}" in str(err)
+    assert f"the checkpoint's files hold {len(tiny_synth):,}" in str(err)
