@@ -157,6 +157,47 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
     return (r + r2 if thinking else None), c + c2
 
 
+# The same format as a Jinja chat template, for the engine's tokenizer_config.json (Hugging
+# Face's apply_chat_template, vLLM's --tokenizer ENGINE): variables bos_token, eos_token,
+# messages, add_generation_prompt, thinking (or enable_thinking; default off) and
+# reasoning_effort. The server recognises this text and renders with the function above.
+DEEPSEEK_V4_TEMPLATE = (
+    "{%- set think = thinking if thinking is defined else (enable_thinking if enable_thinking "
+    "is defined else false) -%}"
+    "{{- bos_token -}}"
+    "{%- if think and reasoning_effort is defined and reasoning_effort == 'max' -%}"
+    "{{- " + json.dumps(REASONING_EFFORT_MAX) + " -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{- m['content'] -}}"
+    "{%- elif m['role'] == 'user' -%}{{- '" + USER + "' + m['content'] -}}"
+    "{%- if loop.last and add_generation_prompt -%}"
+    "{{- '" + ASSISTANT + "' + ('" + THINK_OPEN + "' if think else '" + THINK_CLOSE + "') -}}"
+    "{%- elif not loop.last and messages[loop.index0 + 1]['role'] == 'assistant' -%}"
+    "{{- '" + ASSISTANT + THINK_CLOSE + "' -}}{%- endif -%}"
+    "{%- elif m['role'] == 'assistant' -%}{{- m['content'] + eos_token -}}"
+    "{%- else -%}{{- raise_exception('unsupported role: ' + m['role']) -}}"
+    "{%- endif -%}{%- endfor -%}")
+
+
+def tokenizer_config(checkpoint_dir, tokenizer=None, bos_id: int | None = None,
+                     eos_id: int | None = None) -> str:
+    """The engine's tokenizer_config.json (written at build beside tokenizer.json, so the
+    engine directory is a Hugging Face tokenizer directory): the checkpoint's own when it has
+    one (its chat template kept), else one naming the tokenizer class, the BOS / EOS tokens
+    (the tokenizer's tokens at the config's ids) and DEEPSEEK_V4_TEMPLATE."""
+    own = Path(checkpoint_dir) / TOKENIZER_CONFIG
+    cfg = _read_config(own)
+    if cfg:
+        return own.read_text(encoding="utf-8")
+    out = {"tokenizer_class": "PreTrainedTokenizerFast",
+           "bos_token": _id_text(tokenizer, bos_id) or BOS,
+           "eos_token": _id_text(tokenizer, eos_id) or EOS,
+           "clean_up_tokenization_spaces": False,
+           "model_max_length": 1 << 30,      # the engine's positions: its manifest's max_seq_len
+           "chat_template": DEEPSEEK_V4_TEMPLATE}
+    return json.dumps(out, indent=1, ensure_ascii=False) + "\n"
+
+
 # ---- the engine's format ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -239,6 +280,8 @@ def _template_text(d: Path, cfg: dict) -> tuple[str | None, str]:
             raise ValueError(f"{origin}: expected a string (or a list of {{name, template}} "
                              "with a 'default')")
         text = t
+    if text == DEEPSEEK_V4_TEMPLATE:     # this module's own: rendered by the function
+        return None, "DeepSeek-V4 chat format"
     if len(text) > MAX_TEMPLATE_CHARS:
         raise ValueError(f"{origin}: {len(text)} characters, more than a chat template's "
                          f"{MAX_TEMPLATE_CHARS}")

@@ -2,6 +2,7 @@
 examples, byte for byte; the reasoning / content split at `</think>` however the text is cut;
 a checkpoint's Jinja template rendered in the sandbox."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,58 @@ def test_the_templates_raise_exception_is_a_refusal_of_the_messages(tmp_path):
     fmt = _engine(tmp_path, {"chat_template": "{{ raise_exception('no system here') }}"})
     with pytest.raises(ChatError, match="no system here"):
         fmt.render([{"role": "user", "content": "x"}], False, None)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "a\nb"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "1"},
+     {"role": "assistant", "content": "A"}, {"role": "user", "content": "2"},
+     {"role": "user", "content": "3"}, {"role": "assistant", "content": "B"},
+     {"role": "user", "content": "{{ not a template }}"}],
+]
+
+
+@pytest.mark.parametrize("msgs", CONVERSATIONS)
+@pytest.mark.parametrize("thinking,effort", [(False, None), (True, "high"), (True, "max")])
+def test_the_jinja_template_renders_what_the_function_does(msgs, thinking, effort):
+    from dspark_compile.serve.chat_format import (DEEPSEEK_V4_TEMPLATE, compile_template,
+                                                  render_template)
+    t = compile_template(DEEPSEEK_V4_TEMPLATE, "test")
+    for bos, eos in ((BOS, EOS), ("<|bos|>", "<|eos|>")):
+        assert render_template(t, msgs, bos, eos, thinking, effort) == \
+            render_deepseek_v4(msgs, thinking, effort, bos, eos)
+
+
+def test_the_engines_tokenizer_config_carries_the_template_and_the_tokenizers_bos_eos(tmp_path):
+    from dspark_compile.serve.chat_format import DEEPSEEK_V4_TEMPLATE, tokenizer_config
+    from dspark_compile.serve.text import Tokenizer
+    tok = Tokenizer.load(Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained" / "tokenizer.json")
+    cfg = json.loads(tokenizer_config(tmp_path, tok, 0, 1))
+    assert (cfg["bos_token"], cfg["eos_token"]) == ("<|bos|>", "<|eos|>")
+    assert cfg["chat_template"] == DEEPSEEK_V4_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    fmt = ChatFormat.of_engine(tmp_path, tok, 0, 1)
+    assert fmt.template_source is None and fmt.bos == "<|bos|>"   # the function renders it
+    own = {"chat_template": "{{ messages[0]['content'] }}", "bos_token": "<s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(own))
+    assert json.loads(tokenizer_config(tmp_path, tok, 0, 1)) == own    # a checkpoint's own
+
+
+def test_hugging_face_reads_the_engine_as_a_tokenizer_directory(tmp_path):
+    """What a tool given `--tokenizer ENGINE` does: AutoTokenizer over tokenizer.json and the
+    tokenizer_config.json the build writes, its apply_chat_template equal to the server's."""
+    transformers = pytest.importorskip("transformers")
+    from dspark_compile.serve.chat_format import tokenizer_config
+    from dspark_compile.serve.text import Tokenizer
+    src = Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained"
+    (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    tok = Tokenizer.load(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(tokenizer_config(src, tok, 0, 1))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    msgs = CONVERSATIONS[2]
+    for thinking, effort in ((False, None), (True, "max")):
+        got = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                     thinking=thinking, reasoning_effort=effort)
+        assert got == render_deepseek_v4(msgs, thinking, effort, "<|bos|>", "<|eos|>")
+    assert (hf.bos_token, hf.eos_token) == ("<|bos|>", "<|eos|>")
