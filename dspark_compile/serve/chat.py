@@ -172,31 +172,50 @@ def _mode(req: ChatCompletionRequest) -> tuple[bool, str | None]:
     return thinking, (EFFORTS.get(effort) or "high") if thinking else None
 
 
-def render(chat: Chat, state) -> str:
-    """The conversation as the prompt's text (BadRequest naming the message it cannot
-    render)."""
+def prompt_ids(chat: Chat, state) -> list[int]:
+    """The conversation's prompt ids (BadRequest naming the message it cannot render). With
+    DeepSeek-V4's format the format's tokens are encoded apart from the messages' text, which
+    is encoded with special tokens as characters: a message cannot forge a turn. A Jinja
+    template's output is one text, encoded as a whole."""
     tok = state.tokenizer
     if tok is None:
         raise BadRequest("messages", "this engine has no tokenizer.json: chat needs one "
                                      "(use /v1/completions with token ids)")
     fmt = state.chat
     try:
-        text = fmt.render(chat.messages, chat.thinking, chat.effort)
+        parts = fmt.parts(chat.messages, chat.thinking, chat.effort)
+        if parts is None:
+            parts = [(fmt.render(chat.messages, chat.thinking, chat.effort), None)]
     except ChatError as e:
         raise BadRequest(e.param, e.message) from None
-    if text.startswith(fmt.bos) and tok.encode(""):
-        text = text[len(fmt.bos):]       # the tokenizer adds BOS itself: not twice
-    return text
+    if parts[0][0].startswith(fmt.bos) and tok.encode(""):
+        # the tokenizer adds BOS itself: not twice
+        parts[0] = (parts[0][0][len(fmt.bos):], parts[0][1])
+    _fits(sum(len(t) for t, _ in parts), state)
+    if parts[0][1] is None:
+        return tok.encode(parts[0][0])
+    ids, text = [], ""              # text: plain pieces (markers this tokenizer lacks among)
+    for piece, marker in parts:
+        i = tok.special(piece) if marker else None
+        if i is None:
+            text += piece
+            continue
+        if text:
+            ids += tok.encode_plain(text)
+            text = ""
+        ids.append(i)
+    return ids + (tok.encode_plain(text) if text else [])
 
 
 def prepare_chat(chat: Chat, state) -> list[Job]:
     """The conversation rendered and tokenized, then the completions endpoint's checks
     (run off the event loop)."""
-    text = render(chat, state)
-    tok = state.tokenizer
+    ids = prompt_ids(chat, state)
+    if not ids:
+        raise BadRequest("messages", "the conversation encodes to no tokens")
     try:
-        return prepare(chat.completion.model_copy(update={"prompt": [text]}), state.limits,
-                       tok)
+        return prepare(chat.completion.model_copy(update={"prompt": [ids]}), state.limits,
+                       state.tokenizer)
     except BadRequest as e:         # the one prompt is the rendered conversation
         message = e.message.replace("-token prompt 0", "-token conversation").replace(
             "prompt 0", "the rendered conversation")
@@ -304,14 +323,13 @@ def tokenize(raw: bytes, content_type: str | None, state) -> dict:
     if state.tokenizer is None:
         raise _app.ApiError(400, "this engine has no tokenizer.json", "prompt")
     if req.messages is not None:
-        text = render(chat_of({**obj, "model": state.model_name}), state)
+        ids = prompt_ids(chat_of({**obj, "model": state.model_name}), state)
     else:
         if req.model_extra:
             name = next(iter(req.model_extra))
             raise _app.ApiError(400, f"{name}: unknown field", name)
-        text = req.prompt
-    _fits(text, state)
-    ids = state.tokenizer.encode(text)
+        _fits(len(req.prompt), state, "prompt")
+        ids = state.tokenizer.encode(req.prompt)
     return {"count": len(ids), "max_model_len": state.limits.max_seq_len, "tokens": ids}
 
 
@@ -345,9 +363,9 @@ def _served(model: str | None, state) -> None:
                                  f"serves {state.model_name!r})", "model", "model_not_found")
 
 
-def _fits(text: str, state) -> None:
+def _fits(chars: int, state, param: str = "messages") -> None:
     """A text that cannot fit the engine is refused before it is tokenized (prepare.py)."""
     per_token = getattr(state.tokenizer, "max_token_chars", None)
-    if per_token and -(-len(text) // per_token) > state.limits.max_seq_len:
-        raise _app.ApiError(400, f"prompt: {len(text)} characters are more tokens than the "
-                                 f"engine's {state.limits.max_seq_len} positions", "prompt")
+    if per_token and -(-chars // per_token) > state.limits.max_seq_len:
+        raise BadRequest(param, f"{chars} characters are more tokens than the engine's "
+                                f"{state.limits.max_seq_len} positions")

@@ -103,24 +103,31 @@ def render_deepseek_v4(messages: list[dict], thinking: bool, effort: str | None 
                        bos: str = BOS, eos: str = EOS) -> str:
     """The prompt of `messages` ({role, content}; content a string) in DeepSeek-V4's format.
     `effort`: the format's name (high or max; EFFORTS maps the API's)."""
+    return "".join(text for text, _ in deepseek_v4_parts(messages, thinking, effort, bos, eos))
+
+
+def deepseek_v4_parts(messages: list[dict], thinking: bool, effort: str | None = "high",
+                      bos: str = BOS, eos: str = EOS) -> list[tuple[str, bool]]:
+    """The prompt as (text, is_marker) pieces: the format's own tokens apart from the text of
+    the messages, so a message that spells a special token is encoded as its characters."""
     check_messages(messages)
     last = len(messages) - 1
-    out = [bos]
+    out = [(bos, True)]
     if thinking and effort == "max":
-        out.append(REASONING_EFFORT_MAX)
+        out.append((REASONING_EFFORT_MAX, False))
     for i, m in enumerate(messages):
         role, text = m["role"], m["content"]
         if role == "system":
-            out.append(text)
+            out.append((text, False))
         elif role == "user":
-            out.append(USER + text)
+            out += [(USER, True), (text, False)]
             if i == last:
-                out.append(ASSISTANT + (THINK_OPEN if thinking else THINK_CLOSE))
+                out += [(ASSISTANT, True), (THINK_OPEN if thinking else THINK_CLOSE, True)]
             elif messages[i + 1]["role"] == "assistant":
-                out.append(ASSISTANT + THINK_CLOSE)      # an earlier turn: reasoning dropped
+                out += [(ASSISTANT, True), (THINK_CLOSE, True)]   # reasoning dropped
         else:
-            out.append(text + eos)
-    return "".join(out)
+            out += [(text, False), (eos, True)]
+    return out
 
 
 class ReasoningSplit:
@@ -215,6 +222,14 @@ class ChatFormat:
         check_messages(messages)
         return render_template(self._template(), messages, self.bos, self.eos, thinking,
                                effort)
+
+    def parts(self, messages: list[dict], thinking: bool,
+              effort: str | None) -> list[tuple[str, bool]] | None:
+        """The prompt as (text, is_marker) pieces; None for a Jinja template, whose output
+        is one text (its special tokens and the messages' cannot be told apart)."""
+        if self.template_source is not None:
+            return None
+        return deepseek_v4_parts(messages, thinking, effort, self.bos, self.eos)
 
     def _template(self):
         return compile_template(self.template_source, self.origin)

@@ -21,6 +21,7 @@ intervenes.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -33,6 +34,8 @@ class Tokenizer:
     def __init__(self, tok):
         self.tok = tok
         self.max_token_chars = _longest_token(tok)
+        self._plain = None                  # a copy that encodes special tokens as text
+        self._plain_lock = threading.Lock()
 
     @classmethod
     def load(cls, path) -> "Tokenizer":
@@ -56,6 +59,24 @@ class Tokenizer:
         nothing here reads (2.8 s instead of 6.0 s). The server calls this off its event loop."""
         batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
         return list(batch([text])[0].ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """The ids of `text` with its special tokens' strings encoded as characters (a chat
+        message that spells `<|bos|>` is those characters, not BOS): a copy of the tokenizer
+        with `encode_special_tokens` on, so the shared one never changes under other threads."""
+        with self._plain_lock:
+            if self._plain is None:
+                plain = type(self.tok).from_str(self.tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+        batch = getattr(self._plain, "encode_batch_fast", self._plain.encode_batch)
+        return list(batch([text], add_special_tokens=False)[0].ids)
+
+    def special(self, text: str) -> int | None:
+        """The id of `text` when it is one of the tokenizer's added tokens, else None."""
+        i = self.tok.token_to_id(text)
+        added = self.tok.get_added_tokens_decoder()
+        return i if i is not None and i in added and added[i].content == text else None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=self.skip_special)
