@@ -33,13 +33,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dspark_compile.serve import app as _app
 from dspark_compile.serve.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
 from dspark_compile.serve.protocol import CompletionRequest, validation_message
+from dspark_compile.serve.protocol import _unicode as unicode_text
 
 
 class _Strict(BaseModel):
@@ -63,6 +64,11 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "\n\n".join(p.text for p in self.content)
+
+    @model_validator(mode="after")
+    def _unicode(self):
+        unicode_text(self.text(), "the message's content")   # no lone UTF-16 surrogate
+        return self
 
 
 class Thinking(_Strict):
@@ -97,6 +103,7 @@ class Chat:
     thinking: bool
     effort: str | None              # the format's name: high | max (None: chat mode)
     completion: CompletionRequest   # prompt: a placeholder until the conversation is rendered
+    max_tokens_field: str = "max_tokens"    # the name the client used
 
     @property
     def stream(self) -> bool:
@@ -135,7 +142,8 @@ def chat_of(obj: dict) -> Chat:
         raise _app.ApiError(400, message, param) from None
     thinking, effort = _mode(req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    return Chat(req.model, messages, thinking, effort, completion)
+    named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    return Chat(req.model, messages, thinking, effort, completion, named)
 
 
 def _mode(req: ChatCompletionRequest) -> tuple[bool, str | None]:
@@ -219,8 +227,10 @@ def prepare_chat(chat: Chat, state) -> list[Job]:
     except BadRequest as e:         # the one prompt is the rendered conversation
         message = e.message.replace("-token prompt 0", "-token conversation").replace(
             "prompt 0", "the rendered conversation")
-        raise BadRequest("messages" if e.param == "prompt" else e.param, message,
-                         e.status) from None
+        param = {"prompt": "messages", "max_tokens": chat.max_tokens_field}.get(e.param,
+                                                                               e.param)
+        raise BadRequest(param, message.replace("max_tokens", param) if param and param !=
+                         e.param else message, e.status) from None
 
 
 async def chat_completions(state, request):

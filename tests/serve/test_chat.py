@@ -124,6 +124,10 @@ def test_a_streamed_chat_splits_reasoning_across_token_boundaries(client):
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ({"temprature": 0.5}, "temprature"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages.0"),
 ])
 def test_bad_chat_requests_are_400s_naming_the_field(url, patch, param):
     status, _, body = call(url, "POST", "/v1/chat/completions",
