@@ -53,6 +53,7 @@ import torch
 
 from dspark_compile.artifact_format import (  # noqa: F401  (re-exported: the engine's API)
     COMPILED_DIR, FORMAT_VERSION, KERNELS_DIR, MANIFEST, PROGRAM_DIR, TOKENIZER_FILE, WEIGHTS_FILE,
+    TOKENIZER_CONFIG_FILE, TOKENIZER_FILES,
     _EXTRA_DIRS,
     ArtifactError, _checksum, _dspark_ops, _program_file, config_hash, prefill_key,
     prefill_program_path, program_path, register_kernel_ops, sha256_file, target_key,
@@ -294,7 +295,7 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     extra_files = dict(extra_files or {})
     for rel in extra_files:
         parts = Path(rel).parts
-        if rel == TOKENIZER_FILE:
+        if rel in TOKENIZER_FILES:
             continue
         if not parts or parts[0] not in _EXTRA_DIRS or ".." in parts or Path(rel).is_absolute():
             raise ArtifactError(f"extra file '{rel}' must live under one of "

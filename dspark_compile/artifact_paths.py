@@ -27,7 +27,7 @@ import os
 import stat
 from pathlib import Path
 
-from dspark_compile.artifact_format import TOKENIZER_FILE, ArtifactError
+from dspark_compile.artifact_format import TOKENIZER_FILES, ArtifactError
 
 MAX_PATH_BYTES = 4096
 STORE_ROOT = "kernels/triton"          # dspark_compile/kernel_store.py's STORE_ROOT
@@ -156,11 +156,12 @@ def check_engine(engine_dir: Path, manifest: dict) -> None:
     check_manifest_paths(manifest)
     check_tree(engine_dir)
     files = manifest.get("files")
-    if (Path(engine_dir) / TOKENIZER_FILE).exists() and not (
-            isinstance(files, dict) and TOKENIZER_FILE in files):
-        raise ArtifactError(f"engine file '{TOKENIZER_FILE}' is not in the manifest's file "
-                            "table, so it is not checked: the build copies the checkpoint's and "
-                            "checksums it — rebuild, or remove the file", path=TOKENIZER_FILE)
+    for name in TOKENIZER_FILES:        # serve reads them (the chat template is engine data)
+        if (Path(engine_dir) / name).exists() and not (isinstance(files, dict)
+                                                       and name in files):
+            raise ArtifactError(f"engine file '{name}' is not in the manifest's file table, so "
+                                "it is not checked: the build writes it and checksums it — "
+                                "rebuild, or remove the file", path=name)
 
 
 def open_file(engine_dir: Path, rel: str, field: str = "files"):

@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.artifact import TOKENIZER_FILE, prefill_key, save_engine, target_key
+from dspark_compile.artifact import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, prefill_key,
+                                     save_engine, target_key)
 from dspark_compile.build_config import BuildConfig
 from dspark_compile.models.random_requests import prefilled_state
 
@@ -236,6 +237,12 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
     tok = Path(ckpt) / TOKENIZER_FILE
     if tok.is_file():
         extra[TOKENIZER_FILE] = tok.read_bytes()
+        # beside it, its special tokens and chat template: the checkpoint's tokenizer_config.json,
+        # else one with DeepSeek-V4's chat format (a Hugging Face tokenizer directory)
+        from dspark_compile.serve.chat_format import tokenizer_config
+        extra[TOKENIZER_CONFIG_FILE] = tokenizer_config(
+            ckpt, json.loads(extra[TOKENIZER_FILE]), getattr(cfg, "bos_token_id", None),
+            getattr(cfg, "eos_token_id", None), bc.max_seq_len)
     if bc.arch:
         from dspark_compile.kernels.sm12x import resource_report
         report = resource_report(bc.arch)

@@ -26,7 +26,8 @@ module's words:
   a `tool` message is refused by name.
 
 A checkpoint that ships its own Jinja `chat_template` (tokenizer_config.json, or
-chat_template.jinja beside it) is rendered with that template instead, in Jinja's immutable
+chat_template.jinja beside it; the build writes it into the engine's tokenizer_config.json)
+is rendered with that template instead, in Jinja's immutable
 sandbox (the template is engine data: no attribute or method reaches outside the values it is
 given), with the variables Hugging Face's `apply_chat_template` passes (messages,
 add_generation_prompt, bos_token, eos_token) plus `thinking` and `reasoning_effort`.
@@ -187,21 +188,26 @@ DEEPSEEK_V4_TEMPLATE = (
 
 
 def tokenizer_config(checkpoint_dir, tokenizer=None, bos_id: int | None = None,
-                     eos_id: int | None = None) -> str:
+                     eos_id: int | None = None, max_len: int | None = None) -> str:
     """The engine's tokenizer_config.json (written at build beside tokenizer.json, so the
     engine directory is a Hugging Face tokenizer directory): the checkpoint's own when it has
     one (its chat template kept), else one naming the tokenizer class, the BOS / EOS tokens
     (the tokenizer's tokens at the config's ids) and DEEPSEEK_V4_TEMPLATE."""
-    own = Path(checkpoint_dir) / TOKENIZER_CONFIG
-    cfg = _read_config(own)
+    d = Path(checkpoint_dir)
+    cfg = _read_config(d / TOKENIZER_CONFIG)
+    jinja = d / TEMPLATE_FILE         # newer checkpoints keep the template in its own file
     if cfg:
-        return own.read_text(encoding="utf-8")
+        if "chat_template" not in cfg and jinja.is_file():
+            cfg["chat_template"] = jinja.read_text(encoding="utf-8")
+        return json.dumps(cfg, indent=1, ensure_ascii=False) + "\n"
     out = {"tokenizer_class": "PreTrainedTokenizerFast",
            "bos_token": _id_text(tokenizer, bos_id) or BOS,
            "eos_token": _id_text(tokenizer, eos_id) or EOS,
            "clean_up_tokenization_spaces": False,
-           "model_max_length": 1 << 30,      # the engine's positions: its manifest's max_seq_len
-           "chat_template": DEEPSEEK_V4_TEMPLATE}
+           "chat_template": (jinja.read_text(encoding="utf-8") if jinja.is_file()
+                             else DEEPSEEK_V4_TEMPLATE)}
+    if max_len is not None:
+        out["model_max_length"] = max_len       # the engine's positions per request
     return json.dumps(out, indent=1, ensure_ascii=False) + "\n"
 
 
@@ -270,31 +276,38 @@ def _token_text(v) -> str | None:
 
 
 def _id_text(tokenizer, i: int | None) -> str | None:
-    tok = getattr(tokenizer, "tok", None)
-    if tok is None or i is None:
+    """The string of token `i`: `tokenizer` is a text.Tokenizer, or a tokenizer.json's parsed
+    content (the build reads it so, without loading the library)."""
+    if i is None or tokenizer is None:
         return None
-    return tok.id_to_token(i)
+    if isinstance(tokenizer, dict):
+        for a in tokenizer.get("added_tokens") or ():
+            if isinstance(a, dict) and a.get("id") == i and isinstance(a.get("content"), str):
+                return a["content"]
+        vocab = (tokenizer.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict):
+            return next((t for t, j in vocab.items() if j == i), None)
+        return None
+    tok = getattr(tokenizer, "tok", None)
+    return None if tok is None else tok.id_to_token(i)
 
 
 def _template_text(d: Path, cfg: dict) -> tuple[str | None, str]:
-    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's
-    `chat_template` (a string, or a list of {name, template} whose `default` is taken)."""
-    f = d / TEMPLATE_FILE
-    if f.is_file():
-        text, origin = f.read_text(encoding="utf-8"), str(f)
-    else:
-        t = cfg.get("chat_template")
-        origin = f"{d / TOKENIZER_CONFIG}: chat_template"
-        if t is None:
-            return None, "DeepSeek-V4 chat format"
-        if isinstance(t, list):
-            named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
-            t = named.get("default")
-            origin += "[default]"
-        if not isinstance(t, str):
-            raise ValueError(f"{origin}: expected a string (or a list of {{name, template}} "
-                             "with a 'default')")
-        text = t
+    """The engine's chat template: tokenizer_config.json's `chat_template` (a string, or a list
+    of {name, template} whose `default` is taken; the build folds a checkpoint's
+    chat_template.jinja into it, so the server reads only the checksummed file)."""
+    t = cfg.get("chat_template")
+    origin = f"{d / TOKENIZER_CONFIG}: chat_template"
+    if t is None:
+        return None, "DeepSeek-V4 chat format"
+    if isinstance(t, list):
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        t = named.get("default")
+        origin += "[default]"
+    if not isinstance(t, str):
+        raise ValueError(f"{origin}: expected a string (or a list of {{name, template}} "
+                         "with a 'default')")
+    text = t
     if text == DEEPSEEK_V4_TEMPLATE:     # this module's own: rendered by the function
         return None, "DeepSeek-V4 chat format"
     if len(text) > MAX_TEMPLATE_CHARS:

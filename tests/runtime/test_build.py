@@ -115,9 +115,10 @@ def test_manifest_fields(default_engine):
     assert m["graph_memory_bytes"] == {str(b): None for b in DEFAULT_BUCKETS}  # CPU: no graphs
     assert m["weights"]["file"] == "weights.safetensors"
     assert all(len(t["sha256"]) == 64 for t in m["weights"]["tensors"].values())
-    # synth writes the checkpoint's tokenizer.json, and build copies it into the engine
-    assert set(m["files"]) == {program_path(b) for b in DEFAULT_BUCKETS} | {"weights.safetensors",
-                                                                         TOKENIZER_FILE}
+    # synth writes the checkpoint's tokenizer.json, and build copies it into the engine with a
+    # tokenizer_config.json beside it (a Hugging Face tokenizer directory)
+    assert set(m["files"]) == {program_path(b) for b in DEFAULT_BUCKETS} | {
+        "weights.safetensors", TOKENIZER_FILE, "tokenizer_config.json"}
     assert "moe_experts.default" in "".join(m["dspark_ops"])
 
 
@@ -164,6 +165,15 @@ def test_build_copies_the_checkpoint_tokenizer_into_the_checksummed_files(tiny_c
     assert m["files"]["tokenizer.json"]["sha256"] == sha256_file(out / "tokenizer.json")[0]
     assert not_an_engine(out) is None                # --overwrite may replace it
     load_manifest(out)
+    # beside it: its tokenizer_config.json (BOS / EOS, DeepSeek-V4's chat template), checksummed
+    from dspark_compile.serve.chat_format import DEEPSEEK_V4_TEMPLATE
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["chat_template"] == DEEPSEEK_V4_TEMPLATE and cfg["model_max_length"] == 16
+    assert m["files"]["tokenizer_config.json"]["sha256"] == sha256_file(
+        out / "tokenizer_config.json")[0]
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "{{ 1 }}"}))
+    with pytest.raises(ArtifactError, match="engine file 'tokenizer_config.json' is "):
+        load_manifest(out)
     (out / "tokenizer.json").write_text(text.replace("WordLevel", "WordLevsl"))
     with pytest.raises(ArtifactError, match="engine file 'tokenizer.json' is corrupted"):
         load_manifest(out)

@@ -196,3 +196,28 @@ def test_hugging_face_reads_the_engine_as_a_tokenizer_directory(tmp_path):
                                      thinking=thinking, reasoning_effort=effort)
         assert got == render_deepseek_v4(msgs, thinking, effort, "<|bos|>", "<|eos|>")
     assert (hf.bos_token, hf.eos_token) == ("<|bos|>", "<|eos|>")
+
+
+def test_the_build_reads_bos_eos_from_the_tokenizer_json_without_the_library(tmp_path):
+    from dspark_compile.serve.chat_format import tokenizer_config
+    src = Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained"
+    spec = json.loads((src / "tokenizer.json").read_text())
+    cfg = json.loads(tokenizer_config(tmp_path, spec, 0, 1, 160))
+    assert (cfg["bos_token"], cfg["eos_token"], cfg["model_max_length"]) == \
+        ("<|bos|>", "<|eos|>", 160)
+    cfg = json.loads(tokenizer_config(tmp_path, {"model": {"vocab": {"a": 0}}}, 5, None))
+    assert (cfg["bos_token"], cfg["eos_token"]) == (BOS, EOS)    # ids it lacks: the format's
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert json.loads(tokenizer_config(tmp_path))["chat_template"] == \
+        "{{ messages[0]['content'] }}"                           # a checkpoint's own file
+
+
+def test_an_engines_tokenizer_config_outside_the_file_table_is_refused(tmp_path):
+    """serve renders the engine's chat template: a tokenizer_config.json dropped into an engine
+    (not written and checksummed by the build) is not the engine's."""
+    from dspark_compile.artifact_format import ArtifactError
+    from dspark_compile.artifact_paths import check_engine
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ 1 }}"}')
+    with pytest.raises(ArtifactError, match="'tokenizer_config.json' is not in the manifest's "
+                                            "file table"):
+        check_engine(tmp_path, {"files": {}})
