@@ -4,6 +4,8 @@
                            server drains
     GET  /v1/models        the one engine served (its id: --model-name, default the directory)
     POST /v1/completions   one choice per prompt; JSON, or server-sent events with `stream`
+    POST /v1/chat/completions, /tokenize, /detokenize   chat.py
+    GET  /v1/models/{id}, /version
     GET  /metrics          Prometheus text format (metrics.py)
 
 A completion request, in order: the body is read (at most --max-request-bytes, else 413 before
@@ -21,7 +23,8 @@ gets a one-line 500.
 
 Every response carries `X-Request-Id` (the client's, when it is 1-128 printable ASCII
 characters, else a generated one), and every request is one access-log line: its id, method,
-path, status, prompt and completion tokens, finish reasons and duration.
+path, status, prompt and completion tokens, finish reasons and duration (middleware.py, with
+the API key and CORS).
 
 A client that disconnects cancels its requests: a streamed response listens for the
 disconnect while it sends (whatever the ASGI server's spec version), a JSON response waits
@@ -31,14 +34,12 @@ for either the result or the disconnect. A streaming client that reads nothing f
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import re
 import time
 import uuid
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,6 +50,8 @@ from starlette.requests import ClientDisconnect
 
 from dspark_compile.serve.loop import EngineDown, EngineLoop, QueueFull, RequestFailed, Ticket
 from dspark_compile.serve.metrics import CONTENT_TYPE, Metrics
+from dspark_compile.serve.middleware import ACCESS, Access, ApiKey, RequestLog, clip as _clip
+from dspark_compile.serve.middleware import error as _error
 from dspark_compile.serve.prepare import (BadRequest, EngineLimits, Job, api_field, api_message,
                                           prepare)
 from dspark_compile.serve.protocol import (Completion, CompletionChoice, CompletionRequest,
@@ -57,10 +60,6 @@ from dspark_compile.serve.protocol import (Completion, CompletionChoice, Complet
 from dspark_compile.serve.text import TextStream, Tokenizer
 
 log = logging.getLogger("dspark_compile.serve")
-access_log = logging.getLogger("dspark_compile.serve.access")   # one line per request
-ACCESS = "dspark.access"                 # the scope key of a request's Access record
-REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")    # printable ASCII, no spaces
-COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -86,17 +85,6 @@ class ServeState:
     allowed_origins: tuple = () # CORS: browser origins allowed ('*': any); () none
 
 
-@dataclass
-class Access:
-    """What the access-log line of one request says."""
-    request_id: str
-    start: float
-    status: int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish: list = field(default_factory=list)
-
-
 class ApiError(Exception):
     """A refusal in OpenAI's error body; `close`: the connection closes after it (the body
     was not read to its end)."""
@@ -106,12 +94,6 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.outcome, self.close = outcome, close
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           close: bool = False):
-    return JSONResponse(error_response(status, message, param, code), status_code=status,
-                        headers={"Connection": "close"} if close else None)
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -337,10 +319,6 @@ def _no_duplicate_keys(pairs: list) -> dict:
             raise ValueError(f"the key {_clip(k)!r} is given twice")
         out[k] = v
     return out
-
-
-def _clip(s: str, n: int = 80) -> str:
-    return s if len(s) <= n else s[:n] + "..."
 
 
 def _submit(loop: EngineLoop, jobs: list[Job], request_id: str) -> list[Ticket]:
@@ -617,91 +595,3 @@ def continuous_usage(req: CompletionRequest) -> bool:
     """vLLM's stream_options.continuous_usage_stats: usage in every chunk."""
     return bool(req.stream_options
                 and getattr(req.stream_options, "continuous_usage_stats", False))
-
-
-# ---- the API key -------------------------------------------------------------------------------
-
-OPEN_PATHS = ("/health", "/metrics")     # probes and scrapers carry no key
-
-
-class ApiKey:
-    """Pure ASGI middleware: every request but /health, /metrics and CORS preflights sends
-    `Authorization: Bearer <key>`, else 401 in OpenAI's error body. The key is compared in
-    constant time (hmac.compare_digest), so the answer's timing does not spell it out."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, ("Bearer " + key).encode()
-
-    async def __call__(self, scope, receive, send):
-        if (scope["type"] != "http" or scope.get("path") in OPEN_PATHS
-                or scope.get("method") == "OPTIONS"):
-            return await self.app(scope, receive, send)
-        given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-        if hmac.compare_digest(given, self.key):
-            return await self.app(scope, receive, send)
-        body = {"error": {"message": "Incorrect API key provided: send `Authorization: "
-                                     "Bearer <key>` with this server's --api-key"
-                          if given else "Missing API key: send `Authorization: Bearer <key>` "
-                                        "with this server's --api-key",
-                          "type": "invalid_request_error", "param": None,
-                          "code": "invalid_api_key"}}
-        await JSONResponse(body, status_code=401,
-                           headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-
-
-# ---- request ids and the access log ---------------------------------------------------------
-
-class RequestLog:
-    """Pure ASGI middleware: a request id for every request (the client's X-Request-Id when
-    valid), returned in the response's X-Request-Id; one access-log line when the response
-    ends; a bug's traceback logged with the id, the client told in one line (a completion
-    counted as `error`). A request uvicorn cancels at shutdown (it outlived the drain and the
-    shutdown's grace) gets a 503 if nothing was sent yet, and one log line, no traceback."""
-
-    def __init__(self, app, metrics: Metrics | None = None):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        acc = Access(_request_id(scope), time.monotonic())
-        scope[ACCESS] = acc
-        header = (b"x-request-id", acc.request_id.encode())
-
-        async def send_(message):
-            if message["type"] == "http.response.start":
-                acc.status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), header]}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_)
-        except Exception as e:  # noqa: BLE001 -- a bug: logged with its request id
-            log.error("request %s: internal error", acc.request_id, exc_info=e)
-            if self.metrics is not None and scope.get("path") in COMPLETION_PATHS:
-                self.metrics.outcome("error")
-            if acc.status is None:
-                await _error(500, f"internal error (request {acc.request_id}): "
-                                  f"{type(e).__name__}")(scope, receive, send_)
-        except asyncio.CancelledError:       # the end of this task: nothing awaits it
-            log.warning("request %s: cancelled at shutdown", acc.request_id)
-            if acc.status is None:
-                await _error(503, "the server shut down before this request "
-                                  "finished")(scope, receive, send_)
-        finally:
-            access_log.info("request_id=%s method=%s path=%s status=%s prompt_tokens=%d "
-                            "completion_tokens=%d finish=%s duration_ms=%.1f", acc.request_id,
-                            scope.get("method"), json.dumps(_clip(scope.get("path", ""), 200)),
-                            acc.status if acc.status is not None else "-", acc.prompt_tokens,
-                            acc.completion_tokens, ",".join(acc.finish) or "-",
-                            1000 * (time.monotonic() - acc.start))
-
-
-def _request_id(scope) -> str:
-    for name, value in scope.get("headers", ()):
-        if name == b"x-request-id":
-            given = value.decode("latin-1")
-            if REQUEST_ID.fullmatch(given):
-                return given
-            break
-    return uuid.uuid4().hex
