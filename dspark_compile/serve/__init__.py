@@ -13,6 +13,7 @@
     chat.py      /v1/chat/completions over the completions machinery; /tokenize, /detokenize
     app.py       the FastAPI application: /v1/models, /v1/completions (JSON or SSE), /health,
                  /metrics, /version
+    middleware.py  request ids and the access log, the API key (--api-key)
     server.py    uvicorn around the app: slow and oversized clients refused, SIGTERM drains
     cli.py       the `serve` subcommand (imports nothing of the extra until it runs)
 
