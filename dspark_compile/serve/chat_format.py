@@ -67,6 +67,7 @@ ROLES = ("system", "user", "assistant")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 MAX_TEMPLATE_CHARS = 1 << 20       # a template larger than 1 MiB is not a chat template
+TEMPLATE_OUTPUT_SLACK = 1 << 20    # characters a template may add to its messages' text
 
 
 class ChatError(ValueError):
@@ -349,10 +350,20 @@ def _raise_exception(message):
 def render_template(template, messages: list[dict], bos: str, eos: str, thinking: bool,
                     effort: str | None) -> str:
     import jinja2
+    # the output is bounded (a template's loops could write gigabytes): the messages' text,
+    # twice over, plus what a template's own text and tokens take
+    limit = 2 * sum(len(m["content"]) for m in messages) + TEMPLATE_OUTPUT_SLACK
     try:
-        return template.render(messages=messages, add_generation_prompt=True, bos_token=bos,
-                               eos_token=eos, thinking=thinking, enable_thinking=thinking,
-                               reasoning_effort=effort)
+        out, n = [], 0
+        for piece in template.generate(messages=messages, add_generation_prompt=True,
+                                       bos_token=bos, eos_token=eos, thinking=thinking,
+                                       enable_thinking=thinking, reasoning_effort=effort):
+            n += len(piece)
+            if n > limit:
+                raise ChatError("messages", f"the engine's chat template wrote more than "
+                                            f"{limit} characters for them")
+            out.append(piece)
+        return "".join(out)
     except TemplateRaised as e:
         raise ChatError("messages", f"the engine's chat template refused them: {e}") from None
     except jinja2.exceptions.SecurityError as e:

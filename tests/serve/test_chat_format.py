@@ -221,3 +221,11 @@ def test_an_engines_tokenizer_config_outside_the_file_table_is_refused(tmp_path)
     with pytest.raises(ArtifactError, match="'tokenizer_config.json' is not in the manifest's "
                                             "file table"):
         check_engine(tmp_path, {"files": {}})
+
+
+def test_a_template_that_writes_without_bound_is_stopped(tmp_path):
+    fmt = _engine(tmp_path, {"chat_template": "{% for i in range(99999) %}{% for j in "
+                                              "range(99999) %}xxxxxxxxxx{% endfor %}"
+                                              "{% endfor %}"})
+    with pytest.raises(ChatError, match="wrote more than"):
+        fmt.render([{"role": "user", "content": "x"}], False, None)
