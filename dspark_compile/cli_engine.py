@@ -152,18 +152,17 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from dspark_compile.build_config import DTYPES
     from dspark_compile.models import load_model
-    from dspark_compile.models.checkpoint import CheckpointError
-    from dspark_compile.models.config import ModelConfig, Precision, rope_positions
+    from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
+    from dspark_compile.models.config import Precision, rope_positions
     from dspark_compile.models.generate import cache_config_for, generate
 
     params = _params(args)
     dev = device(args.device)
     root = Path(args.checkpoint)
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"checkpoint {root} is not a directory (config.json + safetensors)")
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {root}")
-    cfg = ModelConfig.from_file(root / "config.json")
+        raise CheckpointError(missing_dir(root))
+    # read_config: the size cap, FIFO and nesting checks the build's loader makes
+    cfg = read_config(root / "config.json")
     spec = not args.no_speculation
     if spec and not cfg.has_draft:
         raise ValueError("the checkpoint has no DSpark draft (config field 'dspark_block_size'): "

@@ -318,7 +318,7 @@ def trained_checkpoint(out_dir: str | Path, seed: int = 0, overwrite: bool = Fal
     try:
         for f in sorted(DATA_DIR.iterdir()):
             shutil.copyfile(f, tmp / f.name)
-        move_into_place(tmp, out)
+        move_into_place(tmp, out, replace=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
