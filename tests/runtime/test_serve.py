@@ -290,3 +290,25 @@ def test_cli_serves_until_sigterm(small_engine):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_a_chat_request_is_the_completion_of_its_rendered_prompt(served):
+    """/v1/chat/completions over the real engine: the conversation rendered (DeepSeek-V4's
+    format, the engine's tokenizer_config.json) and tokenized as /tokenize shows, then the
+    same tokens as /v1/completions gives for those ids."""
+    import json
+    import urllib.request
+    url = served[1]
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "servers stream text"}]
+    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"messages": msgs}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    ids = json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"]
+    c = client_for(url)
+    chat = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
+                                     temperature=0, seed=5)
+    want = c.completions.create(model="tiny", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                seed=5)
+    assert chat.choices[0].message.content == want.choices[0].text
+    assert chat.choices[0].finish_reason == want.choices[0].finish_reason
+    assert chat.usage.prompt_tokens == len(ids) == want.usage.prompt_tokens
