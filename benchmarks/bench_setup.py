@@ -83,7 +83,7 @@ def setup_engine(args, work: Path, log, prefill_chunks: tuple = ()) -> tuple[obj
         log(f"[build] reusing {engine_dir}")
     t = time.perf_counter()
     graphs = args.device.type == "cuda" and any(v.startswith("engine") for v in args.variants)
-    eng = Engine.load(engine_dir, device=args.device, use_graphs=graphs, record_graph_memory=False,
+    eng = Engine.load(engine_dir, device=args.device, trust_code=True, use_graphs=graphs, record_graph_memory=False,
                       prefill="programs" if prefill_chunks else None)
     times["load_s"] = time.perf_counter() - t
     times["engine_dir"] = str(engine_dir)

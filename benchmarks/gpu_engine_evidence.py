@@ -210,7 +210,7 @@ def main(argv=None) -> int:
             rec["build_seconds"] = time.perf_counter() - t
             rec["pass_stats_largest_bucket"] = manifest["pass_stats"][str(max(buckets))]
         t = time.perf_counter()
-        eng = Engine.load(engine_dir, device=device)
+        eng = Engine.load(engine_dir, device=device, trust_code=True)  # an engine of this checkout
         rec["load_seconds"] = time.perf_counter() - t
         print(f"[load] {engine_dir} on {eng.device} in {rec['load_seconds']:.1f}s; graphs "
               f"{sorted(eng.graphs)}", flush=True)

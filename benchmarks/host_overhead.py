@@ -251,7 +251,8 @@ def main(argv=None, engine=None) -> int:
         elif args.engine:
             from dspark_compile.runtime import Engine
             t = time.perf_counter()
-            eng = Engine.load(args.engine, device=args.device, record_graph_memory=False)
+            eng = Engine.load(args.engine, device=args.device, record_graph_memory=False,
+                              trust_code=True)  # an engine of this checkout
             rec["setup"] = {"engine_dir": args.engine, "load_s": time.perf_counter() - t}
         else:
             work = Path(args.work) if args.work else Path(

@@ -312,7 +312,8 @@ def run(args, eng=None, log=print) -> dict:
 
     own = eng is None
     if own:
-        eng = Engine.load(args.engine, device="cpu" if args.dry_run else None, target=False)
+        eng = Engine.load(args.engine, device="cpu" if args.dry_run else None, target=False,
+                          trust_code=True)  # an engine of this checkout
     from dspark_compile.models.config import request_positions
     need = request_positions(args.prompt_len, args.max_tokens, eng.cfg.dspark_block_size)
     if need > eng.cache.max_seq_len:

@@ -155,7 +155,7 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
             target_programs=True), log=log)
         times["build_s"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
-    eng = Engine.load(engine_dir, device=args.device)
+    eng = Engine.load(engine_dir, device=args.device, trust_code=True)  # an engine of this checkout
     times["load_s"] = round(time.perf_counter() - t, 2)
     if eng.cache.max_rows < max(args.batches):
         raise ValueError(f"--engine {engine_dir}: max_rows={eng.cache.max_rows} < the largest "

@@ -57,7 +57,7 @@ def gpu_engine(tmp_path_factory, buckets, request):
                                                         "--gpu-engine-backend")),
                  log=lambda s: None)
     build_s = time.perf_counter() - t
-    eng = Engine.load(root / "engine", device="cuda")
+    eng = Engine.load(root / "engine", device="cuda", trust_code=True)  # built here
     capture = {b: round(s, 3) for b, s in eng.capture_seconds.items()}
     print(f"\nGPU engine: build {build_s:.1f}s, load + capture {eng.load_seconds:.1f}s, "
           f"capture per bucket {json.dumps(capture)}, pool bytes {eng.graph_pool_bytes}")

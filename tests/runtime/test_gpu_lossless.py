@@ -35,7 +35,7 @@ def bf16_engine(tmp_path_factory, request):
         wrong = {k: bc.get(k) for k, want in (("dtype", "bfloat16"), ("target_programs", True),
                                               ("device", "cuda")) if bc.get(k) != want}
         assert not wrong, f"--gpu-lossless-engine {given}: built with {wrong}"
-        return Engine.load(given, device="cuda")
+        return Engine.load(given, device="cuda", trust_code=True)  # the user's own build
     opt = request.config.getoption("--gpu-engine-buckets")
     buckets = tuple(int(b) for b in opt.split(",")) if opt else tuple(DEFAULT_BUCKETS)
     root = tmp_path_factory.mktemp("gpu_lossless")
@@ -45,7 +45,7 @@ def bf16_engine(tmp_path_factory, request):
                              dtype="bfloat16", device="cuda", target_programs=True,
                              backend=request.config.getoption("--gpu-engine-backend")),
                  log=lambda s: None)
-    return Engine.load(root / "engine", device="cuda")
+    return Engine.load(root / "engine", device="cuda", trust_code=True)  # built here
 
 
 @pytest.fixture(scope="module")
