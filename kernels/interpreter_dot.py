@@ -27,8 +27,11 @@ Here every output element is a function of its own row of `a` and column of `b` 
 The interpreted kernel's bits then depend only on what its programs compute, which is what a
 batch-invariance or tiling test is about; on a GPU the tensor cores keep their own order (the
 GPU tests measure that). Integer dots keep np.matmul: exact, their sums wrap the same in any
-order. The cost is a [K, M, N] float64 product tensor and log2(K) vector adds per dot
-(tests/kernels/test_interpreter_dot.py times it).
+order. The cost is a [K, M, N] float64 product tensor and log2(K) vector adds per dot: ~0.1 ms
+for a [64, 16] x [16, 16] tile, ~0.5 ms for [64, 128] x [128, 16] (BLAS: 4 and 13 us). Over a
+test file that is +2.2 s of tl.dot time in test_moe_experts.py (13052 dots, ~130 s of CPU),
++0.4 s in test_batch_invariance.py and test_markov_sampler.py: inside the files' run-to-run
+spread (2 cores, 2026-12-07).
 """
 from __future__ import annotations
 
