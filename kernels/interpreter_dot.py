@@ -22,7 +22,9 @@ Here every output element is a function of its own row of `a` and column of `b` 
   term goes up a level as it is), in float64 with numpy's elementwise add: one IEEE operation per
   node, the same on every CPU and SIMD width, no BLAS, no reduction whose order numpy chooses;
 - rounded once to the accumulator's dtype, then the `acc` operand added in it, as the
-  interpreter's own `matmul(...) + acc` does.
+  interpreter's own `matmul(...) + acc` does. NaN and inf operands propagate as in fp32; finite
+  terms whose partial sums pass fp32's range but whose total does not give the total here (in
+  fp32 that depends on the summation order, so no test relies on either).
 
 The interpreted kernel's bits then depend only on what its programs compute, which is what a
 batch-invariance or tiling test is about; on a GPU the tensor cores keep their own order (the
