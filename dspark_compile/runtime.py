@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.artifact import check_state_layout, load_engine, update_manifest_field
+from dspark_compile.artifact import (ArtifactError, _read_manifest, check_state_layout,
+                                     load_engine, update_manifest_field)
 # warm_up / capture_graph: imported here too for callers of the runtime's old names
 from dspark_compile.graphs import StepGraph, capture_graph, packed, unpack, warm_up  # noqa: F401
 from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
@@ -49,7 +50,6 @@ def _build_device(engine_dir: Path) -> str | None:
     """The device the engine's programs were built for, read through the manifest's checked
     reader (no link, no FIFO, bounded size) but not validated further (a missing or broken
     manifest is reported by the validated load that follows)."""
-    from dspark_compile.artifact import ArtifactError, _read_manifest
     try:
         dev = _read_manifest(engine_dir)["build_config"]["device"]
         torch.device(dev)

@@ -281,9 +281,8 @@ class GenerationStream:
         for r in requests:
             if r.status != DONE:
                 self._end(r)
-                e = events.setdefault(r.id, [[], True])
-                e[1] = True
-                e.append(exc)
+                self._event(events, r, [], True)
+                events[r.id].append(exc)
 
     def _decoding(self) -> bool:
         return any(r.status == RUNNING for r in self.active.values())

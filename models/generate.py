@@ -88,26 +88,26 @@ class SamplingParams:
             except OverflowError:       # an int beyond float64: as far out of range as inf
                 return math.inf if v > 0 else -math.inf
 
+        def int64(f: str, low: int, low_note: str, high_note: str) -> int:
+            """An int field in [low, INT64_MAX] (the decode state holds it as int64)."""
+            v = integer(f)
+            if v < low:
+                bad(f, f"must be >= {low}{low_note}, got {_shown(v)}")
+            if v > INT64_MAX:
+                bad(f, f"must be <= {INT64_MAX} ({high_note}), got {_shown(v)}")
+            return v
+
         if not isinstance(self.verify, str) or self.verify not in VERIFY:
             bad("verify", f"must be one of {sorted(VERIFY)}, got {self.verify!r}")
-        max_new = integer("max_new_tokens")
-        if max_new < 1:
-            bad("max_new_tokens", f"must be >= 1, got {max_new}")
-        if max_new > INT64_MAX:
-            bad("max_new_tokens", f"must be <= {INT64_MAX} (positions are int64), got "
-                                  f"{_shown(max_new)}")
+        max_new = int64("max_new_tokens", 1, "", "positions are int64")
         temperature = real("temperature")
         if not math.isfinite(temperature) or temperature < 0:
             bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {temperature}")
         if temperature > FLOAT32_MAX:
             bad("temperature", f"must be <= {FLOAT32_MAX} (the largest float32, as the decode "
                                f"state holds it), got {temperature}")
-        top_k = integer("top_k")
-        if top_k < 0:
-            bad("top_k", f"must be >= 0 (0 = off), got {top_k}")
-        if top_k > INT64_MAX:
-            bad("top_k", f"must be <= {INT64_MAX} (the decode state holds it as int64; any "
-                         f"top_k >= the vocabulary keeps every token), got {_shown(top_k)}")
+        top_k = int64("top_k", 0, " (0 = off)", "the decode state holds it as int64; any "
+                      "top_k >= the vocabulary keeps every token")
         top_p = real("top_p")
         if not 0.0 < top_p <= 1.0:   # NaN fails too
             bad("top_p", f"must be in (0, 1], got {top_p}")

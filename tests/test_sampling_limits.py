@@ -30,6 +30,7 @@ REFUSED = [
     ("top_k", BIG, f"must be <= {INT64_MAX} (the decode state holds it as int64"),
     ("top_k", 10 ** 40, f"must be <= {INT64_MAX}"),
     ("top_k", -1, "must be >= 0 (0 = off), got -1"),
+    ("top_k", -10 ** 5000, "must be >= 0 (0 = off), got a negative int of 16610 bits"),
     ("top_k", 2.0, "must be an int, got 2.0"),
     ("top_p", 0.0, "must be in (0, 1], got 0.0"),
     ("top_p", float("nan"), "must be in (0, 1], got nan"),
@@ -39,6 +40,7 @@ REFUSED = [
     ("seed", -10 ** 5000, "must fit in 64 bits (a signed int64, as the decode state holds it), "
                           "got a negative int of 16610 bits"),
     ("max_new_tokens", 0, "must be >= 1, got 0"),
+    ("max_new_tokens", -10 ** 5000, "must be >= 1, got a negative int of 16610 bits"),
     ("max_new_tokens", BIG, f"must be <= {INT64_MAX} (positions are int64)"),
     ("max_new_tokens", True, "must be an int, got True"),
     ("stop_ids", (VOCAB,), f"must be token ids in [0, {VOCAB}), got {VOCAB}"),
