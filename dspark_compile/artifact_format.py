@@ -71,6 +71,20 @@ def _label(key) -> str:
     return key if isinstance(key, str) else f"for bucket {key}"
 
 
+# --------------------------------------------------------------------------- JSON
+def unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook refusing a key given twice in one object: json.loads would keep
+    the last one silently, and another reader (a proxy, a logger, an older loader) may keep the
+    first, so the two would see different documents. The key is clipped to 80 characters."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            shown = k if len(k) <= 80 else k[:80] + "..."
+            raise ValueError(f"the key {shown!r} is given twice")
+        out[k] = v
+    return out
+
+
 # --------------------------------------------------------------------------- hashing
 def sha256_file(path) -> tuple[str, int]:
     """(sha256, size) of a file the build wrote (a load reads through artifact_paths)."""
@@ -84,6 +98,20 @@ def sha256_stream(f) -> str:
     while chunk := f.read(_CHUNK):
         h.update(chunk)
     return h.hexdigest()
+
+
+def check_digest(rel: str, info: dict, size: int, digest: Optional[str] = None) -> None:
+    """Engine file `rel` of `size` bytes (and sha256 `digest`, once read) is the one its
+    file-table entry `info` describes; ArtifactError naming the file otherwise."""
+    if size < info["size"]:
+        raise ArtifactError(f"engine file '{rel}' is truncated: {size} of {info['size']} bytes",
+                            path=rel)
+    if size != info["size"]:
+        raise ArtifactError(f"engine file '{rel}' has the wrong size: {size} bytes, manifest "
+                            f"says {info['size']}", path=rel)
+    if digest is not None and digest != info["sha256"]:
+        raise ArtifactError(f"engine file '{rel}' is corrupted: sha256 {digest[:12]}…, "
+                            f"manifest says {info['sha256'][:12]}…", path=rel)
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

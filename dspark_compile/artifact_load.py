@@ -21,25 +21,15 @@ from typing import Iterable, Optional
 import torch
 
 from dspark_compile.artifact_format import (
-    COMPILED_DIR, FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, prefill_key,
-    prefill_program_path, register_kernel_ops, sha256_stream, target_key, target_program_path)
+    COMPILED_DIR, FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, check_digest, prefill_key,
+    prefill_program_path, register_kernel_ops, sha256_stream, target_key, target_program_path,
+    unique_keys)
 from dspark_compile.artifact_paths import check_engine, open_file, read_file
 from dspark_compile.artifact_weights import _attach_weights, _load_weights
 from dspark_compile.versions import ENV_FIELDS, environment_fields
 
 
 MAX_MANIFEST_BYTES = 64 << 20   # the tiny engine's is 0.2 MB; a real model's a few MB
-
-
-def _unique_keys(pairs: list) -> dict:
-    """json object hook: a key given twice is refused (json.loads would keep the last one,
-    silently, and another reader might keep the first)."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {k!r} appears twice in one object")
-        out[k] = v
-    return out
 
 
 def _read_manifest(engine_dir: Path) -> dict:
@@ -58,7 +48,7 @@ def _read_manifest(engine_dir: Path) -> dict:
                             path=MANIFEST)
     try:
         text = read_file(engine_dir, MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8")
-        manifest = json.loads(text, object_pairs_hook=_unique_keys)
+        manifest = json.loads(text, object_pairs_hook=unique_keys)
     except ArtifactError as e:
         raise ArtifactError(f"{MANIFEST}: {e}", path=MANIFEST) from None
     except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError, digits
@@ -131,21 +121,16 @@ def _check_ops(manifest: dict) -> None:
                                 field="dspark_ops")
 
 
-def _check_files(engine_dir: Path, manifest: dict) -> None:
-    """Every file of the table has its size and sha256 (the paths were checked first)."""
+def _check_files(engine_dir: Path, manifest: dict, skip: frozenset = frozenset()) -> None:
+    """Every file of the table but those in `skip` has its size and sha256 (the paths were
+    checked first)."""
     for rel, info in sorted(manifest.get("files", {}).items()):
+        if rel in skip:
+            continue
         with open_file(engine_dir, rel) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < info["size"]:
-                raise ArtifactError(f"engine file '{rel}' is truncated: {size} of "
-                                    f"{info['size']} bytes", path=rel)
-            if size != info["size"]:
-                raise ArtifactError(f"engine file '{rel}' has the wrong size: {size} bytes, "
-                                    f"manifest says {info['size']}", path=rel)
+            check_digest(rel, info, os.fstat(f.fileno()).st_size)
             digest = sha256_stream(f)
-        if digest != info["sha256"]:
-            raise ArtifactError(f"engine file '{rel}' is corrupted: sha256 {digest[:12]}…, "
-                                f"manifest says {info['sha256'][:12]}…", path=rel)
+        check_digest(rel, info, info["size"], digest)
 
 
 def _table(manifest: dict, field: str, what: str, check) -> dict:
@@ -321,8 +306,12 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
     are attached to every program. `trust_code`: load an engine whose programs are code
     (check_code_trust); refused otherwise."""
     engine_dir = Path(engine_dir)
-    manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=check_files,
+    manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=False,
                              device=device)
+    if check_files:
+        # a program file's bytes are hashed where they are read (load_program_file), so the
+        # table check leaves them out: each program is read and hashed once
+        _check_files(engine_dir, manifest, _program_paths(manifest))
     check_code_trust(manifest, trust_code)
     configs = _engine_fields(manifest, device)
     register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
@@ -347,6 +336,12 @@ def _engine_fields(manifest: dict, device=None):
     if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
         dev = None
     return check_engine_fields(manifest, dev)
+
+
+def _program_paths(manifest: dict) -> frozenset:
+    """The files of a validated manifest's program tables (step, prefill, target)."""
+    return frozenset(entry["path"] for table in ("programs", "prefill_programs", "target_programs")
+                     for entry in manifest.get(table, {}).values())
 
 
 def _load_program_file(engine_dir, manifest: dict, rel: str):

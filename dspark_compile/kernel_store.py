@@ -360,20 +360,21 @@ def install(engine_dir: Path, manifest: dict, device: torch.device, policy: str 
 def use_store(root: Path, files: set | None = None) -> None:
     """Triton's lookups in this process read the store at `root` first (install, once the
     engine is checked): its cubins and metadata JSON listed in `files` ("{key}/{name}", the
-    engine's file table; None: every such file under `root`). Anything else in the store (a
-    link, a launcher module) is refused, naming it."""
+    engine's file table, whose paths, tree and sha256s load_manifest checked: the store is not
+    walked again; None: every such file under `root`, after refusing anything else in the
+    store (a link, a launcher module), naming it)."""
     _activate()
     root = Path(root).absolute()
-    check_tree(root)                       # no link, no special file below it
-    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
-    other = sorted(f for f in on_disk if not f.endswith(STORE_SUFFIXES))
-    if other:
-        from dspark_compile.artifact_format import ArtifactError
-        raise ArtifactError(f"kernel store {root}: '{other[0]}' is not a cubin or metadata "
-                            "JSON (a launcher module is built on this machine, never taken "
-                            "from an engine)", path=other[0])
-    usable = {f for f in on_disk if f.count("/") == 1}
-    usable = usable if files is None else usable & set(files)
+    if files is None:
+        check_tree(root)                       # no link, no special file below it
+        files = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+        other = sorted(f for f in files if not f.endswith(STORE_SUFFIXES))
+        if other:
+            from dspark_compile.artifact_format import ArtifactError
+            raise ArtifactError(f"kernel store {root}: '{other[0]}' is not a cubin or metadata "
+                                "JSON (a launcher module is built on this machine, never taken "
+                                "from an engine)", path=other[0])
+    usable = {f for f in files if f.count("/") == 1 and f.endswith(STORE_SUFFIXES)}
     for f in sorted(usable):
         if f.endswith(".json") and not f.split("/")[1].startswith(GROUP_PREFIX):
             _check_metadata(root, f)

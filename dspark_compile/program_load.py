@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import re
 import threading
 import types
@@ -257,16 +258,14 @@ def load_program_file(engine_dir, rel: str, info: dict):
     then deserialised from those same bytes by torch's pt2 loader (torch.export.load without
     its fallback to the pre-2.8 format, which unpickles). The `dspark::` ops must be
     registered (register_kernel_ops)."""
-    from dspark_compile.artifact_format import ArtifactError
-    from dspark_compile.artifact_paths import read_file
+    from dspark_compile.artifact_format import ArtifactError, check_digest
+    from dspark_compile.artifact_paths import open_file
     from torch.export.pt2_archive._package import load_pt2
 
-    data = read_file(engine_dir, rel, max(int(info["size"]), 0))
-    digest = hashlib.sha256(data).hexdigest()
-    if len(data) != info["size"] or digest != info["sha256"]:
-        raise ArtifactError(f"engine file '{rel}' is corrupted: sha256 {digest[:12]}… of "
-                            f"{len(data)} bytes, manifest says {info['sha256'][:12]}… of "
-                            f"{info['size']}", path=rel)
+    with open_file(engine_dir, rel) as f:
+        check_digest(rel, info, os.fstat(f.fileno()).st_size)
+        data = f.read(info["size"] + 1)
+    check_digest(rel, info, len(data), hashlib.sha256(data).hexdigest())
     check_program_archive(data, rel)
     try:
         with faster_deserialization():

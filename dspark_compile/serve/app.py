@@ -48,6 +48,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+# a key given twice is refused: readers that keep the first and readers that keep the last
+# (proxies, loggers, this server) would see different requests
+from dspark_compile.artifact_format import unique_keys as _no_duplicate_keys
 from dspark_compile.serve.loop import EngineDown, EngineLoop, QueueFull, RequestFailed, Ticket
 from dspark_compile.serve.metrics import CONTENT_TYPE, Metrics
 from dspark_compile.serve.middleware import ACCESS, Access, ApiKey, RequestLog, clip as _clip
@@ -171,8 +174,8 @@ def create_app(state: ServeState) -> FastAPI:
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != state.model_name:
-            return _error(404, f"model {_clip(model_id)!r} is not served here (this server "
-                               f"serves {state.model_name!r})", "model", "model_not_found")
+            e = not_served(model_id, state)
+            return _error(e.status, e.message, e.param, e.code)
         return ModelCard(id=state.model_name, created=state.created,
                          max_model_len=state.limits.max_seq_len)
 
@@ -193,9 +196,7 @@ async def admit(state: ServeState, request: Request, acc: Access, parse, to_jobs
         raw = await _read_body(request, state.http)
         req = await _off_loop(state, parse, raw, request.headers.get("content-type"))
         if req.model != state.model_name:
-            raise ApiError(404, f"model {_clip(req.model)!r} is not served here (this "
-                                f"server serves {state.model_name!r}; see /v1/models)",
-                           "model", "model_not_found")
+            raise not_served(req.model, state)
         jobs = await _off_loop(state, to_jobs, req, state)
         tickets = _submit(state.loop, jobs, acc.request_id)
     except ClientDisconnect:
@@ -270,14 +271,24 @@ def _off_loop(state: ServeState, fn, *args):
 def parse_request(raw: bytes, content_type: str | None) -> CompletionRequest:
     """A body -> a validated CompletionRequest, or ApiError naming the problem (run off the
     event loop: parsing takes time in proportion to the body)."""
-    obj = load_json(raw, content_type)
+    return validated(CompletionRequest, load_json(raw, content_type))
+
+
+def validated(schema, obj):
+    """`schema`'s model of a JSON value, or ApiError (400) naming the first field it got wrong."""
     try:
-        return CompletionRequest.model_validate(obj)
+        return schema.model_validate(obj)
     except ValidationError as e:
         message, param = validation_message(list(e.errors()))
         raise ApiError(400, message, param) from None
     except RecursionError:       # a value nested within the JSON parser's depth, not pydantic's
         raise ApiError(400, "body: JSON nested too deeply", "body") from None
+
+
+def not_served(model: str, state: ServeState) -> ApiError:
+    """The 404 of a model id this server does not serve."""
+    return ApiError(404, f"model {_clip(model)!r} is not served here (this server serves "
+                         f"{state.model_name!r}; see /v1/models)", "model", "model_not_found")
 
 
 def load_json(raw: bytes, content_type: str | None):
@@ -308,17 +319,6 @@ def _is_json(content_type: str) -> bool:
     mime = content_type.split(";", 1)[0].strip().lower()
     return mime == "application/json" or (mime.startswith("application/")
                                           and mime.endswith("+json"))
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    """A key given twice is refused: readers that keep the first and readers that keep the
-    last (proxies, loggers, this server) would see different requests."""
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {_clip(k)!r} is given twice")
-        out[k] = v
-    return out
 
 
 def _submit(loop: EngineLoop, jobs: list[Job], request_id: str) -> list[Ticket]:
@@ -593,5 +593,4 @@ Run, EventStream, cancel_runs, usage, account, json_error = (_Run, _EventStream,
 
 def continuous_usage(req: CompletionRequest) -> bool:
     """vLLM's stream_options.continuous_usage_stats: usage in every chunk."""
-    return bool(req.stream_options
-                and getattr(req.stream_options, "continuous_usage_stats", False))
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)

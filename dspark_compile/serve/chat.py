@@ -26,20 +26,19 @@ chunk's delta.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark_compile.serve import app as _app
 from dspark_compile.serve.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
-from dspark_compile.serve.protocol import CompletionRequest, validation_message
+from dspark_compile.serve.protocol import CompletionRequest
 from dspark_compile.serve.protocol import _unicode as unicode_text
 
 
@@ -116,11 +115,7 @@ def parse_chat(raw: bytes, content_type: str | None) -> Chat:
 
 
 def chat_of(obj: dict) -> Chat:
-    try:
-        req = ChatCompletionRequest.model_validate(obj)
-    except ValidationError as e:
-        message, param = validation_message(list(e.errors()))
-        raise _app.ApiError(400, message, param) from None
+    req = _app.validated(ChatCompletionRequest, obj)
     if req.logprobs:
         raise _app.ApiError(400, "logprobs: not supported (send false or leave it out)",
                             "logprobs")
@@ -135,11 +130,7 @@ def chat_of(obj: dict) -> Chat:
                                  f"{req.max_tokens} (send one)", "max_completion_tokens")
     forward = {**(req.model_extra or {}), "model": req.model, "prompt": "x",
                "max_tokens": max_tokens}
-    try:
-        completion = CompletionRequest.model_validate(forward)
-    except ValidationError as e:
-        message, param = validation_message(list(e.errors()))
-        raise _app.ApiError(400, message, param) from None
+    completion = _app.validated(CompletionRequest, forward)
     thinking, effort = _mode(req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -223,14 +214,11 @@ def prepare_chat(chat: Chat, state) -> list[Job]:
         raise BadRequest("messages", "the conversation encodes to no tokens")
     try:
         return prepare(chat.completion.model_copy(update={"prompt": [ids]}), state.limits,
-                       state.tokenizer)
-    except BadRequest as e:         # the one prompt is the rendered conversation
-        message = e.message.replace("-token prompt 0", "-token conversation").replace(
-            "prompt 0", "the rendered conversation")
+                       state.tokenizer, label=lambda i: "rendered conversation")
+    except BadRequest as e:         # the fields as the chat request names them
         param = {"prompt": "messages", "max_tokens": chat.max_tokens_field}.get(e.param,
                                                                                e.param)
-        raise BadRequest(param, message.replace("max_tokens", param) if param and param !=
-                         e.param else message, e.status) from None
+        raise BadRequest(param, e.message, e.status) from None
 
 
 async def chat_completions(state, request):
@@ -270,11 +258,11 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
     every = _app.continuous_usage(chat.completion)
     split = ReasoningSplit(chat.thinking)
 
-    def chunk(delta: dict, finish=None, usage=None) -> str:
+    def chunk(delta: dict, finish=None) -> str:
         body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                      "logprobs": None}]}
-        if usage is not None or every:
-            body["usage"] = (usage or _app.usage([run])).model_dump()
+        if every:
+            body["usage"] = _app.usage([run]).model_dump()
         return f"data: {json.dumps(body)}\n\n"
 
     try:
@@ -300,8 +288,6 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
             body = {**base, "choices": [], "usage": _app.usage([run]).model_dump()}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        raise
     finally:
         _app.cancel_runs([run])
         _app.account(acc, [run])
@@ -326,7 +312,7 @@ def tokenize(raw: bytes, content_type: str | None, state) -> dict:
     """vLLM's /tokenize: {"count", "max_model_len", "tokens"} of a text or of a conversation
     rendered as /v1/chat/completions renders it (run off the event loop)."""
     obj = _app.load_json(raw, content_type)
-    req = _validated(TokenizeRequest, obj)
+    req = _app.validated(TokenizeRequest, obj)
     _served(req.model, state)
     if (req.prompt is None) == (req.messages is None):
         raise _app.ApiError(400, "body: send one of prompt or messages", "prompt")
@@ -345,7 +331,7 @@ def tokenize(raw: bytes, content_type: str | None, state) -> dict:
 
 def detokenize(raw: bytes, content_type: str | None, state) -> dict:
     """vLLM's /detokenize: {"prompt": the text of the ids}."""
-    req = _validated(DetokenizeRequest, _app.load_json(raw, content_type))
+    req = _app.validated(DetokenizeRequest, _app.load_json(raw, content_type))
     _served(req.model, state)
     if state.tokenizer is None:
         raise _app.ApiError(400, "this engine has no tokenizer.json", "tokens")
@@ -359,18 +345,9 @@ def detokenize(raw: bytes, content_type: str | None, state) -> dict:
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 
-def _validated(schema, obj):
-    try:
-        return schema.model_validate(obj)
-    except ValidationError as e:
-        message, param = validation_message(list(e.errors()))
-        raise _app.ApiError(400, message, param) from None
-
-
 def _served(model: str | None, state) -> None:
     if model is not None and model != state.model_name:
-        raise _app.ApiError(404, f"model {model[:80]!r} is not served here (this server "
-                                 f"serves {state.model_name!r})", "model", "model_not_found")
+        raise _app.not_served(model, state)
 
 
 def _fits(chars: int, state, param: str = "messages") -> None:

@@ -173,7 +173,7 @@ class EngineLoop:
             for ev in events:
                 ticket = (self._tickets.pop(ev.request, None) if ev.finished
                           else self._tickets.get(ev.request))
-                err = getattr(ev, "error", None)
+                err = ev.error
                 if err is not None:
                     failed.append((ticket, err))
                     if ticket is not None:

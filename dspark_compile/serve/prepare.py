@@ -70,8 +70,10 @@ def api_message(message: str) -> str:
     return message
 
 
-def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> list[Job]:
-    """Run off the event loop (the tokenizer's time grows with the prompt's length)."""
+def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None,
+            label=lambda i: f"prompt {i}") -> list[Job]:
+    """Run off the event loop (the tokenizer's time grows with the prompt's length).
+    `label(i)`: what the messages call prompt i (chat: the rendered conversation)."""
     prompts = req.prompts
     # the sampling fields first: cheap, and refused before any prompt is tokenized
     base = _sampling(req, limits)
@@ -94,7 +96,7 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
     for i, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= t < limits.vocab_size]
         if bad:
-            raise BadRequest("prompt", f"prompt {i}: token ids {bad[:5]} outside "
+            raise BadRequest("prompt", f"{label(i)}: token ids {bad[:5]} outside "
                                        f"[0, {limits.vocab_size})")
     last = base.seed + len(prompts) - 1      # one prompt after another: seed, seed + 1, ...
     if last > INT64_MAX:
@@ -104,13 +106,13 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None) -> lis
     for i, p in enumerate(prompts):
         room = limits.max_new_tokens(len(p))
         if room < 1:
-            raise BadRequest("prompt", f"prompt {i}: {len(p)} tokens leave no room for a new "
+            raise BadRequest("prompt", f"{label(i)}: {len(p)} tokens leave no room for a new "
                                        f"token in the engine's {limits.max_seq_len} positions")
         max_new = room if req.max_tokens is None else req.max_tokens
         if max_new > room:
             raise BadRequest("max_tokens", f"{max_new} new tokens after the {len(p)}-token "
-                                           f"prompt {i} exceed the engine's {limits.max_seq_len} "
-                                           f"positions: at most {room}")
+                                           f"{label(i)} exceed the engine's "
+                                           f"{limits.max_seq_len} positions: at most {room}")
         sp = _checked(dataclasses.replace(base, seed=base.seed + i, max_new_tokens=max_new),
                       limits)
         jobs.append(Job(i, list(p), sp, req.stop, req.skip_special_tokens))

@@ -189,14 +189,6 @@ class CompletionRequest(_Request):
                              "engine's does not; send it only with ignore_eos and no stop / "
                              "stop_token_ids (or send 0)")
         return v
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens "
-                             f"{self.max_tokens}")
-        if not self.ignore_eos or self.stop_token_ids or self.stop:
-            raise ValueError("min_tokens: > 0 needs the sampler to hold back the stop tokens, "
-                             "which this engine's does not; send it only with ignore_eos and "
-                             "no stop / stop_token_ids (or send 0)")
-        return self
 
     @property
     def prompts(self) -> list:

@@ -494,5 +494,5 @@ def test_a_manifest_with_a_duplicated_key_is_refused(small_engine, tmp_path):
     m["checksum"] = _checksum(m)
     text = json.dumps(m, indent=1, sort_keys=True)
     (eng / "manifest.json").write_text(text[:-2] + ',\n "buckets": [1]\n}')
-    with pytest.raises(ArtifactError, match="the key 'buckets' appears twice"):
+    with pytest.raises(ArtifactError, match="the key 'buckets' is given twice"):
         load_manifest(eng, check_files=False)

@@ -136,6 +136,19 @@ def test_bad_chat_requests_are_400s_naming_the_field(url, patch, param):
     assert status == 400 and err["param"] == param, body
 
 
+def test_a_reply_past_the_positions_is_refused_in_the_chat_requests_own_words(url):
+    """prepare.py's room check, with the field the client sent and the prompt called the
+    rendered conversation (max_seq_len 160 here)."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        status, _, body = call(url, "POST", "/v1/chat/completions",
+                               {"model": "tiny", "messages": TURNS[:2], field: 1000})
+        err = json.loads(body)["error"]
+        assert status == 400 and err["param"] == field, body
+        assert re.fullmatch(rf"{field}: 1000 new tokens after the \d+-token rendered "
+                            r"conversation exceed the engine's 160 positions: at most \d+",
+                            err["message"]), err["message"]
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     proc, u = _start(tmp_path_factory.mktemp("guarded"), "--api-key", KEY,
@@ -151,9 +164,9 @@ def test_an_api_key_server_answers_401_in_openais_body_without_the_bearer_key(gu
         err = json.loads(body)["error"]
         assert status == 401 and err["code"] == "invalid_api_key", (headers, body)
         assert err["type"] == "invalid_request_error" and h.get("www-authenticate") == "Bearer"
-    status, _, _ = call(guarded, "POST", "/v1/chat/completions", {"model": "tiny",
-                                                                  "messages": TURNS})
-    assert status == 401
+    status, _, body = call(guarded, "POST", "/v1/chat/completions", {"model": "tiny",
+                                                                     "messages": TURNS})
+    assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
     assert call(guarded, "GET", "/health")[0] == 200            # probes and scrapers: open
     assert call(guarded, "GET", "/metrics")[0] == 200
     ok = openai.OpenAI(base_url=guarded + "/v1", api_key=KEY, max_retries=0, timeout=30)
@@ -184,7 +197,8 @@ def test_cors_answers_only_the_allowed_origins(url, guarded):
 def test_model_card_version_and_detokenize(url):
     status, _, body = call(url, "GET", "/v1/models/tiny")
     assert status == 200 and json.loads(body)["id"] == "tiny"
-    assert call(url, "GET", "/v1/models/other")[0] == 404
+    status, _, body = call(url, "GET", "/v1/models/other")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
     status, _, body = call(url, "GET", "/version")
     assert status == 200 and json.loads(body)["version"]
     status, _, body = call(url, "POST", "/tokenize", {"prompt": "Hello there"})
@@ -194,7 +208,7 @@ def test_model_card_version_and_detokenize(url):
     status, _, body = call(url, "POST", "/detokenize", {"tokens": [5, 99999]})
     assert status == 400 and json.loads(body)["error"]["param"] == "tokens"
     status, _, body = call(url, "POST", "/tokenize", {"prompt": "x", "messages": TURNS})
-    assert status == 400
+    assert status == 400 and "one of prompt or messages" in json.loads(body)["error"]["message"]
 
 
 def test_metrics_carry_vllms_names_with_the_same_numbers(url, client):
