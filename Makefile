@@ -18,9 +18,9 @@ $(BIN)/.installed: pyproject.toml
 .PHONY: venv demo test clean
 venv: $(BIN)/.installed
 
-# the demo model is the trained tiny pair (models/data/tiny-trained); the prompts are text,
+# the demo model is the trained tiny pair (dspark_compile/factory/data/tiny-trained); the prompts are text,
 # encoded with its tokenizer, and the generated ids are decoded back to text at the end
-TOK := $(BIN)/python -m dspark_compile.models.tokenizer
+TOK := $(BIN)/python -m dspark_compile.factory.tokenizer
 DEMO_PROMPTS := 'import os\nimport sys\n\n\ndef main(' '    def __init__(self, '
 
 demo: venv

@@ -39,12 +39,12 @@ def _engine_matches(engine_dir: Path, args, prefill_chunks: tuple = ()) -> bool:
 
 
 def _backend(args) -> str:
-    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.build.config import BuildConfig
     return BuildConfig(device=args.device.type, backend=args.backend or "").backend
 
 
 def _preset_hidden(name: str) -> int:
-    from dspark_compile.models.presets import preset
+    from dspark_compile.factory.presets import preset
     return preset(name)["hidden_size"]
 
 
@@ -52,10 +52,10 @@ def setup_engine(args, work: Path, log, prefill_chunks: tuple = ()) -> tuple[obj
     """The checkpoint and engine under `work` (reused when they fit), loaded. `prefill_chunks`
     (benchmarks/prefill.py): the build's prefill programs, loaded with the engine; such an
     engine has a directory of its own."""
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.runtime import Engine
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.runtime.engine import Engine
+    from dspark_compile.build.pipeline import build_engine
 
     times = {}
     ckpt = work / f"ckpt_{args.preset}"

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the counts as JSON here")
     p.add_argument("--top", type=int, default=25, help="source lines printed per program")
     a = p.parse_args(argv)
-    from dspark_compile.artifact_format import register_kernel_ops
+    from dspark_compile.engine_dir.format import register_kernel_ops
     register_kernel_ops()              # programs call dspark:: ops
     result = {}
     for e in a.engines:

@@ -36,7 +36,7 @@ import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package
 
 from dspark_compile.models.state import restore_state as _restore  # noqa: E402
 from dspark_compile.models.state import snapshot_state as _snapshot  # noqa: E402
-from dspark_compile.build_config import DEFAULT_BUCKETS  # noqa: E402
+from dspark_compile.build.config import DEFAULT_BUCKETS  # noqa: E402
 
 NEAR_TIE = 1e-3
 MAX_ROWS = 64
@@ -155,7 +155,7 @@ def time_bucket(eng, bucket: int, replays: int, variant: str = "full",
 
 
 def lossless(eng, seed: int = 7) -> dict:
-    from dspark_compile.lossless import check_lossless
+    from dspark_compile.runtime.lossless import check_lossless
     from dspark_compile.models.generate import SamplingParams
 
     rng = random.Random(seed)
@@ -180,10 +180,10 @@ def lossless(eng, seed: int = 7) -> dict:
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.runtime import Engine
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.runtime.engine import Engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.build.pipeline import build_engine
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -249,7 +249,7 @@ def main(argv=None, engine=None) -> int:
         if engine is not None:
             eng, rec["setup"] = engine, {"engine_dir": str(engine.dir)}
         elif args.engine:
-            from dspark_compile.runtime import Engine
+            from dspark_compile.runtime.engine import Engine
             t = time.perf_counter()
             eng = Engine.load(args.engine, device=args.device, record_graph_memory=False,
                               trust_code=True)  # an engine of this checkout

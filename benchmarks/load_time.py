@@ -1,6 +1,6 @@
 """Cold and warm start of an engine: `Engine.load` (validation, programs, weights, CUDA-graph
 capture of every bucket and greedy variant, prefill graphs) in fresh processes, with and without
-the engine's stored kernels (dspark_compile/kernel_store.py):
+the engine's stored kernels (dspark_compile/engine_dir/kernel_store.py):
 
     python benchmarks/load_time.py --engine ENGINE [--build CKPT --buckets 1,2,4,...] --out DIR
 
@@ -54,8 +54,8 @@ if cache != "user":
     knobs.cache.dir = cache
 import torch
 import triton.runtime.build as triton_build
-from dspark_compile import kernel_store
-from dspark_compile.runtime import Engine
+from dspark_compile.engine_dir import kernel_store
+from dspark_compile.runtime.engine import Engine
 kernel_store.activate()                  # count compiles also when the store is ignored
 launcher_s = [0.0]
 _build = triton_build._build     # the C compile of a launcher module (compile_module_from_src)
@@ -104,8 +104,8 @@ def run_case(engine: Path, cache: Path, policy: str, profile: str = "-",
 
 def build(ckpt: str, engine: Path, buckets: list[int], chunks: list[int], dtype: str,
           max_seq_len: int) -> float:
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.build.pipeline import build_engine
     t = time.perf_counter()
     build_engine(ckpt, engine, BuildConfig(buckets=tuple(buckets), max_seq_len=max_seq_len,
                                            dtype=dtype, device="cuda", backend="aten",

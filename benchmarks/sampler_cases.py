@@ -72,7 +72,7 @@ def _rejection(d, **plan):
 
 V, R, N = 129280, 256, 5
 TOP_P = 0.95
-W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as models/synth.py draws the Markov head
+W_STD = (0.5 / R ** 0.5) ** 0.5       # bias std ~0.5, as dspark_compile/factory/synth.py draws the Markov head
 
 _WEIGHTS: dict = {}
 

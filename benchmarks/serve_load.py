@@ -262,7 +262,7 @@ class _ServerProcess:
 
     def __init__(self, engine_dir: str, threads: int, timeout: float = 1800):
         exe = Path(sys.executable).with_name("dspark-compile")
-        cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli"])
+        cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli.main"])
         self.proc = subprocess.Popen(cmd + ["serve", engine_dir, "--port", "0", "--threads",
                                             str(threads), "--model-name", "bench",
                                             # one access line a request would go unread here
@@ -296,7 +296,7 @@ def run(args, eng=None, log=print) -> dict:
     """The benchmark; `eng`: an already loaded Engine (tests), else --engine is loaded here."""
     import torch
 
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     env = harness.environment(args.git_commit)
     out = Path(args.out) if args.out else Path(harness.REPO) / "benchmarks" / "results" / (
         re.sub(r"[^a-z0-9]+", "_", (env.get("device") or "cpu").lower()).strip("_")

@@ -131,11 +131,11 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
     """(loaded engine, checkpoint directory, setup times)."""
     import shutil
 
-    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.build.config import BuildConfig
     from dspark_compile.models.config import ModelConfig, request_positions
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.runtime import Engine
-    from dspark_compile.trace import build_engine
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.runtime.engine import Engine
+    from dspark_compile.build.pipeline import build_engine
 
     times = {}
     ckpt = Path(args.ckpt) if args.ckpt else work / "ckpt_tiny-trained"
@@ -168,8 +168,8 @@ def held_out_prompts(ckpt: Path, n: int, length: int) -> list[list[int]]:
     """n prompts of `length` tokens evenly spaced over the held-out modules, tokenized with
     the checkpoint's tokenizer."""
     from dspark_compile.models.config import ModelConfig
-    from dspark_compile.models.tokenizer import load_tokenizer
-    from dspark_compile.models.train_data import Corpus, encode_stream, spaced_windows
+    from dspark_compile.factory.tokenizer import load_tokenizer
+    from dspark_compile.factory.train_data import Corpus, encode_stream, spaced_windows
     cfg = ModelConfig.from_file(ckpt / "config.json")
     corpus = Corpus.stdlib()
     held = encode_stream(load_tokenizer(ckpt), Corpus.read(corpus.held_out), cfg.eos_token_id)

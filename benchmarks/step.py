@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     from dspark_compile.models.state import restore_state
     from dspark_compile.models.step import DraftVerifyStep
-    from dspark_compile.trace import export_step
+    from dspark_compile.build.pipeline import export_step
 
     env = harness.environment(args.git_commit)
     out = Path(args.out) if args.out else _default_out(env.get("device") or "cpu")

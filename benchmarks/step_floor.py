@@ -23,7 +23,7 @@ the B live rows of the step (N = dspark_block_size, V = vocab_size):
     at most the accepted rows), ceil((N+1)/r) + 1 entries of a compressed cache;
   - the per-row tensors (`row.*`) read whole; `row.tokens` and `row.last_pos` written;
     `row.draft_logits` read and written only for sampled rows (a greedy row's rejection never
-    reads them, and the greedy program does not write them: dspark_compile/variants.py);
+    reads them, and the greedy program does not write them: dspark_compile/runtime/variants.py);
   - a state tensor these rules do not name: its live rows read whole (listed in
     `state_fallback`).
 - Logits written once: the target's B*(N+1)*V and the draft's base B*N*V, in the head's

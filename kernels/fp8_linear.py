@@ -20,7 +20,7 @@ the reference (the H200 GPU test at wq_b's K = 1024 and the fp32 lossless runs s
 outputs take the plan's `fp8_mma=False` path: both e4m3 operands widened to bf16 in registers
 (exact), a bf16 MMA with fp32 accumulation; the weight bytes read are the same.
 
-Bytes one call must move at Flash dims (models/presets.py FLASH_0731 / FLASH_SLICE: hidden 4096,
+Bytes one call must move at Flash dims (dspark_compile/factory/presets.py FLASH_0731 / FLASH_SLICE: hidden 4096,
 q_lora 1024, heads 64 x 512, o_groups 8 x o_lora 1024, indexer 64 x 128, shared expert 2048,
 draft main_proj 3 x 4096): N*K weight bytes + N*K/16384 scale bytes + M*K (x) + M*K/32 (x scales)
 + M*N*2 (bf16 y). At M = 6 (B = 1 verify rows):

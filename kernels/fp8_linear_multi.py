@@ -20,7 +20,7 @@ weight's tiles as before (L2 serves the repeats), each output written once into 
 contiguous tensor (no concatenated weight, no slicing copies).
 
 The op has fixed slots for 4 weights (the last two optional) and returns 4 tensors, the
-unused ones empty [..., 0]: the ONNX domain (dspark_compile/onnx_domain.py) maps tensor and
+unused ones empty [..., 0]: the ONNX domain (dspark_compile/inspection/onnx_domain.py) maps tensor and
 optional-tensor arguments and tensor returns, not tensor lists. `fp8_linear_multi_list` is the
 list-in, list-out call.
 """

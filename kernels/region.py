@@ -6,7 +6,7 @@
 The models call the plain-PyTorch references, so the exported step holds their aten subgraphs
 (hundreds of nodes each). Matching those structurally would break with every edit of a reference
 and every torch version; instead the call says where it is. While `torch.export` traces with node
-meta preserved (dspark_compile/trace.py wraps the export in
+meta preserved (dspark_compile/build/pipeline.py wraps the export in
 `torch.fx.traceback.preserve_node_meta()`), a decorated call
 
 - runs under `torch.fx.traceback.annotate(...)`, so every node it creates carries

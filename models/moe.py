@@ -113,7 +113,7 @@ class MoE(nn.Module):
 
 def use_kernel_layouts(model: nn.Module, dtype: torch.dtype) -> list[str]:
     """Every MoE layer's experts of `model` in the kernel's weight layout (the engine build,
-    dspark_compile/trace.py); the layout names, one per layer."""
+    dspark_compile/build/pipeline.py); the layout names, one per layer."""
     return [m.use_kernel_layout(dtype) for m in model.modules() if isinstance(m, Experts)]
 
 

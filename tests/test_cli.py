@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dspark_compile import cli
+from dspark_compile.cli import main as cli
 from dspark_compile.models.checkpoint import load_checkpoint
 
 
@@ -68,7 +68,7 @@ def test_console_entry_point_in_fresh_process(tmp_path):
     out = tmp_path / "ck"
     out.mkdir()
     (out / "f").write_text("x")
-    r = subprocess.run([sys.executable, "-c", "import sys; from dspark_compile.cli import main; "
+    r = subprocess.run([sys.executable, "-c", "import sys; from dspark_compile.cli.main import main; "
                         "sys.exit(main())", "synth", "--preset", "tiny", "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1

@@ -1,4 +1,4 @@
-"""The engine's kernel store (dspark_compile/kernel_store.py): kernels compiled into a store are
+"""The engine's kernel store (dspark_compile/engine_dir/kernel_store.py): kernels compiled into a store are
 found by Triton's own lookup in a process whose Triton cache is empty, so nothing compiles;
 a store for another SM or Triton is named in one line, and refused when required.
 
@@ -15,14 +15,14 @@ import sys
 
 import pytest
 
-from dspark_compile import kernel_store
-from dspark_compile.artifact_format import ArtifactError
+from dspark_compile.engine_dir import kernel_store
+from dspark_compile.engine_dir.format import ArtifactError
 
 _ROUND_TRIP = r"""
 import json, sys
 from pathlib import Path
 from triton import knobs
-from dspark_compile import kernel_store as ks
+from dspark_compile.engine_dir import kernel_store as ks
 from dspark_compile.kernels import sm12x
 from dspark_compile.kernels.registry import KERNELS
 sm12x.import_all_kernel_modules()

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from dspark_compile import cli
-from dspark_compile.cli_common import COMMANDS, Command
-from dspark_compile.models.presets import preset
+from dspark_compile.cli import main as cli
+from dspark_compile.cli.common import COMMANDS, Command
+from dspark_compile.factory.presets import preset
 
 
 def _one_line(capsys, command: str) -> str:
@@ -224,7 +224,7 @@ def test_synth_overwrite_replaces_a_checkpoint(tmp_path, capsys):
 
 
 def test_synth_removes_a_dead_writers_temporary(tmp_path, capsys):
-    from dspark_compile.models.atomic_dir import temp_dir
+    from dspark_compile.atomic_dir import temp_dir
     out = tmp_path / "ck"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -277,7 +277,7 @@ def test_sigterm_exits_143_after_cleanup(monkeypatch, capsys):
 
 
 def test_version(capsys):
-    from dspark_compile.versions import package_version
+    from dspark_compile.engine_dir.versions import package_version
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0
@@ -287,8 +287,8 @@ def test_version(capsys):
 
 def test_cli_modules_do_not_import_each_other():
     """cli_engine imports cli_common only; cli imports both (one direction)."""
-    r = subprocess.run([sys.executable, "-c", "import sys, dspark_compile.cli_engine; "
-                        "print('dspark_compile.cli' in sys.modules)"],
+    r = subprocess.run([sys.executable, "-c", "import sys, dspark_compile.cli.engine_commands; "
+                        "print('dspark_compile.cli.main' in sys.modules)"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
 
@@ -296,7 +296,7 @@ def test_cli_modules_do_not_import_each_other():
 def test_generate_hint_names_the_flag_not_the_python_argument(tmp_path, capsys):
     """A config with the draft over weights without it: the loader's hint says
     include_draft=False; at the CLI that is --no-speculation."""
-    from dspark_compile.models.synth import synth_checkpoint
+    from dspark_compile.factory.synth import synth_checkpoint
     ck = synth_checkpoint("tiny", tmp_path / "ck", include_draft=False)
     (ck / "config.json").write_text(json.dumps(preset("tiny")))
     assert cli.main(["generate", str(ck), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 1
@@ -378,8 +378,8 @@ def _add_user_files(root, rng):
 
 def test_a_plain_engine_and_checkpoint_may_be_replaced(tmp_path):
     """The control of the property below: without user files --overwrite is allowed."""
-    from dspark_compile.artifact import not_an_engine
-    from dspark_compile.models.synth import _not_a_checkpoint
+    from dspark_compile.engine_dir.write import not_an_engine
+    from dspark_compile.factory.synth import _not_a_checkpoint
     _fake_engine(tmp_path / "engine")
     _fake_checkpoint(tmp_path / "ck")
     assert not_an_engine(tmp_path / "engine") is None
@@ -559,7 +559,7 @@ def test_an_engine_path_that_is_a_file_or_whose_manifest_is_a_directory(tmp_path
 
 # ------------------------------------------------------------------ accepted only by a stated rule
 def test_token_id_lists_follow_the_stated_rule(capsys):
-    from dspark_compile.cli_engine import IDS_RULE, _ids
+    from dspark_compile.cli.engine_commands import IDS_RULE, _ids
     assert _ids(" 1, 2 ") == [1, 2]                  # spaces around an id: ignored
     for bad, says in (("1,,2", "empty item in '1,,2'"), ("1,2,", "empty item in '1,2,'"),
                       ("-3", "token ids must be >= 0, got -3"), ("", "no token ids given"),
@@ -632,7 +632,7 @@ def test_help_shows_the_defaults_the_issue_names(command, says):
 # ------------------------------------------------------------------ build's defaults (issue 31)
 def _built_config(monkeypatch, argv):
     """The BuildConfig `build` hands to build_engine (which is not run)."""
-    import dspark_compile.trace as trace
+    import dspark_compile.build.pipeline as trace
     seen = []
     monkeypatch.setattr(trace, "build_engine", lambda ckpt, out, bc, log: seen.append(bc))
     assert cli.main(argv) == 0
@@ -640,7 +640,7 @@ def _built_config(monkeypatch, argv):
 
 
 def test_build_defaults_on_a_machine_without_cuda(monkeypatch, tmp_path, capsys):
-    from dspark_compile.build_config import DEFAULT_BUCKETS
+    from dspark_compile.build.config import DEFAULT_BUCKETS
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e")])
     assert capsys.readouterr().out.splitlines() == [
@@ -669,7 +669,7 @@ def test_build_defaults_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
 
 
 def test_default_prefill_chunks_rule():
-    from dspark_compile.build_config import BuildConfig, default_prefill_chunks
+    from dspark_compile.build.config import BuildConfig, default_prefill_chunks
     assert default_prefill_chunks(9) == () and default_prefill_chunks(63) == ()
     assert default_prefill_chunks(64) == (64,) and default_prefill_chunks(200) == (64, 128)
     assert default_prefill_chunks(1024) == default_prefill_chunks(1 << 20) == (64, 128, 256, 512)

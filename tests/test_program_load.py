@@ -1,9 +1,9 @@
-"""dspark_compile/program_load.py: a program loaded with memoised type hints is the program
+"""dspark_compile/engine_dir/programs.py: a program loaded with memoised type hints is the program
 torch loads, and the deserializer is left as it was after the block (also after an error)."""
 import pytest
 import torch
 
-from dspark_compile.program_load import faster_deserialization
+from dspark_compile.engine_dir.programs import faster_deserialization
 
 
 class _Chain(torch.nn.Module):
@@ -62,7 +62,7 @@ def _info(data: bytes) -> dict:
 
 
 def test_a_plain_program_passes_and_loads_as_torch_loads_it(tmp_path):
-    from dspark_compile.program_load import check_program_archive, load_program_file
+    from dspark_compile.engine_dir.programs import check_program_archive, load_program_file
     data = _archive(tmp_path)
     check_program_archive(data, "p.pt2")
     plain = torch.export.load(str(tmp_path / "p.pt2"))
@@ -124,16 +124,16 @@ def _size0(value):
 def test_a_tensor_record_that_lies_about_its_bytes_is_refused(tmp_path, change, says):
     """A tensor's metadata must fit its record: torch would otherwise allocate what the
     metadata says (a zero-byte record becomes torch.zeros of its sizes) or read past it."""
-    from dspark_compile.artifact_format import ArtifactError
-    from dspark_compile.program_load import check_program_archive
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.programs import check_program_archive
     data = _rewritten(_archive(tmp_path), _config(_W, change))
     with pytest.raises(ArtifactError, match=says):
         check_program_archive(data, "p.pt2")
 
 
 def test_a_graph_nested_too_deep_or_not_an_archive_is_refused(tmp_path):
-    from dspark_compile.artifact_format import ArtifactError
-    from dspark_compile.program_load import check_program_archive
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.programs import check_program_archive
     deep = _rewritten(_archive(tmp_path), lambda r: r.__setitem__(
         "models/model.json", b"[" * 100_000 + b"]" * 100_000))
     with pytest.raises(ArtifactError, match="not readable JSON"):
@@ -143,8 +143,8 @@ def test_a_graph_nested_too_deep_or_not_an_archive_is_refused(tmp_path):
 
 
 def test_a_program_whose_bytes_changed_is_refused(tmp_path):
-    from dspark_compile.artifact_format import ArtifactError
-    from dspark_compile.program_load import load_program_file
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.programs import load_program_file
     data = _archive(tmp_path)
     info = _info(data)
     (tmp_path / "p.pt2").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))

@@ -12,7 +12,7 @@ from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
 from dspark_compile.models.config import CacheConfig, ModelConfig, Precision
 from dspark_compile.models.generate import (FLOAT32_MAX, INT64_MAX, INT64_MIN, SamplingError,
                                             SamplingParams, set_row_sampling)
-from dspark_compile.models.presets import preset
+from dspark_compile.factory.presets import preset
 from dspark_compile.models.state import state_specs
 
 VOCAB = 512
@@ -134,7 +134,7 @@ def test_stop_ids_without_a_vocabulary_must_be_non_negative_only():
 def test_engine_runs_the_greedy_program_for_tiny_temperatures_in_the_state():
     """Engine._use_greedy reads the temperatures the step will read: a tiny one written to the
     state directly (no validation) is greedy there as in the kernels."""
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     temps = torch.tensor([1e-45, 1e-40, 0.0, GREEDY_BELOW / 2, GREEDY_BELOW, 1.0])
     eng = SimpleNamespace(greedy_modules={4: None}, state={"row.temperature": temps})
     assert Engine._use_greedy(eng, [0, 1, 2, 3], 4, None)
@@ -146,7 +146,7 @@ def test_engine_runs_the_greedy_program_for_tiny_temperatures_in_the_state():
 
 def test_stream_launches_the_greedy_program_for_tiny_temperatures():
     from runtime.test_stream_scheduler import FakeEngine, run
-    from dspark_compile.scheduler import GenerationStream
+    from dspark_compile.runtime.scheduler import GenerationStream
     eng = FakeEngine()
     s = GenerationStream(eng, True, prefill_tokens=8)
     for T in (1e-45, 1e-40, 1e-38, GREEDY_BELOW / 2):
@@ -163,7 +163,7 @@ def test_stream_launches_the_greedy_program_for_tiny_temperatures():
 
 def test_stream_refuses_what_validate_refuses_naming_the_field():
     from runtime.test_stream_scheduler import FakeEngine
-    from dspark_compile.scheduler import GenerationStream
+    from dspark_compile.runtime.scheduler import GenerationStream
     s = GenerationStream(FakeEngine(), True, prefill_tokens=8)     # its vocabulary: 1000
     for field, value, rule in REFUSED:
         if value == (VOCAB,):

@@ -50,7 +50,7 @@ from starlette.requests import ClientDisconnect
 
 # a key given twice is refused: readers that keep the first and readers that keep the last
 # (proxies, loggers, this server) would see different requests
-from dspark_compile.artifact_format import unique_keys as _no_duplicate_keys
+from dspark_compile.engine_dir.format import unique_keys as _no_duplicate_keys
 from dspark_compile.serve.loop import EngineDown, EngineLoop, QueueFull, RequestFailed, Ticket
 from dspark_compile.serve.metrics import CONTENT_TYPE, Metrics
 from dspark_compile.serve.middleware import ACCESS, Access, ApiKey, RequestLog, clip as _clip

@@ -7,7 +7,7 @@ import argparse
 import math
 import time
 
-from dspark_compile.cli_common import command, device, engine_errors, int_arg
+from dspark_compile.cli.common import command, device, engine_errors, int_arg
 # server.py imports nothing of the extra at module level
 from dspark_compile.serve.server import (BODY_BYTES_PER_TOKEN, BODY_OTHER_BYTES,
                                          DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT,
@@ -121,7 +121,7 @@ def _origins(text: str | None) -> tuple[str, ...]:
 def cmd_serve(args) -> int:
     from dspark_compile.serve import require_extra
     require_extra()          # before the engine loads: a missing extra fails in a second
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     from dspark_compile.serve.server import Server
 
     api_key, origins = _api_key(args), _origins(args.allowed_origins)   # before the load

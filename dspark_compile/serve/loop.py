@@ -15,7 +15,7 @@ events, so no event can arrive for a request the thread does not know yet.
 
 Failures, in two kinds:
 
-- one request's: the stream (opened with `isolate_failures`, dspark_compile/scheduler.py)
+- one request's: the stream (opened with `isolate_failures`, dspark_compile/runtime/scheduler.py)
   ends a request whose admission, prefill or step raised, frees its row and reports the
   exception on its last event; this thread logs the traceback under the request's id and
   hands its handler RequestFailed (HTTP 500, OpenAI's error body). The other requests go on.

@@ -18,7 +18,7 @@ from dspark_compile.kernels.tl_helpers import pdl_mode
 RESULTS = "benchmarks/results/README.md"
 
 # The ops' `mode` argument: "full" reads every row's temperature / top-k / top-p; "greedy"
-# treats every row as greedy (the all-greedy step variant, dspark_compile/variants.py).
+# treats every row as greedy (the all-greedy step variant, dspark_compile/runtime/variants.py).
 MODES = ("full", "greedy")
 
 # -- threshold search (kernels/sampling/row_passes.py, refine.py) -------------------------------

@@ -47,7 +47,7 @@ def test_dry_run_runs_both_variants_and_names_the_floor(tmp_path):
         assert f > 0, part
     # counted independently from the config: the head multiplies one token by the LM head
     # [V, D] and hc_head's fn [m, m D] (the norm is a vector)
-    from dspark_compile.models.presets import preset
+    from dspark_compile.factory.presets import preset
     c = preset("tiny")
     V, D, m = c["vocab_size"], c["hidden_size"], c["hc_mult"]
     assert floor["weight_flops_by_part"]["head"] == 2 * (V * D + m * m * D)

@@ -21,7 +21,7 @@ OPS = ("hc_pre", "hc_post", "hc_head", "hc_post_pre", "hc_post_head")
 
 
 def _inputs(T, m, D, dtype, seed=0, head=False):
-    """Weights as models/synth.py draws them (μ of order 0.5, scales near 1), a stream X, a layer
+    """Weights as dspark_compile/factory/synth.py draws them (μ of order 0.5, scales near 1), a stream X, a layer
     output y and a (post, comb) pair from a real hc_pre; row 0 is all zeros (a padded row of a
     bucket holds whatever its trash row holds; zeros are the degenerate case of the rms)."""
     g = torch.Generator().manual_seed(seed)

@@ -5,7 +5,7 @@ import torch
 from dspark_compile.models import load_model
 from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.config import Precision
-from dspark_compile.models.synth import synth_checkpoint
+from dspark_compile.factory.synth import synth_checkpoint
 
 
 @pytest.fixture(scope="session")

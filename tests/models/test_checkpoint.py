@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dspark_compile.models import synth as synth_mod
+from dspark_compile.factory import synth as synth_mod
 from dspark_compile.models.checkpoint import CheckpointError, load_checkpoint, validate_tid2eid
 from dspark_compile.models.config import ConfigError, ModelConfig
-from dspark_compile.models.presets import preset
+from dspark_compile.factory.presets import preset
 from dspark_compile.models.quant_formats import fp8_block_dequant, mxfp4_dequant
 from dspark_compile.models.schema import checkpoint_schema, target_schema
-from dspark_compile.models.synth import (SynthScales, iter_synth_tensors, synth_checkpoint,
+from dspark_compile.factory.synth import (SynthScales, iter_synth_tensors, synth_checkpoint,
                                           synth_tensors)
 
 TINY = ModelConfig.from_dict(preset("tiny"))

@@ -5,7 +5,7 @@ from dspark_compile.models.batch import Batch
 from dspark_compile.models.config import ModelConfig, Precision
 from dspark_compile.models.mhc import HyperConnection
 from dspark_compile.models.moe import MoE, Gate
-from dspark_compile.models.presets import preset
+from dspark_compile.factory.presets import preset
 from dspark_compile.models.rope import rope_frequencies
 from dspark_compile.kernels.sampling.reference import fold_ids
 

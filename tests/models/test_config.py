@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dspark_compile.models.config import ConfigError, ModelConfig, RopeSpec
-from dspark_compile.models.presets import preset
+from dspark_compile.factory.presets import preset
 from dspark_compile.models.schema import checkpoint_schema
 
 

@@ -46,9 +46,9 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from dspark_compile.models.batch import Batch  # noqa: E402
 from dspark_compile.models.checkpoint import load_checkpoint  # noqa: E402
 from dspark_compile.models.config import CacheConfig, Precision  # noqa: E402
-from dspark_compile.models.presets import preset  # noqa: E402
+from dspark_compile.factory.presets import preset  # noqa: E402
 from dspark_compile.models.state import allocate_state  # noqa: E402
-from dspark_compile.models.synth import synth_checkpoint  # noqa: E402
+from dspark_compile.factory.synth import synth_checkpoint  # noqa: E402
 from dspark_compile.models.target import DeepseekV4  # noqa: E402
 from dspark_compile.models.weights import load_native  # noqa: E402
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from dspark_compile.lossless import check_lossless
+from dspark_compile.runtime.lossless import check_lossless
 from dspark_compile.models.config import Precision
 from dspark_compile.models.generate import SamplingParams, generate
 
@@ -58,7 +58,7 @@ def test_stop_ids_and_lossless_report(model64):
 def test_compare_outputs_names_the_first_divergence():
     """The engine-against-itself check: token for token, a shorter or longer output diverges
     too, and a report without logits is never 'within' a tolerance."""
-    from dspark_compile.lossless import END, compare_outputs
+    from dspark_compile.runtime.lossless import END, compare_outputs
     assert compare_outputs([[1, 2, 3], [4]], [[1, 2, 3], [4]]).line() == "lossless: ok"
     r = compare_outputs([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]])
     assert (r.ok, r.request, r.index, r.expected, r.got) == (False, 1, 1, 5, 6)

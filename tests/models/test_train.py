@@ -1,4 +1,4 @@
-"""models/train.py: the corpus split, the tokenizers, a reduced training run end to end (twice:
+"""dspark_compile/factory/train.py: the corpus split, the tokenizers, a reduced training run end to end (twice:
 deterministic for its seed), and the committed tiny-trained checkpoint (copied by synth, its
 report's acceptance re-measured)."""
 import json
@@ -11,11 +11,11 @@ import torch
 
 from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.config import ModelConfig
-from dspark_compile.models.presets import preset
-from dspark_compile.models.tokenizer import (
+from dspark_compile.factory.presets import preset
+from dspark_compile.factory.tokenizer import (
     BOS, EOS, NOISE, decode, load_tokenizer, main as tokenizer_main, train_bpe)
-from dspark_compile.models.train import DATA_DIR, TrainConfig, measure_acceptance, train_tiny
-from dspark_compile.models.train_data import Corpus, encode_stream, spaced_windows
+from dspark_compile.factory.train import DATA_DIR, TrainConfig, measure_acceptance, train_tiny
+from dspark_compile.factory.train_data import Corpus, encode_stream, spaced_windows
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -99,7 +99,7 @@ committed = pytest.mark.skipif(not (DATA_DIR / "train_report.json").is_file(),
 
 @committed
 def test_synth_tiny_trained_copies_the_committed_checkpoint(tmp_path):
-    from dspark_compile.models.synth import synth_checkpoint
+    from dspark_compile.factory.synth import synth_checkpoint
     out = synth_checkpoint("tiny-trained", tmp_path / "ckpt")
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in DATA_DIR.iterdir())
     for p in DATA_DIR.iterdir():
@@ -131,7 +131,7 @@ def test_committed_checkpoint_meets_its_report_on_held_out_prompts():
 
 
 def test_synth_tiny_writes_a_tokenizer(tmp_path):
-    from dspark_compile.models.synth import synth_checkpoint
+    from dspark_compile.factory.synth import synth_checkpoint
     out = synth_checkpoint("tiny", tmp_path / "ckpt")
     tok = load_tokenizer(out)
     cfg = ModelConfig.from_dict(preset("tiny"))

@@ -1,4 +1,4 @@
-"""The training forms (models/train_model.py) compute the reference models' function of the same
+"""The training forms (dspark_compile/factory/train_model.py) compute the reference models' function of the same
 weights: the target over a whole sequence equals the reference forward of one chunk, the draft's
 blocks equal the reference step's draft block; and the weights go back to the stored formats."""
 import pytest
@@ -7,13 +7,13 @@ import torch
 from dspark_compile.models.batch import Batch
 from dspark_compile.models.config import CacheConfig, ModelConfig, Precision
 from dspark_compile.models.draft import store_context
-from dspark_compile.models.presets import preset
+from dspark_compile.factory.presets import preset
 from dspark_compile.models.quant_formats import fp8_block_dequant, mxfp4_dequant
 from dspark_compile.models.schema import checkpoint_schema
 from dspark_compile.models.state import allocate_state
 from dspark_compile.models.step import draft_block
-from dspark_compile.models.synth import synth_tensors
-from dspark_compile.models.train_model import (
+from dspark_compile.factory.synth import synth_tensors
+from dspark_compile.factory.train_model import (
     Rope, TrainParams, draft_forward, quantize_roundtrip, target_forward)
 
 EXACT = Precision(torch.float64, act_quant=False, kv_fp8=False)

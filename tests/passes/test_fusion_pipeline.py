@@ -102,7 +102,7 @@ ENGINE_RUN = textwrap.dedent("""
     import collections, json, sys, torch
     torch.set_num_threads(1)   # as tests/conftest.py: 2 CI cores, tiny matmuls
     from dspark_compile.models.generate import SamplingParams
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     eng = Engine.load(sys.argv[1], device="cpu")
     prompts = json.loads(sys.argv[2])
     res = eng.generate(prompts, SamplingParams(max_new_tokens=int(sys.argv[3])))
@@ -117,8 +117,8 @@ ENGINE_RUN = textwrap.dedent("""
 @pytest.mark.slow   # ~60 s: two exports, the engine write, a fresh process loading it
 def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path):
     from dspark_compile.models.generate import SamplingParams, generate
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.build.pipeline import build_engine
 
     bc = BuildConfig(buckets=(1, 2), dtype="float64", max_seq_len=64)
     manifest = build_engine(tiny_step.ckpt, tmp_path / "engine", bc, log=lambda s: None)

@@ -19,15 +19,15 @@ from torch.utils import _pytree as pytree
 from dspark_compile.models import load_model
 from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.state import allocate_state
-from dspark_compile.models.synth import synth_checkpoint
+from dspark_compile.factory.synth import synth_checkpoint
 from dspark_compile.passes import PassManager
 from dspark_compile.passes.graph_utils import region_meta
 from dspark_compile.passes.regions import find_regions
 from dspark_compile.passes.verify import compare_runs, graph_inputs, run_graph
-from dspark_compile.build_config import BuildConfig
+from dspark_compile.build.config import BuildConfig
 from dspark_compile.models.config import rope_positions
 from dspark_compile.models.random_requests import prefilled_state
-from dspark_compile.trace import export_step, state_input_names
+from dspark_compile.build.pipeline import export_step, state_input_names
 
 BUCKET = 2
 CLEANUP = ("remove_asserts", "remove_noops", "dce")

@@ -47,7 +47,7 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    from dspark_compile.models.synth import synth_checkpoint
+    from dspark_compile.factory.synth import synth_checkpoint
     out = tmp_path_factory.mktemp("rt_ckpt") / "tiny"
     synth_checkpoint("tiny", out, seed=0)
     return out
@@ -55,8 +55,8 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_engine(tiny_ckpt, tmp_path_factory) -> Built:
-    from dspark_compile.build_config import DEFAULT_BUCKETS, BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import DEFAULT_BUCKETS, BuildConfig
+    from dspark_compile.build.pipeline import build_engine
     out = tmp_path_factory.mktemp("rt_default") / "engine"
     lines: list[str] = []
     t = time.perf_counter()
@@ -69,7 +69,7 @@ def default_engine(tiny_ckpt, tmp_path_factory) -> Built:
 
 @pytest.fixture(scope="session")
 def default_loaded(default_engine):
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     t = time.perf_counter()
     eng = Engine.load(default_engine.path, device="cpu")
     TIMINGS["load default buckets"] = time.perf_counter() - t
@@ -79,8 +79,8 @@ def default_loaded(default_engine):
 @pytest.fixture(scope="session")
 def small_engine(tiny_ckpt, tmp_path_factory) -> Built:
     """Built by `dspark-compile build` in-process; `log` holds (exit status, stdout, stderr)."""
-    from dspark_compile.artifact import load_manifest
-    from dspark_compile.cli import main
+    from dspark_compile.engine_dir.write import load_manifest
+    from dspark_compile.cli.main import main
     out = tmp_path_factory.mktemp("rt_small") / "engine"
     stdout, stderr = io.StringIO(), io.StringIO()
     t = time.perf_counter()
@@ -99,7 +99,7 @@ def small_engine(tiny_ckpt, tmp_path_factory) -> Built:
 
 @pytest.fixture(scope="session")
 def small_loaded(small_engine):
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     t = time.perf_counter()
     eng = Engine.load(small_engine.path, device="cpu")
     TIMINGS["load (1,2)"] = time.perf_counter() - t
@@ -112,6 +112,6 @@ def ref_model(tiny_ckpt):
     precision (float64, FP8 activation quant and KV simulated)."""
     from dspark_compile.models import load_model
     from dspark_compile.models.config import Precision
-    from dspark_compile.build_config import DTYPES
+    from dspark_compile.build.config import DTYPES
     prec = Precision(dtype=DTYPES["float64"], act_quant=True, kv_fp8=True)
     return load_model(tiny_ckpt, prec, max_positions=SEQ + 16, with_draft=True)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import dspark_compile.kernels.moe  # noqa: F401  (the toy calls dspark::moe_experts)
-from dspark_compile import artifact
-from dspark_compile.artifact import (ArtifactError, load_engine, load_manifest, save_engine,
+from dspark_compile.engine_dir import write as artifact
+from dspark_compile.engine_dir.write import (ArtifactError, load_engine, load_manifest, save_engine,
                                      update_manifest_field)
 from dspark_compile.models.linear import E8M0_STORAGE
 from dspark_compile.passes import PassManager
-from dspark_compile.versions import environment_fields
+from dspark_compile.engine_dir.versions import environment_fields
 
 D, E, I, S = 64, 2, 32, 16
 BUCKETS = (1, 4)
@@ -102,7 +102,7 @@ def engine(built, tmp_path):
 # ------------------------------------------------------------------ round trip
 FRESH = textwrap.dedent("""
     import sys, torch
-    from dspark_compile.artifact import load_engine
+    from dspark_compile.engine_dir.write import load_engine
     assert not hasattr(torch.ops.dspark, "moe_experts"), "op registered before load_engine"
     device = sys.argv[3]
     manifest, programs, weights = load_engine(sys.argv[1], device=device)
@@ -500,9 +500,9 @@ def _rewrite_manifest(engine, edit):
 @pytest.mark.parametrize("field", ["model_config", "build_config"])
 def test_run_names_a_missing_engine_field(engine, capsys, field):
     """A consistent manifest without the fields the runtime needs: one line, no KeyError."""
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.cli import main
-    from dspark_compile.models.presets import preset
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.cli.main import main
+    from dspark_compile.factory.presets import preset
 
     def edit(m):
         m["model_config"] = preset("tiny")
@@ -516,9 +516,9 @@ def test_run_names_a_missing_engine_field(engine, capsys, field):
 
 
 def test_engine_fields_name_a_missing_or_unknown_build_option(engine):
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.engine_fields import engine_configs
-    from dspark_compile.models.presets import preset
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.fields import engine_configs
+    from dspark_compile.factory.presets import preset
     m = {"model_config": preset("tiny"), "build_config": BuildConfig(buckets=BUCKETS).to_manifest()}
     cfg, bc = engine_configs(m)
     assert (cfg.dspark_block_size, bc.buckets) == (5, BUCKETS)
@@ -543,7 +543,7 @@ def _dead_pid() -> int:
 def test_next_build_removes_temporaries_of_dead_builds_only(built, tmp_path):
     """SIGKILL skips every cleanup: the next build of the same output removes what the killed
     one left; a temporary of a live process (a concurrent build) stays."""
-    from dspark_compile.models.atomic_dir import temp_dir
+    from dspark_compile.atomic_dir import temp_dir
     model, _, _, passes, stats = built
     out = tmp_path / "engine"
     killed = []
@@ -565,7 +565,7 @@ def test_next_build_removes_temporaries_of_dead_builds_only(built, tmp_path):
 def test_a_build_killed_while_swapping_gives_the_previous_engine_back(engine, tmp_path):
     """SIGKILL between parking the previous engine and renaming the new one into place leaves no
     engine at the destination: the next write's cleanup puts the parked one back, not away."""
-    from dspark_compile.models.atomic_dir import PARKED, remove_stale_temps, temp_dir
+    from dspark_compile.atomic_dir import PARKED, remove_stale_temps, temp_dir
     before = load_manifest(engine)
     parked = temp_dir(engine, "old")
     os.rename(engine, parked / PARKED)
@@ -584,7 +584,7 @@ def test_sigterm_during_a_build_removes_its_temporary(built, tmp_path, monkeypat
     import signal
     import time
 
-    from dspark_compile.cli_common import Terminated, sigterm_raises
+    from dspark_compile.cli.common import Terminated, sigterm_raises
     model, _, _, passes, stats = built
     programs, _, _ = build_programs(model)
 

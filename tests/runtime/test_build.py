@@ -9,11 +9,11 @@ import zipfile
 import pytest
 import torch
 
-from dspark_compile.artifact import FORMAT_VERSION, TOKENIZER_FILE, config_hash, program_path
+from dspark_compile.engine_dir.write import FORMAT_VERSION, TOKENIZER_FILE, config_hash, program_path
 from dspark_compile.passes import PassManager, assert_no_whole_cache_copy, find_host_syncs
-from dspark_compile.build_config import DEFAULT_BUCKETS
-from dspark_compile.trace import state_input_names
-from dspark_compile.versions import environment_fields
+from dspark_compile.build.config import DEFAULT_BUCKETS
+from dspark_compile.build.pipeline import state_input_names
+from dspark_compile.engine_dir.versions import environment_fields
 
 BUILD_BUDGET_S = 600   # CI runs everything in < 30 min on 2 cores; this build was ~2.5 min
 
@@ -123,8 +123,8 @@ def test_manifest_fields(default_engine):
 
 
 def test_build_refuses_a_non_engine_output_before_exporting(tiny_ckpt, tmp_path):
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.build.pipeline import build_engine
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
@@ -139,9 +139,9 @@ def test_build_copies_the_checkpoint_tokenizer_into_the_checksummed_files(tiny_c
     """A checkpoint's tokenizer.json lands in the engine as it is, in the manifest's file
     table: a tampered copy is refused at load, naming the file. The export is replaced by a
     one-op program (the copy does not depend on it; the real step's build is the fixtures')."""
-    import dspark_compile.trace as trace
-    from dspark_compile.artifact import ArtifactError, load_manifest, not_an_engine, sha256_file
-    from dspark_compile.build_config import BuildConfig
+    import dspark_compile.build.pipeline as trace
+    from dspark_compile.engine_dir.write import ArtifactError, load_manifest, not_an_engine, sha256_file
+    from dspark_compile.build.config import BuildConfig
 
     ck = tmp_path / "ck"
     ck.mkdir()

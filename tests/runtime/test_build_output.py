@@ -4,7 +4,7 @@ is never replaced without overwrite, and a disk too small is one line naming the
 bytes it needs, found before the write where the size is known, with no temporary left behind.
 
 The free space of a file system is passed in (save_engine / build_engine / synth_checkpoint's
-`free_bytes`, or models/atomic_dir.py's `free_bytes` under the CLI) and write failures are
+`free_bytes`, or dspark_compile/atomic_dir.py's `free_bytes` under the CLI) and write failures are
 raised by the writers here: a real full disk needs a mount, which needs root. One test writes
 for real past a file-size limit (RLIMIT_FSIZE, EFBIG), which any user can set."""
 import errno
@@ -20,12 +20,14 @@ import textwrap
 import pytest
 import torch
 
-from dspark_compile import artifact, cli
-from dspark_compile.artifact import ArtifactError, load_manifest, save_engine
-from dspark_compile.models import atomic_dir, synth
-from dspark_compile.models.atomic_dir import (NoSpaceError, OutputLocked, lock_path,
+from dspark_compile.cli import main as cli
+from dspark_compile.engine_dir import write as artifact
+from dspark_compile.engine_dir.write import ArtifactError, load_manifest, save_engine
+from dspark_compile import atomic_dir
+from dspark_compile.factory import synth
+from dspark_compile.atomic_dir import (NoSpaceError, OutputLocked, lock_path,
                                               move_into_place, output_lock)
-from dspark_compile.models.presets import preset
+from dspark_compile.factory.presets import preset
 
 FIELDS = {"model_config_hash": "toy", "passes": []}
 BUILD = ["--device", "cpu", "--buckets", "1", "--max-seq-len", "64", "--prefill-chunks", "none",
@@ -119,7 +121,7 @@ def test_the_cli_in_another_process_is_refused_naming_this_one(config_only, tmp_
     API the build uses, `dspark-compile build` runs beside it."""
     out = tmp_path / "engine"
     with output_lock(out, "build"):
-        r = subprocess.run([sys.executable, "-m", "dspark_compile.cli", "build",
+        r = subprocess.run([sys.executable, "-m", "dspark_compile.cli.main", "build",
                             str(config_only), "--out", str(out), *BUILD],
                            capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
@@ -234,8 +236,8 @@ def test_move_into_place_without_replace_keeps_what_is_there(tmp_path, theirs):
 
 
 def test_build_without_overwrite_refuses_an_output_that_is_not_empty(config_only, tmp_path):
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.build.pipeline import build_engine
     out = tmp_path / "engine"
     out.mkdir()
     (out / "manifest.json").write_text("{}")
@@ -382,7 +384,7 @@ def test_synth_past_a_real_file_size_limit(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # EFBIG instead of the signal
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
-    r = subprocess.run([sys.executable, "-m", "dspark_compile.cli", "synth", "--preset", "tiny",
+    r = subprocess.run([sys.executable, "-m", "dspark_compile.cli.main", "synth", "--preset", "tiny",
                         "--out", str(out)], capture_output=True, text=True, timeout=300,
                        preexec_fn=limit)
     assert r.returncode == 1

@@ -48,8 +48,8 @@ def programs():
 
 @pytest.mark.parametrize("workers", [2, 1])
 def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
-    from dspark_compile.compile_workers import compile_programs
-    from dspark_compile.compiled import CompiledStep, compiled_path
+    from dspark_compile.build.compile_workers import compile_programs
+    from dspark_compile.build.inductor import CompiledStep, compiled_path
     eps, state = programs
     if workers == 1:            # the in-process path on one bucket: its compiles are serial
         eps = {3: eps[3]}
@@ -78,7 +78,7 @@ def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
 
 
 def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
-    import dspark_compile.compile_workers as cw
+    import dspark_compile.build.compile_workers as cw
     eps, state = programs
     bad = {1: eps[1]}
     monkeypatch.setattr(cw.sys, "executable", "/bin/false")
@@ -87,8 +87,8 @@ def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
 
 
 def test_an_unreadable_compiled_program_is_named(programs, tmp_path):
-    from dspark_compile.artifact import ArtifactError
-    from dspark_compile.compiled import CompiledStep
+    from dspark_compile.engine_dir.write import ArtifactError
+    from dspark_compile.build.inductor import CompiledStep
     eps, state = programs
     bad = tmp_path / "step_b1.bin"
     bad.write_bytes(b"not an artifact")
@@ -102,7 +102,7 @@ def test_the_backend_decides_what_each_compile_is(programs):
     """compiled.py alone decides what a build compiles (the workers only run it): a program
     without the Markov sampler has only its full variant, a greedy variant of it is refused,
     and the example input has the program's first input's shape."""
-    from dspark_compile.compiled import example_input, variant_graph, variants_of
+    from dspark_compile.build.inductor import example_input, variant_graph, variants_of
     eps, _ = programs
     assert variants_of(eps[1]) == ["full"]
     assert isinstance(variant_graph(eps[1], "full"), torch.fx.GraphModule)

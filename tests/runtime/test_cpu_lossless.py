@@ -16,10 +16,10 @@ PROMPTS, NEW_TOKENS = 64, 64
 
 @pytest.fixture(scope="module")
 def fp32_engine(tmp_path_factory):
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.runtime import Engine
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.runtime.engine import Engine
+    from dspark_compile.build.pipeline import build_engine
 
     root = tmp_path_factory.mktemp("cpu_lossless")
     ckpt = synth_checkpoint("tiny-trained", root / "ckpt", seed=0)
@@ -31,7 +31,7 @@ def fp32_engine(tmp_path_factory):
 
 
 def test_speculative_equals_target_only_fp32_fp8_sim(fp32_engine):
-    from dspark_compile.lossless import compare_outputs
+    from dspark_compile.runtime.lossless import compare_outputs
     from dspark_compile.models.generate import SamplingParams
 
     eng = fp32_engine

@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from dspark_compile.lossless import END, check_lossless, greedy_reference
+from dspark_compile.runtime.lossless import END, check_lossless, greedy_reference
 from dspark_compile.models.generate import SamplingParams, generate
 from dspark_compile.models.state import restore_state, snapshot_state
-from dspark_compile.runtime import StepTimes
+from dspark_compile.runtime.engine import StepTimes
 
 
 def _prompts(rng, V, lengths):
@@ -194,7 +194,7 @@ def test_target_only_decoding_equals_the_reference_and_the_speculative_output(sm
     non-speculative tokens (greedy and sampled rows, stop ids, more requests than rows, more
     live rows than the largest bucket), one token per row and step, no acceptance counted; and
     greedy speculative decoding of the same requests gives the same tokens (float64)."""
-    from dspark_compile.lossless import compare_outputs
+    from dspark_compile.runtime.lossless import compare_outputs
     rng = random.Random(7)
     V = ref_model.cfg.vocab_size
     prompts = _prompts(rng, V, [7, 19, 3, 26, 11, 2, 30])
@@ -261,7 +261,7 @@ def test_padding_and_bucket_choice_do_not_change_a_step(default_loaded):
 
 
 def test_greedy_variant_equals_the_full_program(default_loaded):
-    """The greedy variant of a bucket (dspark_compile/variants.py) shares the program's weights,
+    """The greedy variant of a bucket (dspark_compile/runtime/variants.py) shares the program's weights,
     differs only in the samplers' modes (Markov and rejection) and the dropped store of the draft
     logits, and on greedy rows computes the same step as the full program, whole state included
     but for the greedy rows' draft logits (never read: the full program stores them, the variant
@@ -270,7 +270,7 @@ def test_greedy_variant_equals_the_full_program(default_loaded):
     from dspark_compile.models.generate import set_row_sampling
     from dspark_compile.models.step import prefill
     import operator
-    from dspark_compile.variants import _mode_arg, markov_nodes, rejection_nodes
+    from dspark_compile.runtime.variants import _mode_arg, markov_nodes, rejection_nodes
 
     def modes(nodes):
         return [n.args[_mode_arg(n.target)] if len(n.args) > _mode_arg(n.target)
@@ -329,8 +329,8 @@ def test_the_inductor_greedy_variant_is_the_same_switch(default_loaded):
     """What the Inductor backend compiles for a bucket's greedy variant (compiled.variant_graph,
     on the lifted graph) switches the same calls as the runtime's aten variant: both samplers
     to greedy, the draft logits' store dropped; the full variant is the program's own graph."""
-    from dspark_compile.compiled import variant_graph, variants_of
-    from dspark_compile.variants import _mode_arg, markov_nodes, rejection_nodes
+    from dspark_compile.build.inductor import variant_graph, variants_of
+    from dspark_compile.runtime.variants import _mode_arg, markov_nodes, rejection_nodes
     ep = default_loaded.programs[1]
     assert variants_of(ep) == ["full", "greedy"]
 
@@ -436,13 +436,13 @@ def test_bad_requests_are_named(small_loaded):
 
 
 def test_engine_runs_only_on_the_device_it_was_built_for(small_engine):
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     with pytest.raises(ValueError, match="was built for cpu, cannot run on cuda"):
         Engine.load(small_engine.path, device="cuda")
 
 
 def test_backend_defaults_follow_the_device_and_bad_ones_are_named():
-    from dspark_compile.build_config import BuildConfig
+    from dspark_compile.build.config import BuildConfig
     assert BuildConfig().backend == "aten"
     assert BuildConfig(device="cuda").backend == "aten"   # Inductor only when asked for
     assert BuildConfig(device="cuda:1", backend="aten").backend == "aten"
@@ -456,11 +456,11 @@ def test_engine_built_with_one_backend_refuses_to_load_as_the_other(small_engine
     programs is refused naming the missing field."""
     import shutil
 
-    from dspark_compile.artifact import ArtifactError, update_manifest_field
-    from dspark_compile.runtime import Engine
+    from dspark_compile.engine_dir.write import ArtifactError, update_manifest_field
+    from dspark_compile.runtime.engine import Engine
     import copy
 
-    from dspark_compile.engine_fields import engine_configs
+    from dspark_compile.engine_dir.fields import engine_configs
     assert small_engine.manifest["build_config"]["backend"] == "aten"
     assert "compiled" not in small_engine.manifest
     older = copy.deepcopy(small_engine.manifest)     # written before the field existed
@@ -487,7 +487,7 @@ def test_engine_built_with_one_backend_refuses_to_load_as_the_other(small_engine
 FRESH_STEP = """
 import sys, torch
 torch.set_num_threads(1)
-from dspark_compile.runtime import Engine
+from dspark_compile.runtime.engine import Engine
 eng = Engine.load(sys.argv[1], device="cpu")
 case = torch.load(sys.argv[2])
 assert sorted(case["state"]) == sorted(eng.state), "state layout differs"

@@ -15,7 +15,7 @@ import torch
 
 from dspark_compile.models.state import restore_state as _restore
 from dspark_compile.models.state import snapshot_state as _snapshot
-from dspark_compile.build_config import DEFAULT_BUCKETS
+from dspark_compile.build.config import DEFAULT_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -42,10 +42,10 @@ def buckets(request):
 
 @pytest.fixture(scope="module")
 def gpu_engine(tmp_path_factory, buckets, request):
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.runtime import Engine
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.trace import build_engine
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.runtime.engine import Engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.build.pipeline import build_engine
 
     root = tmp_path_factory.mktemp("gpu_engine")
     ckpt = synth_checkpoint("tiny", root / "ckpt", seed=0)
@@ -102,7 +102,7 @@ def test_engine_captured_every_bucket(gpu_engine, buckets):
 
 
 def test_manifest_records_capture_time_and_graph_memory(gpu_engine, buckets):
-    from dspark_compile.artifact import load_manifest
+    from dspark_compile.engine_dir.write import load_manifest
 
     eng = gpu_engine
     m = load_manifest(eng.dir)               # still valid: the checksum was updated
@@ -233,7 +233,7 @@ def test_engine_runs_the_backend_it_was_built_with(gpu_engine, buckets, request)
     backend = request.config.getoption("--gpu-engine-backend")
     assert eng.backend == backend == eng.manifest["build_config"]["backend"]
     if backend == "inductor":
-        from dspark_compile.compiled import CompiledStep
+        from dspark_compile.build.inductor import CompiledStep
         assert all(isinstance(eng.modules[b], CompiledStep) for b in buckets)
         assert all(isinstance(eng.greedy_modules[b], CompiledStep) for b in buckets)
         secs = eng.manifest["compiled"]["compile_seconds"]
@@ -246,9 +246,9 @@ def test_greedy_generation_through_graphs_is_lossless(gpu_engine, buckets):
     """Greedy speculative decoding through the CUDA graphs vs greedy decoding of the target
     alone (eager, same GPU). A divergence must be a near-tie of the target's logits; every
     report is printed."""
-    from dspark_compile.lossless import check_lossless
+    from dspark_compile.runtime.lossless import check_lossless
     from dspark_compile.models.generate import SamplingParams
-    from dspark_compile.runtime import StepTimes
+    from dspark_compile.runtime.engine import StepTimes
 
     eng = gpu_engine
     rng = random.Random(7)
@@ -316,8 +316,8 @@ def test_overlapped_loop_on_graphs_equals_the_serial_loop(gpu_engine):
     ended at the step before, so a batch may sit in a larger bucket than in the serial loop; a
     greedy output may then differ only where the target's logits nearly tie (the bucket's GEMMs
     round differently), which check_lossless reports for both outputs."""
-    from dspark_compile.lossless import check_lossless
-    from dspark_compile.runtime import StepTimes
+    from dspark_compile.runtime.lossless import check_lossless
+    from dspark_compile.runtime.engine import StepTimes
     eng = gpu_engine
     prompts, params = _stream_requests(eng, 4)
     serial = eng.generate(prompts, params, overlap=False)

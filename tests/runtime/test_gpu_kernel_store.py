@@ -1,6 +1,6 @@
 """On a GPU: an engine built here carries its compiled Triton kernels (cubins and metadata JSON,
 never a launcher module), and a load in a fresh process with an empty Triton cache compiles none
-of them (dspark_compile/kernel_store.py), then runs a step through its CUDA graphs. Triton's
+of them (dspark_compile/engine_dir/kernel_store.py), then runs a step through its CUDA graphs. Triton's
 launcher module (host code) is built by that first load into the Triton cache, outside the
 engine; a second fresh process with that cache builds nothing."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json, sys
 from triton import knobs
 knobs.cache.dir = sys.argv[2]                      # empty: a fresh machine
 import torch
-from dspark_compile import kernel_store
-from dspark_compile.runtime import Engine
+from dspark_compile.engine_dir import kernel_store
+from dspark_compile.runtime.engine import Engine
 kernel_store.activate()                           # count compiles from the first launch on
 eng = Engine.load(sys.argv[1], kernels="require")
 before = kernel_store.compiles()
@@ -37,9 +37,9 @@ def cuda_engine(request, tmp_path_factory):
     given = request.config.getoption("--gpu-kernel-store-engine")
     if given:
         return given
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.build.pipeline import build_engine
     root = tmp_path_factory.mktemp("kstore")
     synth_checkpoint("tiny", root / "ckpt", seed=0)
     build_engine(root / "ckpt", root / "engine",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_compile.build_config import DEFAULT_BUCKETS
+from dspark_compile.build.config import DEFAULT_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -24,10 +24,10 @@ PROMPTS, NEW_TOKENS = 64, 64
 
 @pytest.fixture(scope="module")
 def bf16_engine(tmp_path_factory, request):
-    from dspark_compile.build_config import BuildConfig
-    from dspark_compile.models.synth import synth_checkpoint
-    from dspark_compile.runtime import Engine
-    from dspark_compile.trace import build_engine
+    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.factory.synth import synth_checkpoint
+    from dspark_compile.runtime.engine import Engine
+    from dspark_compile.build.pipeline import build_engine
 
     given = request.config.getoption("--gpu-lossless-engine")
     if given:
@@ -54,7 +54,7 @@ def buckets(bf16_engine):
 
 
 def test_speculative_equals_target_only_at_every_bucket(bf16_engine, buckets):
-    from dspark_compile.lossless import compare_outputs
+    from dspark_compile.runtime.lossless import compare_outputs
     from dspark_compile.models.generate import SamplingParams
 
     eng = bf16_engine

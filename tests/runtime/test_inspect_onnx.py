@@ -16,8 +16,8 @@ from collections import Counter
 
 import pytest
 
-from dspark_compile.cli import main
-from dspark_compile.report import program_op_counts
+from dspark_compile.cli.main import main
+from dspark_compile.inspection.report import program_op_counts
 
 onnx = pytest.importorskip("onnx", reason="the 'onnx' extra is not installed")
 pytest.importorskip("onnxscript", reason="the 'onnx' extra is not installed")
@@ -113,7 +113,7 @@ def test_state_inputs_keep_their_names_and_writes_are_outputs(exported, small_en
 
 
 def test_tensorrt_report_or_its_skip_line(exported):
-    from dspark_compile.tensorrt_report import tensorrt_version
+    from dspark_compile.inspection.tensorrt_report import tensorrt_version
     if tensorrt_version() is None:
         assert "[tensorrt] bucket 1: skipped (torch-tensorrt is not installed" in exported["out"]
         pytest.skip("torch-tensorrt is not installed (only on NVIDIA's package index: the "

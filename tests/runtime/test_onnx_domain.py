@@ -3,8 +3,8 @@ tiny engine's export is tests/runtime/test_inspect_onnx.py)."""
 import pytest
 import torch
 
-from dspark_compile.onnx_domain import DOMAIN, dspark_overloads, onnx_schema
-from dspark_compile.onnx_functional import functional_twin, twin_schema
+from dspark_compile.inspection.onnx_domain import DOMAIN, dspark_overloads, onnx_schema
+from dspark_compile.inspection.onnx_functional import functional_twin, twin_schema
 
 onnx = pytest.importorskip("onnx", reason="the 'onnx' extra is not installed")
 
@@ -44,5 +44,5 @@ def test_dtype_and_optional_tensor_arguments():
     assert s.attributes["out_dtype"].type == onnx.defs.OpSchema.AttrType.STRING
     opt = onnx.defs.OpSchema.FormalParameterOption.Optional
     assert [p.option for p in s.inputs if p.name == "x_s"] == [opt]
-    from dspark_compile.onnx_domain import _attribute
+    from dspark_compile.inspection.onnx_domain import _attribute
     assert _attribute(torch.bfloat16) == "bfloat16" and _attribute(True) == 1

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from dspark_compile.artifact import update_manifest_field
-from dspark_compile.cli import main
+from dspark_compile.engine_dir.write import update_manifest_field
+from dspark_compile.cli.main import main
 
 pytest.importorskip("matplotlib", reason="the 'report' extra is not installed")
 

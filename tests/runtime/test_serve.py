@@ -262,7 +262,7 @@ def test_cli_serves_until_sigterm(small_engine):
     from pathlib import Path
 
     exe = Path(sys.executable).with_name("dspark-compile")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli.main"]
     proc = subprocess.Popen(cmd + ["serve", str(small_engine.path), "--port", "0",
                                    "--model-name", "tiny-cli", "--max-queue", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -12,7 +12,7 @@ import pytest
 from runtime.test_stream_scheduler import FakeEngine, by_request, expected, run
 
 from dspark_compile.models.generate import SamplingParams
-from dspark_compile.scheduler import GenerationStream
+from dspark_compile.runtime.scheduler import GenerationStream
 
 OVERFLOW = "value cannot be converted to type float without overflow"
 

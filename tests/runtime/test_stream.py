@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from dspark_compile.lossless import greedy_reference
+from dspark_compile.runtime.lossless import greedy_reference
 from dspark_compile.models.generate import SamplingParams
-from dspark_compile.scheduler import StreamEvent
+from dspark_compile.runtime.scheduler import StreamEvent
 
 
 def _prompts(rng, V, lengths):

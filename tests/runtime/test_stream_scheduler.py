@@ -1,4 +1,4 @@
-"""GenerationStream's scheduling (dspark_compile/scheduler.py) over a stand-in engine whose step
+"""GenerationStream's scheduling (dspark_compile/runtime/scheduler.py) over a stand-in engine whose step
 is a few host ints per row: every invariant of the loop at scale in milliseconds. The real
 engine's streams are tests/runtime/test_stream.py.
 
@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark_compile.graphs import pack
+from dspark_compile.runtime.cuda_graphs import pack
 from dspark_compile.models.generate import SamplingParams
-from dspark_compile.runtime import Launched, StepTimes
-from dspark_compile.scheduler import GenerationStream, StreamEvent
+from dspark_compile.runtime.engine import Launched, StepTimes
+from dspark_compile.runtime.scheduler import GenerationStream, StreamEvent
 
 N, V = 5, 1000
 

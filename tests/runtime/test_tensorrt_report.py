@@ -3,7 +3,7 @@ torch-tensorrt's converter registry (torch-tensorrt itself is only on NVIDIA's p
 tests/runtime/test_inspect_onnx.py checks the real report when it is installed)."""
 import torch
 
-from dspark_compile.tensorrt_report import dense_subgraphs, subgraph_report
+from dspark_compile.inspection.tensorrt_report import dense_subgraphs, subgraph_report
 
 
 class _Toy(torch.nn.Module):

@@ -1,5 +1,5 @@
 """An engine directory from somewhere else can neither reach outside itself nor run code when it
-is loaded (dspark_compile/artifact_paths.py, program_load.py, kernel_store.py; README "What an
+is loaded (dspark_compile/engine_dir/paths.py, program_load.py, kernel_store.py; README "What an
 engine directory holds").
 
 Every case tampers with a copy of the small CPU engine (tests/runtime/conftest.py) the way its
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_compile.artifact import (ArtifactError, _checksum, load_manifest, not_an_engine,
+from dspark_compile.engine_dir.write import (ArtifactError, _checksum, load_manifest, not_an_engine,
                                      sha256_file)
 
 
@@ -176,7 +176,7 @@ ARCHIVE_CASES = [
 @pytest.mark.parametrize("case, make_edit, says", ARCHIVE_CASES, ids=[c[0] for c in ARCHIVE_CASES])
 def test_a_program_holding_anything_a_load_would_execute_is_refused(small_engine, tmp_path,
                                                                     case, make_edit, says):
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
     rewrite_program(eng, "programs/step_b1.pt2", make_edit(marker))
@@ -194,7 +194,7 @@ def test_the_pickled_constant_is_a_live_exploit_of_plain_torch(small_engine, tmp
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
     rewrite_program(eng, "programs/step_b1.pt2", _first_constant(marker))
-    from dspark_compile.artifact import register_kernel_ops
+    from dspark_compile.engine_dir.write import register_kernel_ops
     register_kernel_ops()
     with contextlib.suppress(Exception):
         torch.export.load(str(eng / "programs/step_b1.pt2"))
@@ -202,7 +202,7 @@ def test_the_pickled_constant_is_a_live_exploit_of_plain_torch(small_engine, tmp
 
 
 def test_run_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_path, capsys):
-    from dspark_compile.cli import main
+    from dspark_compile.cli.main import main
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
     rewrite_program(eng, "programs/step_b2.pt2", _first_constant(marker))
@@ -216,7 +216,7 @@ def test_run_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_path
 def test_serve_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_path, capsys,
                                                             monkeypatch):
     pytest.importorskip("fastapi")
-    from dspark_compile.cli import main
+    from dspark_compile.cli.main import main
     from dspark_compile.serve import server
     served = []
     monkeypatch.setattr(server.Server, "run", lambda self, *a, **k: served.append(self))
@@ -232,8 +232,8 @@ def test_serve_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_pa
 
 def test_every_program_of_a_built_engine_passes_the_archive_check(small_engine):
     """The check refuses nothing the build writes (the steps and the target-only programs)."""
-    from dspark_compile.artifact import register_kernel_ops
-    from dspark_compile.program_load import check_program_archive
+    from dspark_compile.engine_dir.write import register_kernel_ops
+    from dspark_compile.engine_dir.programs import check_program_archive
     register_kernel_ops()
     m = small_engine.manifest
     paths = [e["path"] for t in ("programs", "target_programs") for e in m.get(t, {}).values()]
@@ -265,7 +265,7 @@ def _with_store(eng: Path, files: dict, listed=True) -> None:
 @pytest.mark.parametrize("listed", [True, False], ids=["in_the_file_table", "on_disk_only"])
 def test_a_launcher_module_in_the_kernel_store_is_refused_naming_it(small_engine, tmp_path,
                                                                     listed):
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     eng = copy_engine(small_engine, tmp_path)
     _with_store(eng, {"k.cubin": b"\0" * 64, "k.json": b"{}"})
     load_manifest(eng)                                 # cubins and metadata: a valid store
@@ -297,7 +297,7 @@ def _inductor(small_engine, tmp_path) -> Path:
 
 
 def test_an_inductor_engine_loads_only_when_its_code_is_trusted(small_engine, tmp_path):
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     eng = _inductor(small_engine, tmp_path)
     with pytest.raises(ArtifactError, match="runs the Python code in its compiled/.*"
                                             "--trust-engine-code") as e:
@@ -310,7 +310,7 @@ def test_an_inductor_engine_loads_only_when_its_code_is_trusted(small_engine, tm
 
 
 def test_run_names_the_trust_flag_and_inspect_needs_none(small_engine, tmp_path, capsys):
-    from dspark_compile.cli import main
+    from dspark_compile.cli.main import main
     eng = _inductor(small_engine, tmp_path)
     assert main(["run", str(eng), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -400,8 +400,8 @@ def opened_paths():
 @pytest.mark.parametrize("case", sorted(LEAVES))
 def test_a_path_leaving_the_engine_is_refused_before_anything_is_read(small_engine, tmp_path,
                                                                       capsys, case):
-    from dspark_compile.cli import main
-    from dspark_compile.runtime import Engine
+    from dspark_compile.cli.main import main
+    from dspark_compile.runtime.engine import Engine
     make, says = LEAVES[case]
     outside = _outside(tmp_path)
     eng = copy_engine(small_engine, tmp_path)
@@ -426,7 +426,7 @@ def test_a_path_leaving_the_engine_is_refused_before_anything_is_read(small_engi
 
 
 def test_build_overwrite_refuses_such_a_directory(small_engine, tiny_ckpt, tmp_path, capsys):
-    from dspark_compile.cli import main
+    from dspark_compile.cli.main import main
     outside = _outside(tmp_path)
     eng = copy_engine(small_engine, tmp_path)
     _dotdot(eng, outside)
@@ -452,7 +452,7 @@ def test_a_symlinked_engine_directory_itself_loads(small_engine, tmp_path):
 @pytest.mark.parametrize("where", ["manifest.json", "programs/step_b1.pt2", "notes.fifo"])
 def test_a_fifo_in_the_engine_is_refused_without_blocking(small_engine, tmp_path, where):
     """Opening a FIFO for reading blocks until a writer comes: the load must not try."""
-    from dspark_compile.runtime import Engine
+    from dspark_compile.runtime.engine import Engine
     eng = copy_engine(small_engine, tmp_path)
     if (eng / where).exists():
         (eng / where).unlink()

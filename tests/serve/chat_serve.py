@@ -1,5 +1,5 @@
 """`dspark-compile serve` in its own process over the stand-in stream (serve_helpers.FakeEngine)
-with the trained tiny tokenizer (models/data/tiny-trained/tokenizer.json) and a scripted output:
+with the trained tiny tokenizer (dspark_compile/factory/data/tiny-trained/tokenizer.json) and a scripted output:
 every request's tokens spell SCRIPT (then `<|eos|>`), with `</think>` written as byte-level
 tokens that FakeStream commits 1..3 a step, so the reasoning split meets the marker cut
 across tokens and steps. What tests/serve/test_chat.py runs against."""
@@ -12,10 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from serve import serve_helpers  # noqa: E402
 
-from dspark_compile.cli_common import Terminated, sigterm_raises  # noqa: E402
+from dspark_compile.cli.common import Terminated, sigterm_raises  # noqa: E402
 from dspark_compile.serve.server import Server  # noqa: E402
 
-TINY = Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained"
+TINY = Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained"
 # the pieces are encoded apart, so `</think>` is several byte-level tokens
 SCRIPT = ("Two and two", " make four.</", "thi", "nk>", "The answer is 4.")
 EOS = 1                                   # <|eos|> of the tiny tokenizer and FakeEngine

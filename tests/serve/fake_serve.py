@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from serve.serve_helpers import FakeEngine  # noqa: E402
 
-from dspark_compile.cli_common import Terminated, sigterm_raises  # noqa: E402
+from dspark_compile.cli.common import Terminated, sigterm_raises  # noqa: E402
 from dspark_compile.serve.server import Server  # noqa: E402
 
 

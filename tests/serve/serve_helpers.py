@@ -1,6 +1,6 @@
 """Test doubles and helpers for the server's tests.
 
-- `FakeStream`: GenerationStream's interface (dspark_compile/scheduler.py) over a toy model:
+- `FakeStream`: GenerationStream's interface (dspark_compile/runtime/scheduler.py) over a toy model:
   a request's tokens are a function of (prompt, seed) alone, committed 1..3 per step, so a test
   knows every request's exact output whatever it shares the batch with; stop ids and
   max_new_tokens end a request as the engine does (stop id included), rows are bounded, the

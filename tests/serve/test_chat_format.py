@@ -167,7 +167,7 @@ def test_the_jinja_template_renders_what_the_function_does(msgs, thinking, effor
 def test_the_engines_tokenizer_config_carries_the_template_and_the_tokenizers_bos_eos(tmp_path):
     from dspark_compile.serve.chat_format import DEEPSEEK_V4_TEMPLATE, tokenizer_config
     from dspark_compile.serve.text import Tokenizer
-    tok = Tokenizer.load(Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained" / "tokenizer.json")
+    tok = Tokenizer.load(Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained" / "tokenizer.json")
     cfg = json.loads(tokenizer_config(tmp_path, tok, 0, 1))
     assert (cfg["bos_token"], cfg["eos_token"]) == ("<|bos|>", "<|eos|>")
     assert cfg["chat_template"] == DEEPSEEK_V4_TEMPLATE
@@ -185,7 +185,7 @@ def test_hugging_face_reads_the_engine_as_a_tokenizer_directory(tmp_path):
     transformers = pytest.importorskip("transformers")
     from dspark_compile.serve.chat_format import tokenizer_config
     from dspark_compile.serve.text import Tokenizer
-    src = Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained"
+    src = Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained"
     (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
     tok = Tokenizer.load(tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(tokenizer_config(src, tok, 0, 1))
@@ -200,7 +200,7 @@ def test_hugging_face_reads_the_engine_as_a_tokenizer_directory(tmp_path):
 
 def test_the_build_reads_bos_eos_from_the_tokenizer_json_without_the_library(tmp_path):
     from dspark_compile.serve.chat_format import tokenizer_config
-    src = Path(__file__).resolve().parents[2] / "models" / "data" / "tiny-trained"
+    src = Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained"
     spec = json.loads((src / "tokenizer.json").read_text())
     cfg = json.loads(tokenizer_config(tmp_path, spec, 0, 1, 160))
     assert (cfg["bos_token"], cfg["eos_token"], cfg["model_max_length"]) == \
@@ -215,8 +215,8 @@ def test_the_build_reads_bos_eos_from_the_tokenizer_json_without_the_library(tmp
 def test_an_engines_tokenizer_config_outside_the_file_table_is_refused(tmp_path):
     """serve renders the engine's chat template: a tokenizer_config.json dropped into an engine
     (not written and checksummed by the build) is not the engine's."""
-    from dspark_compile.artifact_format import ArtifactError
-    from dspark_compile.artifact_paths import check_engine
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.paths import check_engine
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ 1 }}"}')
     with pytest.raises(ArtifactError, match="'tokenizer_config.json' is not in the manifest's "
                                             "file table"):

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from dspark_compile.cli import main
+from dspark_compile.cli.main import main
 from dspark_compile.serve.server import _bind
 
 
 def test_cli_imports_nothing_of_the_extra_at_start_up():
-    code = ("import sys, dspark_compile.cli as c; assert 'serve' in c.COMMANDS; "
+    code = ("import sys, dspark_compile.cli.main as c; assert 'serve' in c.COMMANDS; "
             "print([m for m in ('fastapi', 'uvicorn', 'prometheus_client', 'starlette') "
             "if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -1,7 +1,7 @@
 """Device-only: greedy speculative == target-only, 64 random prompts x 64 tokens, per bucket."""
 import random, sys, time, json
-from dspark_compile.runtime import Engine
-from dspark_compile.lossless import compare_outputs
+from dspark_compile.runtime.engine import Engine
+from dspark_compile.runtime.lossless import compare_outputs
 from dspark_compile.models.generate import SamplingParams
 eng = Engine.load(sys.argv[1], device="cuda", target=True)
 rng = random.Random(7)

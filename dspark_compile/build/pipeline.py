@@ -1,0 +1,275 @@
+"""Build: export the draft-plus-verify step once per batch bucket, run the passes, write the engine.
+
+    checkpoint ──load──► reference model ──torch.export (non-strict)──► one program per bucket
+               ──PassManager (cleanup → fusions → lint)──► save_engine (atomic)
+
+The program's inputs are `(rows, state)`: `rows` [B] maps batch rows to state rows (the trash
+row for padding) and `state` is the dict of preallocated decode-state tensors, updated in place
+(the program runs on the IR as exported: `run_decompositions()` would functionalise every cache
+update into a whole-cache copy: docs/architecture.md, "Toolchain facts"). Shapes are static
+per bucket.
+
+With `prefill_chunks`, one prefill program per chunk length C goes the same way (export, the
+same pass pipeline, the same lowering): `PrefillChunk` (models/prefill_chunk.py), inputs
+`(inputs [C + 3], state)`. With `target_programs`, each bucket also gets its target-only program
+(`TargetStep`, models/step.py: one token per row, inputs `(rows, state)` like the step).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from dspark_compile.engine_dir.write import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, prefill_key,
+                                     save_engine, target_key)
+from dspark_compile.build.config import BuildConfig
+from dspark_compile.models.random_requests import prefilled_state
+
+
+def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
+    """One static program for `bucket` request rows.
+
+    Node meta is preserved during tracing so that each call of a `@fusable` reference function
+    (kernels/region.py) lands in the graph as an annotated region the fusion passes replace."""
+    from dspark_compile.models.step import DraftVerifyStep
+    return _export_rows(DraftVerifyStep(model), state, bucket)
+
+
+def export_target(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
+    """The target-only program of `bucket` (models/step.py TargetStep), traced like
+    export_step: the fusion passes find the same regions in its target forward."""
+    from dspark_compile.models.step import TargetStep
+    return _export_rows(TargetStep(model), state, bucket)
+
+
+def _export_rows(module, state: dict, bucket: int) -> torch.export.ExportedProgram:
+    """`module(rows, state)` exported for `bucket` rows, node meta preserved."""
+    rows = torch.arange(bucket, device=state["row.last_pos"].device)
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+        return torch.export.export(module, (rows, state), strict=False)
+
+
+def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:
+    """One static prefill program for chunks of `chunk` tokens (models/prefill_chunk.py);
+    traced like export_step, so the fusion passes find the same regions."""
+    from dspark_compile.models.prefill_chunk import HEADER, PrefillChunk
+    inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=state["row.last_pos"].device)
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+        return torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False)
+
+
+def state_input_names(ep) -> list[str]:
+    """User-input names of the program that are state tensors (everything but the first input:
+    a step's `rows`, a prefill program's packed inputs)."""
+    return [n for n in ep.graph_signature.user_inputs][1:]
+
+
+def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
+    """Every program and its variants Inductor-compiled (dspark_compile/build/compile_workers.py);
+    the manifest's `compiled` table, plus "files" {engine path: artifact bytes}. Bucket keys
+    (ints) are the steps; prefill programs (prefill_key) are listed apart, under
+    `prefill_programs` and `prefill_compile_seconds`."""
+    from dspark_compile.build.compile_workers import compile_programs
+    from dspark_compile.build.inductor import compiled_path
+    t = time.perf_counter()
+    files, seconds, workers = compile_programs(programs, state, bc.compile_workers, log)
+    wall = time.perf_counter() - t
+    total = sum(s for per in seconds.values() for s in per.values())
+    log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "
+        f"{workers} workers)")
+    steps = {k: per for k, per in seconds.items() if k.isdigit()}
+    chunks = {k: per for k, per in seconds.items() if k.startswith("prefill_")}
+    target = {k: per for k, per in seconds.items() if k.startswith("target_")}
+    out = {"programs": {b: {v: compiled_path(int(b), v) for v in per} for b, per in steps.items()},
+           "compile_seconds": steps, "workers": workers,
+           "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
+           "files": files}
+    if chunks:
+        out["prefill_programs"] = {k: {v: compiled_path(k, v) for v in per}
+                                   for k, per in chunks.items()}
+        out["prefill_compile_seconds"] = chunks
+    if target:
+        out["target_programs"] = {k: {v: compiled_path(k, v) for v in per}
+                                  for k, per in target.items()}
+        out["target_compile_seconds"] = target
+    return out
+
+
+def _prefill_inputs(model, cache, chunk: int, seed: int) -> tuple:
+    """--verify-passes inputs of a prefill program: a random request's state (one row
+    prefilled, so the chunk lands behind live caches) and a chunk of fresh ids whose tail is
+    padding."""
+    import random
+    from dspark_compile.models.prefill_chunk import chunk_inputs
+    rows, state = prefilled_state(model, cache, 1, seed)
+    rng = random.Random(seed)
+    row, start = int(rows[0]), int(state["row.last_pos"][rows[0]]) + 1
+    ids = [rng.randrange(model.cfg.vocab_size) for _ in range(rng.randint(1, chunk))]
+    x = chunk_inputs(row, start, ids, chunk).to(state["row.last_pos"].device)
+    return tuple(pytree.tree_flatten((x, state))[0])
+
+
+def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, chunk: int = 0,
+                   target: bool = False):
+    """Bucket b's step (with `target`, its target-only program; with `chunk`, the prefill
+    program for that chunk length) exported and run through the pass pipeline; (program, pass
+    stats)."""
+    what = (f"prefill chunk {chunk}" if chunk else f"target bucket {b}" if target
+            else f"bucket {b}")
+    t = time.perf_counter()
+    ep = (export_prefill(model, state, chunk) if chunk else
+          export_target(model, state, b) if target else export_step(model, state, b))
+    log(f"[export] {what}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
+    factory = None
+    if bc.verify_passes:
+        def factory(seed):
+            if chunk:
+                return _prefill_inputs(model, cache, chunk, seed)
+            return tuple(pytree.tree_flatten(prefilled_state(model, cache, b, seed))[0])
+    rows = pm.run(ep, input_factory=factory, state_inputs=state_input_names(ep))
+    for r in rows:
+        log(f"[pass] {what}: {r['name']:<28} {r['time_ms']:>9.1f} ms  nodes "
+            f"{r['nodes_before']:>6} -> {r['nodes_after']:<6} matches {r['matches']}"
+            + ("  verified" if r.get("verified") else ""))
+    # export keeps the example inputs (here: the whole decode state, ~100 MB even for the
+    # tiny model) and torch.export.save would write them into every program file; the
+    # runtime allocates its own state, so they are dropped
+    ep.example_inputs = None
+    return ep, rows
+
+
+def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
+                 log: Callable[[str], None] = print,
+                 free_bytes: Callable[[Path], int] | None = None) -> dict:
+    """Build the engine of checkpoint `ckpt` into `out` (atomically); returns the manifest.
+
+    The output is locked from the checks on (a second build of the same `out` is refused
+    naming this one, dspark_compile/atomic_dir.py output_lock); `bc.overwrite` False refuses an `out`
+    that is not absent or empty (the CLI without --overwrite). The output file system's free
+    space is checked once the weights are loaded, before minutes of export, and again before
+    the write (save_engine). free_bytes: the free bytes of a path's file system (default:
+    shutil.disk_usage's); the tests' seam for a full disk."""
+    from dspark_compile.engine_dir.write import occupied
+    from dspark_compile.build.checks import check_build
+    from dspark_compile.atomic_dir import canonical, output_lock
+
+    out = canonical(Path(out).absolute())
+    # options, output and config.json first: loading and exporting take minutes
+    check_build(ckpt, out, bc)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, "build"):
+        why = None if bc.overwrite else occupied(out)
+        if why:
+            raise ValueError(f"out_dir {out} {why}; pass overwrite=True to replace an engine")
+        return _build(ckpt, out, bc, log, free_bytes)
+
+
+def _weights_estimate(model, bc: BuildConfig, ckpt: Path) -> int:
+    """The engine's bytes as far as they are known before export (artifact.engine_bytes with
+    programs of no nodes): the model's weights and buffers, the tokenizer, the manifest."""
+    from dspark_compile.engine_dir.write import engine_bytes, tensor_bytes
+    tensors = [*model.parameters(), *model.buffers()]
+    n_programs = len(bc.buckets) * (2 if bc.target_programs else 1) + len(bc.prefill_chunks)
+    tok = ckpt / TOKENIZER_FILE
+    return engine_bytes(tensor_bytes(tensors), len(tensors), [0] * n_programs,
+                        tok.stat().st_size if tok.is_file() else 0)
+
+
+def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
+    from dspark_compile.models import load_model
+    from dspark_compile.atomic_dir import check_free_space
+    from dspark_compile.models.checkpoint import load_checkpoint
+    from dspark_compile.models.state import allocate_state
+    from dspark_compile.passes import PassConfig, PassManager
+
+    t0 = time.perf_counter()
+    log(f"[load] checkpoint {ckpt}")
+    cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
+    raw_config = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
+    prec = bc.precision()
+    # one model for every program: the step and prefill programs share its weight tensors
+    model = load_model(None, prec, bc.rope_positions(cfg.dspark_block_size), True, bc.device,
+                       tensors=tensors, cfg=cfg)
+    del tensors
+    # the MoE experts in their kernel's weight layout, once (models/moe.py use_kernel_layouts);
+    # each moe_experts call in the programs names the layout it reads
+    from dspark_compile.models.moe import use_kernel_layouts
+    use_kernel_layouts(model, prec.dtype)
+    cache = bc.cache(cfg.dspark_block_size)
+    log(f"[load] done in {time.perf_counter() - t0:.1f}s")
+    check_free_space(out, _weights_estimate(model, bc, Path(ckpt)), "the engine", free_bytes)
+
+    pconf = PassConfig(disabled=frozenset(bc.disabled_passes), verify=bc.verify_passes,
+                       dump_dir=bc.dump_dir, target_device=bc.device)
+    programs, stats = {}, {}
+    pm = None
+    for b in sorted(bc.buckets, reverse=True):
+        state = allocate_state(cfg, cache, prec, bc.device)
+        pm = PassManager(bc.passes, pconf)
+        programs[b], stats[str(b)] = _export_bucket(model, state, cache, b, pm, bc, log)
+    target_programs = {}
+    for b in sorted(bc.buckets, reverse=True) if bc.target_programs else ():
+        state = allocate_state(cfg, cache, prec, bc.device)
+        pm = PassManager(bc.passes, pconf)
+        target_programs[b], stats[target_key(b)] = _export_bucket(model, state, cache, b, pm, bc,
+                                                                  log, target=True)
+    prefill_programs = {}
+    for c in sorted(bc.prefill_chunks, reverse=True):
+        state = allocate_state(cfg, cache, prec, bc.device)
+        pm = PassManager(bc.passes, pconf)
+        prefill_programs[c], stats[prefill_key(c)] = _export_bucket(model, state, cache, 0, pm, bc,
+                                                                    log, chunk=c)
+
+    # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch),
+    # the tokenizer
+    extra = {}
+    compiled = None
+    if bc.backend == "inductor":
+        compiled = _compile({**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()},
+                             **{target_key(b): ep for b, ep in target_programs.items()}},
+                            state, bc, log)
+        extra.update(compiled.pop("files"))
+    # the checkpoint's tokenizer (checked by check_build), checksummed with the engine's files
+    tok = Path(ckpt) / TOKENIZER_FILE
+    if tok.is_file():
+        extra[TOKENIZER_FILE] = tok.read_bytes()
+        # beside it, its special tokens and chat template: the checkpoint's tokenizer_config.json,
+        # else one with DeepSeek-V4's chat format (a Hugging Face tokenizer directory)
+        from dspark_compile.serve.chat_format import tokenizer_config
+        extra[TOKENIZER_CONFIG_FILE] = tokenizer_config(
+            ckpt, json.loads(extra[TOKENIZER_FILE]), getattr(cfg, "bos_token_id", None),
+            getattr(cfg, "eos_token_id", None), bc.max_seq_len)
+    if bc.arch:
+        from dspark_compile.kernels.sm12x import resource_report
+        report = resource_report(bc.arch)
+        extra[f"kernels/{bc.arch}/resources.json"] = json.dumps(report, indent=1)
+    fields = {
+        "model_config": raw_config,
+        "build_config": bc.to_manifest(),
+        "passes": pm.manifest_entries(),
+        "pass_config_hash": pconf.hash(),
+        "pass_stats": stats,
+    }
+    if compiled is not None:
+        fields["compiled"] = compiled
+    if torch.device(bc.device).type == "cuda":
+        # every Triton kernel the programs launch, compiled here for this SM and stored, so a
+        # load compiles nothing (dspark_compile/engine_dir/kernel_store.py)
+        from dspark_compile.engine_dir.kernel_store import compile_engine_kernels
+        files, fields["kernel_store"] = compile_engine_kernels(
+            programs, prefill_programs, cfg, cache, prec, torch.device(bc.device), log,
+            target_programs)
+        extra.update(files)
+    if bc.arch:
+        fields["kernel_resources"] = {bc.arch: report}
+    t = time.perf_counter()
+    manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra,
+                           prefill_programs=prefill_programs, target_programs=target_programs,
+                           overwrite=bc.overwrite, free_bytes=free_bytes)
+    log(f"[write] {out} in {time.perf_counter() - t:.1f}s (total {time.perf_counter() - t0:.1f}s)")
+    log(pm.format_stats(stats[str(max(bc.buckets))]))
+    return manifest

@@ -1,0 +1,5 @@
+import sys
+
+from dspark_compile.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,161 @@
+"""The engine directory's names and fingerprints: its file paths, `ArtifactError`, the hashes
+and the manifest checksum, and the `dspark::` ops the programs call (registered before a load,
+their schemas recorded at a build). The writer is dspark_compile/engine_dir/write.py, the validated load
+dspark_compile/engine_dir/load.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+from typing import Optional
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS_FILE = "weights.safetensors"
+PROGRAM_DIR = "programs"
+KERNELS_DIR = "kernels"
+COMPILED_DIR = "compiled"     # dspark_compile/build/inductor.py's artifacts
+TOKENIZER_FILE = "tokenizer.json"   # the checkpoint's, copied by the build when it has one
+# beside it when it is there (serve/chat_format.py: the special tokens and the chat template),
+# so the engine directory is a Hugging Face tokenizer directory
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+_EXTRA_DIRS = (KERNELS_DIR, COMPILED_DIR)
+_CHUNK = 8 << 20
+
+
+class ArtifactError(RuntimeError):
+    """An engine directory is missing, corrupted, stale or does not match expectations."""
+
+    def __init__(self, message: str, field: Optional[str] = None, path: Optional[str] = None):
+        self.field, self.path = field, path
+        super().__init__(message)
+
+
+def program_path(bucket: int) -> str:
+    return f"{PROGRAM_DIR}/step_b{bucket}.pt2"
+
+
+def prefill_key(chunk: int) -> str:
+    """A prefill program's name: its file stem, and its key where programs of both kinds are
+    listed together (pass statistics, compile jobs)."""
+    return f"prefill_c{chunk}"
+
+
+def prefill_program_path(chunk: int) -> str:
+    return f"{PROGRAM_DIR}/{prefill_key(chunk)}.pt2"
+
+
+def target_key(bucket: int) -> str:
+    """A bucket's target-only program's name (models/step.py TargetStep: one token per row,
+    no draft): its file stem, and its key where programs of every kind are listed together."""
+    return f"target_b{bucket}"
+
+
+def target_program_path(bucket: int) -> str:
+    return f"{PROGRAM_DIR}/{target_key(bucket)}.pt2"
+
+
+def _program_file(key) -> str:
+    """The engine path of a program keyed by bucket (int) or by prefill_key / target_key
+    (str)."""
+    return f"{PROGRAM_DIR}/{key}.pt2" if isinstance(key, str) else program_path(key)
+
+
+def _label(key) -> str:
+    return key if isinstance(key, str) else f"for bucket {key}"
+
+
+# --------------------------------------------------------------------------- JSON
+def unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook refusing a key given twice in one object: json.loads would keep
+    the last one silently, and another reader (a proxy, a logger, an older loader) may keep the
+    first, so the two would see different documents. The key is clipped to 80 characters."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            shown = k if len(k) <= 80 else k[:80] + "..."
+            raise ValueError(f"the key {shown!r} is given twice")
+        out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------- hashing
+def sha256_file(path) -> tuple[str, int]:
+    """(sha256, size) of a file the build wrote (a load reads through artifact_paths)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return sha256_stream(f), size
+
+
+def sha256_stream(f) -> str:
+    h = hashlib.sha256()
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def check_digest(rel: str, info: dict, size: int, digest: Optional[str] = None) -> None:
+    """Engine file `rel` of `size` bytes (and sha256 `digest`, once read) is the one its
+    file-table entry `info` describes; ArtifactError naming the file otherwise."""
+    if size < info["size"]:
+        raise ArtifactError(f"engine file '{rel}' is truncated: {size} of {info['size']} bytes",
+                            path=rel)
+    if size != info["size"]:
+        raise ArtifactError(f"engine file '{rel}' has the wrong size: {size} bytes, manifest "
+                            f"says {info['size']}", path=rel)
+    if digest is not None and digest != info["sha256"]:
+        raise ArtifactError(f"engine file '{rel}' is corrupted: sha256 {digest[:12]}…, "
+                            f"manifest says {info['sha256'][:12]}…", path=rel)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _checksum(manifest: dict) -> str:
+    return hashlib.sha256(_canonical({k: v for k, v in manifest.items() if k != "checksum"})
+                          ).hexdigest()
+
+
+def config_hash(config) -> str:
+    """sha256 of a JSON-able model config (dict or object with `to_json_dict()`)."""
+    if hasattr(config, "fingerprint"):
+        return config.fingerprint()
+    if hasattr(config, "to_json_dict"):
+        config = config.to_json_dict()
+    return hashlib.sha256(_canonical(config)).hexdigest()
+
+
+# --------------------------------------------------------------------------- ops
+def register_kernel_ops() -> list[str]:
+    """Import every dspark_compile.kernels module so each `dspark::` op is registered (a .pt2
+    calling them cannot be deserialised otherwise)."""
+    import dspark_compile.kernels as kernels
+
+    names = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{info.name}")
+        names.append(info.name)
+    return names
+
+
+def _dspark_ops(programs: dict) -> dict:
+    ops = {}
+    for ep in programs.values():
+        for n in ep.graph_module.graph.nodes:
+            t = n.target
+            if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) \
+                    and t.namespace == "dspark":
+                ops[f"{t._schema.name}.{t._overloadname}"] = str(t._schema)
+    return dict(sorted(ops.items()))

@@ -1,0 +1,114 @@
+"""An engine's prefill programs at run time (`build --prefill-chunks`, models/prefill_chunk.py).
+
+    load:    per chunk length C: the exported program's module (aten) or its Inductor-compiled
+             program from compiled/ (inductor), one static input buffer [C + 3]
+    capture: (CUDA) per C, largest first, after warm-up runs on the trash row, into the step
+             graphs' pool: a chunk's forward is thousands of kernel launches, which a replay
+             issues at once
+    prefill: a prompt of L tokens is chunk_schedule(L) calls, each replaying (or running) its
+             length's program; only the last call's output (the first token) is read back, so
+             the chunks queue on the stream without a host sync between them; `launch` enqueues
+             some of the calls (the scheduler spreads a long prompt over several steps) and
+             reads nothing
+
+A graph's input buffer lives outside the pool and its output inside it (valid until the next
+replay of any graph of the pool): `prefill` reads the first token at once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark_compile.engine_dir.write import ArtifactError, prefill_key
+
+
+def compiled_prefill_paths(manifest: dict, chunks) -> dict:
+    """{C: engine path of the compiled prefill program} of an Inductor engine; ArtifactError
+    naming the field when one is missing."""
+    return compiled_table_paths(manifest, "prefill_programs", chunks, prefill_key, "chunk")
+
+
+def compiled_table_paths(manifest: dict, table: str, keys, name, what: str) -> dict:
+    """{k: engine path of program name(k)'s compiled full variant} from the Inductor
+    manifest's `compiled.<table>`; ArtifactError naming the field when one is missing."""
+    entries = (manifest.get("compiled") or {}).get(table)
+    out = {}
+    for k in keys:
+        entry = entries.get(name(k)) if isinstance(entries, dict) else None
+        path = entry.get("full") if isinstance(entry, dict) else None
+        if path not in manifest.get("files", {}):
+            raise ArtifactError(f"manifest field 'compiled.{table}': {what} {k} has no "
+                                "compiled program in the file table — rebuild",
+                                field=f"compiled.{table}")
+        out[k] = path
+    return out
+
+
+class PrefillPrograms:
+    """The prefill programs of one loaded engine, bound to its decode state."""
+
+    def __init__(self, engine_dir: Path, manifest: dict, programs: dict, state: dict,
+                 device: torch.device, backend: str, chunks: tuple):
+        from dspark_compile.models.prefill_chunk import HEADER
+        if sorted(programs) != sorted(chunks):
+            raise ArtifactError(f"manifest field 'prefill_programs': programs for chunks "
+                                f"{sorted(programs)}, build_config.prefill_chunks says "
+                                f"{list(chunks)} — rebuild", field="prefill_programs")
+        self.chunks = sorted(programs)
+        self.state = state
+        self.inputs = {c: torch.zeros(c + HEADER, dtype=torch.int64, device=device)
+                       for c in self.chunks}
+        if backend == "inductor":
+            from dspark_compile.build.inductor import CompiledStep
+            paths = compiled_prefill_paths(manifest, self.chunks)
+            self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
+                                            self.inputs[c], state) for c in self.chunks}
+        else:
+            self.modules = {c: ep.module() for c, ep in programs.items()}
+        self.graphs: dict[int, tuple] = {}     # C -> (CUDAGraph, output first [1])
+        self.capture_seconds: dict[int, float] = {}
+
+    def capture(self, pool, stream, trash: int, warmup: int = 2) -> None:
+        """One graph per chunk length, largest first, into `pool` on `stream`; warm-up and
+        capture run on the trash row, so no request's state is touched."""
+        import time
+        from dspark_compile.models.prefill_chunk import chunk_inputs
+        from dspark_compile.runtime.cuda_graphs import capture_graph, warm_up
+        for c in sorted(self.chunks, reverse=True):
+            t = time.perf_counter()
+            x, fn = self.inputs[c], self.modules[c]
+            x.copy_(chunk_inputs(trash, 0, [0], c))
+            warm_up(fn, (x, self.state), x.device, stream, warmup)
+            self.graphs[c] = capture_graph(fn, (x, self.state), x.device, pool, stream)
+            self.capture_seconds[c] = time.perf_counter() - t
+
+    @torch.no_grad()
+    def prefill(self, row: int, prompt: list[int], use_graphs: bool = True) -> int:
+        """Prefill `prompt` into state row `row` (its sampling parameters already set): every
+        cache of the row, the draft context, row.tokens / draft_logits / last_pos, as
+        models/step.py `prefill` writes them; returns the first generated token."""
+        from dspark_compile.models.prefill_chunk import chunk_schedule
+        return int(self.launch(row, prompt, chunk_schedule(len(prompt), self.chunks),
+                               use_graphs)[0])
+
+    @torch.no_grad()
+    def launch(self, row: int, prompt: list[int], calls, use_graphs: bool = True):
+        """Enqueue `calls` ((start, n, C) entries of chunk_schedule, in order) on state row `row`
+        without reading anything back; returns the last call's output (the token after
+        start + n - 1: the first token once the calls reach the prompt's end), on the device:
+        a graph's output is valid until the next replay of any graph of the pool."""
+        from dspark_compile.models.prefill_chunk import chunk_inputs
+        out = None
+        for start, n, c in calls:
+            x = chunk_inputs(row, start, prompt[start:start + n], c)
+            if use_graphs and c in self.graphs:
+                graph, out = self.graphs[c]
+                # a copy from pageable memory would wait for the stream (the previous chunk's
+                # replay) first; a pinned one is queued behind it, and the caching host
+                # allocator keeps its block until the copy has run
+                self.inputs[c].copy_(x.pin_memory(), non_blocking=True)
+                graph.replay()
+            else:
+                out = self.modules[c](x.to(self.inputs[c].device), self.state)
+        return out
