@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 TOKENIZER_NAME = "tokenizer.json"
 BOS, EOS, NOISE = "<|bos|>", "<|eos|>", "<|noise|>"
 
@@ -43,8 +45,6 @@ def train_bpe(texts: Iterable[str], cfg):
     """A byte-level BPE of exactly cfg.vocab_size tokens trained on `texts`, the special tokens
     at the config's ids. A text too small for that many merges leaves the rest of the vocabulary
     as `<|unused_i|>` special tokens (never produced by encoding)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     V = cfg.vocab_size
     specials = _special_ids(cfg)
     if V < 256 + len(specials):
@@ -106,8 +106,6 @@ def write_tokenizer(tok, directory: str | Path) -> Path:
 
 def load_tokenizer(path: str | Path):
     """A checkpoint or engine directory holding tokenizer.json, or the file itself."""
-    from tokenizers import Tokenizer
-
     p = Path(path)
     if p.is_dir():
         p = p / TOKENIZER_NAME

@@ -25,14 +25,13 @@ The pipeline (each stage deterministic for the seed at a fixed thread count):
    mean accepted length, written to train_report.json with the losses and timings.
 
 The committed checkpoint dspark_compile/factory/data/tiny-trained is this script's output for TrainConfig();
-`synth --preset tiny-trained` copies it (dspark_compile/factory/synth.py).
+`synth --preset tiny-trained` copies it (dspark_compile/factory/committed.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -41,13 +40,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.factory.checkpoint_dir import TRAIN_REPORT_NAME, write_checkpoint
+from dspark_compile.factory.committed import PRESET
 from dspark_compile.factory.presets import preset
+from dspark_compile.factory.random_weights import synth_tensors
+from dspark_compile.factory.tokenizer import TOKENIZER_NAME, train_bpe
 from dspark_compile.factory.train_data import Corpus, encode_stream, spaced_windows, windows
 from dspark_compile.factory.train_model import Rope, TrainParams, draft_forward, target_forward
+from dspark_compile.models import load_model
+from dspark_compile.models.config import ModelConfig, Precision
+from dspark_compile.models.generate import SamplingParams, generate
 
-PRESET = "tiny-trained"
-DATA_DIR = Path(__file__).resolve().parent / "data" / PRESET
 MAX_POSITIONS = 512
 
 
@@ -147,7 +150,6 @@ def train_target(P: TrainParams, stream: torch.Tensor, tc: TrainConfig, rope: Ro
 
 
 def reference_model(cfg: ModelConfig, tensors: dict, prec: Precision | None = None):
-    from dspark_compile.models import load_model
     return load_model(None, prec or Precision(torch.float32), MAX_POSITIONS, tensors=tensors,
                       cfg=cfg)
 
@@ -156,7 +158,6 @@ def greedy_continuations(cfg: ModelConfig, tensors: dict, prompts: torch.Tensor,
                          stream_out=None) -> torch.Tensor:
     """[n, prompt + new]: each prompt and the stored target's greedy continuation (reference
     decoding with FP8 simulation, in batches of 64 rows)."""
-    from dspark_compile.models.generate import SamplingParams, generate
     model = reference_model(cfg, tensors)
     bar = Progress("continue", prompts.shape[0], stream_out)
     out = []
@@ -223,7 +224,6 @@ def train_draft(P: TrainParams, seqs: torch.Tensor, aux: torch.Tensor, tc: Train
 def measure_acceptance(cfg: ModelConfig, tensors: dict, prompts: list[list[int]], new: int,
                        prec: Precision | None = None) -> dict:
     """Greedy speculative decoding of the stored pair on `prompts` (reference, FP8 simulated)."""
-    from dspark_compile.models.generate import SamplingParams, generate
     model = reference_model(cfg, tensors, prec)
     t0 = time.perf_counter()
     res = generate(model, prompts, [SamplingParams(max_new_tokens=new) for _ in prompts],
@@ -238,9 +238,6 @@ def train_tiny(out_dir: str | Path, tc: TrainConfig = TrainConfig(), overwrite: 
                corpus: Corpus | None = None, stream_out=None) -> dict:
     """Run the whole pipeline (module docstring) and write the checkpoint to `out_dir`
     (config.json, model.safetensors, tokenizer.json, train_report.json). Returns the report."""
-    from dspark_compile.factory.synth import synth_tensors, write_checkpoint
-    from dspark_compile.factory.tokenizer import train_bpe
-
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"output directory {out} exists and is not empty (pass "
@@ -295,34 +292,11 @@ def train_tiny(out_dir: str | Path, tc: TrainConfig = TrainConfig(), overwrite: 
             "torch": torch.__version__,
         }
         write_checkpoint(raw, tensors, out, overwrite=overwrite,
-                         files={"tokenizer.json": tok.to_str(pretty=True) + "\n",
-                                "train_report.json": json.dumps(report, indent=1) + "\n"})
+                         files={TOKENIZER_NAME: tok.to_str(pretty=True) + "\n",
+                                TRAIN_REPORT_NAME: json.dumps(report, indent=1) + "\n"})
         return report
     finally:
         torch.set_num_threads(threads)
-
-
-def trained_checkpoint(out_dir: str | Path, seed: int = 0, overwrite: bool = False) -> Path:
-    """`synth --preset tiny-trained`: a copy of the committed checkpoint when it was trained
-    with `seed`, else a fresh training run (minutes) with that seed."""
-    from dspark_compile.atomic_dir import move_into_place
-    from dspark_compile.factory.synth import checkpoint_temp_dir
-
-    report = DATA_DIR / "train_report.json"
-    committed = json.loads(report.read_text())["train_config"]["seed"] if report.is_file() else None
-    if committed != seed:
-        train_tiny(out_dir, replace(TrainConfig(), seed=seed), overwrite=overwrite)
-        return Path(out_dir)
-    out = Path(out_dir)
-    tmp = checkpoint_temp_dir(out, overwrite)
-    try:
-        for f in sorted(DATA_DIR.iterdir()):
-            shutil.copyfile(f, tmp / f.name)
-        move_into_place(tmp, out, replace=overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
 
 
 def main(argv=None) -> int:

@@ -16,8 +16,8 @@ from dspark_compile.models.config import ConfigError, ModelConfig
 from dspark_compile.factory.presets import preset
 from dspark_compile.models.quant_formats import fp8_block_dequant, mxfp4_dequant
 from dspark_compile.models.schema import checkpoint_schema, target_schema
-from dspark_compile.factory.synth import (SynthScales, iter_synth_tensors, synth_checkpoint,
-                                          synth_tensors)
+from dspark_compile.factory.random_weights import SynthScales, iter_synth_tensors, synth_tensors
+from dspark_compile.factory.synth import synth_checkpoint
 
 TINY = ModelConfig.from_dict(preset("tiny"))
 

@@ -14,7 +14,8 @@ from dspark_compile.models.config import ModelConfig
 from dspark_compile.factory.presets import preset
 from dspark_compile.factory.tokenizer import (
     BOS, EOS, NOISE, decode, load_tokenizer, main as tokenizer_main, train_bpe)
-from dspark_compile.factory.train import DATA_DIR, TrainConfig, measure_acceptance, train_tiny
+from dspark_compile.factory.committed import DATA_DIR
+from dspark_compile.factory.train import TrainConfig, measure_acceptance, train_tiny
 from dspark_compile.factory.train_data import Corpus, encode_stream, spaced_windows
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

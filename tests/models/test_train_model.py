@@ -12,7 +12,7 @@ from dspark_compile.models.quant_formats import fp8_block_dequant, mxfp4_dequant
 from dspark_compile.models.schema import checkpoint_schema
 from dspark_compile.models.state import allocate_state
 from dspark_compile.models.step import draft_block
-from dspark_compile.factory.synth import synth_tensors
+from dspark_compile.factory.random_weights import synth_tensors
 from dspark_compile.factory.train_model import (
     Rope, TrainParams, draft_forward, quantize_roundtrip, target_forward)
 
