@@ -8,6 +8,7 @@ whose subpackages are not inside it. Each case below imports every module of the
 in a fresh interpreter and checks which files they came from.
 """
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +31,8 @@ for pkg in %r:
     for info in pkgutil.walk_packages(mod.__path__, pkg + "."):
         if info.name.split(".")[1] in ("kernels", "models", "passes") and pkg == "dspark_compile":
             continue            # listed under their own package
+        if info.name.endswith(".__main__"):
+            continue            # `python -m` runs it: importing it runs the program
         found[info.name] = importlib.import_module(info.name).__file__
 print(json.dumps(found))
 """ % (list(FOLDERS),)
@@ -42,7 +45,7 @@ def source_modules() -> set[str]:
         for path in (REPO / folder).rglob("*.py"):
             rel = path.relative_to(REPO / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            if "__pycache__" in rel.parts:
+            if "__pycache__" in rel.parts or rel.name == "__main__":
                 continue
             names.add(".".join([pkg, *parts]))
     return names
@@ -118,3 +121,74 @@ def test_normal_install_from_the_repository_root(normal_install):
     # to the source tree's folders, not fail and not mix with the installed copy
     found = import_everything(REPO, pythonpath=str(normal_install))
     assert_from(found, REPO, installed=False)
+
+
+# ---- the folders under their bare names (dspark_compile/source_tree.py) ------------------------
+
+BARE = ("kernels", "models", "passes")
+
+
+def run_in_root(code: str, *flags: str, pythonpath: str | None = None):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_bare_name_from_the_root_is_the_package_installed_under_it(tmp_path):
+    """`import kernels` in the root gives the installed `kernels` (here a stand-in on PYTHONPATH,
+    which also comes before .venv's real one), not the repository's folder; its submodules come
+    from it too, and dspark_compile.kernels is still the folder."""
+    for name in BARE:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"WHO = 'installed {name}'\n")
+        (tmp_path / name / "sub.py").write_text("X = 1\n")
+    code = ("import importlib, json, sys\n"
+            "found = {}\n"
+            f"for name in {BARE!r}:\n"
+            "    bare = importlib.import_module(name)\n"
+            "    sub = importlib.import_module(name + '.sub')\n"
+            "    ours = importlib.import_module('dspark_compile.' + name)\n"
+            "    found[name] = [bare.WHO, bare.__file__, sub.__file__, ours.__file__,\n"
+            "                   sys.modules[name] is bare]\n"
+            "print(json.dumps(found))\n")
+    r = run_in_root(code, pythonpath=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    for name in BARE:
+        who, bare, sub, ours, same = found[name]
+        assert who == f"installed {name}" and same, found[name]
+        assert Path(bare).parent == tmp_path / name and Path(sub).parent == tmp_path / name
+        assert Path(ours).resolve() == (REPO / name / "__init__.py").resolve()
+
+
+def test_a_bare_name_from_the_root_with_none_installed_is_not_found():
+    """With no package of that name installed (-S: no site-packages, so not .venv's `kernels`
+    either), `import kernels` in the root is ModuleNotFoundError naming `kernels`, and the
+    message says the folder is dspark_compile.kernels."""
+    code = ("import json\n"
+            "errors = {}\n"
+            f"for name in {BARE!r}:\n"
+            "    try:\n"
+            "        __import__(name)\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        errors[name] = [e.name, str(e)]\n"
+            "print(json.dumps(errors))\n")
+    r = run_in_root(code, "-S")
+    assert r.returncode == 0, r.stderr[-3000:]
+    errors = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sorted(errors) == sorted(BARE), f"imported from the repository: {r.stdout}"
+    for name, (missing, message) in errors.items():
+        assert missing == name and f"dspark_compile.{name}" in message, message
+
+
+def test_transformers_deepseek_v4_imports_from_the_root():
+    """transformers imports the `kernels` distribution (Hugging Face's hub kernels): from the
+    root it must get that, not the repository's kernels/ (ImportError: cannot import name
+    'CUDAProperties' from 'kernels')."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (the `test` extra installs it)")
+    r = run_in_root("from transformers import DeepseekV4ForCausalLM")
+    assert r.returncode == 0, r.stderr[-3000:]
