@@ -125,131 +125,38 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        """The config of a config.json object; the first unsupported or contradictory value
+        raises ConfigError naming its field. The steps run in this order, so a config with
+        several problems reports the first of them here."""
         r = _Reader(raw)
-        model_type = raw.get("model_type", "deepseek_v4")
-        if model_type != "deepseek_v4":
-            raise ConfigError("model_type", f"expected 'deepseek_v4', got {model_type!r} "
-                              "(DeepSeek-V4.1 'deepseek_v41' is a different architecture)")
+        _check_model_type(raw)
         L = r.int("num_hidden_layers", min_value=1)
-        ratios = r.get("compress_ratios")
-        if not isinstance(ratios, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                   for x in ratios):
-            raise ConfigError("compress_ratios", "must be a list of integers")
-        if len(ratios) < L:
-            raise ConfigError("compress_ratios", f"has {len(ratios)} entries, fewer than "
-                              f"num_hidden_layers={L}")
-        ratios = tuple(ratios[:L])  # the tail belongs to the MTP / DSpark layers
-        for i, x in enumerate(ratios):
-            if x != 0 and x < 4:
-                raise ConfigError("compress_ratios", f"entry {i} = {x}; expected 0 (SWA only) or a "
-                                  "ratio >= 4")
-
-        H = r.int("num_attention_heads", min_value=1)
-        if r.int("num_key_value_heads", default=1) != 1:
-            raise ConfigError("num_key_value_heads", "DeepSeek-V4 attention is MQA with one latent "
-                              "KV head; only 1 is supported")
-        head_dim = r.int("head_dim", min_value=2)
-        rope_dim = r.int("qk_rope_head_dim", default=64, min_value=2)
-        if rope_dim % 2 or rope_dim > head_dim:
-            raise ConfigError("qk_rope_head_dim", f"{rope_dim} must be even and <= head_dim={head_dim}")
-        o_groups = r.int("o_groups", min_value=1)
-        if H % o_groups:
-            raise ConfigError("o_groups", f"{o_groups} does not divide num_attention_heads={H}")
-        idx_dim = r.int("index_head_dim", min_value=2)
-        if idx_dim < rope_dim:
-            raise ConfigError("index_head_dim", f"{idx_dim} < qk_rope_head_dim={rope_dim}")
-        E = r.int("n_routed_experts", min_value=1)
-        k = r.int("num_experts_per_tok", min_value=1)
-        if k > E:
-            raise ConfigError("num_experts_per_tok", f"{k} > n_routed_experts={E}")
-        if r.int("n_shared_experts", default=1) != 1:
-            raise ConfigError("n_shared_experts", "only one shared expert is supported")
-        for name, want in (("scoring_func", "sqrtsoftplus"), ("topk_method", "noaux_tc"),
-                           ("hidden_act", "silu")):
-            v = raw.get(name, want)
-            if v != want:
-                raise ConfigError(name, f"unsupported value {v!r} (DeepSeek-V4 uses {want!r})")
-        for name in ("n_group", "topk_group"):
-            if raw.get(name) not in (None, 1):
-                raise ConfigError(name, "grouped routing is not part of DeepSeek-V4")
-        if raw.get("tie_word_embeddings", False):
-            raise ConfigError("tie_word_embeddings", "DeepSeek-V4 keeps embed and head separate")
-        if raw.get("attention_bias", False):
-            raise ConfigError("attention_bias", "DeepSeek-V4 attention has no bias")
-        num_hash = r.int("num_hash_layers", default=0, min_value=0)
-        if num_hash > L:
-            raise ConfigError("num_hash_layers", f"{num_hash} > num_hidden_layers={L}")
-
-        expert_dtype = raw.get("expert_dtype", "fp4")
-        qc = raw.get("quantization_config")
-        if isinstance(qc, dict) and "expert_dtype" in qc:
-            if expert_dtype != qc["expert_dtype"] and "expert_dtype" in raw:
-                raise ConfigError("expert_dtype", f"{expert_dtype!r} contradicts "
-                                  f"quantization_config.expert_dtype={qc['expert_dtype']!r}")
-            expert_dtype = qc["expert_dtype"]
-        if expert_dtype != "fp4":
-            raise ConfigError("expert_dtype", f"unsupported {expert_dtype!r}; routed experts are "
-                              "read as MXFP4 ('fp4')")
-        fp8_block = _parse_quant(qc)
-
+        ratios = _compress_ratios(r, L)
+        attention = _attention_fields(r)
+        routing = _routing_fields(r, raw, L)
+        expert_dtype, fp8_block = _quant_fields(raw)
         rope_main, rope_compress = _parse_rope(raw)
         vocab = r.int("vocab_size", min_value=2)
-
-        block = r.int("dspark_block_size", default=0, min_value=0)
-        draft = {}
-        if block:
-            ids = raw.get("dspark_target_layer_ids")
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise ConfigError("dspark_target_layer_ids", "must be a non-empty list of layer ids")
-            for i in ids:
-                if not 0 <= i < L:
-                    raise ConfigError("dspark_target_layer_ids", f"layer {i} outside [0, {L})")
-            noise = r.int("dspark_noise_token_id", min_value=0)
-            if noise >= vocab:
-                raise ConfigError("dspark_noise_token_id", f"{noise} >= vocab_size={vocab}")
-            draft = dict(
-                dspark_block_size=block,
-                dspark_target_layer_ids=tuple(ids),
-                dspark_markov_rank=r.int("dspark_markov_rank", min_value=1),
-                dspark_noise_token_id=noise,
-                n_mtp_layers=r.int("n_mtp_layers", default=3, min_value=1),
-            )
-        else:
-            for name in ("dspark_target_layer_ids", "dspark_markov_rank"):
-                if name in raw:
-                    raise ConfigError("dspark_block_size", f"missing or 0 while {name} is set")
-
-        eos = raw.get("eos_token_id", 1)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else 1
-        for name, v in (("bos_token_id", raw.get("bos_token_id", 0) or 0), ("eos_token_id", eos)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
-                raise ConfigError(name, f"expected a token id in [0, vocab_size={vocab}), got {v!r}")
+        draft = _draft_fields(r, raw, L, vocab)
+        bos, eos = _special_tokens(raw, vocab)
         cfg = cls(
             vocab_size=vocab,
             hidden_size=r.int("hidden_size", min_value=1),
             num_hidden_layers=L,
-            num_attention_heads=H,
-            head_dim=head_dim,
-            qk_rope_head_dim=rope_dim,
+            **attention,
             q_lora_rank=r.int("q_lora_rank", min_value=1),
             o_lora_rank=r.int("o_lora_rank", min_value=1),
-            o_groups=o_groups,
             sliding_window=r.int("sliding_window", min_value=1),
             compress_ratios=ratios,
             rope_main=rope_main,
             rope_compress=rope_compress,
             max_position_embeddings=r.int("max_position_embeddings", min_value=1),
             index_n_heads=r.int("index_n_heads", min_value=1),
-            index_head_dim=idx_dim,
             index_topk=r.int("index_topk", min_value=1),
-            n_routed_experts=E,
-            num_experts_per_tok=k,
+            **routing,
             moe_intermediate_size=r.int("moe_intermediate_size", min_value=1),
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
             routed_scaling_factor=r.float("routed_scaling_factor", default=1.0),
-            num_hash_layers=num_hash,
             swiglu_limit=r.float("swiglu_limit", default=0.0),
             hc_mult=r.int("hc_mult", min_value=1),
             hc_sinkhorn_iters=r.int("hc_sinkhorn_iters", min_value=1),
@@ -257,8 +164,8 @@ class ModelConfig:
             rms_norm_eps=r.float("rms_norm_eps"),
             expert_dtype=expert_dtype,
             fp8_block=fp8_block,
-            bos_token_id=int(raw.get("bos_token_id", 0) or 0),
-            eos_token_id=int(eos),
+            bos_token_id=bos,
+            eos_token_id=eos,
             **draft,
         )
         for name in ("hidden_size", "moe_intermediate_size"):
@@ -266,6 +173,133 @@ class ModelConfig:
                 raise ConfigError(name, "MXFP4 experts need hidden_size and moe_intermediate_size "
                                   f"to be multiples of 32, got {getattr(cfg, name)}")
         return cfg
+
+
+# ---- the steps of ModelConfig.from_dict, in its order ------------------------------------------
+
+def _check_model_type(raw: dict) -> None:
+    model_type = raw.get("model_type", "deepseek_v4")
+    if model_type != "deepseek_v4":
+        raise ConfigError("model_type", f"expected 'deepseek_v4', got {model_type!r} "
+                          "(DeepSeek-V4.1 'deepseek_v41' is a different architecture)")
+
+
+def _compress_ratios(r: _Reader, L: int) -> tuple[int, ...]:
+    """The target layers' ratios: 0 (SWA only) or >= 4; the tail past num_hidden_layers belongs
+    to the MTP / DSpark layers and is dropped."""
+    ratios = r.get("compress_ratios")
+    if not isinstance(ratios, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                               for x in ratios):
+        raise ConfigError("compress_ratios", "must be a list of integers")
+    if len(ratios) < L:
+        raise ConfigError("compress_ratios", f"has {len(ratios)} entries, fewer than "
+                          f"num_hidden_layers={L}")
+    ratios = tuple(ratios[:L])
+    for i, x in enumerate(ratios):
+        if x != 0 and x < 4:
+            raise ConfigError("compress_ratios", f"entry {i} = {x}; expected 0 (SWA only) or a "
+                              "ratio >= 4")
+    return ratios
+
+
+def _attention_fields(r: _Reader) -> dict:
+    """Heads and head dimensions, checked against each other (MQA: one latent KV head)."""
+    H = r.int("num_attention_heads", min_value=1)
+    if r.int("num_key_value_heads", default=1) != 1:
+        raise ConfigError("num_key_value_heads", "DeepSeek-V4 attention is MQA with one latent "
+                          "KV head; only 1 is supported")
+    head_dim = r.int("head_dim", min_value=2)
+    rope_dim = r.int("qk_rope_head_dim", default=64, min_value=2)
+    if rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError("qk_rope_head_dim", f"{rope_dim} must be even and <= head_dim={head_dim}")
+    o_groups = r.int("o_groups", min_value=1)
+    if H % o_groups:
+        raise ConfigError("o_groups", f"{o_groups} does not divide num_attention_heads={H}")
+    idx_dim = r.int("index_head_dim", min_value=2)
+    if idx_dim < rope_dim:
+        raise ConfigError("index_head_dim", f"{idx_dim} < qk_rope_head_dim={rope_dim}")
+    return dict(num_attention_heads=H, head_dim=head_dim, qk_rope_head_dim=rope_dim,
+                o_groups=o_groups, index_head_dim=idx_dim)
+
+
+def _routing_fields(r: _Reader, raw: dict, L: int) -> dict:
+    """Experts per token and hash-routed layers; what DeepSeek-V4 does not use is refused
+    (grouped routing, several shared experts, other scoring, tied embeddings, attention bias)."""
+    E = r.int("n_routed_experts", min_value=1)
+    k = r.int("num_experts_per_tok", min_value=1)
+    if k > E:
+        raise ConfigError("num_experts_per_tok", f"{k} > n_routed_experts={E}")
+    if r.int("n_shared_experts", default=1) != 1:
+        raise ConfigError("n_shared_experts", "only one shared expert is supported")
+    for name, want in (("scoring_func", "sqrtsoftplus"), ("topk_method", "noaux_tc"),
+                       ("hidden_act", "silu")):
+        v = raw.get(name, want)
+        if v != want:
+            raise ConfigError(name, f"unsupported value {v!r} (DeepSeek-V4 uses {want!r})")
+    for name in ("n_group", "topk_group"):
+        if raw.get(name) not in (None, 1):
+            raise ConfigError(name, "grouped routing is not part of DeepSeek-V4")
+    if raw.get("tie_word_embeddings", False):
+        raise ConfigError("tie_word_embeddings", "DeepSeek-V4 keeps embed and head separate")
+    if raw.get("attention_bias", False):
+        raise ConfigError("attention_bias", "DeepSeek-V4 attention has no bias")
+    num_hash = r.int("num_hash_layers", default=0, min_value=0)
+    if num_hash > L:
+        raise ConfigError("num_hash_layers", f"{num_hash} > num_hidden_layers={L}")
+    return dict(n_routed_experts=E, num_experts_per_tok=k, num_hash_layers=num_hash)
+
+
+def _quant_fields(raw: dict) -> tuple[str, tuple[int, int]]:
+    """The routed experts' dtype (MXFP4 only; top level and quantization_config must agree)
+    and the FP8 weight block of the other linears."""
+    expert_dtype = raw.get("expert_dtype", "fp4")
+    qc = raw.get("quantization_config")
+    if isinstance(qc, dict) and "expert_dtype" in qc:
+        if expert_dtype != qc["expert_dtype"] and "expert_dtype" in raw:
+            raise ConfigError("expert_dtype", f"{expert_dtype!r} contradicts "
+                              f"quantization_config.expert_dtype={qc['expert_dtype']!r}")
+        expert_dtype = qc["expert_dtype"]
+    if expert_dtype != "fp4":
+        raise ConfigError("expert_dtype", f"unsupported {expert_dtype!r}; routed experts are "
+                          "read as MXFP4 ('fp4')")
+    return expert_dtype, _parse_quant(qc)
+
+
+def _draft_fields(r: _Reader, raw: dict, L: int, vocab: int) -> dict:
+    """The DSpark draft's fields (none when dspark_block_size is 0 or absent: a target-only
+    config, which then must not carry the draft's other fields)."""
+    block = r.int("dspark_block_size", default=0, min_value=0)
+    if not block:
+        for name in ("dspark_target_layer_ids", "dspark_markov_rank"):
+            if name in raw:
+                raise ConfigError("dspark_block_size", f"missing or 0 while {name} is set")
+        return {}
+    ids = raw.get("dspark_target_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError("dspark_target_layer_ids", "must be a non-empty list of layer ids")
+    for i in ids:
+        if not 0 <= i < L:
+            raise ConfigError("dspark_target_layer_ids", f"layer {i} outside [0, {L})")
+    noise = r.int("dspark_noise_token_id", min_value=0)
+    if noise >= vocab:
+        raise ConfigError("dspark_noise_token_id", f"{noise} >= vocab_size={vocab}")
+    return dict(dspark_block_size=block, dspark_target_layer_ids=tuple(ids),
+                dspark_markov_rank=r.int("dspark_markov_rank", min_value=1),
+                dspark_noise_token_id=noise,
+                n_mtp_layers=r.int("n_mtp_layers", default=3, min_value=1))
+
+
+def _special_tokens(raw: dict, vocab: int) -> tuple[int, int]:
+    """(bos, eos) token ids inside the vocabulary; a list of eos ids gives its first."""
+    eos = raw.get("eos_token_id", 1)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else 1
+    bos = raw.get("bos_token_id", 0) or 0
+    for name, v in (("bos_token_id", bos), ("eos_token_id", eos)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
+            raise ConfigError(name, f"expected a token id in [0, vocab_size={vocab}), got {v!r}")
+    return int(bos), int(eos)
 
 
 class _Reader:
