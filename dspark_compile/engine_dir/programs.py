@@ -165,7 +165,7 @@ def _check_payload(reader, records: set, config_name: str, record_dir: str, pref
         record = f"{record_dir}/{path}"
         if record not in records:
             raise _refuse(rel, f"'{name}' names the record {record}, which the archive lacks")
-        _check_tensor(meta.get("tensor_meta"), name, reader.get_record_size(record), rel)
+        _check_tensor(meta.get("tensor_meta"), name, record_size(reader, record), rel)
 
 
 def _walk_json(obj, rel: str):
@@ -215,6 +215,14 @@ def _check_graph_json(model: dict, rel: str) -> None:
             _check_target(d["target"], rel)
 
 
+def record_size(reader, name: str) -> int:
+    """The byte size of archive record `name`: PyTorchFileReader.get_record_size where this
+    torch has it (2.13), the record's length otherwise (torch 2.11's reader has no size query;
+    an engine loaded there failed with AttributeError before this)."""
+    size = getattr(reader, "get_record_size", None)
+    return size(name) if size is not None else len(reader.get_record(name))
+
+
 def check_program_archive(data: bytes, rel: str) -> None:
     """Refuse the program archive `data` (engine file `rel`) unless loading it can execute
     nothing from it (the comment above); ArtifactError naming the file and what it holds."""
@@ -243,7 +251,7 @@ def check_program_archive(data: bytes, rel: str) -> None:
             or reader.get_record("archive_version").decode("ascii", "replace") \
             != ARCHIVE_VERSION_VALUE:
         raise _refuse(rel, "it is not a pt2 archive of this torch's version")
-    if reader.get_record_size("data/sample_inputs/model.pt"):
+    if record_size(reader, "data/sample_inputs/model.pt"):
         raise _refuse(rel, "it holds sample inputs (a pickle)")
     _check_payload(reader, records, "data/weights/model_weights_config.json", "data/weights",
                    "weight", rel)
