@@ -1,7 +1,8 @@
 """Built-in configs for synthetic checkpoints: `tiny` (CPU tests), `tiny-trained` (the tiny shapes,
-trained: dspark_compile/factory/train.py; the demo model) and `flash-slice`.
+trained: dspark_compile/factory/train.py; the demo model), `tiny-deep` (the tiny widths at
+Flash-0731's depth) and `flash-slice`.
 
-Both are written in the real `config.json` layout of DeepSeek-V4-Flash-0731 (compress_ratios
+All are written in the real `config.json` layout of DeepSeek-V4-Flash-0731 (compress_ratios
 with the draft's trailing zeros, flat YaRN rope_scaling, dspark_* fields, quantization_config).
 """
 from __future__ import annotations
@@ -59,7 +60,18 @@ FLASH_SLICE = {
     "dspark_target_layer_ids": [0, 1, 2],
 }
 
-PRESETS = {"tiny": TINY, "tiny-trained": TINY_TRAINED, "flash-slice": FLASH_SLICE, "flash-0731": FLASH_0731}
+# The tiny widths at Flash-0731's depth, so the cost of depth (build, load, step) is measured on
+# any machine without 150 GB of weights: its 43 target layers with their layer types (2 SWA-only,
+# then C4 / C128 alternating, 21 C4 and 20 C128), its 3 hash-routed layers, and the 3-layer
+# draft reading layers 40-42 (docs/model.md, "Presets").
+TINY_DEEP = {
+    **copy.deepcopy(TINY),
+    **{k: copy.deepcopy(FLASH_0731[k]) for k in ("num_hidden_layers", "compress_ratios",
+                                                 "num_hash_layers", "dspark_target_layer_ids")},
+}
+
+PRESETS = {"tiny": TINY, "tiny-trained": TINY_TRAINED, "tiny-deep": TINY_DEEP,
+           "flash-slice": FLASH_SLICE, "flash-0731": FLASH_0731}
 
 
 def preset(name: str) -> dict:
