@@ -14,7 +14,8 @@ from dspark_compile.models.config import ModelConfig
 from dspark_compile.factory.presets import preset
 from dspark_compile.factory.tokenizer import (
     BOS, EOS, NOISE, decode, load_tokenizer, main as tokenizer_main, train_bpe)
-from dspark_compile.factory.committed import DATA_DIR
+from dspark_compile.factory import synth
+from dspark_compile.factory.committed import DATA_DIR, committed_seed
 from dspark_compile.factory.train import TrainConfig, measure_acceptance, train_tiny
 from dspark_compile.factory.train_data import Corpus, encode_stream, spaced_windows
 
@@ -142,3 +143,14 @@ def test_synth_tiny_writes_a_tokenizer(tmp_path):
     assert (again / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
     # --overwrite replaces a checkpoint that holds its tokenizer
     synth_checkpoint("tiny", out, overwrite=True)
+
+
+def test_synth_tiny_trained_for_another_seed_trains_that_seed(tmp_path, monkeypatch):
+    """Only the committed seed is copied; any other seed is a training run with that seed (here
+    recorded instead of run: minutes), writing the requested directory."""
+    runs = []
+    monkeypatch.setattr(synth, "train_tiny",
+                        lambda out, tc, overwrite=False: runs.append((Path(out), tc.seed, overwrite)))
+    seed = (committed_seed() or 0) + 7
+    out = synth.synth_checkpoint("tiny-trained", tmp_path / "ckpt", seed=seed)
+    assert out == tmp_path / "ckpt" and runs == [(tmp_path / "ckpt", seed, False)]
