@@ -28,8 +28,8 @@ from dspark_compile.atomic_dir import check_free_space, needed_bytes
 from dspark_compile.factory.checkpoint_dir import (
     HEADER_BYTES_PER_TENSOR, INDEX_NAME, SINGLE_NAME, SMALL_FILES_BYTES, check_out, locked,
     write_atomically)
-from dspark_compile.factory.committed import PRESET as TRAINED_PRESET
-from dspark_compile.factory.committed import committed_bytes, committed_seed, copy_committed
+from dspark_compile.factory.committed import (
+    PRESET as TRAINED_PRESET, committed_bytes, committed_seed, copy_committed)
 from dspark_compile.factory.presets import preset
 from dspark_compile.factory.random_weights import (
     SynthScales, Unit, stream_units, synth_schema, weight_units)
@@ -39,8 +39,8 @@ from dspark_compile.models.config import ModelConfig
 from dspark_compile.models.safetensors_writer import nbytes, write_safetensors
 
 # Read under synth's name by tests/runtime/test_build_output.py and tests/test_misuse.py.
-from dspark_compile.factory.checkpoint_dir import not_a_checkpoint as _not_a_checkpoint  # noqa: E402,F401
-from dspark_compile.factory.random_weights import _resolve_cfg  # noqa: E402,F401
+from dspark_compile.factory.checkpoint_dir import not_a_checkpoint as _not_a_checkpoint  # noqa: F401
+from dspark_compile.factory.random_weights import _resolve_cfg  # noqa: F401
 
 # A checkpoint larger than this is sharded even without an explicit shard size.
 DEFAULT_SHARD_BYTES = 4 << 30
