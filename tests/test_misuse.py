@@ -61,7 +61,8 @@ def config_only(tmp_path):
                                          "(positions are int64)"),
     (["--seed", str(-(1 << 63) - 1)], "--seed must fit in 64 bits"),
     (["--seed", str((1 << 63) - 1), "--prompt-ids", "3"],
-     f"--seed {(1 << 63) - 1}: prompt 1 samples with --seed + 1 = {1 << 63}, beyond 64 bits"),
+     f"--seed + 1 (what prompt 1 samples with) must fit in 64 bits (a signed int64), got "
+     f"{1 << 63}"),
 ])
 @pytest.mark.parametrize("command", ["generate", "run"])
 def test_bad_sampling_flags_are_named_before_anything_is_read(tmp_path, capsys, command, flags,
@@ -588,9 +589,9 @@ def test_generate_refuses_a_prompt_past_max_position_embeddings(config_only, cap
     """It ran and printed `steps: 0`."""
     long = ",".join(["3"] * 4100)
     assert cli.main(["generate", str(config_only), "--prompt-ids", long]) == 1
-    assert ("--prompt-ids (prompt 0): 4100 tokens + --max-new-tokens 32 need 4139 positions "
-            "(with the draft block of 5 and its lookahead); the model's max_position_embeddings "
-            "is 4096 (config.json)") in _one_line(capsys, "generate")
+    assert ("--prompt-ids (prompt 0): 4100 tokens leave no room for a new token: with one they "
+            "need 4108 positions (with the draft block of 5 and its lookahead); the model's "
+            "max_position_embeddings is 4096 (config.json)") in _one_line(capsys, "generate")
 
 
 def test_synth_seed_has_run_s_range(tmp_path, capsys):

@@ -10,8 +10,9 @@ import torch
 
 from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
 from dspark_compile.models.config import CacheConfig, ModelConfig, Precision
-from dspark_compile.models.generate import (FLOAT32_MAX, INT64_MAX, INT64_MIN, SamplingError,
-                                            SamplingParams, set_row_sampling)
+from dspark_compile.models.generate import set_row_sampling
+from dspark_compile.models.request import (FLOAT32_MAX, INT64_MAX, INT64_MIN, RequestError,
+                                           SamplingParams)
 from dspark_compile.factory.presets import preset
 from dspark_compile.models.state import state_specs
 
@@ -57,10 +58,10 @@ REFUSED = [
                          ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(REFUSED)])
 def test_validate_names_the_field_as_the_caller_calls_it(field, value, rule):
     sp = SamplingParams(**{field: value})
-    with pytest.raises(SamplingError) as e:
+    with pytest.raises(RequestError) as e:
         sp.validate(VOCAB)
     assert e.value.field == field and str(e.value).startswith(f"{field} {rule}"), str(e.value)
-    with pytest.raises(SamplingError) as e:
+    with pytest.raises(RequestError) as e:
         sp.validate(VOCAB, {field: "--the-flag"})
     assert str(e.value).startswith(f"--the-flag {rule}") and e.value.rule.startswith(rule)
 
@@ -127,7 +128,7 @@ def test_plain_numbers_of_other_types_are_taken_as_python_numbers():
 
 def test_stop_ids_without_a_vocabulary_must_be_non_negative_only():
     assert SamplingParams(stop_ids=(10 ** 30,)).validate().stop_ids == (10 ** 30,)
-    with pytest.raises(SamplingError, match=r"stop_ids must be token ids >= 0, got -3"):
+    with pytest.raises(RequestError, match=r"stop_ids must be token ids >= 0, got -3"):
         SamplingParams(stop_ids=(-3,)).validate()
 
 

@@ -8,6 +8,7 @@ loaded and exported (dspark_compile/build/checks.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -67,48 +68,36 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(args):
-    """One SamplingParams per prompt, checked by SamplingParams.validate (one rule set, its
-    messages naming these flags); stop ids are checked against the vocabulary in
-    _check_requests."""
-    from dspark_compile.models.generate import INT64_MAX, SamplingError, SamplingParams
-    params = []
-    for i in range(len(args.prompt_ids)):
-        sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed + i, max_new_tokens=args.max_new_tokens,
-                            stop_ids=tuple(args.stop_ids or ()), verify=args.verify)
-        try:
-            params.append(sp.validate(None, SAMPLING_FLAGS))
-        except SamplingError as e:
-            if e.field == "seed" and i and args.seed <= INT64_MAX:
-                raise ValueError(f"--seed {args.seed}: prompt {i} samples with --seed + {i} = "
-                                 f"{args.seed + i}, beyond 64 bits (a signed int64)") from None
-            raise
-    return params
+    """One SamplingParams per prompt (prompt i samples with --seed + i), checked by
+    models/request.py's rules, their messages naming these flags; stop ids are checked against
+    the vocabulary in _check_requests."""
+    from dspark_compile.models.request import SamplingParams, prompt_seeds
+    base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, max_new_tokens=args.max_new_tokens,
+                          stop_ids=tuple(args.stop_ids or ()), verify=args.verify)
+    base = base.validate(None, SAMPLING_FLAGS)
+    seeds = prompt_seeds(base.seed, len(args.prompt_ids), SAMPLING_FLAGS)
+    return [dataclasses.replace(base, seed=s) for s in seeds]
 
 
 def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, block: int = 0,
                     max_positions: int | None = None):
     """Prompt ids in the vocabulary and, for an engine, every request within its max_seq_len;
-    for the eager models (`max_positions`), within the model's max_position_embeddings."""
-    from dspark_compile.models.config import request_positions
-    for i, p in enumerate(args.prompt_ids):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"--prompt-ids (prompt {i}): token ids {bad[:5]} outside [0, {vocab}) "
-                             "(the model's vocab_size)")
-        need = request_positions(len(p), args.max_new_tokens, block)
-        if max_seq_len is not None and need > max_seq_len:
-            raise ValueError(f"--prompt-ids (prompt {i}): {len(p)} tokens + --max-new-tokens "
-                             f"{args.max_new_tokens} need {need} positions (with the draft "
-                             f"block of {block} and its lookahead); the engine holds "
-                             f"max_seq_len={max_seq_len} (build --max-seq-len)")
-        if max_positions is not None and need > max_positions:
-            raise ValueError(f"--prompt-ids (prompt {i}): {len(p)} tokens + --max-new-tokens "
-                             f"{args.max_new_tokens} need {need} positions"
-                             + (f" (with the draft block of {block} and its lookahead)"
-                                if block else "")
-                             + f"; the model's max_position_embeddings is {max_positions} "
-                             "(config.json)")
+    for the eager models (`max_positions`), within the model's max_position_embeddings
+    (models/request.py's rules, their messages naming the flags)."""
+    from dspark_compile.models.request import check_room, prompt_ids
+    limits = []
+    if max_seq_len is not None:
+        limits.append((max_seq_len, f"the engine holds max_seq_len={max_seq_len} "
+                                    "(build --max-seq-len)"))
+    if max_positions is not None:
+        limits.append((max_positions, f"the model's max_position_embeddings is "
+                                      f"{max_positions} (config.json)"))
+    for i, (p, sp) in enumerate(zip(args.prompt_ids, params)):
+        label = f"--prompt-ids (prompt {i})"
+        prompt_ids(p, vocab, label)
+        for limit, holds in limits:
+            check_room(len(p), sp.max_new_tokens, block, limit, holds, label, SAMPLING_FLAGS)
     for sp in params:
         sp.validate(vocab, SAMPLING_FLAGS)
 

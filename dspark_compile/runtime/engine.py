@@ -547,18 +547,14 @@ class Engine:
         return s
 
     def _requests(self, prompts, params) -> list:
-        """generate()'s checks of a whole request list (messages name the prompt's index)."""
-        from dspark_compile.models.generate import (SamplingParams, check_request_positions,
-                                                    validate_prompts)
-        if isinstance(params, SamplingParams):
+        """A whole request list checked before anything runs (models/request.py's rules;
+        messages name the prompt's index): the params' checked copies."""
+        from dspark_compile.models.request import SamplingParams, validate_batch
+        if isinstance(params, SamplingParams) and hasattr(prompts, "__len__"):
             params = [params] * len(prompts)
-        validate_prompts(prompts, self.cfg.vocab_size)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        params = [sp.validate(self.cfg.vocab_size) for sp in params]
-        check_request_positions(prompts, params, self.cache.max_seq_len,
-                                self.cfg.dspark_block_size)
-        return params
+        seq = self.cache.max_seq_len
+        return validate_batch(prompts, params, self.cfg.vocab_size, seq,
+                              self.cfg.dspark_block_size, f"the engine holds max_seq_len={seq}")[1]
 
     def _run(self, prompts, params, **options):
         """(the stream, an iterator of its events until every request ended; the stream is

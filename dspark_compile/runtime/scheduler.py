@@ -43,15 +43,14 @@ no acceptance is counted.
 from __future__ import annotations
 
 import math
-import operator
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from dspark_compile.runtime.cuda_graphs import unpack
-from dspark_compile.models.config import request_positions, step_lookahead
-from dspark_compile.models.generate import GenerationResult, SamplingParams, append_committed
+from dspark_compile.models.generate import GenerationResult, append_committed
+from dspark_compile.models.request import SamplingParams, validate_request
 
 
 class StreamEvent(NamedTuple):
@@ -216,30 +215,9 @@ class GenerationStream:
 
     # ------------------------------------------------------------------ validation
     def _validated(self, prompt, params) -> tuple[list, SamplingParams]:
-        V = self.engine.cfg.vocab_size
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-            raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
-        try:
-            prompt = [operator.index(t) for t in prompt]
-        except TypeError:
-            raise ValueError("prompt must be a list of integer token ids") from None
-        if not prompt:
-            raise ValueError("prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} outside [0, {V})")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        # a checked copy in plain Python numbers: the caller's object may change while the
-        # request runs
-        params = params.validate(V)
-        need = request_positions(len(prompt), params.max_new_tokens, self.N)
-        if need > self.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens="
-                             f"{params.max_new_tokens} (+ {step_lookahead(self.N)} positions of "
-                             f"the step's lookahead) exceed the engine's max_seq_len="
-                             f"{self.max_seq_len}")
-        return prompt, params
+        """models/request.py's rules against this engine's vocabulary and rows."""
+        return validate_request(prompt, params, self.engine.cfg.vocab_size, self.max_seq_len,
+                                self.N, f"the engine holds max_seq_len={self.max_seq_len}")
 
     # ------------------------------------------------------------------ the iteration
     def _event(self, events: dict, r: _Request, tokens: list, finished: bool) -> None:

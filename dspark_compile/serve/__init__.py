@@ -10,9 +10,11 @@
                  greedy-variant share, speculative-decoding acceptance, latency histograms
     chat_format.py  chat messages -> a prompt (DeepSeek-V4's format, or the engine's Jinja
                  template), the reply's reasoning split from its content
+    http.py      what the routes share: the serving state, a request read, parsed, checked
+                 and submitted (admit), its engine events as text (Run), OpenAI's error body
     chat.py      /v1/chat/completions over the completions machinery; /tokenize, /detokenize
     app.py       the FastAPI application: /v1/models, /v1/completions (JSON or SSE), /health,
-                 /metrics, /version
+                 /metrics, /version; registers chat.py's routes
     middleware.py  request ids and the access log, the API key (--api-key)
     server.py    uvicorn around the app: slow and oversized clients refused, SIGTERM drains
     cli.py       the `serve` subcommand (imports nothing of the extra until it runs)

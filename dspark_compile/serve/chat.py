@@ -32,9 +32,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dspark_compile.serve import app as _app
+from dspark_compile.serve.http import (ApiError, EventStream, Run, account, admit, cancel_runs,
+                                       collect, continuous_usage, json_error, load_json,
+                                       not_served, usage, validated)
+from dspark_compile.serve.middleware import ACCESS
 from dspark_compile.serve.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
@@ -111,26 +115,26 @@ class Chat:
 
 def parse_chat(raw: bytes, content_type: str | None) -> Chat:
     """A body -> a Chat, or app.ApiError naming the field (run off the event loop)."""
-    return chat_of(_app.load_json(raw, content_type))
+    return chat_of(load_json(raw, content_type))
 
 
 def chat_of(obj: dict) -> Chat:
-    req = _app.validated(ChatCompletionRequest, obj)
+    req = validated(ChatCompletionRequest, obj)
     if req.logprobs:
-        raise _app.ApiError(400, "logprobs: not supported (send false or leave it out)",
-                            "logprobs")
+        raise ApiError(400, "logprobs: not supported (send false or leave it out)",
+                       "logprobs")
     if req.top_logprobs is not None:
-        raise _app.ApiError(400, "top_logprobs: not supported (send null or leave it out)",
-                            "top_logprobs")
+        raise ApiError(400, "top_logprobs: not supported (send null or leave it out)",
+                       "top_logprobs")
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = req.max_tokens
     elif req.max_tokens is not None and req.max_tokens != max_tokens:
-        raise _app.ApiError(400, f"max_completion_tokens: {max_tokens} contradicts max_tokens "
-                                 f"{req.max_tokens} (send one)", "max_completion_tokens")
+        raise ApiError(400, f"max_completion_tokens: {max_tokens} contradicts max_tokens "
+                            f"{req.max_tokens} (send one)", "max_completion_tokens")
     forward = {**(req.model_extra or {}), "model": req.model, "prompt": "x",
                "max_tokens": max_tokens}
-    completion = _app.validated(CompletionRequest, forward)
+    completion = validated(CompletionRequest, forward)
     thinking, effort = _mode(req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     named = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -148,23 +152,23 @@ def _mode(req: ChatCompletionRequest) -> tuple[bool, str | None]:
         if v is not None:
             said[name] = v
     if len(set(said.values())) > 1:
-        raise _app.ApiError(400, f"{', '.join(said)} disagree on thinking", next(iter(said)))
+        raise ApiError(400, f"{', '.join(said)} disagree on thinking", next(iter(said)))
     effort = req.reasoning_effort
     param = "reasoning_effort"
     if kw.reasoning_effort is not None:
         if effort is not None and effort != kw.reasoning_effort:
-            raise _app.ApiError(400, "reasoning_effort: contradicts chat_template_kwargs."
-                                     "reasoning_effort (send one)", param)
+            raise ApiError(400, "reasoning_effort: contradicts chat_template_kwargs."
+                                "reasoning_effort (send one)", param)
         effort, param = kw.reasoning_effort, "chat_template_kwargs.reasoning_effort"
     if effort is not None and effort not in EFFORTS:
-        raise _app.ApiError(400, f"{param}: {effort!r} is not one of {', '.join(EFFORTS)}",
-                            param)
+        raise ApiError(400, f"{param}: {effort!r} is not one of {', '.join(EFFORTS)}",
+                       param)
     thinking = next(iter(said.values())) if said else False
     if effort is not None:
         if EFFORTS[effort] is None:            # "none"
             if said and thinking:
-                raise _app.ApiError(400, f"{param}: 'none' turns thinking off, which "
-                                         f"{next(iter(said))} turns on", param)
+                raise ApiError(400, f"{param}: 'none' turns thinking off, which "
+                                    f"{next(iter(said))} turns on", param)
             thinking = False
         elif not said:
             thinking = True
@@ -214,26 +218,26 @@ def prepare_chat(chat: Chat, state) -> list[Job]:
         raise BadRequest("messages", "the conversation encodes to no tokens")
     try:
         return prepare(chat.completion.model_copy(update={"prompt": [ids]}), state.limits,
-                       state.tokenizer, label=lambda i: "rendered conversation")
-    except BadRequest as e:         # the fields as the chat request names them
-        param = {"prompt": "messages", "max_tokens": chat.max_tokens_field}.get(e.param,
-                                                                               e.param)
+                       state.tokenizer, label=lambda i: "rendered conversation",
+                       fields={"prompt": "messages", "max_new_tokens": chat.max_tokens_field})
+    except BadRequest as e:         # prepare's own refusals of the prompt: the messages'
+        param = "messages" if e.param == "prompt" else e.param
         raise BadRequest(param, e.message, e.status) from None
 
 
 async def chat_completions(state, request):
-    acc = request.scope[_app.ACCESS]
-    admitted = await _app.admit(state, request, acc, parse_chat, prepare_chat)
+    acc = request.scope[ACCESS]
+    admitted = await admit(state, request, acc, parse_chat, prepare_chat)
     if not isinstance(admitted, tuple):
         return admitted                      # a refusal
     chat, jobs, tickets = admitted
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = _app.Run(state, jobs[0], tickets[0], acc.start)
+    run = Run(state, jobs[0], tickets[0], acc.start)
     if chat.stream:
-        return _app.EventStream(_sse(state, chat, rid, run, acc),
-                                on_disconnect=lambda: _app.cancel_runs([run]),
-                                send_timeout=state.http.send_timeout)
-    failed = await _app.collect(state, [run], request, acc)
+        return EventStream(_sse(state, chat, rid, run, acc),
+                           on_disconnect=lambda: cancel_runs([run]),
+                           send_timeout=state.http.send_timeout)
+    failed = await collect(state, [run], request, acc)
     if failed is not None:
         return failed
     reasoning, content = split_reasoning(run.text.text, chat.thinking)
@@ -244,8 +248,8 @@ async def chat_completions(state, request):
             "model": state.model_name, "system_fingerprint": state.fingerprint,
             "choices": [{"index": 0, "message": message, "finish_reason": run.finish,
                          "logprobs": None}],
-            "usage": _app.usage([run]).model_dump()}
-    return _app.JSONResponse(body)
+            "usage": usage([run]).model_dump()}
+    return JSONResponse(body)
 
 
 async def _sse(state, chat: Chat, rid: str, run, acc):
@@ -255,14 +259,14 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
     `data: [DONE]`; a failure is an error event, then `data: [DONE]`."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": state.model_name, "system_fingerprint": state.fingerprint}
-    every = _app.continuous_usage(chat.completion)
+    every = continuous_usage(chat.completion)
     split = ReasoningSplit(chat.thinking)
 
     def chunk(delta: dict, finish=None) -> str:
         body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                      "logprobs": None}]}
         if every:
-            body["usage"] = _app.usage([run]).model_dump()
+            body["usage"] = usage([run]).model_dump()
         return f"data: {json.dumps(body)}\n\n"
 
     try:
@@ -281,16 +285,16 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
                 if delta or finish:
                     yield chunk(delta, finish)
         except EngineDown as e:
-            yield f"data: {_app.json_error(503, str(e))}\n\n"
+            yield f"data: {json_error(503, str(e))}\n\n"
         except RequestFailed as e:
-            yield f"data: {_app.json_error(500, str(e), 'engine_error')}\n\n"
+            yield f"data: {json_error(500, str(e), 'engine_error')}\n\n"
         if chat.completion.include_usage:
-            body = {**base, "choices": [], "usage": _app.usage([run]).model_dump()}
+            body = {**base, "choices": [], "usage": usage([run]).model_dump()}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        _app.cancel_runs([run])
-        _app.account(acc, [run])
+        cancel_runs([run])
+        account(acc, [run])
 
 
 # ---- /tokenize and /detokenize (vLLM's) --------------------------------------------------------
@@ -311,19 +315,19 @@ class DetokenizeRequest(_Strict):
 def tokenize(raw: bytes, content_type: str | None, state) -> dict:
     """vLLM's /tokenize: {"count", "max_model_len", "tokens"} of a text or of a conversation
     rendered as /v1/chat/completions renders it (run off the event loop)."""
-    obj = _app.load_json(raw, content_type)
-    req = _app.validated(TokenizeRequest, obj)
+    obj = load_json(raw, content_type)
+    req = validated(TokenizeRequest, obj)
     _served(req.model, state)
     if (req.prompt is None) == (req.messages is None):
-        raise _app.ApiError(400, "body: send one of prompt or messages", "prompt")
+        raise ApiError(400, "body: send one of prompt or messages", "prompt")
     if state.tokenizer is None:
-        raise _app.ApiError(400, "this engine has no tokenizer.json", "prompt")
+        raise ApiError(400, "this engine has no tokenizer.json", "prompt")
     if req.messages is not None:
         ids = prompt_ids(chat_of({**obj, "model": state.model_name}), state)
     else:
         if req.model_extra:
             name = next(iter(req.model_extra))
-            raise _app.ApiError(400, f"{name}: unknown field", name)
+            raise ApiError(400, f"{name}: unknown field", name)
         _fits(len(req.prompt), state, "prompt")
         ids = state.tokenizer.encode(req.prompt)
     return {"count": len(ids), "max_model_len": state.limits.max_seq_len, "tokens": ids}
@@ -331,23 +335,23 @@ def tokenize(raw: bytes, content_type: str | None, state) -> dict:
 
 def detokenize(raw: bytes, content_type: str | None, state) -> dict:
     """vLLM's /detokenize: {"prompt": the text of the ids}."""
-    req = _app.validated(DetokenizeRequest, _app.load_json(raw, content_type))
+    req = validated(DetokenizeRequest, load_json(raw, content_type))
     _served(req.model, state)
     if state.tokenizer is None:
-        raise _app.ApiError(400, "this engine has no tokenizer.json", "tokens")
+        raise ApiError(400, "this engine has no tokenizer.json", "tokens")
     v = state.limits.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < v]
     if bad:
-        raise _app.ApiError(400, f"tokens: ids {bad[:5]} outside [0, {v})", "tokens")
+        raise ApiError(400, f"tokens: ids {bad[:5]} outside [0, {v})", "tokens")
     if len(req.tokens) > state.limits.max_seq_len:
-        raise _app.ApiError(400, f"tokens: {len(req.tokens)} ids, more than the engine's "
-                                 f"{state.limits.max_seq_len} positions", "tokens")
+        raise ApiError(400, f"tokens: {len(req.tokens)} ids, more than the engine's "
+                            f"{state.limits.max_seq_len} positions", "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}
 
 
 def _served(model: str | None, state) -> None:
     if model is not None and model != state.model_name:
-        raise _app.not_served(model, state)
+        raise not_served(model, state)
 
 
 def _fits(chars: int, state, param: str = "messages") -> None:

@@ -8,11 +8,12 @@ import math
 import time
 
 from dspark_compile.cli.common import command, device, engine_errors, int_arg
+from dspark_compile.serve import require_extra
 # server.py imports nothing of the extra at module level
 from dspark_compile.serve.server import (BODY_BYTES_PER_TOKEN, BODY_OTHER_BYTES,
                                          DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT,
                                          DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST, DEFAULT_MAX_QUEUE,
-                                         DEFAULT_PORT, DEFAULT_SEND_TIMEOUT)
+                                         DEFAULT_PORT, DEFAULT_SEND_TIMEOUT, Server)
 
 
 _port = int_arg(0, 65535, "a port number")
@@ -119,10 +120,9 @@ def _origins(text: str | None) -> tuple[str, ...]:
 @command("serve", "serve an engine over an OpenAI-compatible HTTP API", _serve_args,
          flags={"max_queue": "--max-queue", "max_request_bytes": "--max-request-bytes"})
 def cmd_serve(args) -> int:
-    from dspark_compile.serve import require_extra
     require_extra()          # before the engine loads: a missing extra fails in a second
+    # the runtime (torch) only when the command runs: the CLI starts without it
     from dspark_compile.runtime.engine import Engine
-    from dspark_compile.serve.server import Server
 
     api_key, origins = _api_key(args), _origins(args.allowed_origins)   # before the load
     dev = device(args.device) if args.device else None

@@ -1,6 +1,7 @@
 """A validated CompletionRequest -> the engine's jobs, one per prompt: token ids, SamplingParams
 and stop strings, checked against what the engine can hold (vocabulary, positions per request)
-so every refusal is a 400 naming the API's field, before anything reaches the engine.
+by models/request.py's rules -- every entry point's, in the same words -- so every refusal is a
+400 naming the API's field, before anything reaches the engine.
 """
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import dataclasses
 import secrets
 from dataclasses import dataclass
 
-from dspark_compile.models.config import request_positions
-from dspark_compile.models.generate import INT64_MAX, SamplingError, SamplingParams
+from dspark_compile.models.request import (RequestError, SamplingParams, check_room, prompt_ids,
+                                           prompt_seeds, room)
 from dspark_compile.serve.protocol import CompletionRequest
 
 
@@ -36,7 +37,12 @@ class EngineLimits:
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most new tokens a prompt of this length can get (<= 0: the prompt alone is too
         long)."""
-        return self.max_seq_len - request_positions(prompt_len, 0, self.block)
+        return room(prompt_len, self.block, self.max_seq_len)
+
+    @property
+    def holds(self) -> str:
+        """Where the positions' limit comes from, for the messages."""
+        return f"the engine holds max_seq_len={self.max_seq_len}"
 
 
 @dataclass(frozen=True)
@@ -71,12 +77,14 @@ def api_message(message: str) -> str:
 
 
 def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None,
-            label=lambda i: f"prompt {i}") -> list[Job]:
+            label=lambda i: f"prompt {i}", fields: dict | None = None) -> list[Job]:
     """Run off the event loop (the tokenizer's time grows with the prompt's length).
-    `label(i)`: what the messages call prompt i (chat: the rendered conversation)."""
+    `label(i)`: what the messages call prompt i (chat: the rendered conversation); `fields`:
+    the request's fields as the client names them where not API_FIELDS' (chat)."""
+    fields = {**API_FIELDS, **(fields or {})}
     prompts = req.prompts
     # the sampling fields first: cheap, and refused before any prompt is tokenized
-    base = _sampling(req, limits)
+    base = _sampling(req, limits, fields)
     if limits.max_prompts is not None and len(prompts) > limits.max_prompts:
         raise BadRequest("prompt", f"{len(prompts)} prompts in one request: this server holds "
                                    f"at most {limits.max_prompts} requests at once "
@@ -93,33 +101,24 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None,
     if req.stop and tokenizer is None:
         raise BadRequest("stop", "stop strings need the engine's tokenizer.json (none in this "
                                  "engine): use stop_token_ids")
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise BadRequest("prompt", f"{label(i)}: token ids {bad[:5]} outside "
-                                       f"[0, {limits.vocab_size})")
-    last = base.seed + len(prompts) - 1      # one prompt after another: seed, seed + 1, ...
-    if last > INT64_MAX:
-        raise BadRequest("seed", f"seed + {len(prompts) - 1} (prompt {len(prompts) - 1}'s seed) "
-                                 f"must fit in 64 bits (a signed int64), got {last}")
     jobs = []
-    for i, p in enumerate(prompts):
-        room = limits.max_new_tokens(len(p))
-        if room < 1:
-            raise BadRequest("prompt", f"{label(i)}: {len(p)} tokens leave no room for a new "
-                                       f"token in the engine's {limits.max_seq_len} positions")
-        max_new = room if req.max_tokens is None else req.max_tokens
-        if max_new > room:
-            raise BadRequest("max_tokens", f"{max_new} new tokens after the {len(p)}-token "
-                                           f"{label(i)} exceed the engine's "
-                                           f"{limits.max_seq_len} positions: at most {room}")
-        sp = _checked(dataclasses.replace(base, seed=base.seed + i, max_new_tokens=max_new),
-                      limits)
-        jobs.append(Job(i, list(p), sp, req.stop, req.skip_special_tokens))
+    try:
+        for i, p in enumerate(prompts):
+            prompt_ids(p, limits.vocab_size, label(i))
+        seeds = prompt_seeds(base.seed, len(prompts), fields)
+        for i, p in enumerate(prompts):
+            max_new = limits.max_new_tokens(len(p)) if req.max_tokens is None else req.max_tokens
+            check_room(len(p), max_new, limits.block, limits.max_seq_len, limits.holds,
+                       label(i), fields)
+            sp = dataclasses.replace(base, seed=seeds[i], max_new_tokens=max_new)
+            jobs.append(Job(i, list(p), sp.validate(limits.vocab_size, fields), req.stop,
+                            req.skip_special_tokens))
+    except RequestError as e:
+        raise _bad_request(e, fields) from None
     return jobs
 
 
-def _sampling(req: CompletionRequest, limits: EngineLimits) -> SamplingParams:
+def _sampling(req: CompletionRequest, limits: EngineLimits, fields: dict) -> SamplingParams:
     """The request's sampling fields as prompt 0's SamplingParams (its seed; a null max_tokens
     as 1 until a prompt's room is known), checked by SamplingParams.validate."""
     stop_ids = tuple(dict.fromkeys(req.stop_token_ids or ()))
@@ -127,19 +126,21 @@ def _sampling(req: CompletionRequest, limits: EngineLimits) -> SamplingParams:
     if not req.ignore_eos and eos is not None and eos not in stop_ids:
         stop_ids += (eos,)
     seed = secrets.randbits(62) if req.seed is None else req.seed
-    return _checked(SamplingParams(
+    sp = SamplingParams(
         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=seed,
         max_new_tokens=1 if req.max_tokens is None else req.max_tokens, stop_ids=stop_ids,
-        verify=req.verify), limits)
-
-
-def _checked(sp: SamplingParams, limits: EngineLimits) -> SamplingParams:
-    """SamplingParams.validate -- the rules of every entry point, against what the decode state
-    holds -- with a refusal as a 400 naming the API's field."""
+        verify=req.verify)
     try:
-        return sp.validate(limits.vocab_size, API_FIELDS)
-    except SamplingError as e:
-        raise BadRequest(API_FIELDS.get(e.field, e.field), e.rule) from None
+        return sp.validate(limits.vocab_size, fields)
+    except RequestError as e:
+        raise _bad_request(e, fields) from None
+
+
+def _bad_request(e: RequestError, fields: dict) -> BadRequest:
+    """models/request.py's refusal as a 400 naming the API's field: "<field>: <rule>" where
+    the message was "<field> <rule>", else "<field>: <the message>"."""
+    param = fields.get(e.field, e.field)
+    return BadRequest(param, e.rule if str(e) == f"{param} {e.rule}" else str(e))
 
 
 def _fits_in_characters(texts: list[str], limits: EngineLimits, tokenizer) -> None:

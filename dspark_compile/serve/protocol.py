@@ -20,8 +20,8 @@ Fields of OpenAI's schema that an engine cannot honour (`n` > 1, `best_of` > 1, 
 Unknown fields are refused too, so a misspelt `top_k` is a 400, not a silent default.
 
 The sampling fields' ranges (max_tokens, temperature, top_p, top_k, seed, stop_token_ids) are
-not restated here: prepare.py checks them with SamplingParams.validate, the one rule set of
-every entry point (the CLI's flags, the engine's stream), against what the decode state holds.
+not restated here: prepare.py checks them with models/request.py's rules, those of every entry
+point (the CLI's flags, the engine's stream), against what the decode state holds.
 """
 from __future__ import annotations
 
@@ -35,6 +35,23 @@ MAX_STOP_STRINGS = 16
 # every committed token compares that tail with each stop string: 16 x 1024 characters bound
 # that work per token
 MAX_STOP_CHARS = 1024
+
+
+_PENALTIES = ("not supported: penalties need the sampler to see each request's past tokens, "
+              "which this engine's does not")
+# OpenAI's fields that an engine cannot honour, accepted only at a value that means "off":
+# field -> (the values accepted, the refusal)
+OFF_ONLY = {
+    "n": ((1,), "only 1 is supported (one choice per prompt)"),
+    "best_of": ((None, 1), "only 1 is supported (one choice per prompt)"),
+    "echo": ((False,), "echo is not supported"),
+    "logprobs": ((None,), "not supported (send null or leave it out)"),
+    "suffix": ((None,), "not supported (send null or leave it out)"),
+    "logit_bias": ((None, {}), "not supported (send null or {})"),
+    "presence_penalty": ((0,), f"{_PENALTIES} (only 0, off)"),
+    "frequency_penalty": ((0,), f"{_PENALTIES} (only 0, off)"),
+    "repetition_penalty": ((None, 1), f"{_PENALTIES} (only 1, off)"),     # vLLM's
+}
 
 
 class _Request(BaseModel):
@@ -64,7 +81,7 @@ class CompletionRequest(_Request):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    # OpenAI fields accepted only at the value that means "off"
+    # OpenAI fields accepted only at the value that means "off" (OFF_ONLY)
     n: int = 1
     best_of: Optional[int] = None
     echo: bool = False
@@ -76,7 +93,7 @@ class CompletionRequest(_Request):
     # vLLM's extensions
     min_tokens: int = Field(0, ge=0)     # only where it cannot bind (see _min_tokens)
     skip_special_tokens: bool = True     # False: the text keeps the special tokens' strings
-    repetition_penalty: Optional[float] = None     # only 1 (off)
+    repetition_penalty: Optional[float] = None     # only 1 (off; OFF_ONLY)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -126,50 +143,12 @@ class CompletionRequest(_Request):
             raise ValueError("only with stream: true (it sets what the stream sends)")
         return v
 
-    @field_validator("n", "best_of")
+    @field_validator(*OFF_ONLY)
     @classmethod
-    def _one(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("only 1 is supported (one choice per prompt)")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("logprobs", "suffix")
-    @classmethod
-    def _none(cls, v):
-        if v is not None:
-            raise ValueError("not supported (send null or leave it out)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("not supported (send null or {})")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        if v != 0:
-            raise ValueError("not supported: penalties need the sampler to see each "
-                             "request's past tokens, which this engine's does not (only 0, "
-                             "off)")
-        return v
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("not supported: penalties need the sampler to see each "
-                             "request's past tokens, which this engine's does not (only 1, "
-                             "off)")
+    def _off_only(cls, v, info):
+        accepted, refusal = OFF_ONLY[info.field_name]
+        if v not in accepted:     # by ==: 0.0 and -0.0 are 0, {} is an empty logit_bias
+            raise ValueError(refusal)
         return v
 
     @field_validator("min_tokens")

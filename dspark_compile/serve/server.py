@@ -26,13 +26,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dspark_compile.serve import require_extra
+from dspark_compile.serve.chat_format import ChatFormat
+from dspark_compile.serve.loop import EngineLoop
+from dspark_compile.serve.text import Tokenizer
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -77,14 +82,12 @@ class Server:
                  drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
                  api_key: str | None = None, allowed_origins=()):
         require_extra()
-        from concurrent.futures import ThreadPoolExecutor
-
-        from dspark_compile.serve.app import HttpLimits, ServeState, create_app
-        from dspark_compile.serve.chat_format import ChatFormat
-        from dspark_compile.serve.loop import EngineLoop
+        # these import the extra (FastAPI, pydantic, prometheus-client): only once it is known
+        # to be installed, so that a missing extra is one line naming it
+        from dspark_compile.serve.app import create_app
+        from dspark_compile.serve.http import HttpLimits, ServeState
         from dspark_compile.serve.metrics import Metrics
         from dspark_compile.serve.prepare import EngineLimits
-        from dspark_compile.serve.text import Tokenizer
 
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -98,7 +101,7 @@ class Server:
             max_request_bytes = default_max_request_bytes(seq, rows)
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-        import prometheus_client
+        import prometheus_client        # the extra (above)
         # no `_created` series beside every counter and histogram (process-wide: a serving
         # process exposes only this registry)
         prometheus_client.disable_created_metrics()
@@ -275,6 +278,7 @@ def _protocol(header_timeout: float, linger: float):
       those bytes, so that the client, still sending, reads its answer instead of a reset
       (closing a socket with unread bytes sends RST, and the client loses the answer); a body
       still arriving `linger` seconds after the answer closes the connection."""
+    # the extra, imported once the server runs (protocol.py imports pydantic)
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
     from dspark_compile.serve.protocol import error_response
@@ -363,7 +367,6 @@ class _QueueHandler(logging.Handler):
         self.lines, self.dropped = lines, 0
 
     def emit(self, record):
-        import queue
         try:
             self.lines.put_nowait(self.format(record))
         except queue.Full:
@@ -374,7 +377,6 @@ def _log_to_stdout(access_log: bool, out=None, wait: float = 5.0):
     """The server's log lines (dspark_compile.serve: access lines at INFO, failures with their
     tracebacks at ERROR) to stdout from a writer thread; returns the function that stops it
     (it writes what is queued, waiting `wait` s at most: a pipe nobody reads never empties)."""
-    import queue
     lines: queue.Queue = queue.Queue(LOG_QUEUE)
     out = out or sys.stdout
     logger = logging.getLogger("dspark_compile.serve")

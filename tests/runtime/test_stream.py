@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dspark_compile.runtime.lossless import greedy_reference
-from dspark_compile.models.generate import SamplingParams
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.runtime.scheduler import StreamEvent
 
 
@@ -118,7 +118,7 @@ def test_one_stream_per_engine_and_checked_options(small_loaded):
             eng.open_stream()
         with pytest.raises(RuntimeError, match="already open"):
             eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
-        with pytest.raises(ValueError, match="max_new_tokens=200.*max_seq_len=160"):
+        with pytest.raises(ValueError, match="max_new_tokens 200 need.*max_seq_len=160"):
             s.add([1, 2, 3], SamplingParams(max_new_tokens=200))
         with pytest.raises(ValueError, match="stop_ids"):
             s.add([1, 2, 3], SamplingParams(stop_ids=(eng.cfg.vocab_size,)))

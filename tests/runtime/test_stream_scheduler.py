@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspark_compile.runtime.cuda_graphs import pack
-from dspark_compile.models.generate import SamplingParams
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.runtime.engine import Launched, StepTimes
 from dspark_compile.runtime.scheduler import GenerationStream, StreamEvent
 
@@ -304,7 +304,7 @@ def test_a_closed_stream_takes_nothing():
     ([1], SamplingParams(stop_ids=(V + 3,)), "stop_ids"),
     ([1], SamplingParams(stop_ids="x"), "stop_ids"),
     ([1], SamplingParams(verify="fast"), "verify"),
-    ([1] * 50, SamplingParams(max_new_tokens=40), "max_new_tokens=40.*max_seq_len=96"),
+    ([1] * 50, SamplingParams(max_new_tokens=40), "max_new_tokens 40 need.*max_seq_len=96"),
 ])
 def test_add_names_the_bad_field(prompt, params, field):
     s = GenerationStream(FakeEngine(), True, prefill_tokens=8)

@@ -144,8 +144,9 @@ def test_a_reply_past_the_positions_is_refused_in_the_chat_requests_own_words(ur
                                {"model": "tiny", "messages": TURNS[:2], field: 1000})
         err = json.loads(body)["error"]
         assert status == 400 and err["param"] == field, body
-        assert re.fullmatch(rf"{field}: 1000 new tokens after the \d+-token rendered "
-                            r"conversation exceed the engine's 160 positions: at most \d+",
+        assert re.fullmatch(rf"{field}: rendered conversation: \d+ tokens \+ {field} 1000 need "
+                            r"\d+ positions \(with the draft block of 5 and its lookahead\); "
+                            r"the engine holds max_seq_len=160, so at most \d+ new tokens fit",
                             err["message"]), err["message"]
 
 

@@ -55,8 +55,9 @@ REFUSED = [  # (fields, the field the 400 names, what its message says)
     ({"top_p": 1.0000001}, "top_p", "must be in (0, 1]"),
     ({"seed": I64}, "seed", "must fit in 64 bits"),
     ({"seed": -I64 - 1}, "seed", "must fit in 64 bits"),
-    ({"seed": I64 - 1, "prompt": [[5], [6]]}, "seed", f"seed + 1 (prompt 1's seed) must fit in "
-                                                      f"64 bits (a signed int64), got {I64}"),
+    ({"seed": I64 - 1, "prompt": [[5], [6]]}, "seed", f"seed + 1 (what prompt 1 samples with) "
+                                                      f"must fit in 64 bits (a signed int64), "
+                                                      f"got {I64}"),
     ({"max_tokens": I64}, "max_tokens", f"must be <= {I64 - 1} (positions are int64)"),
     ({"max_tokens": 0}, "max_tokens", "must be >= 1, got 0"),
     ({"max_tokens": -5}, "max_tokens", "must be >= 1, got -5"),

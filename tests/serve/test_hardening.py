@@ -426,7 +426,7 @@ def test_headers_past_the_bound_get_431_and_a_malformed_request_openais_400(serv
 def test_a_stream_whose_client_reads_nothing_is_cut_at_the_send_timeout():
     """The send of a stream blocks (a client that reads nothing): after the send timeout the
     stream ends as a disconnect, cancelling its requests, and the body's generator is closed."""
-    from dspark_compile.serve.app import _EventStream
+    from dspark_compile.serve.http import EventStream
 
     cancelled, closed = [], []
 
@@ -447,8 +447,8 @@ def test_a_stream_whose_client_reads_nothing_is_cut_at_the_send_timeout():
         async def receive():
             await asyncio.Event().wait()
 
-        stream = _EventStream(body(), on_disconnect=lambda: cancelled.append(True),
-                              send_timeout=0.2)
+        stream = EventStream(body(), on_disconnect=lambda: cancelled.append(True),
+                             send_timeout=0.2)
         t = time.monotonic()
         await asyncio.wait_for(stream({"type": "http"}, receive, send), 10)
         return time.monotonic() - t
