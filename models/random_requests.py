@@ -18,7 +18,7 @@ MIXES = ("random", "alternate", "greedy")
 def random_sampling(rng: random.Random, greedy: bool | None = None):
     """Sampling parameters of one random request: greedy half the time (or as `greedy` says),
     otherwise temperature 0.8 or 1.0 with top-k 0 or 7 and top-p 1.0 or 0.9."""
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     if greedy is None:
         greedy = rng.random() < 0.5
     if greedy:

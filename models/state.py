@@ -83,7 +83,7 @@ def state_specs(cfg: ModelConfig, cache: CacheConfig, prec: Precision) -> dict[s
     specs["row.seed"] = Spec((R,), torch.int64)
     if cfg.has_draft:
         # the rejection op's verification per row: VERIFY_TOKEN or VERIFY_BLOCK
-        # (kernels/sampling/reference.py; models/generate.py SamplingParams.verify)
+        # (kernels/sampling/reference.py; models/request.py SamplingParams.verify)
         specs["row.verify"] = Spec((R,), torch.int64)
     return specs
 

@@ -49,7 +49,8 @@ from dspark_compile.factory.train_data import Corpus, encode_stream, spaced_wind
 from dspark_compile.factory.train_model import Rope, TrainParams, draft_forward, target_forward
 from dspark_compile.models import load_model
 from dspark_compile.models.config import ModelConfig, Precision
-from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.models.generate import generate
+from dspark_compile.models.request import SamplingParams
 
 MAX_POSITIONS = 512
 

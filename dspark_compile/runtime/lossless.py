@@ -90,7 +90,8 @@ def greedy_reference(model, prompt: list[int], n: int, device="cpu", stop_ids=()
     """Plain target greedy decoding of up to `n` tokens (ending after the first stop id);
     returns (tokens, logits per token)."""
     from dspark_compile.models.config import CacheConfig, request_positions
-    from dspark_compile.models.generate import SamplingParams, set_row_sampling
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.request import SamplingParams
     from dspark_compile.models.state import allocate_state
     from dspark_compile.models.step import prefill, target_decode_step
 

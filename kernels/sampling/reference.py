@@ -29,7 +29,7 @@ NEG_INF = float("-inf")
 
 # Temperatures below this are greedy, in every sampler (this reference, the Triton kernels
 # through kernels/sampling/device.py, the engine's choice of its greedy program) and at
-# admission (models/generate.py SamplingParams.validate stores them as 0). Why 1e-5 (vLLM's
+# admission (models/request.py SamplingParams.validate stores them as 0). Why 1e-5 (vLLM's
 # _SAMPLING_EPS is the same): z = logits / T in fp32 overflows to inf once |logit| > T * 3.4e38,
 # and an inf makes the row degenerate (token 0, all-zero probabilities): at T = 1e-38 already
 # for |logit| > 3.4, at the subnormal T = 1e-45 for every |logit| > 5e-7 -- the garbage of
@@ -274,7 +274,7 @@ def check_rejection_inputs(target_logits, draft_tokens, draft_logits, temperatur
         _check_rows("verify", verify, B, INTS)
 
 
-# The rejection op's per-request `verify` values (models/generate.py SamplingParams.verify):
+# The rejection op's per-request `verify` values (models/request.py SamplingParams.verify):
 # token-wise rejection (Leviathan / Chen) or block verification (Sun et al., arXiv 2403.10444).
 # Greedy rows ignore it; any nonzero value is block.
 VERIFY_TOKEN = 0

@@ -404,7 +404,8 @@ def test_engine_without_the_verify_state_is_refused():
 def test_sampling_params_verify():
     """SamplingParams.verify: "block" by default, "token" allowed, anything else named; the
     method a request's acceptance is counted under (greedy rows: "greedy")."""
-    from dspark_compile.models.generate import GenerationResult, SamplingParams
+    from dspark_compile.models.generate import GenerationResult
+    from dspark_compile.models.request import SamplingParams
     assert SamplingParams().verify == "block" and SamplingParams().method == "greedy"
     assert SamplingParams(temperature=1.0).method == "block"
     assert SamplingParams(temperature=1.0, verify="token").method == "token"

@@ -217,7 +217,8 @@ def test_synth_draft_agrees_sometimes():
     with the target often at the first position, sometimes for a whole block, and not always."""
     from dspark_compile.models import load_model
     from dspark_compile.models.config import Precision
-    from dspark_compile.models.generate import SamplingParams, generate
+    from dspark_compile.models.generate import generate
+    from dspark_compile.models.request import SamplingParams
 
     model = load_model(None, Precision(dtype=torch.float32), 512,
                        tensors=synth_tensors(TINY, seed=0), cfg=TINY)

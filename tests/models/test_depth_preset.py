@@ -17,7 +17,8 @@ from dspark_compile.factory.synth import synth_checkpoint
 from dspark_compile.models import load_model
 from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.config import Precision
-from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.models.generate import generate
+from dspark_compile.models.request import SamplingParams
 
 FLASH_LAYERS = 43
 FLASH_HASH_LAYERS = 3

@@ -7,7 +7,8 @@ import torch
 
 from dspark_compile.kernels.sampling.reference import GREEDY_BELOW
 from dspark_compile.models.config import CacheConfig, Precision
-from dspark_compile.models.generate import SamplingParams, generate, set_row_sampling
+from dspark_compile.models.generate import generate, set_row_sampling
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.models.state import allocate_state
 from dspark_compile.models.step import DraftVerifyStep, prefill
 

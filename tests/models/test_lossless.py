@@ -14,7 +14,8 @@ import torch
 
 from dspark_compile.runtime.lossless import check_lossless
 from dspark_compile.models.config import Precision
-from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.models.generate import generate
+from dspark_compile.models.request import SamplingParams
 
 
 @pytest.fixture(scope="module")

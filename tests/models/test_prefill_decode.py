@@ -173,7 +173,8 @@ def test_state_limits_from_shapes_match_the_cache_config(make_model):
 
 
 def test_generate_checks_rows_and_positions_before_any_forward(make_model):
-    from dspark_compile.models.generate import SamplingParams, generate
+    from dspark_compile.models.generate import generate
+    from dspark_compile.models.request import SamplingParams
     model = make_model(with_draft=True, max_positions=64)
     sp = [SamplingParams(max_new_tokens=4)] * 3
     with pytest.raises(ValueError, match=r"cache.max_rows=2 < 3 prompts"):
@@ -200,7 +201,7 @@ def test_generate_checks_rows_and_positions_before_any_forward(make_model):
     ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
 ])
 def test_sampling_params_refuse_values_the_samplers_cannot_use(field, value, match):
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value}).validate(512)
 
@@ -210,7 +211,8 @@ def test_target_step_equals_target_decode_step(make_model):
     row.tokens[:, 0] and writes the next one there: the same tokens, logits-derived, and the
     same positions as target_decode_step fed the last token by hand, for greedy and sampled
     rows, with a padded row (the trash row) that commits nothing and moves no live position."""
-    from dspark_compile.models.generate import SamplingParams, set_row_sampling
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.request import SamplingParams
     from dspark_compile.models.step import TargetStep, prefill, target_decode_step
     prec = Precision(dtype=torch.float64)
     model = make_model(prec, with_draft=True, max_positions=256)

@@ -101,7 +101,7 @@ def test_fused_program_exports_markers_only_with_preserved_meta():
 ENGINE_RUN = textwrap.dedent("""
     import collections, json, sys, torch
     torch.set_num_threads(1)   # as tests/conftest.py: 2 CI cores, tiny matmuls
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     from dspark_compile.runtime.engine import Engine
     eng = Engine.load(sys.argv[1], device="cpu")
     prompts = json.loads(sys.argv[2])
@@ -116,7 +116,8 @@ ENGINE_RUN = textwrap.dedent("""
 
 @pytest.mark.slow   # ~60 s: two exports, the engine write, a fresh process loading it
 def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path):
-    from dspark_compile.models.generate import SamplingParams, generate
+    from dspark_compile.models.generate import generate
+    from dspark_compile.models.request import SamplingParams
     from dspark_compile.build.config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
 

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from dspark_compile.cli.main import main
-from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.models.generate import generate
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.passes import PassManager
 
 

@@ -32,7 +32,7 @@ def fp32_engine(tmp_path_factory):
 
 def test_speculative_equals_target_only_fp32_fp8_sim(fp32_engine):
     from dspark_compile.runtime.lossless import compare_outputs
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
 
     eng = fp32_engine
     assert eng.build.act_quant and eng.build.kv_fp8 and eng.build.dtype == "float32"

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dspark_compile.runtime.lossless import END, check_lossless, greedy_reference
-from dspark_compile.models.generate import SamplingParams, generate
+from dspark_compile.models.generate import generate
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.models.state import restore_state, snapshot_state
 from dspark_compile.runtime.engine import StepTimes
 

@@ -247,7 +247,7 @@ def test_greedy_generation_through_graphs_is_lossless(gpu_engine, buckets):
     alone (eager, same GPU). A divergence must be a near-tie of the target's logits; every
     report is printed."""
     from dspark_compile.runtime.lossless import check_lossless
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     from dspark_compile.runtime.engine import StepTimes
 
     eng = gpu_engine
@@ -281,7 +281,7 @@ def test_greedy_generation_through_graphs_is_lossless(gpu_engine, buckets):
 
 def _stream_requests(eng, seed: int):
     """Greedy and sampled requests of mixed lengths (fewer than the rows: all admitted at once)."""
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     rng = random.Random(seed)
     V = eng.cfg.vocab_size
     prompts = [[rng.randrange(V) for _ in range(n)] for n in (1, 5, 12, 30, 7, 44, 3, 20)]

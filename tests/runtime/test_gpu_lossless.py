@@ -55,7 +55,7 @@ def buckets(bf16_engine):
 
 def test_speculative_equals_target_only_at_every_bucket(bf16_engine, buckets):
     from dspark_compile.runtime.lossless import compare_outputs
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
 
     eng = bf16_engine
     rng = random.Random(34)
@@ -80,7 +80,7 @@ def test_sampled_requests_do_not_depend_on_their_batch(bf16_engine, buckets):
     """Issue 34's sampled rows: at a fixed seed a sampled request's tokens are the same alone
     and at any position of a full group of every bucket (draws keyed by seed and position, the
     logits by the row's own tokens)."""
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
 
     eng = bf16_engine
     rng = random.Random(35)

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from dspark_compile.runtime.lossless import check_lossless, greedy_reference
-from dspark_compile.models.generate import SamplingParams, set_row_sampling
+from dspark_compile.models.generate import set_row_sampling
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule
 from dspark_compile.models.step import prefill
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve.serve_helpers import start_stream, train_tokenizer
 
-from dspark_compile.models.generate import SamplingParams
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.serve.server import Server
 from dspark_compile.serve.text import Tokenizer
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from runtime.test_stream_scheduler import FakeEngine, by_request, expected, run
 
-from dspark_compile.models.generate import SamplingParams
+from dspark_compile.models.request import SamplingParams
 from dspark_compile.runtime.scheduler import GenerationStream
 
 OVERFLOW = "value cannot be converted to type float without overflow"
