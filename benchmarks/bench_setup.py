@@ -1,12 +1,9 @@
 """Set-up shared by the engine benchmarks (benchmarks/step.py, prefill.py, host_overhead.py): the
-device, the checkpoint and engine under --work (reused when they fit the run), the default
-output directory."""
+device, the checkpoint and engine under --work (reused when they fit the run)."""
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -14,7 +11,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -39,7 +37,7 @@ def _engine_matches(engine_dir: Path, args, prefill_chunks: tuple = ()) -> bool:
 
 
 def _backend(args) -> str:
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     return BuildConfig(device=args.device.type, backend=args.backend or "").backend
 
 
@@ -52,7 +50,7 @@ def setup_engine(args, work: Path, log, prefill_chunks: tuple = ()) -> tuple[obj
     """The checkpoint and engine under `work` (reused when they fit), loaded. `prefill_chunks`
     (benchmarks/prefill.py): the build's prefill programs, loaded with the engine; such an
     engine has a directory of its own."""
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
     from dspark_compile.build.pipeline import build_engine
@@ -91,10 +89,20 @@ def setup_engine(args, work: Path, log, prefill_chunks: tuple = ()) -> tuple[obj
     return eng, times
 
 
-def _default_out(device_name: str, kind: str = "step") -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
-    day = datetime.date.today().isoformat()
-    return Path(harness.REPO) / "benchmarks" / "results" / f"{slug}_{kind}_{day}"
+def log(line: str) -> None:
+    """A progress line, flushed at once (a run's output is read while it runs)."""
+    print(line, flush=True)
+
+
+def begin(args, kind: str) -> tuple[dict, Path] | None:
+    """What an engine benchmark does first: `args.device` (bench_device), the environment record
+    (device, versions, commit) and the output directory (--out, or one named by `kind`); None
+    when a timed run finds no CUDA device."""
+    args.device = bench_device(args)
+    if args.device is None:
+        return None
+    env = harness.environment(args.git_commit)
+    return env, bench_args.out_dir(args, env, kind)
 
 
 def bench_device(args) -> torch.device | None:

@@ -25,18 +25,18 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
 
 from dspark_compile.models.state import restore_state as _restore  # noqa: E402
 from dspark_compile.models.state import snapshot_state as _snapshot  # noqa: E402
-from dspark_compile.build.config import DEFAULT_BUCKETS  # noqa: E402
+from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS  # noqa: E402
 
 NEAR_TIE = 1e-3
 MAX_ROWS = 64
@@ -47,13 +47,13 @@ def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--buckets", default=",".join(map(str, DEFAULT_BUCKETS)))
+    bench_args.add_buckets(p, ",".join(map(str, DEFAULT_BUCKETS)))
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32", "float64"))
     p.add_argument("--replays", type=int, default=50, help="timed replays per bucket")
     p.add_argument("--work", default=None, help="directory for the checkpoint and engine "
                    "(default: a temporary directory, deleted at the end)")
     p.add_argument("--engine", default=None, help="use this engine instead of building one")
-    p.add_argument("--git-commit", default=None, help="when the machine has no .git")
+    bench_args.add_git_commit(p)
     return p.parse_args(argv)
 
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     args = _args(argv)
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
 
     device = torch.device(args.device)
@@ -190,12 +190,10 @@ def main(argv=None) -> int:
         print("--device cuda: no CUDA device here (use --device cpu for a smoke run)",
               file=sys.stderr)
         return 1
-    buckets = tuple(int(b) for b in args.buckets.split(","))
+    buckets = tuple(args.buckets)
     rec = {"environment": harness.environment(args.git_commit), "device_arg": str(device),
            "dtype": args.dtype, "buckets": list(buckets), "max_rows": MAX_ROWS, "max_seq_len": SEQ}
-    tmp = None
-    work = Path(args.work) if args.work else Path(tmp := tempfile.mkdtemp(prefix="gpu_engine_"))
-    try:
+    with bench_args.work_dir(args, "gpu_engine_") as work:
         if args.engine:
             engine_dir = Path(args.engine)
         else:
@@ -240,14 +238,10 @@ def main(argv=None) -> int:
         rec["lossless"] = lossless(eng)
         rec["manifest_runtime_load"] = json.loads(
             (engine_dir / "manifest.json").read_text()).get("runtime_load")
-    finally:
-        if tmp:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    bench_args.write_record(out, rec)
     env = rec["environment"]
     print(f"\n{env.get('device')}  torch {env['torch']}  triton {env['triton']}  "
           f"commit {env['git_commit'][:12]}  {env['date_utc']}")

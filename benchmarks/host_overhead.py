@@ -22,20 +22,19 @@ Per bucket B (all rows live, every request greedy unless --case mixed):
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from bench_setup import _default_out, bench_device, setup_engine  # noqa: E402
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
+from bench_setup import begin, log, setup_engine  # noqa: E402
 
 SCHEMA = "dspark-host-overhead/1"
 TABLE = ["B", "mode", "replay_us", "wall_us", "device_us", "overhead_pct", "steady_steps",
@@ -44,43 +43,28 @@ TABLE = ["B", "mode", "replay_us", "wall_us", "device_us", "overhead_pct", "stea
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", choices=("tiny", "flash-slice"))
+    bench_args.add_preset(p)
     p.add_argument("--engine", default=None,
                    help="an engine directory to load (default: synth + build under --work)")
-    p.add_argument("--buckets", default="1,64", help="batch sizes, each a bucket of the engine")
+    bench_args.add_buckets(p, "1,64")
     p.add_argument("--case", default="greedy", choices=("greedy", "mixed"),
                    help="greedy: every request greedy (the greedy variants); mixed: alternate")
     p.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per request (default: what max_seq_len leaves after the prompt)")
-    p.add_argument("--modes", default="overlap,serial",
+    p.add_argument("--modes", type=bench_args.names(("overlap", "serial")),
+                   default="overlap,serial",
                    help="loops to time: overlap (step n + 1 launched before step n is read, the "
                         "CUDA default) and/or serial")
     p.add_argument("--replays", type=int, default=30)
-    p.add_argument("--max-seq-len", type=int, default=None, help="for a build (default 256)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float64"))
-    p.add_argument("--backend", default=None, choices=("inductor", "aten"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default=None, help="checkpoint and engine directory (reused)")
-    p.add_argument("--out", default=None,
-                   help="output directory (default benchmarks/results/<device>_host_overhead_<date>)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny, no timing claims")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--git-commit", default=None, help="when the machine has no .git")
+    bench_args.add_max_seq_len(p)
+    bench_args.add_dtype(p)
+    bench_args.add_backend(p)
+    bench_args.add_run_flags(p, "host_overhead", "CPU, tiny, no timing claims")
     a = p.parse_args(argv)
-    try:
-        a.buckets = sorted({int(b) for b in a.buckets.split(",") if b.strip()})
-    except ValueError:
-        p.error(f"--buckets must be comma-separated ints, got {a.buckets!r}")
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not a.modes or any(m not in ("overlap", "serial") for m in a.modes):
-        p.error(f"--modes must name overlap and/or serial, got {a.modes}")
-    if not a.buckets or a.buckets[0] < 1:
-        p.error(f"--buckets must be positive, got {a.buckets}")
     if a.prompt_len < 1 or a.replays < 1 or (a.max_new_tokens is not None and a.max_new_tokens < 2):
         p.error("--prompt-len and --replays must be >= 1, --max-new-tokens >= 2")
-    a.dtype = a.dtype or ("float32" if a.dry_run else "bfloat16")
-    a.max_seq_len = a.max_seq_len or (64 if a.dry_run else 256)
+    bench_args.dry_run_defaults(a, "dtype", "max_seq_len")
     a.variants = ["engine"]          # what setup_engine reads: capture the engine's graphs
     return a
 
@@ -234,43 +218,40 @@ def measure(eng, args, log) -> list[dict]:
 def main(argv=None, engine=None) -> int:
     """`engine`: an Engine already loaded (in-process callers); else --engine or a build."""
     args = _args(argv)
-    args.device = bench_device(args)
-    if args.device is None:
+    if (started := begin(args, "host_overhead")) is None:
         return 1
-    log = lambda s: print(s, flush=True)  # noqa: E731
-    env = harness.environment(args.git_commit)
-    out = Path(args.out) if args.out else _default_out(env.get("device") or "cpu",
-                                                       "host_overhead")
-    out.mkdir(parents=True, exist_ok=True)
+    env, out = started
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "buckets": args.buckets, "case": args.case, "replays": args.replays, "rows": []}
-    tmp = None
-    try:
-        if engine is not None:
-            eng, rec["setup"] = engine, {"engine_dir": str(engine.dir)}
-        elif args.engine:
-            from dspark_compile.runtime.engine import Engine
-            t = time.perf_counter()
-            eng = Engine.load(args.engine, device=args.device, record_graph_memory=False,
-                              trust_code=True)  # an engine of this checkout
-            rec["setup"] = {"engine_dir": args.engine, "load_s": time.perf_counter() - t}
-        else:
-            work = Path(args.work) if args.work else Path(
-                tmp := tempfile.mkdtemp(prefix="host_overhead_"))
-            eng, rec["setup"] = setup_engine(args, work, log)
+    with contextlib.ExitStack() as held, \
+            bench_args.result_file(out / "host_overhead.json", rec):
+        eng = _engine(args, engine, rec, held, log)
         rec.update(backend=eng.backend, engine_buckets=eng.buckets, max_rows=eng.cache.max_rows,
                    graphs=sorted(eng.graphs), prefill_programs=bool(eng.prefill_programs))
         rec["rows"] = measure(eng, args, log)
         rec["complete"] = True
-    finally:
-        (out / "host_overhead.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-        if tmp:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
     harness.write_csv(str(out / "host_overhead.csv"), rec["rows"])
     print(harness.format_table(rec["rows"], TABLE))
     print(f"written: {out / 'host_overhead.json'}")
     return 0
+
+
+def _engine(args, engine, rec: dict, held: contextlib.ExitStack, log):
+    """The engine measured: `engine`, --engine loaded, or synth + build under --work (a temporary
+    directory `held` keeps until the run ends)."""
+    if engine is not None:
+        rec["setup"] = {"engine_dir": str(engine.dir)}
+        return engine
+    if args.engine:
+        from dspark_compile.runtime.engine import Engine
+        t = time.perf_counter()
+        eng = Engine.load(args.engine, device=args.device, record_graph_memory=False,
+                          trust_code=True)  # an engine of this checkout
+        rec["setup"] = {"engine_dir": args.engine, "load_s": time.perf_counter() - t}
+        return eng
+    work = held.enter_context(bench_args.work_dir(args, "host_overhead_"))
+    eng, rec["setup"] = setup_engine(args, work, log)
+    return eng
 
 
 if __name__ == "__main__":

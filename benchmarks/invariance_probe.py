@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import os
+import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dspark_compile.kernels.region import fused_eager
-from dspark_compile.models import load_model
-from dspark_compile.models.batch import Batch
-from dspark_compile.models.config import CacheConfig, Precision
-from dspark_compile.models.state import allocate_state
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+from dspark_compile.kernels.region import fused_eager  # noqa: E402
+from dspark_compile.models import load_model  # noqa: E402
+from dspark_compile.models.batch import Batch  # noqa: E402
+from dspark_compile.models.config import CacheConfig, Precision  # noqa: E402
+from dspark_compile.models.state import allocate_state  # noqa: E402
 
 
 class Recorder(TorchDispatchMode):
@@ -161,8 +166,7 @@ def main(argv=None):
     print(f"{len(rep['differing'])} differing (limit {args.limit}) of {rep['outputs_checked']} "
           f"outputs checked; unaligned calls {rep['unaligned_calls']}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rep, f, indent=1)
+        bench_args.write_record(Path(args.out), rep)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes <out>/kernels.json (environment, copy bandwidth, rows), <out>/kernels.csv
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import glob
 import importlib.util
@@ -31,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
 from harness import Case, TimingConfig, compare  # noqa: E402
 
 from dspark_compile.kernels import act_quant as aq  # noqa: E402
@@ -429,7 +429,7 @@ def variants(case: Case, compile_modes: list[str], patterns: list[str] | None = 
 
 
 def run(args) -> dict:
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     only = set(args.only.split(",")) if args.only else None
     ops = set(args.ops.split(",")) if args.ops else None
     small = args.dry_run and not torch.cuda.is_available()
@@ -517,7 +517,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated case groups (qkv,act_quant,moe,...)")
     p.add_argument("--ops", default="", help="comma-separated op names within the groups")
-    p.add_argument("--batches", default="1,4,16,64", help="requests per step, B (T = 6B)")
+    p.add_argument("--batches", type=bench_args.ordered_ints, default="1,4,16,64",
+                   help="requests per step, B (T = 6B)")
     p.add_argument("--out", default="", help="output folder for kernels.json/.csv/.png")
     p.add_argument("--max-autotune", action="store_true",
                    help='also time torch.compile(mode="max-autotune-no-cudagraphs"); slow')
@@ -530,7 +531,7 @@ def main(argv=None):
     p.add_argument("--variants", default="",
                    help='comma-separated fnmatch patterns of the variant labels to time '
                         '("ours*,compile")')
-    p.add_argument("--git-commit", default=None, help="record this commit (when .git is absent)")
+    bench_args.add_git_commit(p)
     p.add_argument("--dry-run", action="store_true", help="build and run each case once, no timing")
     p.add_argument("--case-dir", default=CASE_DIR, help="folder searched for *_cases.py modules")
     args = p.parse_args(argv)

@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
-from dspark_compile.kernels import sm12x
-from dspark_compile.kernels.registry import KERNELS
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+from dspark_compile.kernels import sm12x  # noqa: E402
+from dspark_compile.kernels.registry import KERNELS  # noqa: E402
 
 _OP_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 COUNTED = ("BAR", "SHFL", "MUFU")
@@ -86,8 +91,7 @@ def main():
               f"local {r['local_bytes']:4d} instr {r['instructions']:5d} bar {r['bar']:3d} "
               f"shfl {r['shfl']:3d} mufu {r['mufu']:3d}  {cx}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        bench_args.write_record(Path(args.out), rows)
 
 
 if __name__ == "__main__":

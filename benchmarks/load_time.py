@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 # name -> (kernels policy, Triton cache: "fresh" (empty) or "user" (this machine's own))
 # ("previous": the cache the last "fresh" case used)
@@ -104,7 +105,7 @@ def run_case(engine: Path, cache: Path, policy: str, profile: str = "-",
 
 def build(ckpt: str, engine: Path, buckets: list[int], chunks: list[int], dtype: str,
           max_seq_len: int) -> float:
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
     t = time.perf_counter()
     build_engine(ckpt, engine, BuildConfig(buckets=tuple(buckets), max_seq_len=max_seq_len,
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory (built by --build if given)")
     p.add_argument("--build", metavar="CKPT", help="build the engine from this checkpoint first")
-    p.add_argument("--buckets", default="1,2,4,8,16,32,64")
+    bench_args.add_buckets(p, "1,2,4,8,16,32,64")
     p.add_argument("--prefill-chunks", default="64,512")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-seq-len", type=int, default=1024)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     engine = Path(args.engine)
     result = {"environment": harness.environment(), "engine": str(engine)}
     if args.build:
-        result["build_s"] = build(args.build, engine, [int(b) for b in args.buckets.split(",")],
+        result["build_s"] = build(args.build, engine, args.buckets,
                                   [int(c) for c in args.prefill_chunks.split(",") if c],
                                   args.dtype, args.max_seq_len)
     out = Path(args.out) if args.out else None

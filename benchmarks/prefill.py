@@ -53,22 +53,21 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import os
 import sys
-import tempfile
 import time
 import traceback
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-import step  # noqa: E402
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
 import step_floor  # noqa: E402
+from bench_setup import begin, log, setup_engine  # noqa: E402
+from step_variants import Runner, _cpu_copy_bandwidth, _l2_flusher, time_runner  # noqa: E402
 
 VARIANTS = ("eager", "engine")
 SCHEMA = "dspark-prefill-benchmark/1"
@@ -79,44 +78,29 @@ TABLE = ["variant", "status", "first_token", "check", "us_median", "us_p10", "us
 
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", choices=("tiny", "flash-slice"))
+    bench_args.add_preset(p)
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens (default 1024; --dry-run 40)")
-    p.add_argument("--chunks", default=None,
+    p.add_argument("--chunks", type=bench_args.ints, default=None,
                    help="the build's --prefill-chunks, comma-separated (default 512; --dry-run 16)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float64"),
-                   help="compute dtype (default bfloat16; --dry-run float32)")
-    p.add_argument("--backend", default="aten", choices=("aten", "inductor"),
-                   help="the engine's --backend")
+    bench_args.add_dtype(p)
+    bench_args.add_backend(p, default="aten")
     p.add_argument("--replays", type=int, default=10, help="timed calls per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before them")
-    p.add_argument("--seed", type=int, default=0, help="the prompt's ids")
-    p.add_argument("--work", default=None,
-                   help="directory for the checkpoint and engine, reused when they match "
-                        "(default: a temporary directory, deleted at the end)")
-    p.add_argument("--out", default=None,
-                   help="output directory (default benchmarks/results/<device>_prefill_<date>/)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny, a short prompt, no timing")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--git-commit", default=None, help="when the machine has no .git")
+    bench_args.add_run_flags(p, "prefill", "CPU, tiny, a short prompt, no timing",
+                             seed_help="the prompt's ids")
     a = p.parse_args(argv)
     if a.dry_run:
         a.preset = "tiny"
     a.prompt_len = a.prompt_len or (40 if a.dry_run else 1024)
-    try:
-        a.chunks = sorted({int(c) for c in (a.chunks or ("16" if a.dry_run else "512")).split(",")
-                           if c.strip()})
-    except ValueError:
-        p.error(f"--chunks must be comma-separated ints, got {a.chunks!r}")
-    if not a.chunks or a.chunks[0] < 1:
-        p.error(f"--chunks must be positive, got {a.chunks}")
+    a.chunks = a.chunks or ([16] if a.dry_run else [512])
     if a.prompt_len < 1 or a.replays < 1 or a.warmup < 0:
         p.error(f"--prompt-len ({a.prompt_len}) and --replays ({a.replays}) must be >= 1, "
                 f"--warmup ({a.warmup}) >= 0")
-    a.dtype = a.dtype or ("float32" if a.dry_run else "bfloat16")
+    bench_args.dry_run_defaults(a, "dtype")
     # room for the prompt, the first draft block and the step's lookahead after it
     a.max_seq_len = max(a.prompt_len + 64, a.chunks[-1])
-    a.buckets, a.variants = [1], list(VARIANTS)     # what step.setup_engine reads
+    a.buckets, a.variants = [1], list(VARIANTS)     # what bench_setup.setup_engine reads
     return a
 
 
@@ -326,9 +310,9 @@ def run_variant(variant: str, eng, prompt, chunk, ctx, args, ref_first: int) -> 
     fn = ((lambda: prefill(eng.model, eng.state, ROW, prompt, chunk, speculative=True))
           if variant == "eager" else (lambda: eng.prefill(ROW, prompt)))
     row = {"variant": variant}
-    r = step.Runner(lambda: firsts.append(fn()))
+    r = Runner(lambda: firsts.append(fn()))
     if eng.device.type == "cuda":
-        row.update(step.time_runner(r, ctx, args.replays, args.warmup))
+        row.update(time_runner(r, ctx, args.replays, args.warmup))
     else:
         ctx["restore"]()
         with torch.no_grad():
@@ -344,42 +328,33 @@ def run_variant(variant: str, eng, prompt, chunk, ctx, args, ref_first: int) -> 
 
 def main(argv=None) -> int:
     args = _args(argv)
-    args.device = step.bench_device(args)
-    if args.device is None:
+    if (started := begin(args, "prefill")) is None:
         return 1
-    log = lambda s: print(s, flush=True)  # noqa: E731
+    env, out = started
     from dspark_compile.models.generate import SamplingParams, set_row_sampling
     from dspark_compile.models.prefill_chunk import chunk_schedule
     from dspark_compile.models.state import restore_state, snapshot_state
     from dspark_compile.models.step import prefill
 
-    env = harness.environment(args.git_commit)
-    out = Path(args.out) if args.out else step._default_out(env.get("device") or "cpu", "prefill")
-    out.mkdir(parents=True, exist_ok=True)
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "preset": args.preset, "dtype": args.dtype, "prompt_len": args.prompt_len,
            "chunks": args.chunks, "backend": args.backend, "max_seq_len": args.max_seq_len,
            "replays": args.replays, "warmup": args.warmup, "seed": args.seed,
            "variants": list(VARIANTS), "rows": []}
 
-    def write():
-        (out / "prefill.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-
-    tmp = None
-    work = Path(args.work) if args.work else Path(tmp := tempfile.mkdtemp(prefix="prefill_bench_"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        eng, rec["setup"] = step.setup_engine(args, work, log, tuple(args.chunks))
+    with bench_args.work_dir(args, "prefill_bench_") as work, \
+            bench_args.result_file(out / "prefill.json", rec) as write:
+        eng, rec["setup"] = setup_engine(args, work, log, tuple(args.chunks))
         dev, chunk = eng.device, max(args.chunks)
         rec["schedule"] = chunk_schedule(args.prompt_len, eng.prefill_programs.chunks)
         g = torch.Generator().manual_seed(args.seed)
         prompt = torch.randint(0, eng.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
         set_row_sampling(eng.state, ROW, SamplingParams())      # greedy
         snap = snapshot_state(eng.state)
-        ctx = {"device": dev, "flush": step._l2_flusher(dev),
+        ctx = {"device": dev, "flush": _l2_flusher(dev),
                "restore": lambda: restore_state(eng.state, snap)}
         rec["copy_bandwidth"] = (harness.measure_copy_bandwidth() if dev.type == "cuda"
-                                 else step._cpu_copy_bandwidth())
+                                 else _cpu_copy_bandwidth())
         rec["mm_rate"] = harness.measure_mm_rate(dev)
         write()
 
@@ -421,11 +396,6 @@ def main(argv=None) -> int:
             log(f"[{v}] {row['status']} " + (f"{row['us_median']:.1f} us " if row.get("us_median")
                                              else "") + str(row.get("check", row.get("reason"))))
         rec["complete"] = True
-    finally:
-        write()
-        if tmp:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
 
     harness.write_csv(str(out / "prefill.csv"), rec["rows"])
     print(f"\n{env.get('device')}  torch {env['torch']}  triton {env['triton']}  commit "

@@ -19,6 +19,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
 import sampler_cases as sc  # noqa: E402
 
@@ -99,10 +100,10 @@ def profile(fn, d, calls):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", type=bench_args.ordered_ints, default="1,64")
     p.add_argument("--ops", default=",".join(_ops()))
     p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--git-commit", default=None)
+    bench_args.add_git_commit(p)
     p.add_argument("--sequence", action="store_true", help="also print the last call's launches "
                    "in order (always in the json)")
     p.add_argument("--launch-kw", default="", help='SamplerPlan fields as JSON, e.g. '
@@ -120,7 +121,7 @@ def main(argv=None):
     dev = torch.device("cuda")
     for name in a.ops.split(","):
         make, fn = ops[name]
-        for B in (int(b) for b in a.batches.split(",")):
+        for B in a.batches:
             rows, last = profile(fn, make(B)(dev, 0), a.calls)
             total = sum(r["us_per_call"] for r in rows)
             res["cases"].append({"op": name, "B": B, "kernel_us_total": total, "kernels": rows,

@@ -22,13 +22,18 @@ Tuning data only: nothing here is imported by the product.
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.kernels.sampling.device import hist_add_z
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+from dspark_compile.kernels.sampling.device import hist_add_z  # noqa: E402
 
 V = 129280
 
@@ -135,12 +140,12 @@ def bench(fn, reps=50):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="64,1")
+    ap.add_argument("--rows", type=bench_args.ordered_ints, default="64,1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = "cuda"
     results = []
-    for rows in [int(r) for r in args.rows.split(",")]:
+    for rows in args.rows:
         nbuf = max(2, (256 << 20) // (rows * V * 4))
         bufs = [torch.randn(rows, V, device=dev) * 3.0 for _ in range(min(nbuf, 8))]
         m = float(max(float(b.max()) for b in bufs))
@@ -203,9 +208,9 @@ def main():
         print(" ".join(f"{k}={r[k]}" for k in keys), f"us={r['us']:.1f}",
               f"floor={r['floor_us']:.1f}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, results=results), f, indent=1)
+        bench_args.write_record(Path(args.out), dict(
+            device=torch.cuda.get_device_name(), torch=torch.__version__,
+            triton=triton.__version__, results=results))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
 
 SCHEMA = "dspark-serve-load-benchmark/1"
@@ -53,23 +54,11 @@ TABLE = ["concurrency", "requests", "engine_tokens_per_s", "generate_tokens_per_
          "server_itl_p99_ms", "server_ttft_p50_ms", "server_ttft_p99_ms", "tokens_match"]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
-            from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return out
-
-
 def _args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="engine directory (dspark-compile build)")
-    p.add_argument("--out", default=None, help="result directory (default benchmarks/results/"
-                                               "<device>_serve_<date>)")
-    p.add_argument("--concurrency", type=_ints, default=None,
+    bench_args.add_out(p, "serve")
+    p.add_argument("--concurrency", type=bench_args.ordered_ints, default=None,
                    help="clients in flight per level (default 1,4,16,64; --dry-run 1,2)")
     p.add_argument("--rounds", type=int, default=None,
                    help="requests per client per level (default 4; --dry-run 1)")
@@ -81,9 +70,9 @@ def _args(argv=None):
     p.add_argument("--server", choices=("subprocess", "thread"), default=None,
                    help="the server in its own process (default) or in this one (--dry-run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    bench_args.add_threads(p)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run: 2 levels, 4 tokens")
-    p.add_argument("--git-commit", default=None)
+    bench_args.add_git_commit(p)
     a = p.parse_args(argv)
     d = a.dry_run
     a.concurrency = a.concurrency or ([1, 2] if d else [1, 4, 16, 64])
@@ -298,17 +287,14 @@ def run(args, eng=None, log=print) -> dict:
 
     from dspark_compile.runtime.engine import Engine
     env = harness.environment(args.git_commit)
-    out = Path(args.out) if args.out else Path(harness.REPO) / "benchmarks" / "results" / (
-        re.sub(r"[^a-z0-9]+", "_", (env.get("device") or "cpu").lower()).strip("_")
-        + "_serve_" + time.strftime("%Y-%m-%d"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = bench_args.out_dir(args, env, "serve")
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "engine": str(args.engine), "server": args.server, "concurrency": args.concurrency,
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "temperature": args.temperature, "top_p": args.top_p, "rows": []}
 
     def write():
-        (out / "serve_load.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+        bench_args.write_record(out / "serve_load.json", rec)
 
     own = eng is None
     if own:

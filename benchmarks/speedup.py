@@ -31,14 +31,14 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
 
 SCHEMA = "dspark-speedup-benchmark/1"
 MODES = ("greedy", "sampled")
@@ -57,39 +57,22 @@ def _args(argv=None):
                    "into --work)")
     p.add_argument("--engine", default=None, help="a built engine of that checkpoint to use "
                    "instead of building one (its buckets must cover --batches' largest)")
-    p.add_argument("--batches", default="1,16,64", help="requests per generate call")
-    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}"
+    p.add_argument("--batches", type=bench_args.ints, default="1,16,64",
+                   help="requests per generate call")
+    p.add_argument("--modes", type=bench_args.names(MODES), default=",".join(MODES),
+                   help=f"subset of {','.join(MODES)}")
+    p.add_argument("--variants", type=bench_args.names(VARIANTS, empty_ok=True),
+                   default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}"
                    f" ({BASELINE} is the baseline of the speed-up)")
     p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 32)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float64"),
-                   help="compute dtype (default bfloat16 on CUDA, float32 on the CPU)")
+    bench_args.add_dtype(p, help="compute dtype (default bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="default: cuda when present")
-    p.add_argument("--backend", default=None, choices=("inductor", "aten"),
-                   help="the engine's --backend (default: the build's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default=None, help="directory for the checkpoint and engine, "
-                   "reused when they match (default: a temporary directory)")
-    p.add_argument("--out", default=None, help="output directory (default "
-                   "benchmarks/results/<device>_speedup_<date>/)")
-    p.add_argument("--dry-run", action="store_true", help="CPU, B = 1 and 2 in one bucket, a "
-                   "few tokens: that the benchmark runs, not a measurement")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--git-commit", default=None, help="when the machine has no .git")
+    bench_args.add_backend(p)
+    bench_args.add_run_flags(p, "speedup", "CPU, B = 1 and 2 in one bucket, a few tokens: that "
+                             "the benchmark runs, not a measurement")
     a = p.parse_args(argv)
-    try:
-        a.batches = sorted({int(b) for b in a.batches.split(",") if b.strip()})
-    except ValueError:
-        p.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [m for m in a.modes if m not in MODES] + [v for v in a.variants if v not in VARIANTS]
-    if bad or not a.batches or a.batches[0] < 1 or not a.modes:
-        p.error(f"unknown modes/variants {bad} or bad --batches {a.batches}")
-    if a.threads < 1:
-        p.error(f"--threads must be >= 1, got {a.threads}")
     if a.dry_run:
         a.device, a.batches = "cpu", [1, 2]
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,7 +114,7 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
     """(loaded engine, checkpoint directory, setup times)."""
     import shutil
 
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.models.config import ModelConfig, request_positions
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
@@ -216,14 +199,6 @@ def row_of(mode: str, B: int, variant: str, res, seconds: float) -> dict:
     return row
 
 
-def _default_out(device_name: str) -> Path:
-    import datetime
-    import re
-    slug = re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") or "device"
-    return (Path(harness.REPO) / "benchmarks" / "results"
-            / f"{slug}_speedup_{datetime.date.today().isoformat()}")
-
-
 def main(argv=None) -> int:
     args = _args(argv)
     torch.set_num_threads(args.threads)
@@ -231,21 +206,14 @@ def main(argv=None) -> int:
     env = harness.environment(args.git_commit)
     if args.device == "cpu":
         env["device"] = "cpu"
-    out = Path(args.out) if args.out else _default_out(env.get("device") or "cpu")
-    out.mkdir(parents=True, exist_ok=True)
+    out = bench_args.out_dir(args, env, "speedup")
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "device": args.device, "dtype": args.dtype, "batches": args.batches,
            "modes": args.modes, "variants": args.variants, "prompt_len": args.prompt_len,
            "new_tokens": args.new_tokens, "threads": args.threads, "baseline": BASELINE,
            "baseline_note": BASELINE_NOTE, "rows": []}
-
-    def write():
-        (out / "speedup.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-
-    tmp = None
-    work = Path(args.work) if args.work else Path(tmp := tempfile.mkdtemp(prefix="speedup_"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
+    with bench_args.work_dir(args, "speedup_") as work, \
+            bench_args.result_file(out / "speedup.json", rec) as write:
         eng, ckpt, rec["setup"] = setup(args, work, log)
         rec["checkpoint"], rec["backend"] = str(ckpt), eng.backend
         prompts = held_out_prompts(ckpt, max(args.batches), args.prompt_len)
@@ -253,41 +221,41 @@ def main(argv=None) -> int:
         write()
         for mode in args.modes:
             for B in args.batches:
-                results, base = {}, None
-                for variant in args.variants:
-                    res, sec = timed(variant, eng, prompts[:B], sampling(mode, B, args),
-                                     warm=not results)
-                    results[variant] = res
-                    rec["rows"].append(row_of(mode, B, variant, res, sec))
-                    write()
-                base = next((r for r in rec["rows"] if (r["mode"], r["B"], r["variant"])
-                             == (mode, B, BASELINE)), None)
-                for r in rec["rows"]:
-                    if (r["mode"], r["B"]) != (mode, B):
-                        continue
-                    if base is not None:
-                        r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-                    if mode == "greedy" and BASELINE in results and r["variant"] != BASELINE:
-                        same = sum(a == b for a, b in zip(results[r["variant"]].tokens,
-                                                          results[BASELINE].tokens))
-                        r["greedy_match"] = round(same / B, 3)
-                write()
+                measure(mode, B, eng, prompts[:B], args, rec, write)
                 log(f"[{mode} B={B}] " + "  ".join(
                     f"{r['variant']} {r['tokens_per_s']:.1f} tok/s"
                     for r in rec["rows"] if (r["mode"], r["B"]) == (mode, B)))
         rec["complete"] = True
+    harness.write_csv(str(out / "speedup.csv"),
+                      [{k: v for k, v in r.items() if k != "acceptance_per_position"}
+                       for r in rec["rows"]])
+    print(BASELINE_NOTE)
+    print(harness.format_table(rec["rows"], TABLE))
+    print(f"written: {out / 'speedup.json'}, {out / 'speedup.csv'}")
+    return 0
+
+
+def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
+    """Every variant's row for one (mode, batch), then each row's speed-up over the baseline
+    and, greedy, its share of requests whose tokens equal the baseline's."""
+    results = {}
+    for variant in args.variants:
+        res, sec = timed(variant, eng, prompts, sampling(mode, B, args), warm=not results)
+        results[variant] = res
+        rec["rows"].append(row_of(mode, B, variant, res, sec))
         write()
-        harness.write_csv(str(out / "speedup.csv"),
-                          [{k: v for k, v in r.items() if k != "acceptance_per_position"}
-                           for r in rec["rows"]])
-        print(BASELINE_NOTE)
-        print(harness.format_table(rec["rows"], TABLE))
-        print(f"written: {out / 'speedup.json'}, {out / 'speedup.csv'}")
-        return 0
-    finally:
-        if tmp:
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
+    base = next((r for r in rec["rows"] if (r["mode"], r["B"], r["variant"])
+                 == (mode, B, BASELINE)), None)
+    for r in rec["rows"]:
+        if (r["mode"], r["B"]) != (mode, B):
+            continue
+        if base is not None:
+            r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        if mode == "greedy" and BASELINE in results and r["variant"] != BASELINE:
+            same = sum(a == b for a, b in zip(results[r["variant"]].tokens,
+                                              results[BASELINE].tokens))
+            r["greedy_match"] = round(same / B, 3)
+    write()
 
 
 if __name__ == "__main__":

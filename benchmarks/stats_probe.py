@@ -24,16 +24,17 @@ Tuning data only: nothing here is imported by the product.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts)
+import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402
 from dspark_compile.kernels.sampling.rejection_kernels import _rows_stats_kernel  # noqa: E402
 
 V = 129280
@@ -129,7 +130,7 @@ def stats_probe_2d(logits_ptr, temp_ptr, bmax_ptr, barg_ptr, bsum_ptr, bnan_ptr,
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", default="1,16,64")
+    ap.add_argument("--requests", type=bench_args.ordered_ints, default="1,16,64")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = "cuda"
@@ -137,7 +138,7 @@ def main():
     BLOCK = 1024
     NBLK = triton.cdiv(V, BLOCK)
     out = {"environment": harness.environment(), "cases": []}
-    for B in (int(x) for x in args.requests.split(",")):
+    for B in args.requests:
         R = B * 6
         nsets = harness.num_input_sets(R * V * 4, cfg)
         sets = []
@@ -176,8 +177,7 @@ def main():
             out["cases"].append(rec)
             print(f"B={B:3d} {name:18s} {rec['us_median']:8.1f} us  (bytes {floor_us:.1f} us)",
                   flush=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    bench_args.write_record(Path(args.out), out)
 
 
 if __name__ == "__main__":

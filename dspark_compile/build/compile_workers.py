@@ -86,7 +86,8 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
     """Compile every program and its variants; returns ({engine path: artifact bytes},
     {bucket: {variant: compile seconds}}, the number of workers used). `workers`: 0 = one per
     job up to half the CPU cores, 1 = in this process."""
-    from dspark_compile.build.inductor import compile_variant, compiled_path, variants_of
+    from dspark_compile.build.inductor import compile_variant, variants_of
+    from dspark_compile.engine_dir.format import compiled_path
     # buckets (ints) first, then named programs (prefill chunks: "prefill_c64")
     keys = sorted(programs, key=lambda k: (isinstance(k, str), k))
     jobs = [(b, v) for b in keys for v in variants_of(programs[b])]
@@ -171,7 +172,7 @@ def _worker(job: Path, variant: str, threads: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="compile one program of a build (internal)")
     p.add_argument("job")
-    from dspark_compile.build.inductor import VARIANTS
+    from dspark_compile.engine_dir.format import VARIANTS
     p.add_argument("--variant", required=True, choices=VARIANTS)
     p.add_argument("--threads", type=int, required=True)
     a = p.parse_args()

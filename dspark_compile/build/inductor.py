@@ -35,57 +35,9 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.engine_dir.write import COMPILED_DIR
-
-BACKENDS = ("inductor", "aten")
-VARIANTS = ("full", "greedy")
-
-
-def compiled_path(bucket, variant: str) -> str:
-    """A bucket's (int) compiled step, or a named program's (str: "prefill_c64")."""
-    suffix = "" if variant == "full" else f"_{variant}"
-    name = bucket if isinstance(bucket, str) else f"step_b{bucket}"
-    return f"{COMPILED_DIR}/{name}{suffix}.bin"
-
-
-def weight_inputs(ep: torch.export.ExportedProgram) -> list[torch.Tensor]:
-    """The lifted graph's leading inputs, in its order: parameters, buffers, constants."""
-    from torch.export.graph_signature import InputKind
-    out = []
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind == InputKind.USER_INPUT:
-            continue
-        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            raise ValueError(f"program input '{spec.arg.name}' is a {spec.kind.name}: only "
-                             "weights, constants and user inputs can be compiled")
-        table = ep.state_dict if spec.target in ep.state_dict else ep.constants
-        t = table[spec.target]
-        if not t.is_contiguous():
-            # the engine stores weights contiguous and the compiled code asserts its inputs'
-            # strides: a weight compiled with other strides would fail at its first call
-            raise ValueError(f"weight '{spec.target}' is not contiguous (strides {t.stride()}): "
-                             "the compiled step would not accept the stored copy")
-        out.append(t)
-    return out
-
-
-def _check_outputs(ep: torch.export.ExportedProgram) -> None:
-    from torch.export.graph_signature import OutputKind
-    bad = [s.arg.name for s in ep.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
-    if bad:
-        # the compiled call would return them and the runtime would drop the update
-        raise ValueError(f"program outputs {bad} are buffer or input mutations, not user "
-                         "outputs: the step must update its state in place")
-
-
-def _state_keys(ep: torch.export.ExportedProgram, rows: torch.Tensor, state: dict) -> list[str]:
-    """The state's keys in the program's flat input order; checks `state` has the program's
-    input structure (same keys)."""
-    _, spec = pytree.tree_flatten(((rows, state), {}))
-    if spec != ep.call_spec.in_spec:
-        raise ValueError("the state's keys or their order differ from the program's state "
-                         f"inputs: {list(state)} vs {ep.graph_signature.user_inputs[1:]}")
-    return list(state)
+from dspark_compile.engine_dir.format import VARIANTS, register_kernel_ops
+from dspark_compile.runtime.inductor import _check_outputs, _state_keys, weight_inputs
+from dspark_compile.runtime.variants import GREEDY, markov_nodes, switch_sampler_mode
 
 
 def lifted_graph(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
@@ -118,8 +70,6 @@ def variants_of(ep: torch.export.ExportedProgram) -> list[str]:
     """The variants the runtime loads for this program (dspark_compile/runtime/variants.py). A prefill
     program (models/prefill_chunk.py: first input `inputs`) has none: its one draft block is a
     small part of a chunk's forward."""
-    from dspark_compile.engine_dir.write import register_kernel_ops
-    from dspark_compile.runtime.variants import markov_nodes
     if ep.graph_signature.user_inputs[0] == "inputs":
         return ["full"]
     register_kernel_ops()        # markov_nodes names the sampler op
@@ -129,7 +79,6 @@ def variants_of(ep: torch.export.ExportedProgram) -> list[str]:
 def variant_graph(ep: torch.export.ExportedProgram, variant: str) -> torch.fx.GraphModule:
     """The lifted graph compiled for `variant`: the program's own, or a copy with the sampler
     calls switched to the greedy plan (variants.switch_sampler_mode)."""
-    from dspark_compile.runtime.variants import GREEDY, markov_nodes, switch_sampler_mode
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
     gm = lifted_graph(ep)
@@ -154,55 +103,3 @@ def compile_variant(ep: torch.export.ExportedProgram, variant: str,
     artifact's bytes, compile seconds). What a build worker runs."""
     device = next(iter(state.values())).device
     return compile_program(variant_graph(ep, variant), ep, example_input(ep, device), state)
-
-
-class CompiledStep:
-    """A bucket's compiled step as the runtime calls it: `step(rows, state) -> (tokens, num)`.
-
-    The weight inputs are bound once; `state` must be the dict the step was loaded for (its
-    tensors are passed by key order, checked at load)."""
-
-    def __init__(self, path: Path, ep: torch.export.ExportedProgram, rows: torch.Tensor,
-                 state: dict):
-        from torch._inductor import CompiledArtifact
-        _check_outputs(ep)
-        self.keys = _state_keys(ep, rows, state)
-        self.weights = weight_inputs(ep)
-        self.out_spec = ep.call_spec.out_spec
-        from dspark_compile.engine_dir.write import ArtifactError
-        t = time.perf_counter()
-        try:
-            self.artifact = CompiledArtifact.load(path=str(path), format="binary")
-        except Exception as e:
-            raise ArtifactError(f"cannot load compiled program '{path.name}': "
-                                f"{type(e).__name__}: {e}", path=str(path)) from e
-        self.load_seconds = time.perf_counter() - t
-
-    def __call__(self, rows: torch.Tensor, state: dict):
-        outs = self.artifact(*self.weights, rows, *[state[k] for k in self.keys])
-        return pytree.tree_unflatten(list(outs), self.out_spec)
-
-
-def compiled_entries(manifest: dict) -> dict:
-    """{bucket: {variant: engine path}} of an Inductor-backend manifest: every bucket has its
-    full program, every path is in the checked file table; an ArtifactError names the field."""
-    from dspark_compile.engine_dir.write import ArtifactError
-    table = manifest.get("compiled", {}).get("programs") if isinstance(
-        manifest.get("compiled"), dict) else None
-    if not isinstance(table, dict):
-        raise ArtifactError("manifest field 'compiled.programs' is missing: an engine built "
-                            "with --backend inductor lists its compiled programs — rebuild",
-                            field="compiled.programs")
-    out = {}
-    for b in manifest["buckets"]:
-        entry = table.get(str(b))
-        if not isinstance(entry, dict) or "full" not in entry:
-            raise ArtifactError(f"manifest field 'compiled.programs': bucket {b} has no compiled "
-                                "program — rebuild", field=f"compiled.programs.{b}")
-        for variant, path in entry.items():
-            if variant not in VARIANTS or path not in manifest.get("files", {}):
-                raise ArtifactError(f"manifest field 'compiled.programs.{b}': {variant} -> "
-                                    f"{path!r} is not a compiled program in the file table",
-                                    field=f"compiled.programs.{b}")
-        out[b] = dict(entry)
-    return out

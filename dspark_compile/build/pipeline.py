@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from dspark_compile.engine_dir.write import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, prefill_key,
                                      save_engine, target_key)
-from dspark_compile.build.config import BuildConfig
+from dspark_compile.engine_dir.build_config import BuildConfig
 from dspark_compile.models.random_requests import prefilled_state
 
 
@@ -74,7 +74,7 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
     (ints) are the steps; prefill programs (prefill_key) are listed apart, under
     `prefill_programs` and `prefill_compile_seconds`."""
     from dspark_compile.build.compile_workers import compile_programs
-    from dspark_compile.build.inductor import compiled_path
+    from dspark_compile.engine_dir.format import compiled_path
     t = time.perf_counter()
     files, seconds, workers = compile_programs(programs, state, bc.compile_workers, log)
     wall = time.perf_counter() - t

@@ -5,6 +5,7 @@
     weights.py       every weight stored once, shared by the programs
     write.py         save_engine: the atomic write, the file table, the manifest
     load.py          load_manifest / load_engine: the validated load, naming field or file
+    build_config.py  BuildConfig: what a build was asked for (buckets, dtype, backend, passes...)
     fields.py        the manifest's fields -> the model, precision and state configuration
     programs.py      a program file checked as data (no pickle, allowlisted ops), then loaded
     kernel_store.py  the engine's compiled Triton kernels (cubins + metadata) for this GPU

@@ -59,7 +59,7 @@ def _check_types(bc: dict) -> None:
 
 def engine_configs(manifest: dict):
     """(ModelConfig, BuildConfig) of a validated manifest."""
-    from dspark_compile.build.config import NOT_RECORDED, BuildConfig
+    from dspark_compile.engine_dir.build_config import NOT_RECORDED, BuildConfig
     from dspark_compile.models.config import ConfigError, ModelConfig
 
     for field in ("model_config", "build_config"):

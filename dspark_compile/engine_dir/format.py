@@ -26,6 +26,11 @@ TOKENIZER_FILE = "tokenizer.json"   # the checkpoint's, copied by the build when
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 _EXTRA_DIRS = (KERNELS_DIR, COMPILED_DIR)
+# the step's backends: "inductor" (the glue compiled at build time, dspark_compile/build/
+# inductor.py) or "aten" (the exported program run op by op); a program's variants: the
+# program as built, and the step with its Markov sampler switched to argmax (runtime/variants.py)
+BACKENDS = ("inductor", "aten")
+VARIANTS = ("full", "greedy")
 _CHUNK = 8 << 20
 
 
@@ -59,6 +64,13 @@ def target_key(bucket: int) -> str:
 
 def target_program_path(bucket: int) -> str:
     return f"{PROGRAM_DIR}/{target_key(bucket)}.pt2"
+
+
+def compiled_path(bucket, variant: str) -> str:
+    """A bucket's (int) compiled step, or a named program's (str: "prefill_c64")."""
+    suffix = "" if variant == "full" else f"_{variant}"
+    name = bucket if isinstance(bucket, str) else f"step_b{bucket}"
+    return f"{COMPILED_DIR}/{name}{suffix}.bin"
 
 
 def _program_file(key) -> str:

@@ -4,6 +4,7 @@
     scheduler.py    GenerationStream: continuous batching, which program a step runs
     cuda_graphs.py  CUDA-graph capture and replay of one bucket's program
     prefill.py      the prefill programs (one per chunk length) and their graphs
+    inductor.py     an Inductor-backend engine's compiled programs, loaded and called
     variants.py     the greedy variant of a step program (the Markov sampler switched off)
     lossless.py     the speculative == target-only check of a loaded engine
 

@@ -49,7 +49,8 @@ def programs():
 @pytest.mark.parametrize("workers", [2, 1])
 def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
     from dspark_compile.build.compile_workers import compile_programs
-    from dspark_compile.build.inductor import CompiledStep, compiled_path
+    from dspark_compile.engine_dir.format import compiled_path
+    from dspark_compile.runtime.inductor import CompiledStep
     eps, state = programs
     if workers == 1:            # the in-process path on one bucket: its compiles are serial
         eps = {3: eps[3]}
@@ -88,7 +89,7 @@ def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
 
 def test_an_unreadable_compiled_program_is_named(programs, tmp_path):
     from dspark_compile.engine_dir.write import ArtifactError
-    from dspark_compile.build.inductor import CompiledStep
+    from dspark_compile.runtime.inductor import CompiledStep
     eps, state = programs
     bad = tmp_path / "step_b1.bin"
     bad.write_bytes(b"not an artifact")

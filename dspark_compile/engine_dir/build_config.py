@@ -56,7 +56,7 @@ class BuildConfig:
     overwrite: bool = True
 
     def __post_init__(self):
-        from dspark_compile.build.inductor import BACKENDS
+        from dspark_compile.engine_dir.format import BACKENDS
         if not self.backend:
             self.backend = "aten"
         if self.backend not in BACKENDS:
