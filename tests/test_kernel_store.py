@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from dspark_compile.build import kernel_compile
 from dspark_compile.engine_dir import kernel_store
 from dspark_compile.engine_dir.format import ArtifactError
 
@@ -114,8 +115,8 @@ def test_collect_stores_cubins_and_metadata_only(tmp_path):
     for name in ("k.cubin", "k.json", "k.ptx", "k.ttir", LAUNCHER):
         (tmp_path / name).write_bytes(b"x" * 8)
         src[name] = str(tmp_path / name)
-    files, meta = kernel_store.collect({KEY: {**src, "__grp__k.json": None}},
-                                       {"sm": "90", "triton": "x", "cuda": ""})
+    files, meta = kernel_compile.collect({KEY: {**src, "__grp__k.json": None}},
+                                        {"sm": "90", "triton": "x", "cuda": ""})
     root = f"kernels/triton/sm90-tritonx/{KEY}"
     assert sorted(files) == [f"{root}/__grp__k.json", f"{root}/k.cubin", f"{root}/k.json"]
     assert json.loads(files[f"{root}/__grp__k.json"])["child_paths"] == {

@@ -641,7 +641,7 @@ def _built_config(monkeypatch, argv):
 
 
 def test_build_defaults_on_a_machine_without_cuda(monkeypatch, tmp_path, capsys):
-    from dspark_compile.build.config import DEFAULT_BUCKETS
+    from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bc = _built_config(monkeypatch, ["build", "CK", "--out", str(tmp_path / "e")])
     assert capsys.readouterr().out.splitlines() == [
@@ -670,7 +670,7 @@ def test_build_defaults_on_a_cuda_machine(monkeypatch, tmp_path, capsys):
 
 
 def test_default_prefill_chunks_rule():
-    from dspark_compile.build.config import BuildConfig, default_prefill_chunks
+    from dspark_compile.engine_dir.build_config import BuildConfig, default_prefill_chunks
     assert default_prefill_chunks(9) == () and default_prefill_chunks(63) == ()
     assert default_prefill_chunks(64) == (64,) and default_prefill_chunks(200) == (64, 128)
     assert default_prefill_chunks(1024) == default_prefill_chunks(1 << 20) == (64, 128, 256, 512)

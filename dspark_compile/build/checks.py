@@ -12,6 +12,13 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from dspark_compile.engine_dir.format import TOKENIZER_FILE
+from dspark_compile.engine_dir.write import not_an_engine
+from dspark_compile.kernels.sm12x import ARCHS
+from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
+from dspark_compile.models.config import request_positions
+from dspark_compile.models.state import check_state_fits
+from dspark_compile.passes import PassConfig, PassManager, PassPipelineError, REGISTRY
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -73,7 +80,6 @@ def writable_file(path, field: str) -> None:
 
 
 def check_passes(passes, disabled) -> None:
-    from dspark_compile.passes import REGISTRY, PassConfig, PassManager, PassPipelineError
 
     known = REGISTRY.names()
     for field, names in (("passes", passes or ()), ("disabled_passes", disabled)):
@@ -91,9 +97,6 @@ def check_build(ckpt, out, bc):
     checkpoint's ModelConfig."""
     import torch
 
-    from dspark_compile.engine_dir.write import not_an_engine
-    from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
-    from dspark_compile.models.config import request_positions
 
     out = Path(out)
     why = not_an_engine(out)
@@ -120,7 +123,6 @@ def check_build(ckpt, out, bc):
         raise ValueError(f"prefill_chunk must be a positive int, got {bc.prefill_chunk!r}")
     check_passes(bc.passes, bc.disabled_passes)
     if bc.arch is not None:
-        from dspark_compile.kernels.sm12x import ARCHS
         if bc.arch not in ARCHS:
             raise ValueError(f"arch must be one of {', '.join(sorted(ARCHS))}, got {bc.arch!r}")
     if bc.dump_dir is not None:
@@ -163,8 +165,6 @@ def _check_positions(cfg, msl) -> None:
 
 def _check_tokenizer(root: Path) -> None:
     """The checkpoint's tokenizer.json, copied into the engine: a file holding JSON."""
-    from dspark_compile.engine_dir.write import TOKENIZER_FILE
-    from dspark_compile.models.checkpoint import CheckpointError
     tok = root / TOKENIZER_FILE
     if not tok.exists() and not tok.is_symlink():
         return
@@ -180,7 +180,6 @@ def _check_tokenizer(root: Path) -> None:
 def _check_state_fits(cfg, bc, dev) -> None:
     """The decode state (one per program exported, the largest part of a build's memory) is
     sized from the options alone: refuse one the device cannot hold before allocating it."""
-    from dspark_compile.models.state import check_state_fits
     cache = bc.cache(cfg.dspark_block_size)
     check_state_fits(cfg, cache, bc.precision(), dev,
                      f"max_rows={bc.max_rows} rows (buckets up to {bc.buckets[-1]}), "

@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 
 import torch
+from dspark_compile.build.inductor import compile_variant, variants_of
+from dspark_compile.engine_dir.format import compiled_path
+from dspark_compile.engine_dir.weights import _attach_weights, _save_program, _weight_entries
+from dspark_compile.engine_dir.format import register_kernel_ops
 
 _DTYPES = {str(getattr(torch, n)): getattr(torch, n) for n in dir(torch)
            if isinstance(getattr(torch, n, None), torch.dtype)}
@@ -56,7 +60,6 @@ def default_workers(n_jobs: int) -> int:
 
 def _write_job(ep, bucket: int, state: dict, job: Path) -> int:
     """The worker's inputs for one bucket; returns the device bytes a worker allocates."""
-    from dspark_compile.engine_dir.weights import _save_program, _weight_entries
     job.mkdir()
     weights = {n: t for n, (t, _) in _weight_entries(ep).items()}
     _save_program(ep, job / "step.pt2", sorted(weights))
@@ -86,8 +89,6 @@ def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[di
     """Compile every program and its variants; returns ({engine path: artifact bytes},
     {bucket: {variant: compile seconds}}, the number of workers used). `workers`: 0 = one per
     job up to half the CPU cores, 1 = in this process."""
-    from dspark_compile.build.inductor import compile_variant, variants_of
-    from dspark_compile.engine_dir.format import compiled_path
     # buckets (ints) first, then named programs (prefill chunks: "prefill_c64")
     keys = sorted(programs, key=lambda k: (isinstance(k, str), k))
     jobs = [(b, v) for b in keys for v in variants_of(programs[b])]
@@ -153,9 +154,6 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
 
 
 def _worker(job: Path, variant: str, threads: int) -> None:
-    from dspark_compile.engine_dir.write import register_kernel_ops
-    from dspark_compile.engine_dir.weights import _attach_weights
-    from dspark_compile.build.inductor import compile_variant
     torch._inductor.config.compile_threads = threads
     meta = json.loads((job / "job.json").read_text())
     device, b = torch.device(meta["device"]), meta["bucket"]

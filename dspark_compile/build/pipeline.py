@@ -24,10 +24,26 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.engine_dir.write import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, prefill_key,
-                                     save_engine, target_key)
+from dspark_compile.engine_dir.format import (prefill_key, target_key, TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE)
+from dspark_compile.engine_dir.write import save_engine
 from dspark_compile.engine_dir.build_config import BuildConfig
 from dspark_compile.models.random_requests import prefilled_state
+from dspark_compile.atomic_dir import canonical, check_free_space, output_lock
+from dspark_compile.build.checks import check_build
+from dspark_compile.build.compile_workers import compile_programs
+from dspark_compile.engine_dir.format import compiled_path
+from dspark_compile.build.kernel_compile import compile_engine_kernels
+from dspark_compile.engine_dir.write import engine_bytes, occupied, tensor_bytes
+from dspark_compile.kernels.sm12x import resource_report
+from dspark_compile.models import load_model
+from dspark_compile.models.checkpoint import load_checkpoint
+from dspark_compile.models.moe import use_kernel_layouts
+from dspark_compile.models.prefill_chunk import chunk_inputs, HEADER, PrefillChunk
+from dspark_compile.models.state import allocate_state
+from dspark_compile.models.step import DraftVerifyStep, TargetStep
+from dspark_compile.passes import PassConfig, PassManager
+from dspark_compile.models.chat_format import tokenizer_config
 
 
 def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
@@ -35,14 +51,12 @@ def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram
 
     Node meta is preserved during tracing so that each call of a `@fusable` reference function
     (kernels/region.py) lands in the graph as an annotated region the fusion passes replace."""
-    from dspark_compile.models.step import DraftVerifyStep
     return _export_rows(DraftVerifyStep(model), state, bucket)
 
 
 def export_target(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
     """The target-only program of `bucket` (models/step.py TargetStep), traced like
     export_step: the fusion passes find the same regions in its target forward."""
-    from dspark_compile.models.step import TargetStep
     return _export_rows(TargetStep(model), state, bucket)
 
 
@@ -56,7 +70,6 @@ def _export_rows(module, state: dict, bucket: int) -> torch.export.ExportedProgr
 def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:
     """One static prefill program for chunks of `chunk` tokens (models/prefill_chunk.py);
     traced like export_step, so the fusion passes find the same regions."""
-    from dspark_compile.models.prefill_chunk import HEADER, PrefillChunk
     inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=state["row.last_pos"].device)
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
         return torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False)
@@ -73,8 +86,6 @@ def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
     the manifest's `compiled` table, plus "files" {engine path: artifact bytes}. Bucket keys
     (ints) are the steps; prefill programs (prefill_key) are listed apart, under
     `prefill_programs` and `prefill_compile_seconds`."""
-    from dspark_compile.build.compile_workers import compile_programs
-    from dspark_compile.engine_dir.format import compiled_path
     t = time.perf_counter()
     files, seconds, workers = compile_programs(programs, state, bc.compile_workers, log)
     wall = time.perf_counter() - t
@@ -104,7 +115,6 @@ def _prefill_inputs(model, cache, chunk: int, seed: int) -> tuple:
     prefilled, so the chunk lands behind live caches) and a chunk of fresh ids whose tail is
     padding."""
     import random
-    from dspark_compile.models.prefill_chunk import chunk_inputs
     rows, state = prefilled_state(model, cache, 1, seed)
     rng = random.Random(seed)
     row, start = int(rows[0]), int(state["row.last_pos"][rows[0]]) + 1
@@ -153,9 +163,6 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
     space is checked once the weights are loaded, before minutes of export, and again before
     the write (save_engine). free_bytes: the free bytes of a path's file system (default:
     shutil.disk_usage's); the tests' seam for a full disk."""
-    from dspark_compile.engine_dir.write import occupied
-    from dspark_compile.build.checks import check_build
-    from dspark_compile.atomic_dir import canonical, output_lock
 
     out = canonical(Path(out).absolute())
     # options, output and config.json first: loading and exporting take minutes
@@ -171,7 +178,6 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
 def _weights_estimate(model, bc: BuildConfig, ckpt: Path) -> int:
     """The engine's bytes as far as they are known before export (artifact.engine_bytes with
     programs of no nodes): the model's weights and buffers, the tokenizer, the manifest."""
-    from dspark_compile.engine_dir.write import engine_bytes, tensor_bytes
     tensors = [*model.parameters(), *model.buffers()]
     n_programs = len(bc.buckets) * (2 if bc.target_programs else 1) + len(bc.prefill_chunks)
     tok = ckpt / TOKENIZER_FILE
@@ -180,11 +186,6 @@ def _weights_estimate(model, bc: BuildConfig, ckpt: Path) -> int:
 
 
 def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
-    from dspark_compile.models import load_model
-    from dspark_compile.atomic_dir import check_free_space
-    from dspark_compile.models.checkpoint import load_checkpoint
-    from dspark_compile.models.state import allocate_state
-    from dspark_compile.passes import PassConfig, PassManager
 
     t0 = time.perf_counter()
     log(f"[load] checkpoint {ckpt}")
@@ -197,7 +198,6 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
     del tensors
     # the MoE experts in their kernel's weight layout, once (models/moe.py use_kernel_layouts);
     # each moe_experts call in the programs names the layout it reads
-    from dspark_compile.models.moe import use_kernel_layouts
     use_kernel_layouts(model, prec.dtype)
     cache = bc.cache(cfg.dspark_block_size)
     log(f"[load] done in {time.perf_counter() - t0:.1f}s")
@@ -239,12 +239,10 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
         extra[TOKENIZER_FILE] = tok.read_bytes()
         # beside it, its special tokens and chat template: the checkpoint's tokenizer_config.json,
         # else one with DeepSeek-V4's chat format (a Hugging Face tokenizer directory)
-        from dspark_compile.serve.chat_format import tokenizer_config
         extra[TOKENIZER_CONFIG_FILE] = tokenizer_config(
             ckpt, json.loads(extra[TOKENIZER_FILE]), getattr(cfg, "bos_token_id", None),
             getattr(cfg, "eos_token_id", None), bc.max_seq_len)
     if bc.arch:
-        from dspark_compile.kernels.sm12x import resource_report
         report = resource_report(bc.arch)
         extra[f"kernels/{bc.arch}/resources.json"] = json.dumps(report, indent=1)
     fields = {
@@ -259,7 +257,6 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
     if torch.device(bc.device).type == "cuda":
         # every Triton kernel the programs launch, compiled here for this SM and stored, so a
         # load compiles nothing (dspark_compile/engine_dir/kernel_store.py)
-        from dspark_compile.engine_dir.kernel_store import compile_engine_kernels
         files, fields["kernel_store"] = compile_engine_kernels(
             programs, prefill_programs, cfg, cache, prec, torch.device(bc.device), log,
             target_programs)

@@ -13,6 +13,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
+from dspark_compile.engine_dir.format import ArtifactError
 
 PROG = "dspark-compile"
 
@@ -135,7 +136,6 @@ def path_arg(text: str) -> str:
 def engine_errors():
     """An engine directory that is missing, not an engine, stale or corrupted is bad input:
     one line naming the file or field (cli.main reports ValueErrors that way), no traceback."""
-    from dspark_compile.engine_dir.write import ArtifactError
     try:
         yield
     except ArtifactError as e:

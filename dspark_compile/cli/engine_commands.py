@@ -15,6 +15,23 @@ import time
 from pathlib import Path
 
 from dspark_compile.cli.common import command, device, engine_errors, path_arg
+from dspark_compile.build.checks import writable_dir, writable_file
+from dspark_compile.build.pipeline import build_engine
+from dspark_compile.engine_dir.build_config import BuildConfig, DEFAULT_BUCKETS, DTYPES
+from dspark_compile.engine_dir.fields import engine_configs
+from dspark_compile.engine_dir.format import BACKENDS
+from dspark_compile.engine_dir.format import ArtifactError, MANIFEST
+from dspark_compile.engine_dir.load import load_manifest
+from dspark_compile.inspection.report import write_report
+from dspark_compile.models import load_model
+from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
+from dspark_compile.models.config import Precision, rope_positions
+from dspark_compile.models.generate import cache_config_for, generate
+from dspark_compile.models.request import check_room, prompt_ids, prompt_seeds, SamplingParams
+from dspark_compile.models.state import check_state_fits
+from dspark_compile.passes import format_stats_table
+from dspark_compile.runtime.engine import Engine
+from dspark_compile.runtime.lossless import check_lossless, compare_outputs, reference_tolerance
 
 PRECISIONS = ("bfloat16", "float32", "float64")
 
@@ -71,7 +88,6 @@ def _params(args):
     """One SamplingParams per prompt (prompt i samples with --seed + i), checked by
     models/request.py's rules, their messages naming these flags; stop ids are checked against
     the vocabulary in _check_requests."""
-    from dspark_compile.models.request import SamplingParams, prompt_seeds
     base = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           seed=args.seed, max_new_tokens=args.max_new_tokens,
                           stop_ids=tuple(args.stop_ids or ()), verify=args.verify)
@@ -85,7 +101,6 @@ def _check_requests(args, params, vocab: int, max_seq_len: int | None = None, bl
     """Prompt ids in the vocabulary and, for an engine, every request within its max_seq_len;
     for the eager models (`max_positions`), within the model's max_position_embeddings
     (models/request.py's rules, their messages naming the flags)."""
-    from dspark_compile.models.request import check_room, prompt_ids
     limits = []
     if max_seq_len is not None:
         limits.append((max_seq_len, f"the engine holds max_seq_len={max_seq_len} "
@@ -139,11 +154,6 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 @command("generate", "decode with the eager reference models (no compilation)", _generate_args,
          flags={**SAMPLING_FLAGS, "include_draft=False": "--no-speculation"})
 def cmd_generate(args) -> int:
-    from dspark_compile.build.config import DTYPES
-    from dspark_compile.models import load_model
-    from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
-    from dspark_compile.models.config import Precision, rope_positions
-    from dspark_compile.models.generate import cache_config_for, generate
 
     params = _params(args)
     dev = device(args.device)
@@ -160,7 +170,6 @@ def cmd_generate(args) -> int:
     _check_requests(args, params, cfg.vocab_size, block=N,
                     max_positions=cfg.max_position_embeddings)
     cache = cache_config_for(args.prompt_ids, params, N)
-    from dspark_compile.models.state import check_state_fits
     check_state_fits(cfg, cache, Precision(dtype=DTYPES[args.dtype]), dev,
                      f"{len(args.prompt_ids)} prompts of up to {cache.max_seq_len} positions "
                      f"(prompt + max_new_tokens + the lookahead)")
@@ -203,8 +212,6 @@ def _chunks(text: str):
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
-    from dspark_compile.build.config import DEFAULT_BUCKETS
-    from dspark_compile.build.inductor import BACKENDS
     p.add_argument("checkpoint", type=path_arg,
                    help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--out", required=True, type=path_arg,
@@ -270,9 +277,6 @@ def _build_device(args) -> str:
                 "prefill_chunks": "--prefill-chunks", "target_programs": "--no-target-programs",
                 "overwrite=True": "--overwrite"})
 def cmd_build(args) -> int:
-    from dspark_compile.engine_dir.write import MANIFEST
-    from dspark_compile.build.config import BuildConfig
-    from dspark_compile.build.pipeline import build_engine
 
     if args.max_rows is not None and args.max_rows < 1:
         raise ValueError(f"--max-rows must be >= 1 (leave it out for the largest bucket), got "
@@ -321,9 +325,6 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 @command("run", "generate with a built engine", _run_args, flags=SAMPLING_FLAGS)
 def cmd_run(args) -> int:
-    from dspark_compile.engine_dir.write import load_manifest
-    from dspark_compile.engine_dir.fields import engine_configs
-    from dspark_compile.runtime.engine import Engine
 
     params = _params(args)
     if args.check_lossless and params[0].method != "greedy":
@@ -338,7 +339,6 @@ def cmd_run(args) -> int:
     _check_requests(args, params, cfg.vocab_size, build.max_seq_len, cfg.dspark_block_size)
     import torch
 
-    from dspark_compile.models.state import check_state_fits
     target = dev or torch.device(build.device)
     if target.type == "cpu" or torch.cuda.is_available():   # else Engine.load names the device
         check_state_fits(cfg, build.cache(cfg.dspark_block_size), build.precision(), target,
@@ -368,7 +368,6 @@ def _check_lossless(eng, prompts, params, outputs) -> int:
     """run --check-lossless: the speculative `outputs` against the engine's target-only
     decoding (bit-exact), then that decoding against the eager reference (within its
     tolerance); the exit status."""
-    from dspark_compile.runtime.lossless import check_lossless, compare_outputs, reference_tolerance
     target = eng.generate(prompts, params, speculative=False).tokens
     report = compare_outputs(target, outputs)
     print(report.line())
@@ -401,7 +400,6 @@ def _inspect_outputs(args, m: dict, loadable: str, out=None) -> None:
         print(line, file=out or sys.stdout, flush=True)
 
     if args.report:
-        from dspark_compile.inspection.report import write_report
         log(f"report: {write_report(args.engine, m, args.report, loadable)}")
     if args.onnx:
         from dspark_compile.inspection.onnx_export import export_engine
@@ -412,8 +410,6 @@ def _inspect_outputs(args, m: dict, loadable: str, out=None) -> None:
 @command("inspect", "print an engine's manifest, buckets and pass table; --onnx, --report",
          _inspect_args)
 def cmd_inspect(args) -> int:
-    from dspark_compile.engine_dir.write import ArtifactError, load_manifest
-    from dspark_compile.passes import format_stats_table
 
     # the optional dependencies first: the one-line error names the extra to install
     if args.onnx:
@@ -425,7 +421,6 @@ def cmd_inspect(args) -> int:
     if args.bucket and not args.onnx:
         raise ValueError("--bucket selects what --onnx exports; pass --onnx OUT_DIR")
     # every output path before anything is printed: the summary is 25 lines
-    from dspark_compile.build.checks import writable_dir, writable_file
     if args.report:
         writable_file(args.report, "--report")
     if args.onnx:

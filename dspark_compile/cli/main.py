@@ -24,6 +24,9 @@ from dspark_compile.cli import engine_commands  # noqa: F401  (registers generat
 from dspark_compile.serve import cli as serve_cli  # noqa: F401  (registers serve)
 from dspark_compile.cli.common import (COMMANDS, PROG, USER_ERRORS, Command, Terminated,  # noqa: F401
                                        command, device, path_arg, sigterm_raises, to_flags)
+from dspark_compile.build.checks import writable_sibling
+from dspark_compile.engine_dir.versions import package_version, triton_version
+from dspark_compile.factory.synth import synth_checkpoint
 
 # One intra-op thread per process unless --threads says otherwise: the CLI often runs as one
 # of several processes on a shared machine (tests, benchmarks, engines side by side), and under
@@ -79,9 +82,7 @@ def _shard_bytes(mb: float) -> int:
 @command("synth", "write a synthetic DeepSeek-V4 + DSpark checkpoint", _synth_args,
          flags={"overwrite=True": "--overwrite", "shard_size_bytes": "--shard-size"})
 def cmd_synth(args: argparse.Namespace) -> int:
-    from dspark_compile.factory.synth import synth_checkpoint
 
-    from dspark_compile.build.checks import writable_sibling
     if not -(1 << 63) <= args.seed < (1 << 63):
         raise ValueError(f"--seed must fit in 64 bits (a signed int64, as run's --seed), got "
                          f"{args.seed}")
@@ -118,7 +119,6 @@ def _threads(text: str) -> int:
 def _version() -> str:
     import torch
 
-    from dspark_compile.engine_dir.versions import package_version, triton_version
     return (f"{PROG} {package_version()} (torch {torch.__version__}, "
             f"triton {triton_version() or 'not installed'})")
 

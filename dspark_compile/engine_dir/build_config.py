@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from dspark_compile.engine_dir.format import BACKENDS
+from dspark_compile.models.config import CacheConfig, Precision, rope_positions
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -56,7 +58,6 @@ class BuildConfig:
     overwrite: bool = True
 
     def __post_init__(self):
-        from dspark_compile.engine_dir.format import BACKENDS
         if not self.backend:
             self.backend = "aten"
         if self.backend not in BACKENDS:
@@ -80,11 +81,9 @@ class BuildConfig:
         self.prefill_chunks = _chunk_lengths(self.prefill_chunks, self.max_seq_len)
 
     def precision(self):
-        from dspark_compile.models.config import Precision
         return Precision(dtype=DTYPES[self.dtype], act_quant=self.act_quant, kv_fp8=self.kv_fp8)
 
     def cache(self, block: int):
-        from dspark_compile.models.config import CacheConfig
         return CacheConfig(max_rows=self.max_rows, max_seq_len=self.max_seq_len,
                            max_step_tokens=max(self.prefill_chunk, block + 1,
                                                *self.prefill_chunks))
@@ -93,7 +92,6 @@ class BuildConfig:
         """RoPE table length of the built programs: the step's (models/config.py) plus the
         largest prefill chunk, whose padded tail runs on past the last prompt position
         (models/prefill_chunk.py)."""
-        from dspark_compile.models.config import rope_positions
         return rope_positions(self.max_seq_len, block) + max(self.prefill_chunks, default=0)
 
     def to_manifest(self) -> dict:

@@ -17,6 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 from dspark_compile.engine_dir.format import ArtifactError
+from dspark_compile.engine_dir.build_config import BuildConfig, NOT_RECORDED
+from dspark_compile.models.config import ConfigError, ModelConfig, rope_positions
+from dspark_compile.models.state import check_state_fits, state_specs
+from dspark_compile.models.target import DeepseekV4
 
 # build_config field -> (accepted JSON types, what the message says it must be)
 _INT, _STR, _BOOL = (int,), (str,), (bool,)
@@ -59,8 +63,6 @@ def _check_types(bc: dict) -> None:
 
 def engine_configs(manifest: dict):
     """(ModelConfig, BuildConfig) of a validated manifest."""
-    from dspark_compile.engine_dir.build_config import NOT_RECORDED, BuildConfig
-    from dspark_compile.models.config import ConfigError, ModelConfig
 
     for field in ("model_config", "build_config"):
         if field not in manifest:
@@ -132,7 +134,6 @@ def check_engine_fields(manifest: dict, device=None) -> tuple:
                             f"programs for buckets {target} — restore it or rebuild",
                             field="build_config.target_programs")
     if device is not None:
-        from dspark_compile.models.state import check_state_fits
         try:
             check_state_fits(cfg, build.cache(cfg.dspark_block_size), build.precision(), device,
                              f"the manifest's build_config.max_rows={build.max_rows} and "
@@ -149,8 +150,6 @@ def check_weights_table(cfg, build, tensors: dict) -> None:
     already done (0.1 s after it)."""
     import torch
 
-    from dspark_compile.models.config import rope_positions
-    from dspark_compile.models.target import DeepseekV4
     with torch.device("meta"):
         model = DeepseekV4(cfg, build.precision(), rope_positions(build.max_seq_len,
                                                                   cfg.dspark_block_size))
@@ -205,7 +204,6 @@ def check_programs_state(cfg, build, programs: dict) -> None:
     """Every program's state inputs have the shapes and dtypes that model_config and
     build_config give the decode state (models/state.py state_specs). Programs whose state
     fields differ by name are left to artifact_load.check_state_layout, which names them."""
-    from dspark_compile.models.state import state_specs
     specs = state_specs(cfg, build.cache(cfg.dspark_block_size), build.precision())
     for b, ep in sorted(programs.items(), key=lambda kv: str(kv[0])):
         try:

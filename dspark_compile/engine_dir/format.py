@@ -21,7 +21,7 @@ PROGRAM_DIR = "programs"
 KERNELS_DIR = "kernels"
 COMPILED_DIR = "compiled"     # dspark_compile/build/inductor.py's artifacts
 TOKENIZER_FILE = "tokenizer.json"   # the checkpoint's, copied by the build when it has one
-# beside it when it is there (serve/chat_format.py: the special tokens and the chat template),
+# beside it when it is there (models/chat_format.py: the special tokens and the chat template),
 # so the engine directory is a Hugging Face tokenizer directory
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)

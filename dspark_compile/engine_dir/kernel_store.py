@@ -36,9 +36,7 @@ cache manager again), then returns the files to store.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,8 @@ from pathlib import Path
 import torch
 
 from dspark_compile.engine_dir.paths import STORE_ROOT, STORE_SUFFIXES, check_rel, check_tree
+from dspark_compile.engine_dir.format import ArtifactError
+
 GROUP_PREFIX = "__grp__"
 POLICIES = ("use", "require", "ignore")
 # what a cache hit reads that is not host code: the binary and its metadata (never a launcher
@@ -195,125 +195,6 @@ def store_files() -> list:
     return list(_PROC.store_files)
 
 
-# --------------------------------------------------------------------------- build side
-@contextlib.contextmanager
-def record():
-    """Note every cache entry Triton reads or writes inside the block (the build's warm-up
-    runs): `collect()` turns them into the engine's files."""
-    _activate()
-    outer, _PROC.recording = _PROC.recording, {}
-    try:
-        yield _PROC.recording
-    finally:
-        inner, _PROC.recording = _PROC.recording, outer
-        if outer is not None:
-            for k, files in inner.items():
-                outer.setdefault(k, {}).update(files)
-
-
-def _compiled_in_process() -> dict:
-    """{cache key: {filename: path}} of every kernel of dspark_compile.kernels compiled in this
-    process (JITFunction.device_caches), its group file marked for collect() to write."""
-    from triton.runtime.jit import JITFunction
-    try:
-        from triton.runtime.cache import _base32 as cache_key
-    except ImportError:            # a Triton whose cache keys are the hash itself
-        def cache_key(h):
-            return h
-    out: dict = {}
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("dspark_compile.kernels") or mod is None:
-            continue
-        for obj in list(vars(mod).values()):
-            if not isinstance(obj, JITFunction):
-                continue
-            for caches in getattr(obj, "device_caches", {}).values():
-                for kernel in caches[0].values():
-                    group = getattr(kernel, "metadata_group", None)
-                    meta = next((c for c in group or {} if c.endswith(".json")), None)
-                    if meta is None:
-                        continue
-                    files = out.setdefault(cache_key(kernel.hash), {})
-                    files.update(group)
-                    files[GROUP_PREFIX + meta] = None     # written by collect()
-    return out
-
-
-def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
-    """The store's files {engine path: bytes} and its manifest entry, from what `record()`
-    noted plus the kernels compiled earlier in this process."""
-    entries: dict = {}
-    for source in (recorded, _compiled_in_process()):
-        for key, files in source.items():
-            have = entries.setdefault(key, {})
-            for f, p in files.items():
-                if p is not None or f not in have:   # a known path is never replaced by None
-                    have[f] = p
-    root = store_dir(tc)
-    out: dict = {}
-    kernels = 0
-    for key, files in sorted(entries.items()):
-        # a load reads the binary and the metadata; the IRs Triton also caches (ttir, ttgir,
-        # llir, ptx) are 85 % of the bytes and never read back, and a launcher module (.so) is
-        # host code the loading machine builds itself
-        members = {f: p for f, p in files.items() if p and not f.startswith(GROUP_PREFIX)
-                   and f.endswith(_KEPT) and "/" not in f}
-        data = {}
-        for f, p in members.items():
-            try:
-                data[f] = Path(p).read_bytes()
-            except OSError:
-                data = None          # an entry another process evicted: it compiles at load
-                break
-        if not data:
-            continue
-        for f, b in data.items():
-            out[f"{root}/{key}/{f}"] = b
-        for g in (f for f in files if f.startswith(GROUP_PREFIX)):
-            kernels += 1
-            names = {c: c for c in data}
-            out[f"{root}/{key}/{g}"] = json.dumps({"child_paths": names}, sort_keys=True)
-    entry = {**tc, "path": root, "entries": len({k.split("/")[-2] for k in out}),
-             "kernels": kernels,
-             "bytes": int(sum(len(b) if isinstance(b, bytes) else len(b.encode())
-                              for b in out.values()))}
-    return out, entry
-
-
-def compile_engine_kernels(programs: dict, prefill_programs: dict, cfg, cache, prec,
-                           device: torch.device, log=print,
-                           target_programs: dict | None = None) -> tuple[dict, dict]:
-    """Run every program of the engine once, as a load warms it up before capture (each
-    bucket's step, its greedy variant and its target-only program on padded rows, each prefill
-    program on the trash row, on a fresh decode state), so every kernel it launches is compiled
-    for this device; returns the store's files and manifest entry (`collect`)."""
-    import time
-    from dspark_compile.models.prefill_chunk import chunk_inputs
-    from dspark_compile.models.state import allocate_state
-    from dspark_compile.runtime.variants import sampler_mode_variant
-    t = time.perf_counter()
-    trash = cache.max_rows
-    state = allocate_state(cfg, cache, prec, device)
-    before = compiles()
-    with record() as seen, torch.no_grad():
-        for b, ep in sorted(programs.items()):
-            rows = torch.full((b,), trash, dtype=torch.int64, device=device)
-            for module in (ep.module(), sampler_mode_variant(ep)):
-                if module is not None:
-                    module(rows, state)
-        for b, ep in sorted((target_programs or {}).items()):
-            ep.module()(torch.full((b,), trash, dtype=torch.int64, device=device), state)
-        for c, ep in sorted(prefill_programs.items()):
-            ep.module()(chunk_inputs(trash, 0, [0], c).to(device), state)
-        torch.cuda.synchronize(device)
-    del state
-    files, entry = collect(seen, toolchain(device))
-    log(f"[kernels] {entry['kernels']} Triton kernels for sm_{entry['sm']} (triton "
-        f"{entry['triton']}, {compiles() - before} compiled now), {entry['bytes'] / 1e6:.1f} MB "
-        f"in {time.perf_counter() - t:.1f}s")
-    return files, entry
-
-
 # --------------------------------------------------------------------------- load side
 def check(manifest: dict, tc: dict | None) -> str | None:
     """Why the engine's stored kernels cannot serve this machine (one line), or None."""
@@ -333,7 +214,6 @@ def install(engine_dir: Path, manifest: dict, device: torch.device, policy: str 
     """Let Triton's lookups see the engine's stored kernels (True), or say in one line why it
     cannot and go on compiling at first use (`policy="use"`), refuse (`"require"`: ArtifactError
     naming the field), or not look (`"ignore"`)."""
-    from dspark_compile.engine_dir.format import ArtifactError
     if policy not in POLICIES:
         raise ValueError(f"kernels policy must be one of {list(POLICIES)}, got {policy!r}")
     if policy == "ignore" or device.type != "cuda":
@@ -370,7 +250,6 @@ def use_store(root: Path, files: set | None = None) -> None:
         files = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
         other = sorted(f for f in files if not f.endswith(STORE_SUFFIXES))
         if other:
-            from dspark_compile.engine_dir.format import ArtifactError
             raise ArtifactError(f"kernel store {root}: '{other[0]}' is not a cubin or metadata "
                                 "JSON (a launcher module is built on this machine, never taken "
                                 "from an engine)", path=other[0])
@@ -389,7 +268,6 @@ def _check_metadata(root: Path, rel: str) -> None:
     take no tensor descriptor, and Triton versions that generate a launcher's C source per
     signature write a descriptor's metadata fields into it: an engine's JSON must not reach
     that C compiler."""
-    from dspark_compile.engine_dir.format import ArtifactError
     try:
         with open(root / rel, "rb") as fh:
             data = fh.read(_METADATA_LIMIT + 1)

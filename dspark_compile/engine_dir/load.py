@@ -27,6 +27,10 @@ from dspark_compile.engine_dir.format import (
 from dspark_compile.engine_dir.paths import check_engine, open_file, read_file
 from dspark_compile.engine_dir.weights import _attach_weights, _load_weights
 from dspark_compile.engine_dir.versions import ENV_FIELDS, environment_fields
+from dspark_compile.engine_dir.fields import (check_engine_fields, check_programs_state,
+    check_weights_table)
+from dspark_compile.engine_dir.programs import load_program_file
+from dspark_compile.passes import REGISTRY
 
 
 MAX_MANIFEST_BYTES = 64 << 20   # the tiny engine's is 0.2 MB; a real model's a few MB
@@ -88,7 +92,6 @@ def _mismatch(field: str, have, want, env: bool) -> ArtifactError:
 
 
 def _check_passes(manifest: dict) -> None:
-    from dspark_compile.passes import REGISTRY
 
     for entry in manifest.get("passes", []):
         name = entry.get("name")
@@ -319,7 +322,6 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
                             manifest["weights"]["tensors"], device)
     programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
     if configs is not None:
-        from dspark_compile.engine_dir.fields import check_programs_state, check_weights_table
         check_weights_table(*configs, manifest["weights"].get("tensors", {}))
         check_programs_state(*configs, programs)
     return manifest, programs, weights
@@ -331,7 +333,6 @@ def _engine_fields(manifest: dict, device=None):
     None for an engine without those fields (save_engine alone writes such engines)."""
     if "model_config" not in manifest or "build_config" not in manifest:
         return None
-    from dspark_compile.engine_dir.fields import check_engine_fields
     dev = torch.device(device) if device is not None else None
     if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
         dev = None
@@ -347,7 +348,6 @@ def _program_paths(manifest: dict) -> frozenset:
 def _load_program_file(engine_dir, manifest: dict, rel: str):
     """The program at the validated manifest's path `rel`, refused unless it is a graph and raw
     tensors only (dspark_compile/engine_dir/programs.py: loading it executes nothing from it)."""
-    from dspark_compile.engine_dir.programs import load_program_file
     return load_program_file(Path(engine_dir), rel, manifest["files"][rel])
 
 
@@ -371,7 +371,6 @@ def _load_table(engine_dir, manifest: dict, weights: dict, table: str, key) -> d
         out[int(k)] = ep
     configs = _engine_fields(manifest)
     if configs is not None:
-        from dspark_compile.engine_dir.fields import check_programs_state
         check_programs_state(*configs, {key(k): ep for k, ep in out.items()})
     return out
 

@@ -20,6 +20,8 @@ import re
 import threading
 import types
 import typing
+from dspark_compile.engine_dir.format import ArtifactError, check_digest
+from dspark_compile.engine_dir.paths import open_file
 
 _LOCK = threading.RLock()      # re-entered: load_program_file inside Engine.load's block
 
@@ -89,7 +91,6 @@ _DEVICES = ("cpu", "cuda")
 
 
 def _refuse(rel: str, why: str):
-    from dspark_compile.engine_dir.format import ArtifactError
     return ArtifactError(f"program '{rel}' is refused: {why} (an engine's program holds a graph "
                          "of aten, prims and dspark ops and raw tensor bytes, nothing a load "
                          "would execute)", path=rel)
@@ -266,8 +267,6 @@ def load_program_file(engine_dir, rel: str, info: dict):
     then deserialised from those same bytes by torch's pt2 loader (torch.export.load without
     its fallback to the pre-2.8 format, which unpickles). The `dspark::` ops must be
     registered (register_kernel_ops)."""
-    from dspark_compile.engine_dir.format import ArtifactError, check_digest
-    from dspark_compile.engine_dir.paths import open_file
     from torch.export.pt2_archive._package import load_pt2
 
     with open_file(engine_dir, rel) as f:

@@ -67,6 +67,8 @@ from dspark_compile.atomic_dir import (
     canonical, check_free_space, disk_errors, fsync_dir, move_into_place, needed_bytes,
     output_lock, remove_stale_temps, replace_refusal, temp_dir)
 from dspark_compile.engine_dir.versions import ENV_FIELDS, environment_fields, target_sm
+from dspark_compile.engine_dir.load import MAX_MANIFEST_BYTES
+from dspark_compile.engine_dir.paths import check_rel, read_file
 
 # Computed by save_engine; a caller's manifest_fields may not set them.
 _COMPUTED = {"format_version", "dspark_compile_version", "torch_version", "triton_version",
@@ -116,8 +118,6 @@ def not_an_engine(dest: Path) -> Optional[str]:
     read cannot say which files are the engine's, so the directory is refused, and so is one
     whose file table names a path outside it (dspark_compile/engine_dir/paths.py) or `dest`
     itself when it is a symbolic link (replacing it would not rebuild what it points to)."""
-    from dspark_compile.engine_dir.load import MAX_MANIFEST_BYTES
-    from dspark_compile.engine_dir.paths import check_rel, read_file
     dest = Path(dest)
     if dest.is_symlink():
         return "it is a symbolic link: build to the directory it points to"

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from dspark_compile.engine_dir.format import register_kernel_ops
+from dspark_compile.kernels.registry import KERNELS
 
 DOMAIN = "dspark"
 DOMAIN_VERSION = 1
@@ -115,8 +117,6 @@ def op_spec(overload) -> OpSpec:
 
 def dspark_overloads() -> dict:
     """op name -> OpSpec for every registered `dspark::` op (the kernels are imported)."""
-    from dspark_compile.engine_dir.write import register_kernel_ops
-    from dspark_compile.kernels.registry import KERNELS
     register_kernel_ops()
     return {name: op_spec(k.op.default) for name, k in sorted(KERNELS.items())}
 

@@ -25,6 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from dspark_compile.engine_dir.weights import _load_weights
+from dspark_compile.engine_dir.format import register_kernel_ops
+from dspark_compile.engine_dir.load import load_program as load
 
 EXTRA = "onnx"
 _NEEDS = ("onnx", "onnxscript")
@@ -63,8 +66,6 @@ def input_names(ep) -> list:
 
 def load_program(engine_dir, manifest: dict, bucket: int):
     """One bucket's program with the engine's weights attached (load_engine loads them all)."""
-    from dspark_compile.engine_dir.write import load_program as load, register_kernel_ops
-    from dspark_compile.engine_dir.weights import _load_weights
     engine_dir = Path(engine_dir)
     register_kernel_ops()
     weights = _load_weights(engine_dir / manifest["weights"]["file"],

@@ -23,6 +23,10 @@ import json
 import zipfile
 from collections import Counter
 from pathlib import Path
+from dspark_compile.engine_dir.format import ArtifactError
+from dspark_compile.engine_dir.paths import read_file
+from dspark_compile.inspection import report_plots as plots
+from dspark_compile.kernels.sm12x import ctas_by_registers, MAX_CTAS_PER_SM
 
 STEP_JSON = "step.json"
 
@@ -69,8 +73,6 @@ def program_op_counts(engine_dir: Path, rel: str, size: int | None = None):
     read that way (torch.export.save writes the graph as JSON inside the .pt2 zip). The file
     is read through artifact_paths (inside the engine, no link, at most `size` bytes: its
     file-table size) and only an uncompressed graph record is parsed."""
-    from dspark_compile.engine_dir.paths import read_file
-    from dspark_compile.engine_dir.format import ArtifactError
     try:
         data = read_file(Path(engine_dir), rel, size if size is not None else 1 << 30)
         with zipfile.ZipFile(io.BytesIO(data)) as z:
@@ -119,7 +121,6 @@ def _bucket(b: str, rows: list, ops, plots) -> str:
 
 
 def _ctas(r: dict, arch: str) -> tuple:
-    from dspark_compile.kernels.sm12x import MAX_CTAS_PER_SM, ctas_by_registers
     by_regs = ctas_by_registers(r["registers"], r["num_warps"]) if r.get("registers") else None
     smem = _SMEM_PER_SM.get(arch)
     by_smem = (min(MAX_CTAS_PER_SM, smem // (r["shared_bytes"] + _SMEM_RESERVED_PER_CTA))
@@ -182,8 +183,6 @@ _STEP_COLS = ("case", "B", "variant", "status", "us_median", "us_p10", "us_p90",
 
 
 def _step(engine_dir: Path, plots) -> str:
-    from dspark_compile.engine_dir.paths import read_file
-    from dspark_compile.engine_dir.format import ArtifactError
     path = engine_dir / STEP_JSON
     if not path.exists() and not path.is_symlink():
         return ""
@@ -212,7 +211,6 @@ def _step(engine_dir: Path, plots) -> str:
 
 def render_report(engine_dir, manifest: dict, loads_here: str = "") -> str:
     """The report page as one HTML string."""
-    from dspark_compile.inspection import report_plots as plots
     plots.check_matplotlib_available()
     engine_dir = Path(engine_dir)
     stats = manifest.get("pass_stats") or {}

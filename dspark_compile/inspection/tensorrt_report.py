@@ -18,6 +18,7 @@ import operator
 from collections import Counter
 from pathlib import Path
 from typing import Callable
+from dspark_compile.passes.graph_utils import has_side_effects
 
 MIN_BLOCK_SIZE = 5        # torch_tensorrt.dynamo.compile's default
 
@@ -45,7 +46,6 @@ def _op(node) -> str:
 def _candidate(node, supported: Callable) -> bool:
     import torch
 
-    from dspark_compile.passes.graph_utils import has_side_effects
     if node.op != "call_function":
         return False
     t = node.target

@@ -39,11 +39,29 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.engine_dir.write import (ArtifactError, _read_manifest, check_state_layout,
-                                     load_engine, update_manifest_field)
+from dspark_compile.engine_dir.format import ArtifactError
+from dspark_compile.engine_dir.load import check_state_layout, load_engine, _read_manifest
+from dspark_compile.engine_dir.write import update_manifest_field
 # warm_up / capture_graph: imported here too for callers of the runtime's old names
 from dspark_compile.runtime.cuda_graphs import StepGraph, capture_graph, packed, unpack, warm_up  # noqa: F401
 from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
+from dspark_compile.engine_dir.fields import engine_configs
+from dspark_compile.engine_dir.format import BACKENDS
+from dspark_compile.engine_dir.kernel_store import install
+from dspark_compile.engine_dir.programs import faster_deserialization
+from dspark_compile.engine_dir.format import target_key
+from dspark_compile.engine_dir.load import load_prefill_programs, load_target_programs
+from dspark_compile.models.config import rope_positions
+from dspark_compile.models.moe import sync_kernel_layouts, use_kernel_layouts
+from dspark_compile.models.prefill_chunk import chunk_schedule
+from dspark_compile.models.request import SamplingParams, validate_batch
+from dspark_compile.models.state import allocate_state, check_prefill
+from dspark_compile.models.step import prefill
+from dspark_compile.models.target import DeepseekV4
+from dspark_compile.runtime.inductor import compiled_entries, CompiledStep
+from dspark_compile.runtime.prefill import compiled_table_paths, PrefillPrograms
+from dspark_compile.runtime.scheduler import GenerationStream
+from dspark_compile.runtime.variants import sampler_mode_variant
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -92,8 +110,6 @@ class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
                  device: torch.device, use_graphs: bool, greedy_variants: bool = True,
                  prefill: str | None = None, target: bool = True):
-        from dspark_compile.engine_dir.fields import engine_configs
-        from dspark_compile.models.state import allocate_state
 
         self.dir, self.manifest, self.device = engine_dir, manifest, device
         self.cfg, self.build = engine_configs(manifest)   # names a missing or broken field
@@ -114,7 +130,6 @@ class Engine:
             self.modules = {b: ep.module() for b, ep in programs.items()}
             self.greedy_modules = {}
             if greedy_variants:
-                from dspark_compile.runtime.variants import sampler_mode_variant
                 self.greedy_modules = {b: m for b, ep in programs.items()
                                        if (m := sampler_mode_variant(ep)) is not None}
         self.prefill_programs = self._load_prefill(weights, prefill)
@@ -154,7 +169,6 @@ class Engine:
         if prefill not in (None, "programs", "eager"):
             raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
         if backend is not None:
-            from dspark_compile.build.inductor import BACKENDS
             if backend not in BACKENDS:
                 raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
             expect = {**(expect or {}), "build_config.backend": backend}
@@ -173,11 +187,9 @@ class Engine:
         use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        from dspark_compile.engine_dir.programs import faster_deserialization
         with faster_deserialization():
             manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device,
                                                       trust_code=trust_code)
-        from dspark_compile.engine_dir.kernel_store import install
         install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
                   prefill, target)
@@ -189,7 +201,6 @@ class Engine:
     def _compiled_modules(self, greedy_variants: bool):
         """The Inductor-compiled steps of every bucket, loaded from the engine
         (dspark_compile/build/inductor.py): ({bucket: full step}, {bucket: greedy step})."""
-        from dspark_compile.build.inductor import CompiledStep, compiled_entries
         full, greedy = {}, {}
         for b, entry in compiled_entries(self.manifest).items():
             rows = self._padded_rows(b)
@@ -213,8 +224,6 @@ class Engine:
         if prefill == "eager" or not chunks or (
                 prefill is None and self.device.type != "cuda" and self.backend != "aten"):
             return None
-        from dspark_compile.engine_dir.write import load_prefill_programs
-        from dspark_compile.runtime.prefill import PrefillPrograms
         return PrefillPrograms(self.dir, self.manifest,
                                load_prefill_programs(self.dir, self.manifest, weights),
                                self.state, self.device, self.backend, chunks)
@@ -224,13 +233,10 @@ class Engine:
         program (inductor); {} for an engine built without target programs."""
         if not self.build.target_programs:
             return {}
-        from dspark_compile.engine_dir.write import load_target_programs, target_key
         programs = load_target_programs(self.dir, self.manifest, weights)
         check_state_layout(programs, self.state)
         if self.backend != "inductor":
             return {b: ep.module() for b, ep in programs.items()}
-        from dspark_compile.build.inductor import CompiledStep
-        from dspark_compile.runtime.prefill import compiled_table_paths
         paths = compiled_table_paths(self.manifest, "target_programs", programs, target_key,
                                      "bucket")
         return {b: CompiledStep(self.dir / paths[b], ep, self._padded_rows(b), self.state)
@@ -259,8 +265,6 @@ class Engine:
 
     def _reference_model(self, weights: dict):
         """The eager model for prefill, sharing the engine's weight tensors (no copy)."""
-        from dspark_compile.models.config import rope_positions
-        from dspark_compile.models.target import DeepseekV4
         with torch.device(self.device):
             model = DeepseekV4(self.cfg, self.build.precision(),
                                rope_positions(self.build.max_seq_len, self.cfg.dspark_block_size))
@@ -272,7 +276,6 @@ class Engine:
             # the build stored the MoE experts in their kernel's layout (models/moe.py
             # use_kernel_layouts, an exact permutation): the eager model takes it too, and its
             # moe_experts calls name it
-            from dspark_compile.models.moe import use_kernel_layouts
             use_kernel_layouts(model, self.build.precision().dtype)
         tiled = probe is not None and sd[probe].shape != own[probe].shape
         persistent = set(model.state_dict())
@@ -286,7 +289,6 @@ class Engine:
         if tiled:
             # the layout's name (its `wide` flag) follows the loaded scale bytes, not the empty
             # buffers use_kernel_layouts shaped
-            from dspark_compile.models.moe import sync_kernel_layouts
             sync_kernel_layouts(model)
         return model.eval()
 
@@ -471,8 +473,6 @@ class Engine:
         """The prompt's forward into state row `row` (its sampling parameters set): the
         engine's prefill programs (`self.prefill_programs`) or the eager reference; returns
         the first generated token."""
-        from dspark_compile.models.state import check_prefill
-        from dspark_compile.models.step import prefill
         if self.prefill_programs is None:
             return prefill(self.model, self.state, row, prompt, self.cache.max_step_tokens,
                            speculative=True)
@@ -486,7 +486,6 @@ class Engine:
         reference)."""
         if self.prefill_programs is None:
             return [(0, len(prompt), len(prompt))]
-        from dspark_compile.models.prefill_chunk import chunk_schedule
         return chunk_schedule(len(prompt), self.prefill_programs.chunks)
 
     @torch.no_grad()
@@ -498,7 +497,6 @@ class Engine:
         once, and synchronously."""
         if self.prefill_programs is None:
             return Launched(torch.tensor([self.prefill(row, prompt)]))
-        from dspark_compile.models.state import check_prefill
         if calls[0][0] == 0:
             check_prefill(self.model, self.state, row, prompt,
                           max(self.prefill_programs.chunks), True)
@@ -527,7 +525,6 @@ class Engine:
         and step: the engine's own non-speculative decoding)."""
         import weakref
 
-        from dspark_compile.runtime.scheduler import GenerationStream
         if self._stream is not None:
             old = self._stream()
             if old is not None and not old.closed:
@@ -549,7 +546,6 @@ class Engine:
     def _requests(self, prompts, params) -> list:
         """A whole request list checked before anything runs (models/request.py's rules;
         messages name the prompt's index): the params' checked copies."""
-        from dspark_compile.models.request import SamplingParams, validate_batch
         if isinstance(params, SamplingParams) and hasattr(prompts, "__len__"):
             params = [params] * len(prompts)
         seq = self.cache.max_seq_len

@@ -20,6 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from dspark_compile.models.config import CacheConfig, request_positions
+from dspark_compile.models.generate import set_row_sampling
+from dspark_compile.models.request import SamplingParams
+from dspark_compile.models.state import allocate_state
+from dspark_compile.models.step import prefill, target_decode_step
 
 END = -1   # `expected`/`got` value meaning "the output ended here"
 
@@ -89,11 +94,6 @@ class LosslessReport:
 def greedy_reference(model, prompt: list[int], n: int, device="cpu", stop_ids=()):
     """Plain target greedy decoding of up to `n` tokens (ending after the first stop id);
     returns (tokens, logits per token)."""
-    from dspark_compile.models.config import CacheConfig, request_positions
-    from dspark_compile.models.generate import set_row_sampling
-    from dspark_compile.models.request import SamplingParams
-    from dspark_compile.models.state import allocate_state
-    from dspark_compile.models.step import prefill, target_decode_step
 
     cache = CacheConfig(max_rows=1, max_seq_len=request_positions(len(prompt), n, 0),
                         max_step_tokens=64)

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.engine_dir.write import ArtifactError, prefill_key
+from dspark_compile.engine_dir.format import ArtifactError, prefill_key
+from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule, HEADER
+from dspark_compile.runtime.cuda_graphs import capture_graph, warm_up
+from dspark_compile.runtime.inductor import CompiledStep
 
 
 def compiled_prefill_paths(manifest: dict, chunks) -> dict:
@@ -50,7 +53,6 @@ class PrefillPrograms:
 
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, state: dict,
                  device: torch.device, backend: str, chunks: tuple):
-        from dspark_compile.models.prefill_chunk import HEADER
         if sorted(programs) != sorted(chunks):
             raise ArtifactError(f"manifest field 'prefill_programs': programs for chunks "
                                 f"{sorted(programs)}, build_config.prefill_chunks says "
@@ -60,7 +62,6 @@ class PrefillPrograms:
         self.inputs = {c: torch.zeros(c + HEADER, dtype=torch.int64, device=device)
                        for c in self.chunks}
         if backend == "inductor":
-            from dspark_compile.build.inductor import CompiledStep
             paths = compiled_prefill_paths(manifest, self.chunks)
             self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
                                             self.inputs[c], state) for c in self.chunks}
@@ -73,8 +74,6 @@ class PrefillPrograms:
         """One graph per chunk length, largest first, into `pool` on `stream`; warm-up and
         capture run on the trash row, so no request's state is touched."""
         import time
-        from dspark_compile.models.prefill_chunk import chunk_inputs
-        from dspark_compile.runtime.cuda_graphs import capture_graph, warm_up
         for c in sorted(self.chunks, reverse=True):
             t = time.perf_counter()
             x, fn = self.inputs[c], self.modules[c]
@@ -88,7 +87,6 @@ class PrefillPrograms:
         """Prefill `prompt` into state row `row` (its sampling parameters already set): every
         cache of the row, the draft context, row.tokens / draft_logits / last_pos, as
         models/step.py `prefill` writes them; returns the first generated token."""
-        from dspark_compile.models.prefill_chunk import chunk_schedule
         return int(self.launch(row, prompt, chunk_schedule(len(prompt), self.chunks),
                                use_graphs)[0])
 
@@ -98,7 +96,6 @@ class PrefillPrograms:
         without reading anything back; returns the last call's output (the token after
         start + n - 1: the first token once the calls reach the prompt's end), on the device:
         a graph's output is valid until the next replay of any graph of the pool."""
-        from dspark_compile.models.prefill_chunk import chunk_inputs
         out = None
         for start, n, c in calls:
             x = chunk_inputs(row, start, prompt[start:start + n], c)

@@ -8,8 +8,8 @@
                  add and cancel requests from the event loop
     metrics.py   the Prometheus registry: request outcomes, queue depth, steps per bucket,
                  greedy-variant share, speculative-decoding acceptance, latency histograms
-    chat_format.py  chat messages -> a prompt (DeepSeek-V4's format, or the engine's Jinja
-                 template), the reply's reasoning split from its content
+    (chat_format: models/chat_format.py, DeepSeek-V4's chat format, which the build also
+                 reads to write the engine's tokenizer_config.json)
     http.py      what the routes share: the serving state, a request read, parsed, checked
                  and submitted (admit), its engine events as text (Run), OpenAI's error body
     chat.py      /v1/chat/completions over the completions machinery; /tokenize, /detokenize

@@ -39,7 +39,7 @@ from dspark_compile.serve.http import (ApiError, EventStream, Run, account, admi
                                        collect, continuous_usage, json_error, load_json,
                                        not_served, usage, validated)
 from dspark_compile.serve.middleware import ACCESS
-from dspark_compile.serve.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
+from dspark_compile.models.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
 from dspark_compile.serve.protocol import CompletionRequest

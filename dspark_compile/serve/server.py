@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dspark_compile.serve import require_extra
-from dspark_compile.serve.chat_format import ChatFormat
+from dspark_compile.models.chat_format import ChatFormat
 from dspark_compile.serve.loop import EngineLoop
 from dspark_compile.serve.text import Tokenizer
 

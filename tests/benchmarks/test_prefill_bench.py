@@ -2,23 +2,13 @@
 reference's first token; the floor's bytes, FLOPs and bound; the JSON and CSV."""
 import csv
 import json
-import os
-import subprocess
-import sys
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "benchmarks", "prefill.py")
 
 
-def test_dry_run_runs_both_variants_and_names_the_floor(tmp_path):
-    # a fresh process, as tests/benchmarks/test_step.py does. Measured on a 2-core machine:
-    # ~90 s, of which the build (the bucket-1 step and the chunk-16 prefill program, an export
-    # of ~29 s each) ~75 s and the load ~13 s; the prefill runs and the floor take seconds.
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, TOOL, "--dry-run", "--out", str(out),
-                          "--work", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_dry_run_runs_both_variants_and_names_the_floor(dry_run):
+    # Measured on a 2-core machine: ~90 s, of which the build (the bucket-1 step and the
+    # chunk-16 prefill program, an export of ~29 s each) ~75 s and the load ~13 s; the prefill
+    # runs and the floor take seconds.
+    run, out = dry_run("prefill")
     rec = json.loads((out / "prefill.json").read_text())
     assert rec["schema"] == "dspark-prefill-benchmark/1" and rec["complete"] and rec["dry_run"]
     for k in ("device", "driver", "torch", "triton", "git_commit", "date_utc"):

@@ -4,22 +4,11 @@ against it, acceptance is in range, greedy speculation reproduces the baseline's
 JSON and CSV."""
 import csv
 import json
-import os
-import subprocess
-import sys
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "benchmarks", "speedup.py")
 
 
-def test_dry_run_times_every_variant_against_the_engine_target_baseline(tmp_path):
-    # a fresh process, as the other benchmark tests do; the build (one bucket of 2 serving
-    # B = 1 and 2: one export) is most of it
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, TOOL, "--dry-run", "--out", str(out),
-                          "--work", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_dry_run_times_every_variant_against_the_engine_target_baseline(dry_run):
+    # the build (one bucket of 2 serving B = 1 and 2: one export) is most of it
+    run, out = dry_run("speedup")
     assert "baseline: the engine's own non-speculative decoding" in run.stdout
     rec = json.loads((out / "speedup.json").read_text())
     assert rec["schema"] == "dspark-speedup-benchmark/1" and rec["complete"] and rec["dry_run"]

@@ -2,28 +2,17 @@
 once (or skipped with a reason), the byte floor, the per-layer attribution."""
 import csv
 import json
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(REPO, "benchmarks", "step.py")
 VARIANTS = ("eager", "eager-graph", "compile-graph", "engine", "engine-greedy",
             "engine-batch-dependent")
 
 
-def test_dry_run_writes_every_variant_floor_and_layers(tmp_path):
-    # a fresh process: torch.compile, the SIGALRM budget and the profiler leave no state in
-    # this one. The "greedy" case alone runs all six variants (engine-greedy needs it); a
-    # 1 s compile budget exercises the budget's skip path instead of a CPU Inductor build
-    # (minutes). Measured: 142 s on a 2-core machine (build of one bucket ~35 s, engine load
-    # ~15 s, the per-layer runs ~45 s, the profiled eager steps the rest).
-    out = tmp_path / "out"
-    run = subprocess.run([sys.executable, TOOL, "--dry-run", "--buckets", "2", "--cases", "greedy",
-                          "--compile-budget-s", "1", "--out", str(out),
-                          "--work", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+def test_dry_run_writes_every_variant_floor_and_layers(dry_run):
+    # The "greedy" case alone runs all six variants (engine-greedy needs it); a 1 s compile
+    # budget exercises the budget's skip path instead of a CPU Inductor build (minutes).
+    # Measured: 142 s on a 2-core machine (build of one bucket ~35 s, engine load ~15 s, the
+    # per-layer runs ~45 s, the profiled eager steps the rest).
+    run, out = dry_run("step", "--buckets", "2", "--cases", "greedy", "--compile-budget-s", "1")
     rec = json.loads((out / "step.json").read_text())
     assert rec["schema"] == "dspark-step-benchmark/1" and rec["complete"] and rec["dry_run"]
     env = rec["environment"]

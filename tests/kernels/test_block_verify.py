@@ -388,7 +388,8 @@ def test_bound_walk_keeps_every_row_of_a_block_request():
 def test_engine_without_the_verify_state_is_refused():
     """A program exported before the decode state had `row.verify` is refused at load naming
     the field (artifact.check_state_layout, called by Engine), not failed at its first step."""
-    from dspark_compile.engine_dir.write import ArtifactError, check_state_layout
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.load import check_state_layout
 
     class Step(torch.nn.Module):
         def forward(self, rows, state):

@@ -55,7 +55,7 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_engine(tiny_ckpt, tmp_path_factory) -> Built:
-    from dspark_compile.build.config import DEFAULT_BUCKETS, BuildConfig
+    from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS, BuildConfig
     from dspark_compile.build.pipeline import build_engine
     out = tmp_path_factory.mktemp("rt_default") / "engine"
     lines: list[str] = []
@@ -79,7 +79,7 @@ def default_loaded(default_engine):
 @pytest.fixture(scope="session")
 def small_engine(tiny_ckpt, tmp_path_factory) -> Built:
     """Built by `dspark-compile build` in-process; `log` holds (exit status, stdout, stderr)."""
-    from dspark_compile.engine_dir.write import load_manifest
+    from dspark_compile.engine_dir.load import load_manifest
     from dspark_compile.cli.main import main
     out = tmp_path_factory.mktemp("rt_small") / "engine"
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -112,6 +112,6 @@ def ref_model(tiny_ckpt):
     precision (float64, FP8 activation quant and KV simulated)."""
     from dspark_compile.models import load_model
     from dspark_compile.models.config import Precision
-    from dspark_compile.build.config import DTYPES
+    from dspark_compile.engine_dir.build_config import DTYPES
     prec = Precision(dtype=DTYPES["float64"], act_quant=True, kv_fp8=True)
     return load_model(tiny_ckpt, prec, max_positions=SEQ + 16, with_draft=True)

@@ -12,8 +12,9 @@ import torch
 
 import dspark_compile.kernels.moe  # noqa: F401  (the toy calls dspark::moe_experts)
 from dspark_compile.engine_dir import write as artifact
-from dspark_compile.engine_dir.write import (ArtifactError, load_engine, load_manifest, save_engine,
-                                     update_manifest_field)
+from dspark_compile.engine_dir.format import ArtifactError
+from dspark_compile.engine_dir.load import load_engine, load_manifest
+from dspark_compile.engine_dir.write import save_engine, update_manifest_field
 from dspark_compile.models.linear import E8M0_STORAGE
 from dspark_compile.passes import PassManager
 from dspark_compile.engine_dir.versions import environment_fields
@@ -500,7 +501,7 @@ def _rewrite_manifest(engine, edit):
 @pytest.mark.parametrize("field", ["model_config", "build_config"])
 def test_run_names_a_missing_engine_field(engine, capsys, field):
     """A consistent manifest without the fields the runtime needs: one line, no KeyError."""
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.cli.main import main
     from dspark_compile.factory.presets import preset
 
@@ -516,7 +517,7 @@ def test_run_names_a_missing_engine_field(engine, capsys, field):
 
 
 def test_engine_fields_name_a_missing_or_unknown_build_option(engine):
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.engine_dir.fields import engine_configs
     from dspark_compile.factory.presets import preset
     m = {"model_config": preset("tiny"), "build_config": BuildConfig(buckets=BUCKETS).to_manifest()}

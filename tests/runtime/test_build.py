@@ -9,9 +9,10 @@ import zipfile
 import pytest
 import torch
 
-from dspark_compile.engine_dir.write import FORMAT_VERSION, TOKENIZER_FILE, config_hash, program_path
+from dspark_compile.engine_dir.format import (config_hash, FORMAT_VERSION, program_path,
+    TOKENIZER_FILE)
 from dspark_compile.passes import PassManager, assert_no_whole_cache_copy, find_host_syncs
-from dspark_compile.build.config import DEFAULT_BUCKETS
+from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS
 from dspark_compile.build.pipeline import state_input_names
 from dspark_compile.engine_dir.versions import environment_fields
 
@@ -123,7 +124,7 @@ def test_manifest_fields(default_engine):
 
 
 def test_build_refuses_a_non_engine_output_before_exporting(tiny_ckpt, tmp_path):
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
     out = tmp_path / "out"
     out.mkdir()
@@ -140,8 +141,10 @@ def test_build_copies_the_checkpoint_tokenizer_into_the_checksummed_files(tiny_c
     table: a tampered copy is refused at load, naming the file. The export is replaced by a
     one-op program (the copy does not depend on it; the real step's build is the fixtures')."""
     import dspark_compile.build.pipeline as trace
-    from dspark_compile.engine_dir.write import ArtifactError, load_manifest, not_an_engine, sha256_file
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.format import ArtifactError, sha256_file
+    from dspark_compile.engine_dir.load import load_manifest
+    from dspark_compile.engine_dir.write import not_an_engine
+    from dspark_compile.engine_dir.build_config import BuildConfig
 
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -166,7 +169,7 @@ def test_build_copies_the_checkpoint_tokenizer_into_the_checksummed_files(tiny_c
     assert not_an_engine(out) is None                # --overwrite may replace it
     load_manifest(out)
     # beside it: its tokenizer_config.json (BOS / EOS, DeepSeek-V4's chat template), checksummed
-    from dspark_compile.serve.chat_format import DEEPSEEK_V4_TEMPLATE
+    from dspark_compile.models.chat_format import DEEPSEEK_V4_TEMPLATE
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert cfg["chat_template"] == DEEPSEEK_V4_TEMPLATE and cfg["model_max_length"] == 16
     assert m["files"]["tokenizer_config.json"]["sha256"] == sha256_file(

@@ -22,7 +22,9 @@ import torch
 
 from dspark_compile.cli import main as cli
 from dspark_compile.engine_dir import write as artifact
-from dspark_compile.engine_dir.write import ArtifactError, load_manifest, save_engine
+from dspark_compile.engine_dir.format import ArtifactError
+from dspark_compile.engine_dir.load import load_manifest
+from dspark_compile.engine_dir.write import save_engine
 from dspark_compile import atomic_dir
 from dspark_compile.factory import synth
 from dspark_compile.atomic_dir import (NoSpaceError, OutputLocked, lock_path,
@@ -236,7 +238,7 @@ def test_move_into_place_without_replace_keeps_what_is_there(tmp_path, theirs):
 
 
 def test_build_without_overwrite_refuses_an_output_that_is_not_empty(config_only, tmp_path):
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
     out = tmp_path / "engine"
     out.mkdir()

@@ -208,7 +208,7 @@ def test_run_checks_prompts_against_the_manifest_before_loading(small_engine, ca
 def test_engine_load_names_a_missing_manifest_field(small_engine, tmp_path, field):
     import json
 
-    from dspark_compile.engine_dir.write import ArtifactError, _checksum
+    from dspark_compile.engine_dir.format import ArtifactError, _checksum
     from dspark_compile.runtime.engine import Engine
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
@@ -227,7 +227,7 @@ def _edited(small_engine, tmp_path, field: str, value):
     (what a user fixing a path would do)."""
     import json
 
-    from dspark_compile.engine_dir.write import _checksum
+    from dspark_compile.engine_dir.format import _checksum
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
     m = json.loads((eng / "manifest.json").read_text())
@@ -264,7 +264,7 @@ def test_a_hand_edited_manifest_names_the_field(small_engine, tmp_path, capsys, 
 
 def test_engine_load_names_a_state_field_the_programs_disagree_with(small_engine, tmp_path):
     """The library load too (not only the CLI): build_config.dtype edited."""
-    from dspark_compile.engine_dir.write import ArtifactError
+    from dspark_compile.engine_dir.format import ArtifactError
     from dspark_compile.runtime.engine import Engine
     eng = _edited(small_engine, tmp_path, "build_config.dtype", "float32")
     with pytest.raises(ArtifactError, match="manifest field 'build_config.dtype' does not match "
@@ -320,7 +320,7 @@ def _target_path(m):
 def test_hand_edited_manifest_tables_are_named(small_engine, tmp_path, capsys, edit, says):
     import json
 
-    from dspark_compile.engine_dir.write import _checksum
+    from dspark_compile.engine_dir.format import _checksum
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
     m = json.loads((eng / "manifest.json").read_text())

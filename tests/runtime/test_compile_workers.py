@@ -88,7 +88,7 @@ def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
 
 
 def test_an_unreadable_compiled_program_is_named(programs, tmp_path):
-    from dspark_compile.engine_dir.write import ArtifactError
+    from dspark_compile.engine_dir.format import ArtifactError
     from dspark_compile.runtime.inductor import CompiledStep
     eps, state = programs
     bad = tmp_path / "step_b1.bin"

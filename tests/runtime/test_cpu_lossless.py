@@ -16,7 +16,7 @@ PROMPTS, NEW_TOKENS = 64, 64
 
 @pytest.fixture(scope="module")
 def fp32_engine(tmp_path_factory):
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
     from dspark_compile.build.pipeline import build_engine

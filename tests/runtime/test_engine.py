@@ -443,7 +443,7 @@ def test_engine_runs_only_on_the_device_it_was_built_for(small_engine):
 
 
 def test_backend_defaults_follow_the_device_and_bad_ones_are_named():
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     assert BuildConfig().backend == "aten"
     assert BuildConfig(device="cuda").backend == "aten"   # Inductor only when asked for
     assert BuildConfig(device="cuda:1", backend="aten").backend == "aten"
@@ -457,7 +457,8 @@ def test_engine_built_with_one_backend_refuses_to_load_as_the_other(small_engine
     programs is refused naming the missing field."""
     import shutil
 
-    from dspark_compile.engine_dir.write import ArtifactError, update_manifest_field
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.write import update_manifest_field
     from dspark_compile.runtime.engine import Engine
     import copy
 

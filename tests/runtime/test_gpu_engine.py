@@ -15,7 +15,7 @@ import torch
 
 from dspark_compile.models.state import restore_state as _restore
 from dspark_compile.models.state import snapshot_state as _snapshot
-from dspark_compile.build.config import DEFAULT_BUCKETS
+from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def buckets(request):
 def gpu_engine(tmp_path_factory, buckets, request):
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
 
     root = tmp_path_factory.mktemp("gpu_engine")
@@ -102,7 +102,7 @@ def test_engine_captured_every_bucket(gpu_engine, buckets):
 
 
 def test_manifest_records_capture_time_and_graph_memory(gpu_engine, buckets):
-    from dspark_compile.engine_dir.write import load_manifest
+    from dspark_compile.engine_dir.load import load_manifest
 
     eng = gpu_engine
     m = load_manifest(eng.dir)               # still valid: the checksum was updated
@@ -233,7 +233,7 @@ def test_engine_runs_the_backend_it_was_built_with(gpu_engine, buckets, request)
     backend = request.config.getoption("--gpu-engine-backend")
     assert eng.backend == backend == eng.manifest["build_config"]["backend"]
     if backend == "inductor":
-        from dspark_compile.build.inductor import CompiledStep
+        from dspark_compile.runtime.inductor import CompiledStep
         assert all(isinstance(eng.modules[b], CompiledStep) for b in buckets)
         assert all(isinstance(eng.greedy_modules[b], CompiledStep) for b in buckets)
         secs = eng.manifest["compiled"]["compile_seconds"]

@@ -37,7 +37,7 @@ def cuda_engine(request, tmp_path_factory):
     given = request.config.getoption("--gpu-kernel-store-engine")
     if given:
         return given
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.build.pipeline import build_engine
     root = tmp_path_factory.mktemp("kstore")

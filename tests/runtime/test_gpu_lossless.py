@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_compile.build.config import DEFAULT_BUCKETS
+from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ PROMPTS, NEW_TOKENS = 64, 64
 
 @pytest.fixture(scope="module")
 def bf16_engine(tmp_path_factory, request):
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
     from dspark_compile.build.pipeline import build_engine

@@ -41,7 +41,7 @@ _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 def chunk_engine(tiny_ckpt, tmp_path_factory):
     """(manifest, Engine): session-scoped like tests/runtime/conftest.py's engines (the suite
     shuffles tests across modules; a module fixture would be rebuilt)."""
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.runtime.engine import Engine
     from dspark_compile.build.pipeline import build_engine
     out = tmp_path_factory.mktemp("rt_prefill") / "engine"
@@ -152,7 +152,7 @@ def test_generation_through_prefill_programs_is_lossless(chunk_engine):
 
 
 def test_manifest_records_the_prefill_programs(chunk_engine):
-    from dspark_compile.engine_dir.write import prefill_program_path
+    from dspark_compile.engine_dir.format import prefill_program_path
     m, eng = chunk_engine
     assert m["build_config"]["prefill_chunks"] == [C]
     entry = m["prefill_programs"][str(C)]
@@ -171,14 +171,16 @@ def test_manifest_records_the_prefill_programs(chunk_engine):
 
 @pytest.mark.parametrize("bad", [(-1,), (0, 8), (True,), ("8",), (SEQ + 1,), 8])
 def test_bad_prefill_chunks_are_named(bad):
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     with pytest.raises(ValueError, match="prefill_chunks"):
         BuildConfig(max_seq_len=SEQ, prefill_chunks=bad)
 
 
 def test_prefill_chunks_flag_and_old_engines(chunk_engine, tmp_path):
-    from dspark_compile.engine_dir.write import ArtifactError, load_manifest, update_manifest_field
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.load import load_manifest
+    from dspark_compile.engine_dir.write import update_manifest_field
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.cli.main import main
     from dspark_compile.engine_dir.fields import engine_configs
     assert BuildConfig(prefill_chunks=(0,)).prefill_chunks == ()
@@ -235,7 +237,7 @@ def gpu_chunk_engine(tmp_path_factory, request):
     bytes at L = 16, an indexer key 4 % off at L = 200, a greedy divergence at a 1.8 % logit
     margin): there the programs are checked for what they write where and for the first token;
     without FP8 every written value is checked against the reference, and decoding is lossless."""
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
     from dspark_compile.build.pipeline import build_engine

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_compile.engine_dir.write import (ArtifactError, _checksum, load_manifest, not_an_engine,
-                                     sha256_file)
+from dspark_compile.engine_dir.format import ArtifactError, _checksum, sha256_file
+from dspark_compile.engine_dir.load import load_manifest
+from dspark_compile.engine_dir.write import not_an_engine
 
 
 class Payload:
@@ -194,7 +195,7 @@ def test_the_pickled_constant_is_a_live_exploit_of_plain_torch(small_engine, tmp
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
     rewrite_program(eng, "programs/step_b1.pt2", _first_constant(marker))
-    from dspark_compile.engine_dir.write import register_kernel_ops
+    from dspark_compile.engine_dir.format import register_kernel_ops
     register_kernel_ops()
     with contextlib.suppress(Exception):
         torch.export.load(str(eng / "programs/step_b1.pt2"))
@@ -232,7 +233,7 @@ def test_serve_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_pa
 
 def test_every_program_of_a_built_engine_passes_the_archive_check(small_engine):
     """The check refuses nothing the build writes (the steps and the target-only programs)."""
-    from dspark_compile.engine_dir.write import register_kernel_ops
+    from dspark_compile.engine_dir.format import register_kernel_ops
     from dspark_compile.engine_dir.programs import check_program_archive
     register_kernel_ops()
     m = small_engine.manifest

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's chat format (serve/chat_format.py): the prompts of the public description's
+"""DeepSeek-V4's chat format (models/chat_format.py): the prompts of the public description's
 examples, byte for byte; the reasoning / content split at `</think>` however the text is cut;
 a checkpoint's Jinja template rendered in the sandbox."""
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_compile.serve.chat_format import (BOS, EOS, REASONING_EFFORT_MAX, ChatError,
+from dspark_compile.models.chat_format import (BOS, EOS, REASONING_EFFORT_MAX, ChatError,
                                               ChatFormat, ReasoningSplit, render_deepseek_v4,
                                               split_reasoning)
 
@@ -156,7 +156,7 @@ CONVERSATIONS = [
 @pytest.mark.parametrize("msgs", CONVERSATIONS)
 @pytest.mark.parametrize("thinking,effort", [(False, None), (True, "high"), (True, "max")])
 def test_the_jinja_template_renders_what_the_function_does(msgs, thinking, effort):
-    from dspark_compile.serve.chat_format import (DEEPSEEK_V4_TEMPLATE, compile_template,
+    from dspark_compile.models.chat_format import (DEEPSEEK_V4_TEMPLATE, compile_template,
                                                   render_template)
     t = compile_template(DEEPSEEK_V4_TEMPLATE, "test")
     for bos, eos in ((BOS, EOS), ("<|bos|>", "<|eos|>")):
@@ -165,7 +165,7 @@ def test_the_jinja_template_renders_what_the_function_does(msgs, thinking, effor
 
 
 def test_the_engines_tokenizer_config_carries_the_template_and_the_tokenizers_bos_eos(tmp_path):
-    from dspark_compile.serve.chat_format import DEEPSEEK_V4_TEMPLATE, tokenizer_config
+    from dspark_compile.models.chat_format import DEEPSEEK_V4_TEMPLATE, tokenizer_config
     from dspark_compile.serve.text import Tokenizer
     tok = Tokenizer.load(Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained" / "tokenizer.json")
     cfg = json.loads(tokenizer_config(tmp_path, tok, 0, 1))
@@ -183,7 +183,7 @@ def test_hugging_face_reads_the_engine_as_a_tokenizer_directory(tmp_path):
     """What a tool given `--tokenizer ENGINE` does: AutoTokenizer over tokenizer.json and the
     tokenizer_config.json the build writes, its apply_chat_template equal to the server's."""
     transformers = pytest.importorskip("transformers")
-    from dspark_compile.serve.chat_format import tokenizer_config
+    from dspark_compile.models.chat_format import tokenizer_config
     from dspark_compile.serve.text import Tokenizer
     src = Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained"
     (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
@@ -199,7 +199,7 @@ def test_hugging_face_reads_the_engine_as_a_tokenizer_directory(tmp_path):
 
 
 def test_the_build_reads_bos_eos_from_the_tokenizer_json_without_the_library(tmp_path):
-    from dspark_compile.serve.chat_format import tokenizer_config
+    from dspark_compile.models.chat_format import tokenizer_config
     src = Path(__file__).resolve().parents[2] / "dspark_compile" / "factory" / "data" / "tiny-trained"
     spec = json.loads((src / "tokenizer.json").read_text())
     cfg = json.loads(tokenizer_config(tmp_path, spec, 0, 1, 160))
