@@ -23,6 +23,7 @@ _ROUND_TRIP = r"""
 import json, sys
 from pathlib import Path
 from triton import knobs
+from dspark_compile.build import kernel_compile
 from dspark_compile.engine_dir import kernel_store as ks
 from dspark_compile.kernels import sm12x
 from dspark_compile.kernels.registry import KERNELS
@@ -30,10 +31,10 @@ sm12x.import_all_kernel_modules()
 entry = KERNELS["act_quant"].compile_configs[0]
 tmp = Path(sys.argv[1])
 knobs.cache.dir = str(tmp / "cache_a")
-with ks.record() as seen:
+with kernel_compile.record() as seen:
     first = sm12x.compile_entry(entry, 90)
 after_build = ks.compiles()
-files, meta = ks.collect(seen, {"sm": "90", "triton": "x", "cuda": ""})
+files, meta = kernel_compile.collect(seen, {"sm": "90", "triton": "x", "cuda": ""})
 engine = tmp / "engine"
 for rel, data in files.items():
     p = engine / rel

@@ -20,7 +20,6 @@ from dspark_compile.engine_dir.format import ArtifactError
 from dspark_compile.engine_dir.build_config import BuildConfig, NOT_RECORDED
 from dspark_compile.models.config import ConfigError, ModelConfig, rope_positions
 from dspark_compile.models.state import check_state_fits, state_specs
-from dspark_compile.models.target import DeepseekV4
 
 # build_config field -> (accepted JSON types, what the message says it must be)
 _INT, _STR, _BOOL = (int,), (str,), (bool,)
@@ -150,6 +149,10 @@ def check_weights_table(cfg, build, tensors: dict) -> None:
     already done (0.1 s after it)."""
     import torch
 
+    # the reference model imports the kernels, which register the dspark:: ops: importing the
+    # format must not (a load registers them itself, after its checks: test_artifact's fresh
+    # process), so the model is imported where it is built
+    from dspark_compile.models.target import DeepseekV4
     with torch.device("meta"):
         model = DeepseekV4(cfg, build.precision(), rope_positions(build.max_seq_len,
                                                                   cfg.dspark_block_size))

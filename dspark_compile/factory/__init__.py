@@ -1,5 +1,5 @@
 """The checkpoint factory: the checkpoints this project makes for itself, apart from the
-reference model that reads them (dspark_compile/models/).
+reference model that reads them (models/, imported as dspark_compile.models).
 
     presets.py         the synthetic model shapes (tiny, tiny-deep, flash-slice, ...)
     synth.py           the checkpoint of a preset (`synth`): random, or the trained pair
