@@ -118,7 +118,7 @@ ENGINE_RUN = textwrap.dedent("""
 def test_engine_with_fusions_is_lossless_in_a_fresh_process(tiny_step, tmp_path):
     from dspark_compile.models.generate import generate
     from dspark_compile.models.request import SamplingParams
-    from dspark_compile.build.config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig
     from dspark_compile.build.pipeline import build_engine
 
     bc = BuildConfig(buckets=(1, 2), dtype="float64", max_seq_len=64)

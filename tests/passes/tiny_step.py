@@ -24,7 +24,7 @@ from dspark_compile.passes import PassManager
 from dspark_compile.passes.graph_utils import region_meta
 from dspark_compile.passes.regions import find_regions
 from dspark_compile.passes.verify import compare_runs, graph_inputs, run_graph
-from dspark_compile.build.config import BuildConfig
+from dspark_compile.engine_dir.build_config import BuildConfig
 from dspark_compile.models.config import rope_positions
 from dspark_compile.models.random_requests import prefilled_state
 from dspark_compile.build.pipeline import export_step, state_input_names
