@@ -193,7 +193,9 @@ def result_file(path: Path, rec: dict):
 
 
 def write_record(path: Path, rec) -> None:
-    """`rec` as JSON at `path`, replaced whole: a reader never sees half a file."""
+    """`rec` as JSON at `path` (its folder made), replaced whole: a reader never sees half a
+    file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(rec, indent=1, default=str) + "\n")
     os.replace(tmp, path)

@@ -37,6 +37,7 @@ import harness  # noqa: E402
 from dspark_compile.models.state import restore_state as _restore  # noqa: E402
 from dspark_compile.models.state import snapshot_state as _snapshot  # noqa: E402
 from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS  # noqa: E402
+from dspark_compile.engine_dir.format import STEP, ProgramKey  # noqa: E402
 
 NEAR_TIE = 1e-3
 MAX_ROWS = 64
@@ -119,14 +120,14 @@ def time_bucket(eng, bucket: int, replays: int, variant: str = "full",
     greedy variant replayed."""
     rows = list(range(bucket))
     snap = _snapshot(eng.state)
-    graphs = eng.greedy_graphs if variant == "greedy" else eng.graphs
+    key = ProgramKey(STEP, bucket, "greedy" if variant == "greedy" else "full")
+    g = eng.program(key).graph if eng.has(key) else None
     if all_greedy or variant == "greedy":
         _all_greedy(eng)
     work = _snapshot(eng.state)
-    use_graph = bucket in graphs
+    use_graph = g is not None
     times = []
     if use_graph:
-        g = graphs[bucket]
         g.rows.copy_(torch.tensor(rows, dtype=torch.int64))
         for i in range(replays + 3):
             _restore(eng.state, work)
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
         eng = Engine.load(engine_dir, device=device, trust_code=True)  # an engine of this checkout
         rec["load_seconds"] = time.perf_counter() - t
         print(f"[load] {engine_dir} on {eng.device} in {rec['load_seconds']:.1f}s; graphs "
-              f"{sorted(eng.graphs)}", flush=True)
+              f"{[str(k) for k in eng.captured()]}", flush=True)
         rec["graph_pool_total_bytes"] = sum(eng.graph_pool_bytes.values())
         if device.type == "cuda":
             rec["cuda_memory_reserved_bytes"] = torch.cuda.memory_reserved(eng.device)
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
                    "pool_bytes": eng.graph_pool_bytes.get(b)}
             row.update(replay_vs_program(eng, b, seed=b))
             row.update(time_bucket(eng, b, args.replays))
-            if b in eng.greedy_modules:
+            if eng.has(ProgramKey(STEP, b, "greedy")):
                 g = replay_vs_program(eng, b, seed=b, variant="greedy")
                 row["greedy_variant_replay_equal"] = g["replay_equal"]
                 row["greedy_variant_padding_inert"] = g["padding_inert"]
@@ -240,7 +241,6 @@ def main(argv=None) -> int:
             (engine_dir / "manifest.json").read_text()).get("runtime_load")
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     bench_args.write_record(out, rec)
     env = rec["environment"]
     print(f"\n{env.get('device')}  torch {env['torch']}  triton {env['triton']}  "

@@ -71,7 +71,7 @@ def test_an_empty_variant_list_stays_allowed_where_it_was():
 
 def test_the_result_file_is_written_whole_and_once_more_at_the_end(tmp_path):
     rec = {"complete": False, "rows": []}
-    path = tmp_path / "r.json"
+    path = tmp_path / "out" / "r.json"      # its folder made
     with pytest.raises(RuntimeError):
         with bench_args.result_file(path, rec) as write:
             rec["rows"].append(1)
@@ -79,7 +79,7 @@ def test_the_result_file_is_written_whole_and_once_more_at_the_end(tmp_path):
             rec["rows"].append(2)
             raise RuntimeError("a run that fails part-way")
     assert json.loads(path.read_text()) == {"complete": False, "rows": [1, 2]}
-    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]     # no temporary left
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]     # no temporary left
 
 
 def test_a_temporary_work_dir_is_removed_and_a_given_one_kept(tmp_path):
