@@ -95,9 +95,9 @@ def generate(model, prompts: list[list[int]], params: list[SamplingParams], spec
         raise ValueError("speculative decoding needs the DSpark draft (mtp.*) in the checkpoint")
     N = cfg.dspark_block_size if speculative else 0
     # without a cache, one is sized to the requests (cache_config_for): every request fits
-    prompts, params = validate_batch(
-        prompts, params, cfg.vocab_size, None if cache is None else cache.max_seq_len, N,
-        f"the cache holds max_seq_len={None if cache is None else cache.max_seq_len}")
+    seq = None if cache is None else cache.max_seq_len
+    prompts, params = validate_batch(prompts, params, cfg.vocab_size, seq, N,
+                                     f"the cache holds max_seq_len={seq}")
     cache = cache or cache_config_for(prompts, params, N)
     # every request has its own row, all admitted up front (host ints: nothing is read back)
     if cache.max_rows < len(prompts):
