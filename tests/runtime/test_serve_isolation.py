@@ -71,15 +71,15 @@ def test_a_step_failure_ends_the_requests_of_that_launch_alone(overlap, where):
         def wait(self):
             raise RuntimeError("step failed")
 
-    def launch(rows, b, greedy):
+    def launch(rows, *program):          # the program as the stream names it, passed on
         calls[0] += 1
         if calls[0] == 3:
             failed_prompts.extend(tuple(eng.rows[r]["prompt"]) for r in rows)
             if where == "launch":
                 raise RuntimeError("step failed")
-            real(rows, b, greedy)        # the device ran it; reading its outputs fails
+            real(rows, *program)         # the device ran it; reading its outputs fails
             return Broken()
-        return real(rows, b, greedy)
+        return real(rows, *program)
 
     eng.launch = launch
     s = stream(eng, overlap)
