@@ -233,14 +233,10 @@ def _check_tid2eid(name: str, t: torch.Tensor, E: int, file: str | None = None) 
 
 # ---- load ----------------------------------------------------------------------------------
 
-def load_checkpoint(path: str | Path, cfg: ModelConfig | dict | None = None, device="cpu",
-                    include_draft: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read and validate a checkpoint directory; returns (config, {name: tensor on `device`}).
-
-    `cfg` overrides the directory's config.json (a ModelConfig or a config dict).
-    `include_draft=False` ignores every `mtp.*` tensor (present or not): the target alone.
-    """
-    root = Path(path)
+def checked_layout(root: Path, cfg: ModelConfig | dict | None = None, include_draft: bool = True):
+    """(config, {name: (file, dtype, shape)}, schema) of a checkpoint directory, every header
+    checked against the schema and no tensor data read: load_checkpoint's first half, shared
+    with the per-rank loader (models/sharding.py), which then reads only its rank's bytes."""
     if not root.is_dir():
         raise CheckpointError(missing_dir(root))
     if cfg is None:
@@ -256,7 +252,18 @@ def load_checkpoint(path: str | Path, cfg: ModelConfig | dict | None = None, dev
     sharded = len({f for f, _, _ in located.values()}) > 1 or (root / INDEX_NAME).exists()
     found = {n: v for n, v in located.items() if keep(n)}
     _check_against_schema(found, schema, cfg, include_draft, sharded)
+    return cfg, found, schema
 
+
+def load_checkpoint(path: str | Path, cfg: ModelConfig | dict | None = None, device="cpu",
+                    include_draft: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read and validate a checkpoint directory; returns (config, {name: tensor on `device`}).
+
+    `cfg` overrides the directory's config.json (a ModelConfig or a config dict).
+    `include_draft=False` ignores every `mtp.*` tensor (present or not): the target alone.
+    """
+    root = Path(path)
+    cfg, found, schema = checked_layout(root, cfg, include_draft)
     dev = torch.device(device)
     by_file: dict[str, list[str]] = {}
     for name, (file, _, _) in found.items():

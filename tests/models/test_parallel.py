@@ -1,0 +1,156 @@
+"""Tensor / expert parallelism on CPU processes (models/parallel.py, models/sharding.py): two gloo
+ranks run the sharded reference and match the unsharded model; the per-rank loader reads only
+its rank's bytes; a split that would cut a 128 x 128 FP8 scale block is refused by name.
+
+The sharded checkpoint is the tiny one widened so every split holds whole blocks at tp = 2
+(o_lora_rank 64 -> 128, moe_intermediate_size 128 -> 256; the tiny preset itself is refused at
+tp = 2, tested below): each widened tensor is two of the tiny checkpoint's tensors laid side by
+side along the widened axis (the next layer's as the second half), which keeps every FP8 block
+and MXFP4 group whole and the values the synthetic ones, without a second synth (~15 s).
+"""
+import json
+import re
+
+import pytest
+import torch
+
+from dspark_compile.factory.checkpoint_dir import write_checkpoint
+from dspark_compile.models.checkpoint import load_checkpoint
+from dspark_compile.models.config import Precision
+from dspark_compile.models.parallel_check import run_check
+from dspark_compile.models.parallel import ParallelConfig, ParallelError
+from dspark_compile.models.sharding import (EXPERT, REPLICATE, build_rank_model, check_splits,
+                                            load_rank_tensors, split_of)
+from dspark_compile.models.schema import checkpoint_schema
+
+TP = 2
+PREC = Precision(dtype=torch.float64)
+# the axis each widened tensor doubles along, by its name inside the layer
+_WIDEN = ((re.compile(r"attn\.wo_a\.|ffn\.shared_experts\.w[13]\.|ffn\.experts\.\d+\.w[13]\."), 0),
+          (re.compile(r"attn\.wo_b\.|ffn\.shared_experts\.w2\.|ffn\.experts\.\d+\.w2\."), 1))
+_IN_LAYER = re.compile(r"^(layers|mtp)\.(\d+)\.(.*)$")
+
+
+def _widen(name: str, tensors: dict, counts: dict) -> torch.Tensor:
+    """`name` widened: itself and the next layer's same tensor (same stack) side by side."""
+    m = _IN_LAYER.match(name)
+    for pat, dim in _WIDEN if m else ():
+        if pat.match(m.group(3)):
+            partner = f"{m.group(1)}.{(int(m.group(2)) + 1) % counts[m.group(1)]}.{m.group(3)}"
+            return torch.cat([tensors[name], tensors[partner]], dim)
+    return tensors[name]
+
+
+@pytest.fixture(scope="module")
+def tp_ckpt(tiny_ckpt, tmp_path_factory):
+    raw = json.loads((tiny_ckpt / "config.json").read_text())
+    raw.update(o_lora_rank=2 * raw["o_lora_rank"],
+               moe_intermediate_size=2 * raw["moe_intermediate_size"])
+    _, tensors = load_checkpoint(tiny_ckpt)
+    counts = {"layers": raw["num_hidden_layers"], "mtp": 3}
+    wide = {n: _widen(n, tensors, counts) for n in tensors}
+    return write_checkpoint(raw, wide, tmp_path_factory.mktemp("tp") / "tiny-wide")
+
+
+@pytest.fixture(scope="module")
+def tp_run(tp_ckpt, tmp_path_factory):
+    """Both ranks' outputs (spawned gloo processes) and the unsharded model's (this process,
+    run while the ranks run)."""
+    return run_check(tp_ckpt, TP, tmp_path_factory.mktemp("tp_out"), PREC)
+
+
+def _pairs(a: dict, b: dict, prefix=""):
+    for k, v in a.items():
+        if isinstance(v, dict):
+            yield from _pairs(v, b[k], f"{prefix}{k}.")
+        elif isinstance(v, list):
+            for i, (x, y) in enumerate(zip(v, b[k])):
+                yield f"{prefix}{k}[{i}]", x, y
+        else:
+            yield f"{prefix}{k}", v, b[k]
+
+
+def test_ranks_agree_bitwise(tp_run):
+    """Every rank ends with the same bits: tokens, logits and the whole decode state (the
+    reductions add gathered operands in rank order, so no rank sees another sum)."""
+    _, (r0, r1) = tp_run
+    for name, x, y in _pairs(r0, r1):
+        if name == "bytes_read":
+            continue
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)), name
+        else:
+            assert x == y, name
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if not t.dtype.is_floating_point:
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def test_tp2_equals_unsharded(tp_run):
+    """TP = 2's prefill logits, sampled tokens (greedy and temperature rows, speculative and
+    target-only steps) and decode state equal the unsharded model's. Tokens exactly; floats in
+    fp64 to 1e-12 relative (+1e-12 absolute): not bitwise, since the row-parallel wo_b and shared
+    w2 add two K-halves instead of one K-sum, and the routed sum adds each rank's slots before
+    the other's (the reassociation's rounding, ~1e-16 per op, grows over 6 + 3 layers)."""
+    ref, (r0, _) = tp_run
+    assert r0["first"] == ref["first"]
+    for k in ("spec_tokens", "spec_num", "target_tokens", "target_num"):
+        assert torch.equal(r0[k], ref[k]), k
+    assert int(ref["spec_num"][:2].min()) >= 1 and int(ref["spec_num"][2]) == 0
+    for name, x, y in _pairs(ref, r0):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or name in (
+                "spec_tokens",):
+            continue
+        if x.dtype.itemsize == 1:                 # fp8 cache bytes: equal bytes
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+            continue
+        torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-12, equal_nan=True, msg=name)
+
+
+def test_rank_reads_only_its_bytes(tp_ckpt):
+    """Each rank reads its split shares, its own experts and the replicated tensors, nothing
+    more (bytes of what get_slice handed back); the ranks' shares reassemble into the
+    checkpoint's tensors, bit for bit."""
+    cfg, full = load_checkpoint(tp_ckpt)
+    schema = checkpoint_schema(cfg)
+    nbytes = {n: t.numel() * t.element_size() for n, t in full.items()}
+    replicated = sum(b for n, b in nbytes.items() if split_of(n).kind == REPLICATE)
+    split = sum(b for n, b in nbytes.items() if split_of(n).kind != REPLICATE)
+    parts = []
+    for r in range(TP):
+        _, tensors, read = load_rank_tensors(tp_ckpt, ParallelConfig(r, TP))
+        assert read == replicated + split // TP
+        parts.append(tensors)
+    assert replicated < sum(nbytes.values()) // 2          # most bytes are split (experts)
+    for name, t in full.items():
+        kind = split_of(name).kind
+        if kind == REPLICATE:
+            got = parts[0][name]
+        elif kind == EXPERT:
+            owners = [p[name] for p in parts if name in p]
+            assert len(owners) == 1, name
+            got = owners[0]
+        else:
+            dim = 0 if kind == "rows" else 1
+            got = torch.cat([p[name] for p in parts], dim)
+        assert got.shape == schema[name].shape
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_split_cutting_a_scale_block_is_refused(tiny_ckpt, tp_ckpt):
+    """The tiny preset at tp = 2 would give each rank 64 rows of wo_a (o_lora_rank 64): half a
+    128-row scale block. Refused naming the tensor, before any data is read; a rank count that
+    is not a power of two, or that does not divide the heads, is refused by name too."""
+    with pytest.raises(ParallelError, match=r"tensor 'layers\.0\.attn\.wo_a\.weight'.*64 rows.*"
+                                            r"cuts its 128 x 128 scale blocks"):
+        load_rank_tensors(tiny_ckpt, ParallelConfig(0, TP))
+    cfg, _ = load_checkpoint(tp_ckpt)
+    with pytest.raises(ParallelError, match=r"'o_groups' = 2 does not split over tp=4"):
+        check_splits(cfg, 4, checkpoint_schema(cfg))
+    with pytest.raises(ParallelError, match=r"tp=3: the rank count must be a power of two"):
+        ParallelConfig(0, 3)
+    with pytest.raises(ParallelError, match=r"rank=2: must be in \[0, tp=2\)"):
+        ParallelConfig(2, 2)
