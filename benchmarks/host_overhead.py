@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
+from dspark_compile.engine_dir.format import STEP, ProgramKey  # noqa: E402
 from bench_setup import begin, log, setup_engine  # noqa: E402
 
 SCHEMA = "dspark-host-overhead/1"
@@ -100,15 +101,16 @@ def time_replay(eng, B: int, prompts, params, replays: int) -> dict:
     for r, p, sp in zip(rows, prompts, params):
         set_row_sampling(eng.state, r, sp)
         eng.prefill(r, p)
-    greedy = B in eng.greedy_modules and all(sp.temperature <= 0 for sp in params)
-    graphs = eng.greedy_graphs if greedy else eng.graphs
+    greedy = eng.has(ProgramKey(STEP, B, "greedy")) and all(sp.temperature <= 0
+                                                               for sp in params)
+    key = ProgramKey(STEP, B, "greedy" if greedy else "full")
+    g = eng.program(key).graph
     snap = snapshot_state(eng.state)
     times = []
-    warm = 3 if B in graphs else 0        # the program call has nothing to warm on the CPU
+    warm = 3 if g is not None else 0      # the program call has nothing to warm on the CPU
     for i in range(replays + warm):
         restore_state(eng.state, snap)
-        if B in graphs:
-            g = graphs[B]
+        if g is not None:
             g.rows.copy_(torch.tensor(rows, dtype=torch.int64))
             torch.cuda.synchronize(eng.device)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,7 +122,7 @@ def time_replay(eng, B: int, prompts, params, replays: int) -> dict:
         else:                    # no graphs (CPU): the program call, waited for
             t = time.perf_counter()
             with torch.no_grad():
-                eng.launch(rows, B, greedy).wait()
+                eng.launch(rows, key).wait()
             us = (time.perf_counter() - t) * 1e6
         if i >= warm:
             times.append(us)
@@ -227,7 +229,8 @@ def main(argv=None, engine=None) -> int:
             bench_args.result_file(out / "host_overhead.json", rec):
         eng = _engine(args, engine, rec, held, log)
         rec.update(backend=eng.backend, engine_buckets=eng.buckets, max_rows=eng.cache.max_rows,
-                   graphs=sorted(eng.graphs), prefill_programs=bool(eng.prefill_programs))
+                   graphs=sorted({k.size for k in eng.captured()}),
+                   prefill_programs=bool(eng.prefill_programs))
         rec["rows"] = measure(eng, args, log)
         rec["complete"] = True
     harness.write_csv(str(out / "host_overhead.csv"), rec["rows"])

@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
+from dspark_compile.engine_dir.format import STEP, ProgramKey  # noqa: E402
 import step_floor  # noqa: E402
 # the parts of the benchmark, in the order a run uses them
 from bench_setup import begin, log, setup_engine  # noqa: E402
@@ -279,9 +280,9 @@ class StepRun:
             del ep
         progs = {"reference": self.ref_programs[B]}
         if any(v.startswith("engine") for v in self.args.variants):
-            progs["engine"] = eng.modules[B]
-            if case == "greedy" and B in eng.greedy_modules:
-                progs["engine-greedy"] = eng.greedy_modules[B]
+            progs["engine"] = eng.program(ProgramKey(STEP, B)).fn
+            if case == "greedy" and eng.has(ProgramKey(STEP, B, "greedy")):
+                progs["engine-greedy"] = eng.program(ProgramKey(STEP, B, "greedy")).fn
         for name, gm in progs.items():
             self.restore()
             try:

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from dspark_compile.engine_dir.format import STEP, ProgramKey  # noqa: E402
 from step_launches import _sync  # noqa: E402
 
 
@@ -135,25 +136,25 @@ def make_runner(variant: str, B: int, ctx: dict) -> Runner:
         return r
     if variant in ("engine", "engine-greedy"):
         greedy = variant == "engine-greedy"
-        graphs = eng.greedy_graphs if greedy else eng.graphs
-        modules = eng.greedy_modules if greedy else eng.modules
-        if B not in modules:
+        key = ProgramKey(STEP, B, "greedy" if greedy else "full")
+        if not eng.has(key):
             raise Skipped(f"the engine has no {'greedy variant' if greedy else 'program'} for "
                           f"bucket {B}")
+        program = eng.program(key)
         if cuda:
-            if B not in graphs:
+            if program.graph is None:
                 raise Skipped(f"bucket {B}: the engine captured no graph for this variant")
-            g = graphs[B]
+            g = program.graph
             g.rows.copy_(rows)
             return Runner(g.graph.replay, g.graph)
-        return Runner(lambda: modules[B](rows, state), info={"note": "CPU: program, no graph"})
+        return Runner(lambda: program.fn(rows, state), info={"note": "CPU: program, no graph"})
     if variant == "engine-batch-dependent":
         # the bucket's program captured with the plans that may split by the token count:
         # what batch invariance costs (kernels/invariance.py); plans are picked while capturing
         from dspark_compile.kernels.invariance import batch_dependent_plans
-        if B not in eng.modules:
+        if not eng.has(ProgramKey(STEP, B)):
             raise Skipped(f"the engine has no program for bucket {B}")
-        fn = lambda: eng.modules[B](rows, state)  # noqa: E731
+        fn = lambda: eng.program(ProgramKey(STEP, B)).fn(rows, state)  # noqa: E731
         if not cuda:
             def run():
                 with batch_dependent_plans():

@@ -105,7 +105,7 @@ def test_temperatures_below_the_threshold_enter_the_state_as_greedy(T):
 def test_host_rule_and_fp32_rule_agree_on_every_validated_temperature():
     """A validated temperature is greedy on the host (SamplingParams.method, the stream's
     choice of program) exactly when its fp32 state value is greedy for the kernels and for
-    Engine._use_greedy."""
+    Engine._step_key."""
     eps = GREEDY_BELOW * 2 ** -30
     temps = [0.0, 1e-45, 1e-38, GREEDY_BELOW - eps, float(torch.tensor(GREEDY_BELOW)),
              GREEDY_BELOW, GREEDY_BELOW + eps, 0.5, FLOAT32_MAX]
@@ -133,16 +133,19 @@ def test_stop_ids_without_a_vocabulary_must_be_non_negative_only():
 
 
 def test_engine_runs_the_greedy_program_for_tiny_temperatures_in_the_state():
-    """Engine._use_greedy reads the temperatures the step will read: a tiny one written to the
+    """Engine._step_key reads the temperatures the step will read: a tiny one written to the
     state directly (no validation) is greedy there as in the kernels."""
+    from dspark_compile.engine_dir.format import STEP, ProgramKey
     from dspark_compile.runtime.engine import Engine
     temps = torch.tensor([1e-45, 1e-40, 0.0, GREEDY_BELOW / 2, GREEDY_BELOW, 1.0])
-    eng = SimpleNamespace(greedy_modules={4: None}, state={"row.temperature": temps})
-    assert Engine._use_greedy(eng, [0, 1, 2, 3], 4, None)
-    assert not Engine._use_greedy(eng, [0, 4], 4, None)
+    greedy = ProgramKey(STEP, 4, "greedy")
+    eng = SimpleNamespace(has=lambda key: key.kind == STEP and key.size == 4,
+                          state={"row.temperature": temps})
+    assert Engine._step_key(eng, [0, 1, 2, 3], 4, None) == greedy
+    assert Engine._step_key(eng, [0, 4], 4, None) == ProgramKey(STEP, 4)
     with pytest.raises(ValueError, match=r"variant='greedy' with a sampled \(temperature >= "
                                          r"1e-05\) row"):
-        Engine._use_greedy(eng, [0, 5], 4, "greedy")
+        Engine._step_key(eng, [0, 5], 4, "greedy")
 
 
 def test_stream_launches_the_greedy_program_for_tiny_temperatures():

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from dspark_compile.build.inductor import compile_variant, variants_of
-from dspark_compile.engine_dir.format import compiled_path
+from dspark_compile.engine_dir.format import VARIANTS, ProgramKey
 from dspark_compile.engine_dir.weights import _attach_weights, _save_program, _weight_entries
 from dspark_compile.engine_dir.format import register_kernel_ops
 
@@ -58,12 +58,12 @@ def default_workers(n_jobs: int) -> int:
     return max(1, min(n_jobs, (os.cpu_count() or 2) // 2))
 
 
-def _write_job(ep, bucket: int, state: dict, job: Path) -> int:
-    """The worker's inputs for one bucket; returns the device bytes a worker allocates."""
+def _write_job(ep, key: ProgramKey, state: dict, job: Path) -> int:
+    """The worker's inputs for one program; returns the device bytes a worker allocates."""
     job.mkdir()
     weights = {n: t for n, (t, _) in _weight_entries(ep).items()}
     _save_program(ep, job / "step.pt2", sorted(weights))
-    meta = {"bucket": bucket, "device": str(_device(state)),
+    meta = {"program": key.listed, "device": str(_device(state)),
             "weights": {n: _meta(t) for n, t in weights.items()},
             "state": {k: _meta(v) for k, v in state.items()}}
     (job / "job.json").write_text(json.dumps(meta))
@@ -86,49 +86,48 @@ def _memory_cap(device: torch.device, per_worker: int) -> int:
 
 
 def compile_programs(programs: dict, state: dict, workers: int, log) -> tuple[dict, dict, int]:
-    """Compile every program and its variants; returns ({engine path: artifact bytes},
-    {bucket: {variant: compile seconds}}, the number of workers used). `workers`: 0 = one per
-    job up to half the CPU cores, 1 = in this process."""
-    # buckets (ints) first, then named programs (prefill chunks: "prefill_c64")
-    keys = sorted(programs, key=lambda k: (isinstance(k, str), k))
-    jobs = [(b, v) for b in keys for v in variants_of(programs[b])]
+    """Compile every program ({ProgramKey: ExportedProgram}) and its variants; returns
+    ({engine path: artifact bytes}, {ProgramKey: {variant: compile seconds}}, the number of
+    workers used). `workers`: 0 = one per job up to half the CPU cores, 1 = in this process."""
+    keys = sorted(programs)
+    jobs = [(k, v) for k in keys for v in variants_of(programs[k])]
     workers = workers or default_workers(len(jobs))
     files, seconds = {}, {}
     if workers <= 1:
-        for b, v in jobs:
-            data, secs = compile_variant(programs[b], v, state)
-            files[compiled_path(b, v)] = data
-            seconds.setdefault(str(b), {})[v] = round(secs, 2)
-            log(f"[compile] bucket {b} {v}: {secs:.1f}s, {len(data) / 1e6:.1f} MB")
+        for k, v in jobs:
+            data, secs = compile_variant(programs[k], v, state)
+            files[k.with_variant(v).compiled_path] = data
+            seconds.setdefault(k, {})[v] = round(secs, 2)
+            log(f"[compile] {k} {v}: {secs:.1f}s, {len(data) / 1e6:.1f} MB")
         return files, seconds, 1
     with tempfile.TemporaryDirectory(prefix="dspark-compile-") as tmp:
         per_worker = 0
-        for b in keys:
-            per_worker = max(per_worker, _write_job(programs[b], b, state, Path(tmp) / f"b{b}"))
+        for k in keys:
+            per_worker = max(per_worker, _write_job(programs[k], k, state, Path(tmp) / k.stem))
         n = min(workers, len(jobs), _memory_cap(_device(state), per_worker))
         threads = max(1, (os.cpu_count() or 2) // n)
         log(f"[compile] {len(jobs)} programs in {n} worker processes, {threads} compile "
             f"threads each")
-        for (b, v), secs in _run_workers(Path(tmp), jobs, n, threads, log).items():
-            files[compiled_path(b, v)] = (Path(tmp) / f"b{b}" / f"{v}.bin").read_bytes()
-            seconds.setdefault(str(b), {})[v] = secs
+        for (k, v), secs in _run_workers(Path(tmp), jobs, n, threads, log).items():
+            files[k.with_variant(v).compiled_path] = (Path(tmp) / k.stem / f"{v}.bin").read_bytes()
+            seconds.setdefault(k, {})[v] = secs
     return files, seconds, n
 
 
 def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
-    """Run the jobs, at most n at a time; {(bucket, variant): compile seconds}. A failed worker
-    stops the build with its output."""
+    """Run the jobs, at most n at a time; {(ProgramKey, variant): compile seconds}. A failed
+    worker stops the build with its output."""
     pending, running, done = list(jobs), {}, {}
     try:
         while pending or running:
             while pending and len(running) < n:
-                b, v = pending.pop(0)
-                log_path = tmp / f"b{b}" / f"{v}.log"
-                cmd = [sys.executable, "-m", "dspark_compile.build.compile_workers", str(tmp / f"b{b}"),
-                       "--variant", v, "--threads", str(threads)]
+                k, v = pending.pop(0)
+                log_path = tmp / k.stem / f"{v}.log"
+                cmd = [sys.executable, "-m", "dspark_compile.build.compile_workers",
+                       str(tmp / k.stem), "--variant", v, "--threads", str(threads)]
                 with open(log_path, "w") as f:
                     # its own session: a stop kills the worker and Inductor's compile pool
-                    running[(b, v)] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                    running[(k, v)] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                         start_new_session=True),
                                        log_path, time.perf_counter())
             time.sleep(0.2)
@@ -138,10 +137,10 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
                 del running[key]
                 if proc.returncode != 0:
                     tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"compiling bucket {key[0]} ({key[1]}) failed in its "
+                    raise RuntimeError(f"compiling {key[0]} ({key[1]}) failed in its "
                                        f"worker (exit {proc.returncode}):\n{tail}")
                 done[key] = json.loads((log_path.with_suffix(".json")).read_text())["seconds"]
-                log(f"[compile] bucket {key[0]} {key[1]}: {done[key]:.1f}s in its worker "
+                log(f"[compile] {key[0]} {key[1]}: {done[key]:.1f}s in its worker "
                     f"({time.perf_counter() - t:.1f}s wall)")
     finally:
         for proc, _, _ in running.values():
@@ -156,11 +155,11 @@ def _run_workers(tmp: Path, jobs: list, n: int, threads: int, log) -> dict:
 def _worker(job: Path, variant: str, threads: int) -> None:
     torch._inductor.config.compile_threads = threads
     meta = json.loads((job / "job.json").read_text())
-    device, b = torch.device(meta["device"]), meta["bucket"]
+    device, key = torch.device(meta["device"]), ProgramKey.of_listed(meta["program"])
     register_kernel_ops()
     ep = torch.export.load(str(job / "step.pt2"))
     weights = {n: _empty(m, device) for n, m in meta["weights"].items()}
-    _attach_weights(ep, sorted(weights), weights, b)
+    _attach_weights(ep, sorted(weights), weights, key)
     state = {k: _empty(m, device) for k, m in meta["state"].items()}
     data, seconds = compile_variant(ep, variant, state)
     (job / f"{variant}.bin").write_bytes(data)
@@ -170,7 +169,6 @@ def _worker(job: Path, variant: str, threads: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="compile one program of a build (internal)")
     p.add_argument("job")
-    from dspark_compile.engine_dir.format import VARIANTS
     p.add_argument("--variant", required=True, choices=VARIANTS)
     p.add_argument("--threads", type=int, required=True)
     a = p.parse_args()

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.engine_dir.format import (prefill_key, target_key, TOKENIZER_CONFIG_FILE,
+from dspark_compile.engine_dir.format import (PREFILL, STEP, TARGET, ProgramKey, TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE)
 from dspark_compile.engine_dir.write import save_engine
 from dspark_compile.engine_dir.build_config import BuildConfig
@@ -32,7 +32,6 @@ from dspark_compile.models.random_requests import prefilled_state
 from dspark_compile.atomic_dir import canonical, check_free_space, output_lock
 from dspark_compile.build.checks import check_build
 from dspark_compile.build.compile_workers import compile_programs
-from dspark_compile.engine_dir.format import compiled_path
 from dspark_compile.build.kernel_compile import compile_engine_kernels
 from dspark_compile.engine_dir.write import engine_bytes, occupied, tensor_bytes
 from dspark_compile.kernels.sm12x import resource_report
@@ -82,31 +81,25 @@ def state_input_names(ep) -> list[str]:
 
 
 def _compile(programs: dict, state: dict, bc: BuildConfig, log) -> dict:
-    """Every program and its variants Inductor-compiled (dspark_compile/build/compile_workers.py);
-    the manifest's `compiled` table, plus "files" {engine path: artifact bytes}. Bucket keys
-    (ints) are the steps; prefill programs (prefill_key) are listed apart, under
-    `prefill_programs` and `prefill_compile_seconds`."""
+    """Every program ({ProgramKey: ep}) and its variants Inductor-compiled
+    (dspark_compile/build/compile_workers.py); the manifest's `compiled` table, plus "files"
+    {engine path: artifact bytes}: the steps under `programs` / `compile_seconds`, the other
+    kinds under their own table (`prefill_programs` / `prefill_compile_seconds` ...), each
+    program by ProgramKey.listed."""
     t = time.perf_counter()
     files, seconds, workers = compile_programs(programs, state, bc.compile_workers, log)
     wall = time.perf_counter() - t
     total = sum(s for per in seconds.values() for s in per.values())
     log(f"[compile] inductor: {len(files)} programs in {wall:.1f}s ({total:.1f}s of compiles, "
         f"{workers} workers)")
-    steps = {k: per for k, per in seconds.items() if k.isdigit()}
-    chunks = {k: per for k, per in seconds.items() if k.startswith("prefill_")}
-    target = {k: per for k, per in seconds.items() if k.startswith("target_")}
-    out = {"programs": {b: {v: compiled_path(int(b), v) for v in per} for b, per in steps.items()},
-           "compile_seconds": steps, "workers": workers,
+    out = {"programs": {}, "compile_seconds": {}, "workers": workers,
            "total_compile_seconds": round(total, 1), "wall_seconds": round(wall, 1),
            "files": files}
-    if chunks:
-        out["prefill_programs"] = {k: {v: compiled_path(k, v) for v in per}
-                                   for k, per in chunks.items()}
-        out["prefill_compile_seconds"] = chunks
-    if target:
-        out["target_programs"] = {k: {v: compiled_path(k, v) for v in per}
-                                  for k, per in target.items()}
-        out["target_compile_seconds"] = target
+    for key, per in sorted(seconds.items()):
+        prefix = "" if key.kind == STEP else f"{key.kind}_"
+        out.setdefault(f"{prefix}programs", {})[key.listed] = {
+            v: key.with_variant(v).compiled_path for v in per}
+        out.setdefault(f"{prefix}compile_seconds", {})[key.listed] = per
     return out
 
 
@@ -185,6 +178,40 @@ def _weights_estimate(model, bc: BuildConfig, ckpt: Path) -> int:
                         tok.stat().st_size if tok.is_file() else 0)
 
 
+def _export_programs(model, cfg, cache, bc: BuildConfig, pconf: PassConfig, log) -> tuple:
+    """Every program of the engine exported and run through the passes, each on a fresh decode
+    state, largest first (the steps, the target-only steps, the prefill chunks): ({ProgramKey:
+    ExportedProgram}, pass statistics by ProgramKey.listed, the last PassManager, the last
+    state)."""
+    keys = [ProgramKey(STEP, b) for b in sorted(bc.buckets, reverse=True)]
+    if bc.target_programs:
+        keys += [ProgramKey(TARGET, b) for b in sorted(bc.buckets, reverse=True)]
+    keys += [ProgramKey(PREFILL, c) for c in sorted(bc.prefill_chunks, reverse=True)]
+    every, stats = {}, {}
+    for key in keys:
+        state = allocate_state(cfg, cache, bc.precision(), bc.device)
+        pm = PassManager(bc.passes, pconf)
+        prefill = key.kind == PREFILL
+        every[key], stats[key.listed] = _export_bucket(
+            model, state, cache, 0 if prefill else key.size, pm, bc, log,
+            chunk=key.size if prefill else 0, target=key.kind == TARGET)
+    return every, stats, pm, state
+
+
+def _tokenizer_files(ckpt: Path, cfg, bc: BuildConfig) -> dict:
+    """The checkpoint's tokenizer (checked by check_build), checksummed with the engine's
+    files, and beside it its special tokens and chat template: the checkpoint's
+    tokenizer_config.json, else one with DeepSeek-V4's chat format (a Hugging Face tokenizer
+    directory). {} without a tokenizer."""
+    tok = ckpt / TOKENIZER_FILE
+    if not tok.is_file():
+        return {}
+    data = tok.read_bytes()
+    return {TOKENIZER_FILE: data, TOKENIZER_CONFIG_FILE: tokenizer_config(
+        ckpt, json.loads(data), getattr(cfg, "bos_token_id", None),
+        getattr(cfg, "eos_token_id", None), bc.max_seq_len)}
+
+
 def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
 
     t0 = time.perf_counter()
@@ -205,43 +232,18 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
 
     pconf = PassConfig(disabled=frozenset(bc.disabled_passes), verify=bc.verify_passes,
                        dump_dir=bc.dump_dir, target_device=bc.device)
-    programs, stats = {}, {}
-    pm = None
-    for b in sorted(bc.buckets, reverse=True):
-        state = allocate_state(cfg, cache, prec, bc.device)
-        pm = PassManager(bc.passes, pconf)
-        programs[b], stats[str(b)] = _export_bucket(model, state, cache, b, pm, bc, log)
-    target_programs = {}
-    for b in sorted(bc.buckets, reverse=True) if bc.target_programs else ():
-        state = allocate_state(cfg, cache, prec, bc.device)
-        pm = PassManager(bc.passes, pconf)
-        target_programs[b], stats[target_key(b)] = _export_bucket(model, state, cache, b, pm, bc,
-                                                                  log, target=True)
-    prefill_programs = {}
-    for c in sorted(bc.prefill_chunks, reverse=True):
-        state = allocate_state(cfg, cache, prec, bc.device)
-        pm = PassManager(bc.passes, pconf)
-        prefill_programs[c], stats[prefill_key(c)] = _export_bucket(model, state, cache, 0, pm, bc,
-                                                                    log, chunk=c)
+    every, stats, pm, state = _export_programs(model, cfg, cache, bc, pconf, log)
+    programs, target_programs, prefill_programs = (
+        {k.size: ep for k, ep in every.items() if k.kind == kind}
+        for kind in (STEP, TARGET, PREFILL))
 
     # the engine's extra files: compiled programs (--backend inductor), kernel reports (--arch),
     # the tokenizer
-    extra = {}
+    extra = _tokenizer_files(Path(ckpt), cfg, bc)
     compiled = None
     if bc.backend == "inductor":
-        compiled = _compile({**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()},
-                             **{target_key(b): ep for b, ep in target_programs.items()}},
-                            state, bc, log)
+        compiled = _compile(every, state, bc, log)
         extra.update(compiled.pop("files"))
-    # the checkpoint's tokenizer (checked by check_build), checksummed with the engine's files
-    tok = Path(ckpt) / TOKENIZER_FILE
-    if tok.is_file():
-        extra[TOKENIZER_FILE] = tok.read_bytes()
-        # beside it, its special tokens and chat template: the checkpoint's tokenizer_config.json,
-        # else one with DeepSeek-V4's chat format (a Hugging Face tokenizer directory)
-        extra[TOKENIZER_CONFIG_FILE] = tokenizer_config(
-            ckpt, json.loads(extra[TOKENIZER_FILE]), getattr(cfg, "bos_token_id", None),
-            getattr(cfg, "eos_token_id", None), bc.max_seq_len)
     if bc.arch:
         report = resource_report(bc.arch)
         extra[f"kernels/{bc.arch}/resources.json"] = json.dumps(report, indent=1)

@@ -354,7 +354,8 @@ def cmd_run(args) -> int:
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
                           target=need_target, trust_code=args.trust_engine_code)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
-          + (f" (graphs captured: {sorted(eng.graphs)})" if eng.graphs else ""))
+          + (f" (graphs captured: {sorted({k.size for k in eng.captured()})})"
+             if eng.captured() else ""))
     spec = not args.no_speculation
     t = time.perf_counter()
     res = eng.generate(args.prompt_ids, params, speculative=spec)

@@ -5,11 +5,13 @@ dspark_compile/engine_dir/load.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
 import os
 import pkgutil
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -42,45 +44,81 @@ class ArtifactError(RuntimeError):
         super().__init__(message)
 
 
-def program_path(bucket: int) -> str:
-    return f"{PROGRAM_DIR}/step_b{bucket}.pt2"
+STEP, TARGET, PREFILL = "step", "target", "prefill"
+# kind -> (the manifest's table of its programs, the letter before its size in a file name)
+_KINDS = {STEP: ("programs", "b"), TARGET: ("target_programs", "b"),
+          PREFILL: ("prefill_programs", "c")}
+PROGRAM_TABLES = tuple(table for table, _ in _KINDS.values())
 
 
-def prefill_key(chunk: int) -> str:
-    """A prefill program's name: its file stem, and its key where programs of both kinds are
-    listed together (pass statistics, compile jobs)."""
-    return f"prefill_c{chunk}"
+@dataclass(frozen=True, order=True)
+class ProgramKey:
+    """One program of an engine, the one name the build, the manifest, the loader and the
+    runtime use for it: its kind (STEP: draft + verify for a bucket of rows; TARGET: the
+    bucket's target-only step, models/step.py TargetStep; PREFILL: a prompt chunk of `size`
+    tokens, models/prefill_chunk.py), its size (the bucket, or the chunk length) and its
+    variant ("full": the program as built; "greedy": a step with its Markov sampler on the
+    greedy plan, derived at load or compiled, runtime/variants.py)."""
+    kind: str
+    size: int
+    variant: str = "full"
 
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"program kind must be one of {list(_KINDS)}, got {self.kind!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"a program's size must be an int >= 1, got {self.size!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {list(VARIANTS)}, got {self.variant!r}")
 
-def prefill_program_path(chunk: int) -> str:
-    return f"{PROGRAM_DIR}/{prefill_key(chunk)}.pt2"
+    @property
+    def stem(self) -> str:
+        """Its file name's stem: step_b16, target_b16, prefill_c64."""
+        return f"{self.kind}_{_KINDS[self.kind][1]}{self.size}"
 
+    @property
+    def table(self) -> str:
+        """The manifest's table of programs of its kind (keyed by str(size))."""
+        return _KINDS[self.kind][0]
 
-def target_key(bucket: int) -> str:
-    """A bucket's target-only program's name (models/step.py TargetStep: one token per row,
-    no draft): its file stem, and its key where programs of every kind are listed together."""
-    return f"target_b{bucket}"
+    @property
+    def path(self) -> str:
+        """Its program file in the engine (the full variant's: a greedy one is derived)."""
+        return f"{PROGRAM_DIR}/{self.stem}.pt2"
 
+    @property
+    def compiled_path(self) -> str:
+        """Its Inductor-compiled file (--backend inductor), per variant."""
+        suffix = "" if self.variant == "full" else f"_{self.variant}"
+        return f"{COMPILED_DIR}/{self.stem}{suffix}.bin"
 
-def target_program_path(bucket: int) -> str:
-    return f"{PROGRAM_DIR}/{target_key(bucket)}.pt2"
+    @property
+    def listed(self) -> str:
+        """Its key where programs of every kind are listed together (the manifest's pass
+        statistics and `compiled` tables, compile jobs): the bucket for a step, else the stem."""
+        return str(self.size) if self.kind == STEP else self.stem
 
+    @classmethod
+    def of_listed(cls, name: str, variant: str = "full") -> "ProgramKey":
+        """The key `listed` gave (ValueError for another name)."""
+        if name.isdigit():
+            return cls(STEP, int(name), variant)
+        for kind, (_, letter) in _KINDS.items():
+            head = f"{kind}_{letter}"
+            if name.startswith(head) and name[len(head):].isdigit():
+                return cls(kind, int(name[len(head):]), variant)
+        raise ValueError(f"{name!r} names no program (a bucket, target_bB or prefill_cC)")
 
-def compiled_path(bucket, variant: str) -> str:
-    """A bucket's (int) compiled step, or a named program's (str: "prefill_c64")."""
-    suffix = "" if variant == "full" else f"_{variant}"
-    name = bucket if isinstance(bucket, str) else f"step_b{bucket}"
-    return f"{COMPILED_DIR}/{name}{suffix}.bin"
+    @property
+    def label(self) -> str:
+        """How messages name it: "for bucket 16" (a step), else its stem."""
+        return f"for bucket {self.size}" if self.kind == STEP else self.stem
 
+    def with_variant(self, variant: str) -> "ProgramKey":
+        return dataclasses.replace(self, variant=variant)
 
-def _program_file(key) -> str:
-    """The engine path of a program keyed by bucket (int) or by prefill_key / target_key
-    (str)."""
-    return f"{PROGRAM_DIR}/{key}.pt2" if isinstance(key, str) else program_path(key)
-
-
-def _label(key) -> str:
-    return key if isinstance(key, str) else f"for bucket {key}"
+    def __str__(self) -> str:                     # messages: "program step_b16" ...
+        return self.stem + ("" if self.variant == "full" else f" ({self.variant})")
 
 
 # --------------------------------------------------------------------------- JSON

@@ -21,9 +21,8 @@ from typing import Iterable, Optional
 import torch
 
 from dspark_compile.engine_dir.format import (
-    COMPILED_DIR, FORMAT_VERSION, MANIFEST, ArtifactError, _checksum, check_digest, prefill_key,
-    prefill_program_path, register_kernel_ops, sha256_stream, target_key, target_program_path,
-    unique_keys)
+    COMPILED_DIR, FORMAT_VERSION, MANIFEST, PREFILL, PROGRAM_TABLES, STEP, TARGET, ArtifactError, ProgramKey,
+    _checksum, check_digest, register_kernel_ops, sha256_stream, unique_keys)
 from dspark_compile.engine_dir.paths import check_engine, open_file, read_file
 from dspark_compile.engine_dir.weights import _attach_weights, _load_weights
 from dspark_compile.engine_dir.versions import ENV_FIELDS, environment_fields
@@ -191,7 +190,7 @@ def _check_structure(manifest: dict) -> None:
                             field="prefill_programs")
     for c, entry in prefill.items():
         if not (isinstance(entry, dict) and c.isdigit() and int(c) > 0
-                and entry.get("path") == prefill_program_path(int(c)) and entry["path"] in files):
+                and entry.get("path") == ProgramKey(PREFILL, int(c)).path and entry["path"] in files):
             raise ArtifactError(f"manifest field 'prefill_programs': chunk {c!r}'s program "
                                 f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
                                 "not a prefill program in the file table",
@@ -202,7 +201,7 @@ def _check_structure(manifest: dict) -> None:
                             field="target_programs")
     for b, entry in target.items():
         if not (isinstance(entry, dict) and b in progs
-                and entry.get("path") == target_program_path(int(b)) and entry["path"] in files):
+                and entry.get("path") == ProgramKey(TARGET, int(b)).path and entry["path"] in files):
             raise ArtifactError(f"manifest field 'target_programs': bucket {b}'s program "
                                 f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
                                 "not a target program of a step bucket in the file table",
@@ -341,7 +340,7 @@ def _engine_fields(manifest: dict, device=None):
 
 def _program_paths(manifest: dict) -> frozenset:
     """The files of a validated manifest's program tables (step, prefill, target)."""
-    return frozenset(entry["path"] for table in ("programs", "prefill_programs", "target_programs")
+    return frozenset(entry["path"] for table in PROGRAM_TABLES
                      for entry in manifest.get(table, {}).values())
 
 
@@ -356,32 +355,32 @@ def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
     must be registered: register_kernel_ops)."""
     entry = manifest["programs"][str(bucket)]
     ep = _load_program_file(engine_dir, manifest, entry["path"])
-    _attach_weights(ep, entry["shared_weights"], weights, bucket)
+    _attach_weights(ep, entry["shared_weights"], weights, ProgramKey(STEP, bucket))
     return ep
 
 
-def _load_table(engine_dir, manifest: dict, weights: dict, table: str, key) -> dict:
-    """{int key: ExportedProgram} of the validated manifest's program table `table`, with the
-    shared `weights` attached; `key(k)` names program k where programs of every kind are
-    listed together."""
+def _load_table(engine_dir, manifest: dict, weights: dict, kind: str) -> dict:
+    """{size: ExportedProgram} of the validated manifest's programs of `kind` (its table), with
+    the shared `weights` attached."""
     out = {}
-    for k, entry in sorted(manifest.get(table, {}).items(), key=lambda kv: int(kv[0])):
+    for k, entry in sorted(manifest.get(ProgramKey(kind, 1).table, {}).items(),
+                           key=lambda kv: int(kv[0])):
         ep = _load_program_file(engine_dir, manifest, entry["path"])
-        _attach_weights(ep, entry["shared_weights"], weights, key(int(k)))
+        _attach_weights(ep, entry["shared_weights"], weights, ProgramKey(kind, int(k)))
         out[int(k)] = ep
     configs = _engine_fields(manifest)
     if configs is not None:
-        check_programs_state(*configs, {key(k): ep for k, ep in out.items()})
+        check_programs_state(*configs, {ProgramKey(kind, k): ep for k, ep in out.items()})
     return out
 
 
 def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
     """{chunk length: ExportedProgram} of a validated manifest's prefill programs (none for an
     engine built without them), with the shared `weights` attached."""
-    return _load_table(engine_dir, manifest, weights, "prefill_programs", prefill_key)
+    return _load_table(engine_dir, manifest, weights, PREFILL)
 
 
 def load_target_programs(engine_dir, manifest: dict, weights: dict) -> dict:
     """{bucket: ExportedProgram} of a validated manifest's target-only programs (none for an
     engine built without them), with the shared `weights` attached."""
-    return _load_table(engine_dir, manifest, weights, "target_programs", target_key)
+    return _load_table(engine_dir, manifest, weights, TARGET)

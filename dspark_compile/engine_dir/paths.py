@@ -27,7 +27,7 @@ import os
 import stat
 from pathlib import Path
 
-from dspark_compile.engine_dir.format import TOKENIZER_FILES, ArtifactError
+from dspark_compile.engine_dir.format import PROGRAM_TABLES, TOKENIZER_FILES, ArtifactError
 
 MAX_PATH_BYTES = 4096
 STORE_ROOT = "kernels/triton"          # dspark_compile/engine_dir/kernel_store.py's STORE_ROOT
@@ -69,7 +69,7 @@ def manifest_paths(manifest: dict):
     if isinstance(files, dict):
         for rel in files:
             yield f"files.{rel}", rel, "file"
-    for table in ("programs", "prefill_programs", "target_programs"):
+    for table in PROGRAM_TABLES:
         entries = manifest.get(table)
         if isinstance(entries, dict):
             for k, entry in entries.items():
@@ -82,7 +82,7 @@ def manifest_paths(manifest: dict):
     if isinstance(store, dict) and "path" in store:
         yield "kernel_store.path", store["path"], "dir"
     compiled = manifest.get("compiled")
-    for table in ("programs", "prefill_programs", "target_programs"):
+    for table in PROGRAM_TABLES:
         entries = compiled.get(table) if isinstance(compiled, dict) else None
         for k, variants in entries.items() if isinstance(entries, dict) else ():
             for v, rel in variants.items() if isinstance(variants, dict) else ():

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from dspark_compile.engine_dir.format import (
-    WEIGHTS_FILE, ArtifactError, _label, _program_file, tensor_sha256)
+    WEIGHTS_FILE, ArtifactError, tensor_sha256)
 
 _ALIGN = 64  # bytes; what torch's allocators give every fresh tensor
 # Dtypes safetensors can write but not read back: stored as a same-size integer view.
@@ -53,7 +53,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _plan_weights(programs: dict, weights: Optional[dict]):
-    """Returns (weights to store, {bucket: [shared names]}); checks programs agree with it."""
+    """`programs`: {ProgramKey: ExportedProgram}. Returns (weights to store, {ProgramKey:
+    [shared names]}); checks the programs agree with it."""
     shared = {}
     collected = {} if weights is None else dict(weights)
     for b, ep in programs.items():
@@ -61,12 +62,12 @@ def _plan_weights(programs: dict, weights: Optional[dict]):
         for name, (t, _) in _weight_entries(ep).items():
             if name not in collected:
                 if weights is not None:
-                    raise ArtifactError(f"program {_label(b)} uses weight '{name}', which is "
+                    raise ArtifactError(f"program {b.label} uses weight '{name}', which is "
                                         "not in `weights`", field="weights")
                 collected[name] = t
             elif not _same_tensor(collected[name], t):
                 raise ArtifactError(
-                    f"weight '{name}' of the program {_label(b)} differs from the one being "
+                    f"weight '{name}' of the program {b.label} differs from the one being "
                     f"stored ({tuple(t.shape)} {t.dtype} vs {tuple(collected[name].shape)} "
                     f"{collected[name].dtype} or different values)", field="weights")
             names.append(name)
@@ -185,8 +186,8 @@ def _save_program(ep, path: Path, shared: list) -> None:
             table[name] = t
 
 
-def _attach_weights(ep, shared: list, weights: dict, bucket) -> None:
-    """`bucket`: the program's key (a bucket, or a prefill program's prefill_key)."""
+def _attach_weights(ep, shared: list, weights: dict, key) -> None:
+    """The engine's `weights` named in `shared` into program `key`'s (a ProgramKey) tables."""
     entries = _weight_entries(ep)
     for name in shared:
         if name in ep.state_dict:
@@ -194,20 +195,20 @@ def _attach_weights(ep, shared: list, weights: dict, bucket) -> None:
         elif name in ep.constants:
             table = ep.constants
         else:
-            raise ArtifactError(f"program {_label(bucket)} has no weight '{name}' that the "
-                                "manifest says it shares", path=_program_file(bucket))
+            raise ArtifactError(f"program {key.label} has no weight '{name}' that the "
+                                "manifest says it shares", path=key.path)
         w = weights[name]
         ref = table[name]
         if tuple(ref.shape) != tuple(w.shape) or ref.dtype != w.dtype:
-            raise ArtifactError(f"weight '{name}': program {_label(bucket)} expects "
+            raise ArtifactError(f"weight '{name}': program {key.label} expects "
                                 f"{tuple(ref.shape)} {ref.dtype}, {WEIGHTS_FILE} has "
                                 f"{tuple(w.shape)} {w.dtype}", path=WEIGHTS_FILE)
         table[name] = torch.nn.Parameter(w, requires_grad=False) if entries.get(
             name, (None, False))[1] else w
     missing = [k for k in _weight_entries(ep) if k not in shared]
     if missing:  # every parameter/buffer is shared at build time; a stand-in must not survive
-        raise ArtifactError(f"program {_label(bucket)} has weights {missing} that the "
-                            "manifest does not list as shared", path=_program_file(bucket))
+        raise ArtifactError(f"program {key.label} has weights {missing} that the "
+                            "manifest does not list as shared", path=key.path)
 
 
 def _programs_device(programs: dict):

@@ -11,8 +11,8 @@
       kernels/sm_XY/...          optional build reports (e.g. kernel resource usage)
       tokenizer.json             optional: the checkpoint's tokenizer, copied as it is
 
-This module writes an engine (`save_engine`, `update_manifest_field`) and is where callers
-import the engine's API from; the rest lives beside it, one concept a module:
+This module writes an engine (`save_engine`, `update_manifest_field`); the rest lives beside
+it, one concept a module:
 dspark_compile/engine_dir/format.py (the paths, `ArtifactError`, hashes, the manifest checksum,
 the `dspark::` ops), dspark_compile/engine_dir/weights.py (every weight stored once and shared by
 the programs) and dspark_compile/engine_dir/load.py (`load_manifest`, `load_engine`: the validated
@@ -51,16 +51,11 @@ from typing import Callable, Optional
 
 import torch
 
-from dspark_compile.engine_dir.format import (  # noqa: F401  (re-exported: the engine's API)
-    COMPILED_DIR, FORMAT_VERSION, KERNELS_DIR, MANIFEST, PROGRAM_DIR, TOKENIZER_FILE, WEIGHTS_FILE,
-    TOKENIZER_CONFIG_FILE, TOKENIZER_FILES,
-    _EXTRA_DIRS,
-    ArtifactError, _checksum, _dspark_ops, _program_file, config_hash, prefill_key,
-    prefill_program_path, program_path, register_kernel_ops, sha256_file, target_key,
-    target_program_path, tensor_sha256)
-from dspark_compile.engine_dir.load import (  # noqa: F401  (re-exported: the engine's API)
-    _read_manifest, check_state_layout, load_engine, load_manifest, load_prefill_programs,
-    load_program, load_target_programs)
+from dspark_compile.engine_dir.format import (
+    ArtifactError, _checksum, config_hash, _dspark_ops,
+    _EXTRA_DIRS, FORMAT_VERSION, MANIFEST, PREFILL, PROGRAM_DIR, ProgramKey, sha256_file, STEP,
+    TARGET, TOKENIZER_FILE, TOKENIZER_FILES, WEIGHTS_FILE)
+from dspark_compile.engine_dir.load import _read_manifest
 from dspark_compile.engine_dir.weights import (
     _plan_weights, _programs_device, _save_program, _save_weights)
 from dspark_compile.atomic_dir import (
@@ -194,10 +189,21 @@ def engine_bytes(weight_bytes: int, n_weights: int, program_nodes: list[int],
 
 
 # --------------------------------------------------------------------------- save
-def _manifest(fields: dict, programs: dict, prefill_programs: dict, target_programs: dict,
-              every: dict, shared: dict, tensors: dict) -> dict:
+def _tables(every: dict, shared: dict, *tables: str) -> dict:
+    """The manifest's program tables named (those with programs): {str(size): its file, its
+    shared weights, its inputs} per ProgramKey of `every`."""
+    out = {}
+    for key, ep in sorted(every.items()):
+        if key.table in tables:
+            out.setdefault(key.table, {})[str(key.size)] = {
+                "path": key.path, "shared_weights": shared[key],
+                "user_inputs": list(ep.graph_signature.user_inputs)}
+    return out
+
+
+def _manifest(fields: dict, every: dict, shared: dict, tensors: dict) -> dict:
     """The manifest of the written engine, less its file table and checksum."""
-    buckets = sorted(programs)
+    buckets = sorted(k.size for k in every if k.kind == STEP)
     env = environment_fields()
     return {
         "format_version": FORMAT_VERSION,
@@ -205,20 +211,11 @@ def _manifest(fields: dict, programs: dict, prefill_programs: dict, target_progr
         # a JSON copy; non-JSON values (e.g. in pass notes) are recorded as their str()
         **json.loads(json.dumps(fields, default=str)),
         "buckets": buckets,
-        "programs": {str(b): {"path": program_path(b), "shared_weights": shared[b],
-                              "user_inputs": list(programs[b].graph_signature.user_inputs)}
-                     for b in buckets},
+        **_tables(every, shared, "programs"),
         "weights": {"file": WEIGHTS_FILE, "tensors": tensors},
         "dspark_ops": _dspark_ops(every),
         "graph_memory_bytes": {str(b): None for b in buckets},
-        **({"prefill_programs": {
-            str(c): {"path": prefill_program_path(c), "shared_weights": shared[prefill_key(c)],
-                     "user_inputs": list(ep.graph_signature.user_inputs)}
-            for c, ep in sorted(prefill_programs.items())}} if prefill_programs else {}),
-        **({"target_programs": {
-            str(b): {"path": target_program_path(b), "shared_weights": shared[target_key(b)],
-                     "user_inputs": list(ep.graph_signature.user_inputs)}
-            for b, ep in sorted(target_programs.items())}} if target_programs else {}),
+        **_tables(every, shared, "prefill_programs", "target_programs"),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"),
     }
@@ -253,6 +250,23 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     Holds `out_dir`'s lock while it writes (a concurrent writer: OutputLocked, naming it).
     """
     out_dir = canonical(Path(out_dir).absolute())
+    every = _program_table(programs, prefill_programs or {}, target_programs or {})
+    fields = _checked_fields(manifest_fields or {}, every)
+    extra_files = dict(extra_files or {})
+    _check_extra_files(extra_files)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out_dir, "build"):
+        why = None if overwrite else occupied(out_dir)
+        if why:
+            raise ArtifactError(f"{out_dir} {why}; pass overwrite=True to replace an engine",
+                                path=str(out_dir))
+        remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
+        return _write(out_dir, every, weights, fields, extra_files, overwrite, free_bytes)
+
+
+def _program_table(programs: dict, prefill_programs: dict, target_programs: dict) -> dict:
+    """save_engine's programs checked, as one table {ProgramKey: ExportedProgram}: the weights,
+    the ops and the manifest's tables read it."""
     if not programs:
         raise ArtifactError("save_engine needs at least one program", field="programs")
     for b, ep in programs.items():
@@ -261,7 +275,6 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         if not isinstance(ep, torch.export.ExportedProgram):
             raise ArtifactError(f"program for bucket {b} is a {type(ep).__name__}, not an "
                                 "ExportedProgram", field="programs")
-    prefill_programs = dict(prefill_programs or {})
     for c, ep in prefill_programs.items():
         if isinstance(c, bool) or not isinstance(c, int) or c <= 0:
             raise ArtifactError(f"prefill chunk keys must be positive ints, got {c!r}",
@@ -269,7 +282,6 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         if not isinstance(ep, torch.export.ExportedProgram):
             raise ArtifactError(f"prefill program for chunk {c} is a {type(ep).__name__}, not "
                                 "an ExportedProgram", field="prefill_programs")
-    target_programs = dict(target_programs or {})
     for b, ep in target_programs.items():
         if b not in programs:
             raise ArtifactError(f"target program for bucket {b!r}: not one of the step buckets "
@@ -277,10 +289,15 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         if not isinstance(ep, torch.export.ExportedProgram):
             raise ArtifactError(f"target program for bucket {b} is a {type(ep).__name__}, not "
                                 "an ExportedProgram", field="target_programs")
-    # one table for the weights and the ops: steps by bucket, the other programs by their key
-    every = {**programs, **{prefill_key(c): ep for c, ep in prefill_programs.items()},
-             **{target_key(b): ep for b, ep in target_programs.items()}}
-    fields = dict(manifest_fields or {})
+    return {**{ProgramKey(STEP, b): ep for b, ep in programs.items()},
+            **{ProgramKey(PREFILL, c): ep for c, ep in prefill_programs.items()},
+            **{ProgramKey(TARGET, b): ep for b, ep in target_programs.items()}}
+
+
+def _checked_fields(manifest_fields: dict, every: dict) -> dict:
+    """The caller's manifest fields, with the model config's hash and the target SM filled
+    in; ArtifactError for a computed field set or a required one missing."""
+    fields = dict(manifest_fields)
     if "model_config" in fields:
         fields.setdefault("model_config_hash", config_hash(fields["model_config"]))
     # the programs' device decides where the engine runs: a CPU program is "cpu" even when this
@@ -292,7 +309,10 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
     missing = [f for f in _REQUIRED if f not in fields]
     if missing:
         raise ArtifactError(f"manifest_fields is missing {missing}", field=missing[0])
-    extra_files = dict(extra_files or {})
+    return fields
+
+
+def _check_extra_files(extra_files: dict) -> None:
     for rel in extra_files:
         parts = Path(rel).parts
         if rel in TOKENIZER_FILES:
@@ -302,42 +322,39 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                                 f"{[d + '/' for d in _EXTRA_DIRS]} (or be {TOKENIZER_FILE})",
                                 path=rel)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with output_lock(out_dir, "build"):
-        why = None if overwrite else occupied(out_dir)
-        if why:
-            raise ArtifactError(f"{out_dir} {why}; pass overwrite=True to replace an engine",
-                                path=str(out_dir))
-        remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
-        store, shared = _plan_weights(every, weights)
-        sizes = (tensor_bytes(store.values()), len(store))
-        extra = sum(len(c.encode() if isinstance(c, str) else c) for c in extra_files.values())
-        need = engine_bytes(*sizes, [len(ep.graph.nodes) for ep in every.values()], extra)
-        check_free_space(out_dir, need, "the engine", free_bytes)
-        with disk_errors(out_dir, "the engine", need):
-            tmp = temp_dir(out_dir)
-            try:
-                (tmp / PROGRAM_DIR).mkdir()
-                for key, ep in every.items():
-                    _save_program(ep, tmp / _program_file(key), shared[key])
-                # the programs are on disk: the rest (weights, extra files, manifest) again
-                check_free_space(out_dir, engine_bytes(*sizes, [0] * len(every), extra),
-                                 "the rest of the engine", free_bytes)
-                tensors = _save_weights(store, tmp / WEIGHTS_FILE)
-                for rel, content in extra_files.items():
-                    p = tmp / rel
-                    p.parent.mkdir(parents=True, exist_ok=True)
-                    p.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
-                manifest = _manifest(fields, programs, prefill_programs, target_programs,
-                                     every, shared, tensors)
-                manifest["files"] = _file_table(tmp)
-                manifest["checksum"] = _checksum(manifest)
-                _write_json_atomic(tmp / MANIFEST, manifest)
-                fsync_dir(tmp)
-                _swap_into_place(tmp, out_dir, overwrite)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+
+def _write(out_dir: Path, every: dict, weights, fields: dict, extra_files: dict,
+           overwrite: bool, free_bytes) -> dict:
+    """save_engine's write, under out_dir's lock: programs, weights, extra files and manifest
+    into a temporary directory, then renamed into place."""
+    store, shared = _plan_weights(every, weights)
+    sizes = (tensor_bytes(store.values()), len(store))
+    extra = sum(len(c.encode() if isinstance(c, str) else c) for c in extra_files.values())
+    need = engine_bytes(*sizes, [len(ep.graph.nodes) for ep in every.values()], extra)
+    check_free_space(out_dir, need, "the engine", free_bytes)
+    with disk_errors(out_dir, "the engine", need):
+        tmp = temp_dir(out_dir)
+        try:
+            (tmp / PROGRAM_DIR).mkdir()
+            for key, ep in every.items():
+                _save_program(ep, tmp / key.path, shared[key])
+            # the programs are on disk: the rest (weights, extra files, manifest) again
+            check_free_space(out_dir, engine_bytes(*sizes, [0] * len(every), extra),
+                             "the rest of the engine", free_bytes)
+            tensors = _save_weights(store, tmp / WEIGHTS_FILE)
+            for rel, content in extra_files.items():
+                p = tmp / rel
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
+            manifest = _manifest(fields, every, shared, tensors)
+            manifest["files"] = _file_table(tmp)
+            manifest["checksum"] = _checksum(manifest)
+            _write_json_atomic(tmp / MANIFEST, manifest)
+            fsync_dir(tmp)
+            _swap_into_place(tmp, out_dir, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return manifest
 
 

@@ -13,7 +13,7 @@ generate, built on the scheduler).
       engine has one (`run --no-speculation`, models/step.py TargetStep) → allocate the decode
       state once → (CUDA) capture every bucket's step and its greedy variant, largest first,
       into one memory pool on one capture stream, after warm-up runs on padded rows only
-    Engine.launch(rows, bucket, greedy) → the rows into the graph's static input (one pinned,
+    Engine.launch(rows, key) → the rows into the graph's static input (one pinned,
       asynchronous host-to-device copy), replay, the packed outputs [n, N+2] into pinned host
       memory (one asynchronous device-to-host copy), an event; nothing waits for the device.
       Every input of the next step (tokens, drafts, positions) is in the state on the device,
@@ -46,21 +46,21 @@ from dspark_compile.engine_dir.write import update_manifest_field
 from dspark_compile.runtime.cuda_graphs import StepGraph, capture_graph, packed, unpack, warm_up  # noqa: F401
 from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
 from dspark_compile.engine_dir.fields import engine_configs
-from dspark_compile.engine_dir.format import BACKENDS
+from dspark_compile.engine_dir.format import BACKENDS, STEP, TARGET, ProgramKey
 from dspark_compile.engine_dir.kernel_store import install
 from dspark_compile.engine_dir.programs import faster_deserialization
-from dspark_compile.engine_dir.format import target_key
 from dspark_compile.engine_dir.load import load_prefill_programs, load_target_programs
 from dspark_compile.models.config import rope_positions
 from dspark_compile.models.moe import sync_kernel_layouts, use_kernel_layouts
 from dspark_compile.models.prefill_chunk import chunk_schedule
 from dspark_compile.models.request import SamplingParams, validate_batch
+from dspark_compile.models.generate import set_row_sampling
 from dspark_compile.models.state import allocate_state, check_prefill
 from dspark_compile.models.step import prefill
 from dspark_compile.models.target import DeepseekV4
-from dspark_compile.runtime.inductor import compiled_entries, CompiledStep
-from dspark_compile.runtime.prefill import compiled_table_paths, PrefillPrograms
-from dspark_compile.runtime.scheduler import GenerationStream
+from dspark_compile.runtime.inductor import compiled_entries, compiled_table_paths, CompiledStep
+from dspark_compile.runtime.prefill import PrefillPrograms
+from dspark_compile.runtime.scheduler import GenerationStream, program_for
 from dspark_compile.runtime.variants import sampler_mode_variant
 
 
@@ -91,19 +91,39 @@ class StepTimes:
 
 @dataclass
 class Launched:
-    """One program call in flight: its packed outputs (graphs.pack: tokens | num, or a
-    prefill's first token) reach `host` once `event` has completed (None: already there)."""
+    """One program call in flight: its packed outputs (cuda_graphs.pack: tokens | num, or a
+    prefill's first token) reach `host` once `event` has completed (None: already there).
+    `key`: the step program it ran (None: a prefill)."""
     host: torch.Tensor
     event: object = None
-    bucket: int = 0
-    greedy: bool = False
-    target: bool = False
+    key: ProgramKey | None = None
+
+    @property
+    def bucket(self) -> int:
+        return self.key.size if self.key is not None else 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.key is not None and self.key.variant == "greedy"
+
+    @property
+    def target(self) -> bool:
+        return self.key is not None and self.key.kind == TARGET
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
         return self.host
+
+
+@dataclass
+class Program:
+    """A loaded program as the engine runs it: its callable `fn(rows, state)` (the exported
+    program's module, its greedy variant, or the Inductor-compiled step) and, once captured on
+    CUDA, its graph."""
+    fn: object
+    graph: StepGraph | None = None
 
 
 class Engine:
@@ -122,22 +142,22 @@ class Engine:
         self.programs = programs   # the ExportedPrograms as loaded (inspection, checks)
         self.backend = self.build.backend
         self.compiled_load_seconds: dict[int, float] = {}
-        # per bucket, the step with the draft sampler's greedy launch plan, run when every live
-        # row is greedy (dspark_compile/runtime/variants.py); empty when disabled or nothing to switch
+        # every step-sized program the engine runs, one table: per bucket the step, its greedy
+        # variant (the draft sampler's greedy launch plan, run when every live row is greedy,
+        # dspark_compile/runtime/variants.py; absent when disabled or nothing to switch) and
+        # the target-only step (speculative=False; absent without target programs)
+        self.table: dict[ProgramKey, Program] = {}
         if self.backend == "inductor":
-            self.modules, self.greedy_modules = self._compiled_modules(greedy_variants)
+            self._compiled_steps(greedy_variants)
         else:
-            self.modules = {b: ep.module() for b, ep in programs.items()}
-            self.greedy_modules = {}
-            if greedy_variants:
-                self.greedy_modules = {b: m for b, ep in programs.items()
-                                       if (m := sampler_mode_variant(ep)) is not None}
+            for b, ep in programs.items():
+                self.table[ProgramKey(STEP, b)] = Program(ep.module())
+                greedy = sampler_mode_variant(ep) if greedy_variants else None
+                if greedy is not None:
+                    self.table[ProgramKey(STEP, b, "greedy")] = Program(greedy)
         self.prefill_programs = self._load_prefill(weights, prefill)
-        # per bucket, the target-only step (speculative=False); empty without target programs
-        self.target_modules = self._load_target(weights) if target else {}
-        self.graphs: dict[int, StepGraph] = {}
-        self.greedy_graphs: dict[int, StepGraph] = {}
-        self.target_graphs: dict[int, StepGraph] = {}
+        if target:
+            self._load_target(weights)
         self._stream = None      # the open GenerationStream (weak reference), one at a time
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool_bytes: dict[int, int] = {}
@@ -198,20 +218,19 @@ class Engine:
             eng._record_load()
         return eng
 
-    def _compiled_modules(self, greedy_variants: bool):
-        """The Inductor-compiled steps of every bucket, loaded from the engine
-        (dspark_compile/build/inductor.py): ({bucket: full step}, {bucket: greedy step})."""
-        full, greedy = {}, {}
+    def _compiled_steps(self, greedy_variants: bool) -> None:
+        """The Inductor-compiled steps of every bucket (and their greedy variants), loaded
+        from the engine (dspark_compile/build/inductor.py) into the table."""
         for b, entry in compiled_entries(self.manifest).items():
             rows = self._padded_rows(b)
-            full[b] = CompiledStep(self.dir / entry["full"], self.programs[b], rows, self.state)
-            seconds = full[b].load_seconds
-            if greedy_variants and "greedy" in entry:
-                greedy[b] = CompiledStep(self.dir / entry["greedy"], self.programs[b], rows,
-                                         self.state)
-                seconds += greedy[b].load_seconds
+            seconds = 0.0
+            for variant in ("full", "greedy") if greedy_variants else ("full",):
+                if variant in entry:
+                    step = CompiledStep(self.dir / entry[variant], self.programs[b], rows,
+                                        self.state)
+                    self.table[ProgramKey(STEP, b, variant)] = Program(step)
+                    seconds += step.load_seconds
             self.compiled_load_seconds[b] = seconds
-        return full, greedy
 
     def _load_prefill(self, weights: dict, prefill: str | None):
         """The engine's prefill programs bound to the state, or None: prefill runs the eager
@@ -228,19 +247,19 @@ class Engine:
                                load_prefill_programs(self.dir, self.manifest, weights),
                                self.state, self.device, self.backend, chunks)
 
-    def _load_target(self, weights: dict) -> dict:
-        """{bucket: the target-only step}: the program's module (aten) or its Inductor-compiled
-        program (inductor); {} for an engine built without target programs."""
+    def _load_target(self, weights: dict) -> None:
+        """Every bucket's target-only step into the table: the program's module (aten) or its
+        Inductor-compiled program (inductor); none for an engine built without them."""
         if not self.build.target_programs:
-            return {}
+            return
         programs = load_target_programs(self.dir, self.manifest, weights)
         check_state_layout(programs, self.state)
-        if self.backend != "inductor":
-            return {b: ep.module() for b, ep in programs.items()}
-        paths = compiled_table_paths(self.manifest, "target_programs", programs, target_key,
-                                     "bucket")
-        return {b: CompiledStep(self.dir / paths[b], ep, self._padded_rows(b), self.state)
-                for b, ep in programs.items()}
+        paths = (compiled_table_paths(self.manifest, TARGET, programs)
+                 if self.backend == "inductor" else {})
+        for b, ep in programs.items():
+            fn = (CompiledStep(self.dir / paths[b], ep, self._padded_rows(b), self.state)
+                  if paths else ep.module())
+            self.table[ProgramKey(TARGET, b)] = Program(fn)
 
     def _record_load(self) -> None:
         """Write this load's graph memory and timings into the manifest (docs/architecture.md,
@@ -309,22 +328,23 @@ class Engine:
             stream = torch.cuda.Stream(self.device)
         for b in sorted(self.buckets, reverse=True):   # largest first: smaller ones reuse its pool
             t = time.perf_counter()
-            self.graphs[b], added = self._capture(self.modules[b], b, pool, stream, warmup)
-            if b in self.greedy_modules:
+            added = 0
+            for key in (ProgramKey(STEP, b), ProgramKey(STEP, b, "greedy"), ProgramKey(TARGET, b)):
+                program = self.table.get(key)
+                if program is None:
+                    continue
                 try:
-                    self.greedy_graphs[b], more = self._capture(self.greedy_modules[b], b, pool,
-                                                                stream, warmup)
-                    added += more
+                    program.graph, more = self._capture(program.fn, b, pool, stream, warmup)
                 except Exception as e:  # noqa: BLE001 -- an optimisation must not fail the load
+                    if key.variant != "greedy":
+                        raise
                     # all-greedy batches of this bucket then run the full program (correct,
                     # slower); the warning says why
-                    del self.greedy_modules[b]
+                    del self.table[key]
                     warnings.warn(f"bucket {b}: the greedy variant could not be captured "
                                   f"({type(e).__name__}: {str(e)[:200]}); all-greedy batches run "
                                   f"the full program")
-            if b in self.target_modules:
-                self.target_graphs[b], more = self._capture(self.target_modules[b], b, pool,
-                                                            stream, warmup)
+                    continue
                 added += more
             self.capture_seconds[b] = time.perf_counter() - t
             self.graph_pool_bytes[b] = int(added)
@@ -384,8 +404,8 @@ class Engine:
             b = bucket
         if not speculative:
             self.check_target(b)
-            return self._step(rows, b, False, use_graph, target=True)
-        return self._step(rows, b, self._use_greedy(live, b, variant), use_graph)
+            return self._step(rows, ProgramKey(TARGET, b), use_graph)
+        return self._step(rows, self._step_key(live, b, variant), use_graph)
 
     def check_target(self, bucket: int | None = None) -> None:
         """ValueError saying why this engine cannot decode without speculation (at `bucket`)."""
@@ -393,47 +413,60 @@ class Engine:
             raise ValueError(f"engine {self.dir} has no target-only programs (built with "
                              "--no-target-programs): rebuild it without that flag to decode "
                              "without speculation")
-        if not self.target_modules:
+        if not any(k.kind == TARGET for k in self.table):
             raise ValueError("the engine was loaded with target=False: load it with "
                              "target=True to decode without speculation")
-        if bucket is not None and bucket not in self.target_modules:
+        if bucket is not None and ProgramKey(TARGET, bucket) not in self.table:
             raise ValueError(f"bucket {bucket} has no target-only program")
 
-    def _step(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True,
-              target: bool = False):
-        """run_step once rows, bucket and variant are decided (and valid): one launch, waited
-        for."""
-        launched = self.launch(rows, b, greedy, use_graph, target)
+    def has(self, key: ProgramKey) -> bool:
+        """Whether the engine can run program `key` (loaded: a greedy variant may be absent,
+        target-only programs too)."""
+        return key in self.table
+
+    def program(self, key: ProgramKey) -> Program:
+        """Program `key` as loaded: its callable and its captured graph (None off CUDA)."""
+        if key not in self.table:
+            raise ValueError(f"this engine has no program {key} (it has "
+                             f"{', '.join(map(str, sorted(self.table)))})")
+        return self.table[key]
+
+    def captured(self) -> list[ProgramKey]:
+        """The programs whose CUDA graphs were captured, in key order."""
+        return sorted(k for k, p in self.table.items() if p.graph is not None)
+
+    def _step(self, rows: list[int], key: ProgramKey, use_graph: bool = True):
+        """run_step once rows and program are decided (and valid): one launch, waited for."""
+        launched = self.launch(rows, key, use_graph)
         t = time.perf_counter()
         host = launched.wait()
         self.times.seconds += time.perf_counter() - t     # the launch counted its own
         return unpack(host)
 
-    def launch(self, rows: list[int], b: int, greedy: bool, use_graph: bool = True,
-               target: bool = False) -> Launched:
-        """Enqueue one program call of bucket `b` on `rows` (valid state rows, at most b; the
-        rest padded with the trash row) and the copy of its outputs to the host; returns at
+    def launch(self, rows: list[int], key: ProgramKey, use_graph: bool = True) -> Launched:
+        """Enqueue one call of program `key` (a step, its greedy variant, or a target-only step,
+        of bucket b = key.size; which one: the scheduler's program_for) on `rows` (valid state
+        rows, at most b; the rest padded with the trash row) and the copy of its outputs to the
+        host; returns at
         once (on CUDA). The step reads all its other inputs from the state, which the previous
         call (stream-ordered) has updated on the device, so calls may be launched back to back
         without reading their outputs. On CUDA: one host-to-device copy of the rows (pinned,
         asynchronous) and one device-to-host copy of the packed outputs [n, N+2] (pinned,
-        asynchronous, enqueued before any later replay can overwrite the pool). `target`: the
-        bucket's target-only program (outputs [n, 2]) instead of the step."""
-        n = len(rows)
+        asynchronous, enqueued before any later replay can overwrite the pool). A target-only
+        program's outputs are [n, 2]."""
+        program = self.program(key)
+        n, b = len(rows), key.size
         t = time.perf_counter()
         cuda = self.device.type == "cuda"
         padded = torch.tensor(rows + [self.trash] * (b - n), dtype=torch.int64, pin_memory=cuda)
-        graphs, modules = ((self.target_graphs, self.target_modules) if target
-                           else (self.greedy_graphs, self.greedy_modules) if greedy
-                           else (self.graphs, self.modules))
-        if use_graph and b in graphs:
-            g = graphs[b]
+        if use_graph and program.graph is not None:
+            g = program.graph
             # pinned: the copy is queued behind the previous replay instead of waiting for it
             g.rows.copy_(padded, non_blocking=True)
             g.graph.replay()
             out = g.out
         else:
-            out = packed(modules[b])(padded.to(self.device, non_blocking=True), self.state)
+            out = packed(program.fn)(padded.to(self.device, non_blocking=True), self.state)
         event = None
         if cuda:
             host = torch.empty((n, out.shape[1]), dtype=torch.int64, pin_memory=True)
@@ -445,18 +478,26 @@ class Engine:
         self.times.steps += 1
         self.times.seconds += time.perf_counter() - t
         self.times.per_bucket[b] = self.times.per_bucket.get(b, 0) + 1
-        self.times.greedy_steps += int(greedy)
-        self.times.target_steps += int(target)
-        return Launched(host, event, b, greedy, target)
+        launched = Launched(host, event, key)
+        self.times.greedy_steps += int(launched.greedy)
+        self.times.target_steps += int(launched.target)
+        return launched
 
-    def _use_greedy(self, live: list[int], bucket: int, variant: str | None) -> bool:
+    def set_row_sampling(self, row: int, params: SamplingParams) -> None:
+        """State row `row`'s sampling parameters, read by the programs' samplers."""
+        set_row_sampling(self.state, row, params)
+
+    def _step_key(self, live: list[int], bucket: int, variant: str | None) -> ProgramKey:
+        """run_step's program: `variant` as asked, else what program_for chooses for the live
+        rows' temperatures as the state holds them."""
         if variant not in (None, "full", "greedy"):
             raise ValueError(f"variant must be 'full', 'greedy' or None, got {variant!r}")
-        if variant == "greedy" and bucket not in self.greedy_modules:
+        has_greedy = self.has(ProgramKey(STEP, bucket, "greedy"))
+        if variant == "greedy" and not has_greedy:
             raise ValueError(f"bucket {bucket} has no greedy variant (engine loaded with "
                              f"greedy_variants=False, or built without fuse_sampler)")
-        if variant == "full" or bucket not in self.greedy_modules or not live:
-            return False
+        if variant == "full" or not has_greedy or not live:
+            return ProgramKey(STEP, bucket)
         # a direct caller: the rows' temperatures as the step will read them (one device-to-host
         # copy of max_rows + 1 floats), since a sampled row must never run the greedy plan.
         # generate() knows its requests' parameters and decides without this read.
@@ -465,7 +506,7 @@ class Engine:
         if variant == "greedy" and not all_greedy:
             raise ValueError(f"variant='greedy' with a sampled (temperature >= {GREEDY_BELOW}) "
                              "row in the batch")
-        return all_greedy
+        return program_for(self, bucket, all_greedy)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

@@ -16,7 +16,7 @@ from torch._inductor import CompiledArtifact
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from dspark_compile.engine_dir.format import VARIANTS, ArtifactError
+from dspark_compile.engine_dir.format import PREFILL, VARIANTS, ArtifactError, ProgramKey
 
 
 def weight_inputs(ep: torch.export.ExportedProgram) -> list[torch.Tensor]:
@@ -103,4 +103,23 @@ def compiled_entries(manifest: dict) -> dict:
                                     f"{path!r} is not a compiled program in the file table",
                                     field=f"compiled.programs.{b}")
         out[b] = dict(entry)
+    return out
+
+
+def compiled_table_paths(manifest: dict, kind: str, sizes) -> dict:
+    """{size: engine path of its compiled full variant} of the Inductor manifest's programs of
+    `kind` (target or prefill: `compiled.<its table>`, keyed as ProgramKey.listed);
+    ArtifactError naming the field when one is missing."""
+    table = ProgramKey(kind, 1).table
+    entries = (manifest.get("compiled") or {}).get(table)
+    out = {}
+    for k in sizes:
+        entry = entries.get(ProgramKey(kind, k).listed) if isinstance(entries, dict) else None
+        path = entry.get("full") if isinstance(entry, dict) else None
+        if path not in manifest.get("files", {}):
+            what = "chunk" if kind == PREFILL else "bucket"
+            raise ArtifactError(f"manifest field 'compiled.{table}': {what} {k} has no "
+                                "compiled program in the file table — rebuild",
+                                field=f"compiled.{table}")
+        out[k] = path
     return out

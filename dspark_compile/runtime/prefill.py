@@ -20,32 +20,10 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.engine_dir.format import ArtifactError, prefill_key
+from dspark_compile.engine_dir.format import PREFILL, ArtifactError
 from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule, HEADER
 from dspark_compile.runtime.cuda_graphs import capture_graph, warm_up
-from dspark_compile.runtime.inductor import CompiledStep
-
-
-def compiled_prefill_paths(manifest: dict, chunks) -> dict:
-    """{C: engine path of the compiled prefill program} of an Inductor engine; ArtifactError
-    naming the field when one is missing."""
-    return compiled_table_paths(manifest, "prefill_programs", chunks, prefill_key, "chunk")
-
-
-def compiled_table_paths(manifest: dict, table: str, keys, name, what: str) -> dict:
-    """{k: engine path of program name(k)'s compiled full variant} from the Inductor
-    manifest's `compiled.<table>`; ArtifactError naming the field when one is missing."""
-    entries = (manifest.get("compiled") or {}).get(table)
-    out = {}
-    for k in keys:
-        entry = entries.get(name(k)) if isinstance(entries, dict) else None
-        path = entry.get("full") if isinstance(entry, dict) else None
-        if path not in manifest.get("files", {}):
-            raise ArtifactError(f"manifest field 'compiled.{table}': {what} {k} has no "
-                                "compiled program in the file table — rebuild",
-                                field=f"compiled.{table}")
-        out[k] = path
-    return out
+from dspark_compile.runtime.inductor import CompiledStep, compiled_table_paths
 
 
 class PrefillPrograms:
@@ -62,7 +40,7 @@ class PrefillPrograms:
         self.inputs = {c: torch.zeros(c + HEADER, dtype=torch.int64, device=device)
                        for c in self.chunks}
         if backend == "inductor":
-            paths = compiled_prefill_paths(manifest, self.chunks)
+            paths = compiled_table_paths(manifest, PREFILL, self.chunks)
             self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
                                             self.inputs[c], state) for c in self.chunks}
         else:

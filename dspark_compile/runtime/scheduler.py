@@ -39,6 +39,12 @@ An engine without prefill programs prefills a whole prompt per call (the eager r
 Without speculation (Engine.open_stream(speculative=False)) the same loop launches the buckets'
 target-only programs: each step commits exactly one token per row and writes one position, and
 no acceptance is counted.
+
+Which program a step runs is decided here alone (program_for), for the stream and for
+Engine.run_step. What the stream needs of an engine (Engine; tests/runtime/test_stream_scheduler.py
+fakes it): `cfg` (block size, vocabulary), `cache` (rows, positions), `buckets`, `bucket_for`,
+`has(ProgramKey)`, `launch(rows, ProgramKey)`, `prefill_calls`, `launch_prefill`,
+`set_row_sampling(row, params)` and the `times` counters.
 """
 from __future__ import annotations
 
@@ -48,9 +54,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dspark_compile.runtime.cuda_graphs import unpack
+from dspark_compile.engine_dir.format import STEP, TARGET, ProgramKey
 from dspark_compile.models.generate import GenerationResult, append_committed
 from dspark_compile.models.request import SamplingParams, validate_request
+from dspark_compile.runtime.cuda_graphs import unpack
+
+
+def program_for(engine, bucket: int, all_greedy: bool, speculative: bool = True) -> ProgramKey:
+    """The program a step of `bucket` runs: the target-only step without speculation; the
+    step's greedy variant when every live row is greedy and the engine has it (a sampled row
+    must never run it: its draft sampler takes the argmax); else the step."""
+    if not speculative:
+        return ProgramKey(TARGET, bucket)
+    greedy = ProgramKey(STEP, bucket, "greedy")
+    return greedy if all_greedy and engine.has(greedy) else ProgramKey(STEP, bucket)
 
 
 class StreamEvent(NamedTuple):
@@ -269,7 +286,6 @@ class GenerationStream:
         """Launch prefill calls: the partly prefilled request first, then waiting requests into
         free rows, within the token budget while other requests decode (unbounded when none
         does: nobody waits behind a prompt then). True when anything was launched."""
-        from dspark_compile.models.generate import set_row_sampling
         eng = self.engine
         budget = self.prefill_tokens if self._decoding() else math.inf
         launched = False
@@ -283,7 +299,7 @@ class GenerationStream:
                 self.active[r.id] = r
                 try:
                     r.calls, r.last = eng.prefill_calls(r.prompt), len(r.prompt) - 1
-                    set_row_sampling(eng.state, r.row, r.params)
+                    eng.set_row_sampling(r.row, r.params)
                 except Exception as e:  # noqa: BLE001 -- this request's alone (_failed)
                     self._failed([r], e, events)
                     continue
@@ -328,12 +344,9 @@ class GenerationStream:
             b = eng.bucket_for(len(group))
             rows_ = [r.row for r in group]
             try:
-                if self.speculative:
-                    greedy = b in eng.greedy_modules and all(r.params.method == "greedy"
-                                                             for r in group)
-                    out = eng.launch(rows_, b, greedy)
-                else:
-                    out = eng.launch(rows_, b, False, target=True)
+                key = program_for(eng, b, all(r.params.method == "greedy" for r in group),
+                                  self.speculative)
+                out = eng.launch(rows_, key)
             except Exception as e:  # noqa: BLE001 -- the group's requests (_failed)
                 self._failed(group, e, events)
                 continue

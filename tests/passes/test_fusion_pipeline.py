@@ -108,7 +108,8 @@ ENGINE_RUN = textwrap.dedent("""
     res = eng.generate(prompts, SamplingParams(max_new_tokens=int(sys.argv[3])))
     ops = {b: dict(collections.Counter(str(n.target) for n in m.graph.nodes
                                        if str(n.target).startswith("dspark.")))
-           for b, m in eng.modules.items()}
+           for b, m in ((k.size, eng.program(k).fn) for k in eng.table
+                        if k.kind == "step" and k.variant == "full")}
     print("RESULT" + json.dumps({"tokens": res.tokens, "ops": ops,
                                  "accepted": res.mean_accepted_length}))
 """)

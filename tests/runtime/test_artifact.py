@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import dspark_compile.kernels.moe  # noqa: F401  (the toy calls dspark::moe_experts)
-from dspark_compile.engine_dir import write as artifact
+from dspark_compile.engine_dir import format as artifact
+from dspark_compile.engine_dir import write as writer
 from dspark_compile.engine_dir.format import ArtifactError
 from dspark_compile.engine_dir.load import load_engine, load_manifest
 from dspark_compile.engine_dir.write import save_engine, update_manifest_field
@@ -103,7 +104,7 @@ def engine(built, tmp_path):
 # ------------------------------------------------------------------ round trip
 FRESH = textwrap.dedent("""
     import sys, torch
-    from dspark_compile.engine_dir.write import load_engine
+    from dspark_compile.engine_dir.load import load_engine
     assert not hasattr(torch.ops.dspark, "moe_experts"), "op registered before load_engine"
     device = sys.argv[3]
     manifest, programs, weights = load_engine(sys.argv[1], device=device)
@@ -593,7 +594,7 @@ def test_sigterm_during_a_build_removes_its_temporary(built, tmp_path, monkeypat
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
 
-    monkeypatch.setattr(artifact, "_save_weights", killed)
+    monkeypatch.setattr(writer, "_save_weights", killed)
     with sigterm_raises(), pytest.raises(Terminated):
         save_engine(tmp_path / "engine", programs, manifest_fields=fields(passes, stats))
     assert sorted(os.listdir(tmp_path)) == []

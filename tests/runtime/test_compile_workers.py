@@ -49,21 +49,23 @@ def programs():
 @pytest.mark.parametrize("workers", [2, 1])
 def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
     from dspark_compile.build.compile_workers import compile_programs
-    from dspark_compile.engine_dir.format import compiled_path
+    from dspark_compile.engine_dir.format import STEP, ProgramKey
     from dspark_compile.runtime.inductor import CompiledStep
     eps, state = programs
     if workers == 1:            # the in-process path on one bucket: its compiles are serial
         eps = {3: eps[3]}
     lines = []
-    files, seconds, used = compile_programs(eps, state, workers, lines.append)
+    keys = {b: ProgramKey(STEP, b) for b in eps}
+    files, seconds, used = compile_programs({keys[b]: ep for b, ep in eps.items()}, state,
+                                            workers, lines.append)
     assert used == min(workers, len(eps))
-    assert sorted(files) == sorted(compiled_path(b, "full") for b in eps)
-    assert set(seconds) == {str(b) for b in eps} and all(s["full"] > 0 for s in seconds.values())
+    assert sorted(files) == sorted(f"compiled/step_b{b}.bin" for b in eps)
+    assert set(seconds) == set(keys.values()) and all(s["full"] > 0 for s in seconds.values())
     if workers > 1:
         assert any("worker processes" in line for line in lines), lines
     for b, ep in eps.items():
         path = tmp_path / f"b{b}.bin"
-        path.write_bytes(files[compiled_path(b, "full")])
+        path.write_bytes(files[keys[b].compiled_path])
         rows = torch.tensor([4, 0, ROWS][:b])
         ref_state, got_state = _state(), _state()
         want = ep.module()(rows, ref_state)
@@ -80,10 +82,11 @@ def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
 
 def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
     import dspark_compile.build.compile_workers as cw
+    from dspark_compile.engine_dir.format import STEP, ProgramKey
     eps, state = programs
-    bad = {1: eps[1]}
+    bad = {ProgramKey(STEP, 1): eps[1]}
     monkeypatch.setattr(cw.sys, "executable", "/bin/false")
-    with pytest.raises(RuntimeError, match="compiling bucket 1 \\(full\\) failed in its worker"):
+    with pytest.raises(RuntimeError, match="compiling step_b1 \\(full\\) failed in its worker"):
         cw.compile_programs(bad, state, 2, lambda s: None)
 
 

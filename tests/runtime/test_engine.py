@@ -8,11 +8,13 @@ and later steps run smaller buckets with padded rows, requests finished by their
 more requests than state rows (waiting queue, rows reused), more live rows than the largest
 bucket (each step split across program calls), and the lossless check on the engine output.
 """
+import dataclasses
 import random
 
 import pytest
 import torch
 
+from dspark_compile.engine_dir.format import STEP, TARGET, ProgramKey
 from dspark_compile.runtime.lossless import END, check_lossless, greedy_reference
 from dspark_compile.models.generate import generate
 from dspark_compile.models.request import SamplingParams
@@ -286,7 +288,8 @@ def test_greedy_variant_equals_the_full_program(default_loaded):
                    for u in g.users if u.target is torch.ops.aten.index_put_.default)
     eng = default_loaded
     b = 4
-    full, greedy = eng.modules[b], eng.greedy_modules[b]
+    full = eng.program(ProgramKey(STEP, b)).fn
+    greedy = eng.program(ProgramKey(STEP, b, "greedy")).fn
     assert sampler_modes(full) == ["full", "full"]
     assert sampler_modes(greedy) == ["greedy", "greedy"]
     # the greedy plan leaves the draft logits unwritten: the variant does not store them
@@ -396,26 +399,27 @@ def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeyp
     import contextlib
     import copy
     eng = copy.copy(small_loaded)
-    eng.greedy_modules = dict(small_loaded.greedy_modules)
-    eng.graphs, eng.greedy_graphs, eng.capture_seconds, eng.graph_pool_bytes = {}, {}, {}, {}
-    eng.target_graphs = {}
+    eng.table = {k: dataclasses.replace(p) for k, p in small_loaded.table.items()}
+    eng.capture_seconds, eng.graph_pool_bytes = {}, {}
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Stream", lambda d=None: None)
 
     def fake_capture(self, fn, b, pool, stream, warmup):
-        if fn is small_loaded.greedy_modules.get(b):
+        if fn is small_loaded.program(ProgramKey(STEP, b, "greedy")).fn:
             raise RuntimeError("operation not permitted when stream is capturing")
         return f"graph {b}", 1024
     monkeypatch.setattr(type(eng), "_capture", fake_capture)
     with pytest.warns(UserWarning, match="greedy variant could not be captured"):
         eng._capture_all()
-    assert eng.graphs == {b: f"graph {b}" for b in eng.buckets}
-    assert eng.greedy_graphs == {} and eng.greedy_modules == {}
-    # the step and the target-only program of each bucket (the CLI-built engine has them)
-    assert eng.target_graphs == {b: f"graph {b}" for b in eng.buckets}
+    # the step and the target-only program of each bucket (the CLI-built engine has them);
+    # the greedy variants gone
+    assert eng.captured() == sorted([ProgramKey(STEP, b) for b in eng.buckets]
+                                    + [ProgramKey(TARGET, b) for b in eng.buckets])
+    assert all(eng.program(k).graph == f"graph {k.size}" for k in eng.captured())
+    assert not any(eng.has(ProgramKey(STEP, b, "greedy")) for b in eng.buckets)
     assert eng.graph_pool_bytes == {b: 2048 for b in eng.buckets}
-    assert not eng._use_greedy([0], eng.buckets[0], None)
+    assert eng._step_key([0], eng.buckets[0], None) == ProgramKey(STEP, eng.buckets[0])
 
 
 def test_bad_requests_are_named(small_loaded):

@@ -16,6 +16,7 @@ import torch
 from dspark_compile.models.state import restore_state as _restore
 from dspark_compile.models.state import snapshot_state as _snapshot
 from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS
+from dspark_compile.engine_dir.format import STEP, ProgramKey
 
 pytestmark = pytest.mark.gpu
 
@@ -94,8 +95,10 @@ def state_differences(a: dict, b: dict, trash: int):
 
 def test_engine_captured_every_bucket(gpu_engine, buckets):
     eng = gpu_engine
-    assert sorted(eng.graphs) == sorted(buckets)
-    assert sorted(eng.greedy_graphs) == sorted(buckets)
+    captured = eng.captured()
+    for variant in ("full", "greedy"):
+        assert sorted(k.size for k in captured if k.kind == STEP and k.variant == variant) \
+            == sorted(buckets)
     assert set(eng.capture_seconds) == set(buckets)
     assert all(s > 0 for s in eng.capture_seconds.values())
     assert eng.graph_pool_bytes[max(buckets)] > 0, "the largest bucket allocates the pool"
@@ -213,7 +216,7 @@ def test_compiled_step_updates_the_state_in_place(gpu_engine, live_rows, bucket)
     a mutated custom-op argument)."""
     eng = gpu_engine
     rows = random.Random(bucket).sample(live_rows, bucket)
-    copies = _whole_state_copies(eng, eng.modules[bucket], rows)
+    copies = _whole_state_copies(eng, eng.program(ProgramKey(STEP, bucket)).fn, rows)
     assert not copies, (f"bucket {bucket} ({eng.backend}): one call allocates a buffer of the "
                         f"exact size of state {copies}: a whole-state copy")
 
@@ -234,8 +237,8 @@ def test_engine_runs_the_backend_it_was_built_with(gpu_engine, buckets, request)
     assert eng.backend == backend == eng.manifest["build_config"]["backend"]
     if backend == "inductor":
         from dspark_compile.runtime.inductor import CompiledStep
-        assert all(isinstance(eng.modules[b], CompiledStep) for b in buckets)
-        assert all(isinstance(eng.greedy_modules[b], CompiledStep) for b in buckets)
+        assert all(isinstance(eng.program(ProgramKey(STEP, b, v)).fn, CompiledStep)
+                   for b in buckets for v in ("full", "greedy"))
         secs = eng.manifest["compiled"]["compile_seconds"]
         assert set(secs) == {str(b) for b in buckets}
         assert all(s > 0 for per in secs.values() for s in per.values())
@@ -299,12 +302,14 @@ def test_stream_through_graphs_equals_the_programs(gpu_engine):
     eng = gpu_engine
     prompts, params = _stream_requests(eng, 3)
     on_graphs = eng.generate(prompts, params, overlap=False)
-    kept = eng.graphs, eng.greedy_graphs
-    eng.graphs, eng.greedy_graphs = {}, {}
+    kept = {k: p.graph for k, p in eng.table.items()}
+    for p in eng.table.values():
+        p.graph = None
     try:
         programs = eng.generate(prompts, params, overlap=False)
     finally:
-        eng.graphs, eng.greedy_graphs = kept
+        for k, g in kept.items():
+            eng.table[k].graph = g
     assert on_graphs.tokens == programs.tokens
     assert (on_graphs.row_steps, on_graphs.accepted_at) == (programs.row_steps,
                                                             programs.accepted_at)

@@ -152,11 +152,12 @@ def test_generation_through_prefill_programs_is_lossless(chunk_engine):
 
 
 def test_manifest_records_the_prefill_programs(chunk_engine):
-    from dspark_compile.engine_dir.format import prefill_program_path
+    from dspark_compile.engine_dir.format import PREFILL, ProgramKey
     m, eng = chunk_engine
     assert m["build_config"]["prefill_chunks"] == [C]
     entry = m["prefill_programs"][str(C)]
-    assert entry["path"] == prefill_program_path(C) and entry["path"] in m["files"]
+    assert entry["path"] == ProgramKey(PREFILL, C).path == f"programs/prefill_c{C}.pt2"
+    assert entry["path"] in m["files"]
     assert entry["user_inputs"][0] == "inputs" and entry["shared_weights"]
     assert entry["shared_weights"] == m["programs"]["1"]["shared_weights"], \
         "the step and the prefill program share one set of weights"

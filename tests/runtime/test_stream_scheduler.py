@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dspark_compile.engine_dir.format import STEP, ProgramKey
+from dspark_compile.models.generate import set_row_sampling
 from dspark_compile.runtime.cuda_graphs import pack
 from dspark_compile.models.request import SamplingParams
 from dspark_compile.runtime.engine import Launched, StepTimes
@@ -46,7 +48,7 @@ class FakeEngine:
         self.cfg = SimpleNamespace(dspark_block_size=N, vocab_size=V)
         self.cache = SimpleNamespace(max_rows=max_rows, max_seq_len=max_seq_len)
         self.buckets, self.chunk = list(buckets), chunk
-        self.greedy_modules = {b: None for b in buckets}
+        self.greedy = {ProgramKey(STEP, b, "greedy") for b in buckets}
         self.trash = max_rows
         R = max_rows + 1
         self.state = {"row.temperature": torch.zeros(R), "row.top_k": torch.zeros(R, dtype=torch.int64),
@@ -60,6 +62,12 @@ class FakeEngine:
 
     def bucket_for(self, n):
         return next(b for b in self.buckets if b >= n)
+
+    def has(self, key):
+        return key.kind == STEP and (key.variant == "full" or key in self.greedy)
+
+    def set_row_sampling(self, row, params):
+        set_row_sampling(self.state, row, params)
 
     def prefill_calls(self, prompt):
         c = self.chunk
@@ -79,8 +87,10 @@ class FakeEngine:
         st.update(key=sum(prompt) * 131 + len(prompt), count=1, last=len(prompt) - 1)
         return Launched(torch.tensor([tok(st["key"], 0)]))
 
-    def launch(self, rows, b, greedy):
+    def launch(self, rows, key):
+        b, greedy = key.size, key.variant == "greedy"
         assert len(rows) <= b and b in self.buckets and len(set(rows)) == len(rows)
+        assert self.has(key), key
         self.launches.append((list(rows), b, greedy))
         out = torch.full((len(rows), N + 2), -1, dtype=torch.int64)
         for i, r in enumerate(rows):
@@ -96,7 +106,7 @@ class FakeEngine:
             st["count"] += n
             st["last"] += n
         self.times.steps += 1
-        return Launched(out, bucket=b, greedy=greedy)
+        return Launched(out, key=key)
 
 
 def run(s: GenerationStream, limit=10_000):
