@@ -71,6 +71,10 @@ class FP8Linear(nn.Module):
             raise ValueError(f"FP8Linear: dspark::fp8_linear takes {FP8_BLOCK} x {FP8_BLOCK} "
                              f"weight blocks (DeepSeek-V4's), got {tuple(block)}")
         self.prec, self.block = prec, block
+        # the result's dtype; None: the compute dtype. A row-parallel rank (models/sharding.py)
+        # asks for the accumulation dtype, so its partial is summed across ranks before the one
+        # rounding to the compute dtype that the unsharded product has
+        self.out_dtype: torch.dtype | None = None
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.register_buffer("scale", torch.zeros(-(-out_features // block[0]), -(-in_features // block[1]),
                                                   dtype=E8M0_STORAGE))
@@ -82,6 +86,6 @@ class FP8Linear(nn.Module):
         if self.prec.act_quant:
             q, s = xq if xq is not None else act_quant_reference(x)
             return torch.ops.dspark.fp8_linear(q, s, self.weight, self.scale, groups,
-                                               self.prec.dtype)
+                                               self.out_dtype or self.prec.dtype)
         return torch.ops.dspark.fp8_linear(x, None, self.weight, self.scale, groups,
-                                           self.prec.dtype)
+                                           self.out_dtype or self.prec.dtype)

@@ -98,6 +98,9 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, hash_layer)
         self.experts = Experts(cfg)
         self.shared_experts = SharedExpert(cfg, prec)
+        # None, or a tensor-parallel rank's sum across ranks (models/sharding.py), applied to
+        # this rank's routed + shared partial before the rounding to the compute dtype
+        self.reduce = None
 
     def forward(self, x: torch.Tensor, xq, tokens: torch.Tensor, valid=None) -> torch.Tensor:
         """valid [T] bool (None: every row): a padded row's pairs read no expert weights."""
@@ -108,7 +111,10 @@ class MoE(nn.Module):
         # the routed sum is fp32 (fp64 in exact mode), the shared expert's output the compute
         # dtype: added in the routed dtype (the shared values exactly), then rounded to the
         # compute dtype, the residual stream's, which mHC's post takes
-        return (routed + self.shared_experts(x, xq)).to(self.prec.dtype)
+        y = routed + self.shared_experts(x, xq)
+        if self.reduce is not None:
+            y = self.reduce(y)
+        return y.to(self.prec.dtype)
 
 
 def use_kernel_layouts(model: nn.Module, dtype: torch.dtype) -> list[str]:

@@ -52,6 +52,7 @@ from dspark_compile.models.config import ModelConfig, Precision
 from dspark_compile.models.linear import FP8_BLOCK, acc_dtype, bf16_linear
 from dspark_compile.models.moe import MoE
 from dspark_compile.models.parallel import ParallelConfig, ParallelError
+from dspark_compile.models.schema import checkpoint_schema
 from dspark_compile.models.target import DeepseekV4
 from dspark_compile.models.weights import load_native, model_name
 
@@ -180,11 +181,13 @@ class ParallelDeepseekV4(DeepseekV4):
     buffers resized to this rank's shapes, and the collectives added where a partial result
     leaves a split (module docstring's table):
 
-        embed_streams   masked vocab-parallel lookup, all_reduce [M, D]
-        attn.wo_b       row-parallel output, all_reduce [M, D]     (target and draft attention)
+        embed_streams   masked vocab-parallel lookup, all_reduce [M, D] (compute dtype)
+        attn.wo_b       row-parallel output, all_reduce [M, D] (accumulation dtype), target
+                        and draft attention
         ffn.gate        expert ids outside this rank's [lo, hi) -> -1 (the op skips them)
-        ffn             routed (own experts) + shared (own I / tp) partials, all_reduce [M, D]
-        logits          local vocab block, all_gather -> [M, V]
+        ffn             routed (own experts) + shared (own I / tp) partials, MoE.reduce:
+                        all_reduce [M, D] (accumulation dtype)
+        logits          local vocab block, all_gather -> [M, V] (accumulation dtype)
 
     `cfg` is rank_config's (H / tp heads); `full_cfg` the checkpoint's."""
 
@@ -194,15 +197,21 @@ class ParallelDeepseekV4(DeepseekV4):
         self.full_cfg, self.pc = cfg, pc
         self.vocab_lo, _ = pc.span(cfg.vocab_size, "vocab_size")
         self.expert_lo, _ = pc.span(cfg.n_routed_experts, "n_routed_experts")
+        # row-parallel partials stay in the accumulation dtype until summed across ranks,
+        # then round once to the compute dtype, as the unsharded K-sum does (bf16 compute:
+        # [M, D] fp32 moves 2x the bf16 bytes, 96 KB at B = 1's 6 verify tokens: latency-bound)
+        acc = acc_dtype(prec.dtype)
         for m in self.modules():
             if isinstance(m, Attention):
+                m.wo_b.out_dtype = acc
                 m.wo_b.register_forward_hook(self._reduce_hook)
             elif isinstance(m, MoE):
                 m.gate.register_forward_hook(self._local_experts_hook)
-                m.register_forward_hook(self._reduce_hook)
+                m.shared_experts.w2.out_dtype = acc
+                m.reduce = pc.all_reduce
 
     def _reduce_hook(self, module, args, out):
-        return self.pc.all_reduce(out)
+        return self.pc.all_reduce(out).to(self.prec.dtype)
 
     def _local_experts_hook(self, module, args, out):
         idx, w = out
@@ -256,3 +265,47 @@ def _resize_split_buffers(model: torch.nn.Module, named: dict[str, torch.Tensor]
             mod_name, _, attr = name.rpartition(".")
             mod = model.get_submodule(mod_name)
             setattr(mod, attr, torch.zeros(shapes[name], dtype=buf.dtype, device=buf.device))
+
+
+# ---- plans from the config alone (nothing loaded) --------------------------------------------
+
+def rank_weight_bytes(cfg: ModelConfig, tp: int, include_draft: bool = True) -> int:
+    """Checkpoint bytes one rank holds (every rank the same: equal splits), from the schema;
+    optional tensors counted (a checkpoint may hold them)."""
+    schema = checkpoint_schema(cfg)
+    check_splits(cfg, tp, schema)
+    total = 0
+    for name, spec in schema.items():
+        if not include_draft and name.startswith("mtp."):
+            continue
+        n = spec.dtype.itemsize
+        for d in spec.shape:
+            n *= d
+        total += n if split_of(name).kind == REPLICATE else n // tp
+    return total
+
+
+@dataclass(frozen=True)
+class Collective:
+    site: str        # where in the forward
+    op: str          # "all_reduce" | "all_gather"
+    count: int       # calls per forward
+    nbytes: int      # bytes each rank contributes per call
+
+
+def forward_collectives(cfg: ModelConfig, tp: int, tokens: int, dtype: torch.dtype,
+                        draft: bool = False) -> list[Collective]:
+    """The collectives of one target forward over `tokens` tokens (all rows together), or of
+    one draft forward (`draft`: its n_mtp_layers stages), at compute dtype `dtype`: the sites
+    ParallelDeepseekV4 adds. An all_reduce of S bytes moves S out of and (tp - 1) S into each
+    rank (models/parallel.py); the logits' all_gather each rank's V / tp block."""
+    if tp == 1:
+        return []
+    D, acc = cfg.hidden_size, acc_dtype(dtype)
+    layers = cfg.n_mtp_layers if draft else cfg.num_hidden_layers
+    row = tokens * D
+    return [Collective("embedding", "all_reduce", 1, row * dtype.itemsize),
+            Collective("attention wo_b", "all_reduce", layers, row * acc.itemsize),
+            Collective("MoE (routed + shared)", "all_reduce", layers, row * acc.itemsize),
+            Collective("LM head logits", "all_gather", 1,
+                       tokens * (cfg.vocab_size // tp) * acc.itemsize)]

@@ -19,8 +19,10 @@ from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.config import Precision
 from dspark_compile.models.parallel_check import run_check
 from dspark_compile.models.parallel import ParallelConfig, ParallelError
-from dspark_compile.models.sharding import (EXPERT, REPLICATE, build_rank_model, check_splits,
-                                            load_rank_tensors, split_of)
+from dspark_compile.factory.presets import preset
+from dspark_compile.models.config import ModelConfig
+from dspark_compile.models.sharding import (EXPERT, REPLICATE, check_splits, forward_collectives,
+                                            load_rank_tensors, rank_weight_bytes, split_of)
 from dspark_compile.models.schema import checkpoint_schema
 
 TP = 2
@@ -122,7 +124,7 @@ def test_rank_reads_only_its_bytes(tp_ckpt):
     parts = []
     for r in range(TP):
         _, tensors, read = load_rank_tensors(tp_ckpt, ParallelConfig(r, TP))
-        assert read == replicated + split // TP
+        assert read == replicated + split // TP == rank_weight_bytes(cfg, TP)
         parts.append(tensors)
     assert replicated < sum(nbytes.values()) // 2          # most bytes are split (experts)
     for name, t in full.items():
@@ -154,3 +156,22 @@ def test_split_cutting_a_scale_block_is_refused(tiny_ckpt, tp_ckpt):
         ParallelConfig(0, 3)
     with pytest.raises(ParallelError, match=r"rank=2: must be in \[0, tp=2\)"):
         ParallelConfig(2, 2)
+
+
+def test_flash_splits_and_collectives():
+    """Flash-0731 splits at tp = 2, 4, 8 with whole scale blocks (tp = 16 is refused: 8 output
+    groups); a rank holds the replicated tensors plus 1 / tp of the rest (TP = 2: 78.4 GiB of
+    155.4); one target forward at tp = 2 makes 1 + 2 L + 1 collectives (the embedding, each
+    layer's attention and MoE, the logits)."""
+    cfg = ModelConfig.from_dict(preset("flash-0731"))
+    full = rank_weight_bytes(cfg, 1)
+    for tp in (2, 4, 8):
+        check_splits(cfg, tp, checkpoint_schema(cfg))
+        assert full / tp < rank_weight_bytes(cfg, tp) < full / tp + (2 << 30)
+    with pytest.raises(ParallelError, match="'o_groups' = 8 does not split over tp=16"):
+        rank_weight_bytes(cfg, 16)
+    calls = forward_collectives(cfg, 2, 6, torch.bfloat16)
+    assert sum(c.count for c in calls) == 2 + 2 * cfg.num_hidden_layers == 88
+    assert [c.nbytes for c in calls] == [6 * 4096 * 2, 6 * 4096 * 4, 6 * 4096 * 4,
+                                         6 * 129280 // 2 * 4]
+    assert forward_collectives(cfg, 1, 6, torch.bfloat16) == []
