@@ -1,0 +1,207 @@
+"""The engine's own program format: a post-pass program's graph as data, read back into a
+runnable module without executing anything from the file.
+
+`torch.export.load` spends most of an engine's load in its JSON deserializer and `ep.module()`'s
+unlift (19.5 s + 5.3 s of a 31 s cold load of the tiny engine on an H100, issue 52), and it can
+unpickle, `sympify` and run guard code from the archive (engine_dir/programs.py). This format
+holds what the runtime runs and nothing else; the reader builds the module `ep.module()` would
+(same graph, same call `fn(rows, state)`, the state updated in place the same way), and refuses,
+naming it, anything it does not know.
+
+A program is two byte strings: its graph (JSON, below) and its own constants (a safetensors
+file; None when it has none). Weights are not in either: they come from the engine's
+weights.safetensors by name.
+
+    {"format": "dspark-graph", "version": 1,
+     "arg_names": ["rows", "state"],             # forward's parameters, in order
+     "in_spec":  {"tuple": [{"tuple": ["*", {"dict": [["layers.0.swa_nope", "*"], ...]}]},
+                            {"dict": []}]},      # ((rows, state), {}): "*" is a tensor
+     "out_spec": {"tuple": ["*", "*"]},          # specs: "*", null (None), {"tuple": [..]},
+                                                 # {"list": [..]}, {"dict": [[str key, spec]..]}
+     "inputs": [                                 # the graph's placeholders, in order
+        {"name": "b_model_embed_weight", "kind": "buffer", "target": "model.embed.weight",
+         "stored": "weights", "persistent": true, "dtype": "float32", "shape": [512, 64]},
+        {"name": "c_lifted_tensor_0", "kind": "constant", "target": "lifted_tensor_0",
+         "stored": "program", "dtype": "int64", "shape": [4]},
+        {"name": "rows", "kind": "user", "dtype": "int64", "shape": [2]}, ...],
+     "nodes": [                                  # call_function nodes in graph order
+        {"name": "view", "op": "aten.view.default", "args": [{"node": "x"}, [2, 32]],
+         "kwargs": {}}, ...],
+     "outputs": [                                # the graph's flat outputs, in order
+        {"kind": "user", "value": {"node": "getitem_3"}},
+        {"kind": "user_input_mutation", "target": "state_row_tokens", "value": {"node": "x"}}]}
+
+A value (an argument, a keyword argument, an output) is JSON null / true / false / an int / a
+float / a string as itself, a list as a JSON array, and otherwise an object of one key:
+{"node": name} (a placeholder or an earlier node), {"tuple": [...]}, {"dtype": "float32"},
+{"device": "cuda:0"}, {"layout": "strided"}, {"memory_format": "contiguous_format"},
+{"float": "inf" | "-inf" | "nan"}. An op is "operator.getitem" or "<ns>.<op>.<overload>" of the
+aten, prims and dspark namespaces, resolved to a registered operator overload.
+
+`kind` is "user" (an argument of forward, one per leaf of in_spec, in order), "parameter",
+"buffer" or "constant" (lifted: `target` is the tensor's name; "stored" says whether it comes
+from the engine's weights or the program's constants). Shapes are static. Outputs of kind
+"user_input_mutation" / "buffer_mutation" / "parameter_mutation" are copied into their target
+(a user input's placeholder name, a buffer's or parameter's name) at the end of the call, as
+`ep.module()` does; the rest is the call's result, shaped by out_spec.
+
+This module holds the format's tables and its writer (`dump_program`); the reader, which checks
+a program as data and builds its module, is dspark_compile/engine_dir/graph_read.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import operator
+from typing import Optional
+
+import torch
+
+FORMAT, VERSION = "dspark-graph", 1
+# a literal's nesting below a node's argument tuple: aten's deepest is a list of optional
+# tensors (index.Tensor, depth 2); twice that leaves room and bounds the reader's recursion
+MAX_DEPTH = 4
+NAMESPACES = ("aten", "prims", "dspark")
+GETITEM = "operator.getitem"
+DTYPES = {n: getattr(torch, n) for n in (
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "complex64",
+    "complex128", "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64",
+    "bool") if isinstance(getattr(torch, n, None), torch.dtype)}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+LAYOUTS = {"strided": torch.strided}
+MEMORY_FORMATS = {n: getattr(torch, n) for n in ("contiguous_format", "preserve_format",
+                                                 "channels_last", "channels_last_3d")}
+SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+# --------------------------------------------------------------------------- write
+def dump_program(ep: torch.export.ExportedProgram,
+                 shared: Optional[set] = None) -> tuple[bytes, Optional[bytes]]:
+    """(graph JSON, constants safetensors or None) of `ep`. `shared`: the names of the lifted
+    tensors the engine stores in weights.safetensors (default: every parameter and buffer);
+    the other lifted tensors are the program's own constants. ValueError naming the node for
+    anything the format does not hold (another op, a symbolic size, an unknown literal)."""
+    from safetensors.torch import save
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(sig.input_specs):
+        raise ValueError(f"{len(placeholders)} placeholders, {len(sig.input_specs)} input specs")
+    kinds = {InputKind.USER_INPUT: "user", InputKind.PARAMETER: "parameter",
+             InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    inputs, constants = [], {}
+    for node, spec in zip(placeholders, sig.input_specs):
+        kind = kinds.get(spec.kind)
+        if kind is None:
+            raise ValueError(f"input '{node.name}' is a {spec.kind.name}, not a tensor")
+        entry = {"name": node.name, "kind": kind, **_tensor_meta(node)}
+        if kind != "user":
+            if shared is None:
+                stored = "program" if kind == "constant" else "weights"
+            else:
+                stored = "weights" if spec.target in shared else "program"
+            entry.update(target=spec.target, stored=stored)
+            if kind == "buffer":
+                entry["persistent"] = bool(spec.persistent)
+            if stored == "program":
+                table = ep.constants if spec.target in ep.constants else ep.state_dict
+                constants[spec.target] = table[spec.target].detach().cpu().contiguous()
+        inputs.append(entry)
+    nodes = []
+    for n in ep.graph.nodes:
+        if n.op == "call_function":
+            nodes.append({"name": n.name, "op": _op_name(n), "args": [_enc(a, n) for a in n.args],
+                          "kwargs": {k: _enc(v, n) for k, v in n.kwargs.items()}})
+        elif n.op not in ("placeholder", "output"):
+            raise ValueError(f"node '{n.name}' is a {n.op} node; the format holds call_function "
+                             "nodes only")
+    out_kinds = {OutputKind.USER_OUTPUT: "user", OutputKind.USER_INPUT_MUTATION:
+                 "user_input_mutation", OutputKind.BUFFER_MUTATION: "buffer_mutation",
+                 OutputKind.PARAMETER_MUTATION: "parameter_mutation"}
+    flat = list(ep.graph.output_node().args[0])
+    if len(flat) != len(sig.output_specs):
+        raise ValueError(f"{len(flat)} outputs, {len(sig.output_specs)} output specs")
+    outputs = []
+    for value, spec in zip(flat, sig.output_specs):
+        kind = out_kinds.get(spec.kind)
+        if kind is None:
+            raise ValueError(f"output {spec.arg} is a {spec.kind.name}")
+        outputs.append({"kind": kind, "value": _enc(value, ep.graph.output_node()),
+                        **({} if kind == "user" else {"target": spec.target})})
+    call = ep.module_call_graph[0].signature
+    in_spec = ep.call_spec.in_spec
+    names = list(call.forward_arg_names) if call is not None and call.forward_arg_names else \
+        [f"arg{i}" for i in range(in_spec.child(0).num_children)]
+    doc = {"format": FORMAT, "version": VERSION, "arg_names": names,
+           "in_spec": _spec_enc(in_spec), "out_spec": _spec_enc(ep.call_spec.out_spec),
+           "inputs": inputs, "nodes": nodes, "outputs": outputs}
+    graph = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return graph, (save(constants) if constants else None)
+
+
+def _tensor_meta(node) -> dict:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"placeholder '{node.name}' has no tensor meta")
+    if val.dtype not in DTYPE_NAMES:
+        raise ValueError(f"placeholder '{node.name}' has the dtype {val.dtype}")
+    shape = []
+    for d in val.shape:
+        if not isinstance(d, int):
+            raise ValueError(f"placeholder '{node.name}' has the symbolic size {d}: the format "
+                             "holds static shapes")
+        shape.append(d)
+    return {"dtype": DTYPE_NAMES[val.dtype], "shape": shape}
+
+
+def _op_name(n) -> str:
+    t = n.target
+    if t is operator.getitem:
+        return GETITEM
+    if isinstance(t, torch._ops.OpOverload) and t.namespace in NAMESPACES:
+        return f"{t._schema.name.replace('::', '.')}.{t._overloadname}"
+    raise ValueError(f"node '{n.name}' calls {t}, not an aten, prims or dspark operator")
+
+
+def _enc(v, node, depth: int = 1):
+    if isinstance(v, torch.fx.Node):
+        return {"node": v.name}
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"float": "nan" if v != v else
+                                           ("inf" if v > 0 else "-inf")}
+    if depth > MAX_DEPTH:
+        raise ValueError(f"node '{node.name}' nests an argument deeper than {MAX_DEPTH}")
+    if isinstance(v, list):
+        return [_enc(x, node, depth + 1) for x in v]
+    if isinstance(v, tuple):
+        return {"tuple": [_enc(x, node, depth + 1) for x in v]}
+    if isinstance(v, torch.dtype) and v in DTYPE_NAMES:
+        return {"dtype": DTYPE_NAMES[v]}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    for tag, table in (("layout", LAYOUTS), ("memory_format", MEMORY_FORMATS)):
+        for name, x in table.items():
+            if v is x:
+                return {tag: name}
+    raise ValueError(f"node '{node.name}' takes a {type(v).__name__} ({str(v)[:80]}), which "
+                     "the format cannot hold")
+
+
+def _spec_enc(spec):
+    if spec.is_leaf():
+        return "*"
+    if spec.type is type(None):
+        return None
+    kids = [_spec_enc(c) for c in spec.children()]
+    if spec.type is tuple:
+        return {"tuple": kids}
+    if spec.type is list:
+        return {"list": kids}
+    if spec.type is dict and all(isinstance(k, str) for k in spec.context):
+        return {"dict": [[k, c] for k, c in zip(spec.context, kids)]}
+    raise ValueError(f"a program's inputs and outputs are tuples, lists, dicts of str keys "
+                     f"and tensors, not {spec.type.__name__}")
