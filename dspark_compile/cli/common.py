@@ -123,6 +123,19 @@ def int_arg(low: int, high: int | None = None, expected: str | None = None):
     return parse
 
 
+def engine_load_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that loads an engine (run, serve): where, with graphs or not,
+    and whether its programs may be code."""
+    p.add_argument("--device", default=None,
+                   help="device to run on (default: the device the engine was built for)")
+    p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
+    p.add_argument("--trust-engine-code", action="store_true",
+                   help="load an engine whose programs are code (--backend inductor: the Python "
+                        "in its compiled/ directory runs); only for an engine you built or "
+                        "trust. An aten engine needs no flag: its load executes nothing from "
+                        "the directory")
+
+
 def path_arg(text: str) -> str:
     """A path argument: an empty one is refused (it meant the current directory, and `synth
     --out ''` then said the current directory was not empty)."""

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_compile.cli.common import command, device, engine_errors, path_arg
+from dspark_compile.cli.common import command, device, engine_errors, engine_load_args, path_arg
 from dspark_compile.build.checks import writable_dir, writable_file
 from dspark_compile.build.pipeline import build_engine
 from dspark_compile.engine_dir.build_config import BuildConfig, DEFAULT_BUCKETS, DTYPES
@@ -313,14 +313,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "compare token for token (exit 3 on a difference: 'lossless:'), then "
                         "report how far that decoding is from the eager reference's "
                         "('reference:', exit 4 beyond its rounding tolerance)")
-    p.add_argument("--device", default=None,
-                   help="device to run on (default: the device the engine was built for)")
-    p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
-    p.add_argument("--trust-engine-code", action="store_true",
-                   help="load an engine whose programs are code (--backend inductor: the Python "
-                        "in its compiled/ directory runs); only for an engine you built or "
-                        "trust. An aten engine needs no flag: its load executes nothing from "
-                        "the directory")
+    engine_load_args(p)
 
 
 @command("run", "generate with a built engine", _run_args, flags=SAMPLING_FLAGS)

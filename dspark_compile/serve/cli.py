@@ -7,7 +7,8 @@ import argparse
 import math
 import time
 
-from dspark_compile.cli.common import command, device, engine_errors, int_arg
+from dspark_compile.cli.common import (command, device, engine_errors, engine_load_args,
+                                       int_arg)
 from dspark_compile.serve import require_extra
 # server.py imports nothing of the extra at module level
 from dspark_compile.serve.server import (BODY_BYTES_PER_TOKEN, BODY_OTHER_BYTES,
@@ -44,13 +45,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         f"running ones; more get HTTP 429 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the engine directory's name)")
-    p.add_argument("--device", default=None, help="default: the device the engine was built for")
-    p.add_argument("--no-graphs", action="store_true", help="run the programs without CUDA graphs")
-    p.add_argument("--trust-engine-code", action="store_true",
-                   help="load an engine whose programs are code (--backend inductor: the Python "
-                        "in its compiled/ directory runs); only for an engine you built or "
-                        "trust. An aten engine needs no flag: its load executes nothing from "
-                        "the directory")
+    engine_load_args(p)
     p.add_argument("--max-request-bytes", type=_bytes, default=None, metavar="N",
                    help="a larger request body gets HTTP 413 before it is read (default: "
                         f"{BODY_BYTES_PER_TOKEN} bytes a token for every state row's positions, "

@@ -133,21 +133,20 @@ def test_the_server_over_the_engine_fails_one_request_alone(small_loaded, monkey
     engine, with two requests beside it: it gets 500 with OpenAI's error body, they get
     Engine.generate's tokens, /health stays 200, and a request after it runs on the freed
     row."""
-    from dspark_compile.models import generate as gen
     from dspark_compile.serve.server import Server
 
     eng = small_loaded
     prompts = [[5, 6, 7], [8, 9]]
     params = [SamplingParams(max_new_tokens=2, stop_ids=(1,)) for _ in prompts]
     want = eng.generate(prompts, params).tokens
-    real = gen.set_row_sampling
+    real = type(eng).set_row_sampling      # the stream writes a row's settings through it
 
-    def set_row_sampling(state, row, sp):
+    def set_row_sampling(self, row, sp):
         if sp.seed == 666:
             raise RuntimeError(OVERFLOW)
-        return real(state, row, sp)
+        return real(self, row, sp)
 
-    monkeypatch.setattr(gen, "set_row_sampling", set_row_sampling)
+    monkeypatch.setattr(type(eng), "set_row_sampling", set_row_sampling)
     with Server(eng, model_name="tiny", tokenizer=None) as srv:
         url = srv.start()
         bodies = {"bad": {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "seed": 666}}
