@@ -96,6 +96,11 @@ def test_round_trip_runs_bit_identical_to_ep_module(tiny, dumped):
     ts, ep, weights = tiny
     program = read_program(*dumped)
     assert program.state_keys == list(ep.call_spec.in_spec.child(0).child(1).context)
+    placeholders = {n.name: n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder"}
+    assert program.state_meta == {
+        k: (placeholders[name].dtype, tuple(placeholders[name].shape))
+        for k, name in zip(program.state_keys, ep.graph_signature.user_inputs[1:])}
+    assert sorted(program.weight_names) == sorted(weights)
     for seed in (0, 1):
         _assert_same_run(_run(ep.module(), ts, seed), _run(program.module(weights), ts, seed))
 

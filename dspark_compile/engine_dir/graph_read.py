@@ -227,6 +227,14 @@ class GraphProgram:
         return None
 
     @property
+    def state_meta(self) -> dict:
+        """{state key: (dtype, shape)} of a (first, state) program's state inputs, what
+        fields.py check_programs_state compares with the manifest's configs; {} otherwise."""
+        keys = self.state_keys or []
+        users = [i for i in self.inputs if i.kind == "user"][1:]
+        return {k: (i.dtype, i.shape) for k, i in zip(keys, users)}
+
+    @property
     def weight_names(self) -> list:
         """The names this program takes from the engine's weights, in input order."""
         return [i.target for i in self.inputs if i.stored == "weights"]
