@@ -63,7 +63,11 @@ class ParallelConfig:
         """[tp, *x.shape]: every rank's x, in rank order."""
         from torch.distributed import _functional_collectives as funcol
         g = funcol.all_gather_single(x.contiguous(), 0, self._group())
-        return funcol.wait_tensor(g).view(self.tp, *x.shape)
+        # eager: a waitable wrapper, unwrapped here so no caller holds it; traced: funcol
+        # already put the one wait_tensor node after the gather
+        if isinstance(g, funcol.AsyncCollectiveTensor):
+            g = g.wait()
+        return g.view(self.tp, *x.shape)
 
     def _group(self):
         if self.group is not None:
