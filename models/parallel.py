@@ -36,10 +36,10 @@ class ParallelConfig:
     group: Any = None
 
     def __post_init__(self):
-        if not isinstance(self.tp, int) or self.tp < 1 or self.tp & (self.tp - 1):
+        if type(self.tp) is not int or self.tp < 1 or self.tp & (self.tp - 1):
             raise ParallelError(f"ParallelConfig.tp={self.tp!r}: the rank count must be a power "
                                 "of two (1, 2, 4, 8)")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.tp:
+        if type(self.rank) is not int or not 0 <= self.rank < self.tp:
             raise ParallelError(f"ParallelConfig.rank={self.rank!r}: must be in [0, tp={self.tp})")
 
     @classmethod

@@ -156,6 +156,8 @@ def test_split_cutting_a_scale_block_is_refused(tiny_ckpt, tp_ckpt):
         ParallelConfig(0, 3)
     with pytest.raises(ParallelError, match=r"rank=2: must be in \[0, tp=2\)"):
         ParallelConfig(2, 2)
+    with pytest.raises(ParallelError, match=r"tp=True: the rank count must be a power of two"):
+        ParallelConfig(0, True)
 
 
 def test_flash_splits_and_collectives():
