@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRESETS = ("tiny", "flash-slice")
+PRESETS = ("tiny", "tiny-deep", "flash-slice")   # tiny-deep: tiny widths, Flash's 43 layers
 DTYPES = ("bfloat16", "float32", "float64")
 BACKENDS = ("inductor", "aten")
 # flag -> (full run's default, --dry-run's): the dry run is the tiny preset on the CPU, where

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
+from dspark_compile.factory.presets import preset  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -31,7 +32,8 @@ def _engine_matches(engine_dir: Path, args, prefill_chunks: tuple = ()) -> bool:
                 and torch.device(bc["device"]).type == args.device.type
                 and int(bc["max_rows"]) >= max(args.buckets)
                 and bc.get("backend") == _backend(args)
-                and m.get("model_config", {}).get("hidden_size") == _preset_hidden(args.preset))
+                and _preset_shape(m.get("model_config", {})) == _preset_shape(
+                    preset(args.preset)))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -41,9 +43,10 @@ def _backend(args) -> str:
     return BuildConfig(device=args.device.type, backend=args.backend or "").backend
 
 
-def _preset_hidden(name: str) -> int:
-    from dspark_compile.factory.presets import preset
-    return preset(name)["hidden_size"]
+def _preset_shape(config: dict) -> tuple:
+    """What tells the presets apart in a config: width and depth (tiny and tiny-deep share
+    their widths)."""
+    return config.get("hidden_size"), config.get("num_hidden_layers")
 
 
 def setup_engine(args, work: Path, log, prefill_chunks: tuple = ()) -> tuple[object, dict]:

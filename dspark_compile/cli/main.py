@@ -47,7 +47,7 @@ def max_threads() -> int:
 # ---- synth ---------------------------------------------------------------------------------
 
 # flash-0731 (167 GB) is left out on purpose: nothing here needs a full-size random checkpoint.
-SYNTH_PRESETS = ("tiny", "tiny-trained", "flash-slice")
+SYNTH_PRESETS = ("tiny", "tiny-trained", "tiny-deep", "flash-slice")
 
 
 def _synth_args(p: argparse.ArgumentParser) -> None:
