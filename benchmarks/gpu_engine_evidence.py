@@ -157,7 +157,7 @@ def time_bucket(eng, bucket: int, replays: int, variant: str = "full",
 
 def lossless(eng, seed: int = 7) -> dict:
     from dspark_compile.runtime.lossless import check_lossless
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
 
     rng = random.Random(seed)
     V = eng.cfg.vocab_size

@@ -72,7 +72,7 @@ def _args(argv=None):
 
 def _requests(eng, B: int, args):
     from dspark_compile.models.config import step_lookahead
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     rng = random.Random(args.seed + B)
     N = eng.cfg.dspark_block_size
     room = eng.cache.max_seq_len - args.prompt_len - step_lookahead(N)

@@ -331,7 +331,8 @@ def main(argv=None) -> int:
     if (started := begin(args, "prefill")) is None:
         return 1
     env, out = started
-    from dspark_compile.models.generate import SamplingParams, set_row_sampling
+    from dspark_compile.models.generate import set_row_sampling
+    from dspark_compile.models.request import SamplingParams
     from dspark_compile.models.prefill_chunk import chunk_schedule
     from dspark_compile.models.state import restore_state, snapshot_state
     from dspark_compile.models.step import prefill

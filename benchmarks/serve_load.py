@@ -97,7 +97,7 @@ def workload(args, vocab: int, c: int) -> list[dict]:
 
 
 def _params(args, seed: int):
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=seed,
                           max_new_tokens=args.max_tokens, stop_ids=())
 

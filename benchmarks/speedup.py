@@ -160,7 +160,7 @@ def held_out_prompts(ckpt: Path, n: int, length: int) -> list[list[int]]:
 
 
 def sampling(mode: str, B: int, args) -> list:
-    from dspark_compile.models.generate import SamplingParams
+    from dspark_compile.models.request import SamplingParams
     if mode == "greedy":
         return [SamplingParams(max_new_tokens=args.new_tokens) for _ in range(B)]
     return [SamplingParams(temperature=1.0, top_p=0.95, seed=args.seed + i,

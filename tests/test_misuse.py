@@ -633,9 +633,9 @@ def test_help_shows_the_defaults_the_issue_names(command, says):
 # ------------------------------------------------------------------ build's defaults (issue 31)
 def _built_config(monkeypatch, argv):
     """The BuildConfig `build` hands to build_engine (which is not run)."""
-    import dspark_compile.build.pipeline as trace
+    import dspark_compile.cli.engine_commands as commands     # where `build` finds it
     seen = []
-    monkeypatch.setattr(trace, "build_engine", lambda ckpt, out, bc, log: seen.append(bc))
+    monkeypatch.setattr(commands, "build_engine", lambda ckpt, out, bc, log: seen.append(bc))
     assert cli.main(argv) == 0
     return seen[0]
 
