@@ -4,7 +4,8 @@ compared tensor by tensor (tests/models/test_parallel.py).
 
 The scenario: a greedy and a sampled row prefilled in two chunks (speculative), one
 DraftVerifyStep over both rows and a padded one, one TargetStep; it returns every output and the
-whole decode state after. Ranks rendezvous on a free loopback port; each writes its results to
+whole decode state after, and a greedy row's tokens from three speculative steps and from
+target-only decoding (equal when speculation is lossless). Ranks rendezvous on a free loopback port; each writes its results to
 `out_dir/rank{r}.pt`, and a rank that fails ends the run with its exception
 (torch.multiprocessing.spawn's ProcessRaisedException).
 """
@@ -46,7 +47,30 @@ def scenario(model) -> dict:
         out["spec_tokens"], out["spec_num"] = DraftVerifyStep(model)(rows, state)
         out["target_tokens"], out["target_num"] = TargetStep(model)(rows, state)
     out["state"] = {k: v.clone() for k, v in state.items()}
+    out["lossless"] = lossless_tokens(model)
     return out
+
+
+def lossless_tokens(model, steps: int = 3) -> tuple[list[int], list[int]]:
+    """(greedy speculative tokens, greedy target-only tokens) of one row: `steps` speculative
+    steps, then target-only steps up to as many tokens; equal when speculation is lossless."""
+    cache = CacheConfig(max_rows=1, max_seq_len=64, max_step_tokens=16)
+    prompt, rows = [7, 3, 9, 2, 8], torch.tensor([0])
+    runs = []
+    with torch.no_grad():
+        for speculative in (True, False):
+            state = allocate_state(model.cfg, cache, model.prec)
+            set_row_sampling(state, 0, SamplingParams())
+            toks = [prefill(model, state, 0, prompt, 8, speculative=True)]
+            if speculative:
+                for _ in range(steps):
+                    t, n = DraftVerifyStep(model)(rows, state)
+                    toks += t[0, :int(n[0])].tolist()
+            else:
+                while len(toks) < len(runs[0]):
+                    toks += TargetStep(model)(rows, state)[0][0].tolist()
+            runs.append(toks)
+    return runs[0], runs[1]
 
 
 def _rank(rank: int, tp: int, port: int, ckpt: str, out_dir: str, prec: Precision) -> None:

@@ -102,14 +102,22 @@ def test_tp2_equals_unsharded(tp_run):
     for k in ("spec_tokens", "spec_num", "target_tokens", "target_num"):
         assert torch.equal(r0[k], ref[k]), k
     assert int(ref["spec_num"][:2].min()) >= 1 and int(ref["spec_num"][2]) == 0
+    assert r0["lossless"] == ref["lossless"]
     for name, x, y in _pairs(ref, r0):
-        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or name in (
-                "spec_tokens",):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
             continue
         if x.dtype.itemsize == 1:                 # fp8 cache bytes: equal bytes
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
             continue
         torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-12, equal_nan=True, msg=name)
+
+
+def test_tp2_speculation_lossless(tp_run):
+    """At TP = 2, greedy speculative decoding commits the tokens of greedy target-only decoding
+    (three speculative steps against as many target-only tokens)."""
+    _, (r0, _) = tp_run
+    spec, target = r0["lossless"]
+    assert len(spec) >= 4 and spec == target
 
 
 def test_rank_reads_only_its_bytes(tp_ckpt):
