@@ -193,8 +193,13 @@ class ParallelDeepseekV4(DeepseekV4):
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, prec: Precision,
                  max_positions: int, with_draft: bool = True):
-        super().__init__(rank_config(cfg, pc.tp), prec, max_positions, with_draft)
-        self.full_cfg, self.pc = cfg, pc
+        rank_cfg = rank_config(cfg, pc.tp)
+        # built with E / tp experts, so no rank ever allocates all of them (Flash: 147 GiB of
+        # MXFP4 across the layers); the gates' [E, D] weight and [E] bias are re-made at all E
+        # by build_rank_model's resize (the gate scores every expert)
+        super().__init__(dataclasses.replace(rank_cfg, n_routed_experts=cfg.n_routed_experts // pc.tp),
+                         prec, max_positions, with_draft)
+        self.cfg, self.full_cfg, self.pc = rank_cfg, cfg, pc
         self.vocab_lo, _ = pc.span(cfg.vocab_size, "vocab_size")
         self.expert_lo, _ = pc.span(cfg.n_routed_experts, "n_routed_experts")
         # row-parallel partials stay in the accumulation dtype until summed across ranks,
@@ -250,8 +255,9 @@ def build_rank_model(path: str | Path, pc: ParallelConfig, prec: Precision | Non
 
 
 def _resize_split_buffers(model: torch.nn.Module, named: dict[str, torch.Tensor]) -> None:
-    """The buffers rank_config does not shape (vocab rows, shared-expert I / tp, E / tp stacked
-    experts) re-made at this rank's shapes, so load_native's shape check holds."""
+    """The buffers built at another size re-made at the loaded tensors' (the gates at all E,
+    the vocab rows and the shared expert's I at their 1 / tp), so load_native's shape check
+    holds."""
     shapes: dict[str, tuple] = {}
     for native, t in named.items():
         name, idx = model_name(native)

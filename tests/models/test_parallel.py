@@ -21,8 +21,9 @@ from dspark_compile.models.parallel_check import run_check
 from dspark_compile.models.parallel import ParallelConfig, ParallelError
 from dspark_compile.factory.presets import preset
 from dspark_compile.models.config import ModelConfig
-from dspark_compile.models.sharding import (EXPERT, REPLICATE, check_splits, forward_collectives,
-                                            load_rank_tensors, rank_weight_bytes, split_of)
+from dspark_compile.models.sharding import (EXPERT, REPLICATE, ParallelDeepseekV4, check_splits,
+                                            forward_collectives, load_rank_tensors,
+                                            rank_weight_bytes, split_of)
 from dspark_compile.models.schema import checkpoint_schema
 
 TP = 2
@@ -185,3 +186,7 @@ def test_flash_splits_and_collectives():
     assert [c.nbytes for c in calls] == [6 * 4096 * 2, 6 * 4096 * 4, 6 * 4096 * 4,
                                          6 * 129280 // 2 * 4]
     assert forward_collectives(cfg, 1, 6, torch.bfloat16) == []
+    with torch.device("meta"):                    # shapes only: a rank never allocates all experts
+        rank = ParallelDeepseekV4(cfg, ParallelConfig(0, 2), Precision(), 64)
+    E = {tuple(b.shape)[0] for n, b in rank.named_buffers() if ".experts.w" in n}
+    assert E == {cfg.n_routed_experts // 2}
