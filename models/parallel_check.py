@@ -3,11 +3,11 @@ the sharded reference (models/sharding.py) and on the unsharded model, so the tw
 compared tensor by tensor (tests/models/test_parallel.py).
 
 The scenario: a greedy and a sampled row prefilled in two chunks (speculative), one
-DraftVerifyStep over both rows and a padded one, one TargetStep; it returns every output and the
-whole decode state after, and a greedy row's tokens from three speculative steps and from
-target-only decoding (equal when speculation is lossless). Ranks rendezvous on a free loopback port; each writes its results to
-`out_dir/rank{r}.pt`, and a rank that fails ends the run with its exception
-(torch.multiprocessing.spawn's ProcessRaisedException).
+DraftVerifyStep over both rows and a padded one, one TargetStep; it returns every output and
+the whole decode state after, and a greedy row's tokens from three speculative steps and from
+target-only decoding (equal when speculation is lossless). Ranks rendezvous on a free loopback
+port; each writes its results to `out_dir/rank{r}.pt`, and a rank that fails ends the run with
+its exception (torch.multiprocessing.spawn's ProcessRaisedException).
 """
 from __future__ import annotations
 

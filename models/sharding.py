@@ -4,19 +4,21 @@ models/parallel.py's).
 
 The table (`SPLITS`, matched on a tensor's name inside its layer; everything else replicated):
 
-    tensor                              split            per rank            why
-    embed.weight                        vocab rows       V / tp rows         masked lookup + 1 all-reduce [M, D] (exact: one nonzero term)
-    head.weight                         vocab rows       V / tp rows         local logits [M, V/tp], all-gathered (bitwise: a logit is one row's dot product)
-    attn.wq_b.{weight,scale}            rows = heads     H / tp heads        per-head q; no collective
-    attn.attn_sink                      heads            H / tp
-    attn.wo_a.{weight,scale}            rows = o_groups  G / tp groups       a group reads only its own heads' output
-    attn.wo_b.{weight,scale}            columns          G / tp * o_lora     row-parallel: partial [M, D], 1 all-reduce
-    ffn.shared_experts.w1/w3            rows             I / tp              column-parallel
-    ffn.shared_experts.w2               columns          I / tp              row-parallel: partial, summed with the routed partial
-    ffn.experts.E.*                     whole experts    E / tp experts      expert parallel: a rank computes its experts for every
-                                                                             token; the MoE's one all-reduce adds routed + shared
-    wq_a, wkv, q_norm, kv_norm, compressor, indexer, gate, mHC, norms, main_proj, Markov
-    and confidence heads                replicated
+    tensor                      split             per rank         collective
+    embed.weight                vocab rows        V / tp           masked lookup, all-reduce [M, D]
+                                                                   (exact: one nonzero term)
+    head.weight                 vocab rows        V / tp           logits [M, V / tp] all-gathered
+                                                                   (bitwise: one dot product each)
+    attn.wq_b.{weight,scale}    rows = heads      H / tp heads     -
+    attn.attn_sink              heads             H / tp           -
+    attn.wo_a.{weight,scale}    rows = o_groups   G / tp groups    - (a group reads its own heads)
+    attn.wo_b.{weight,scale}    columns           G / tp o_lora    all-reduce [M, D]
+    ffn.shared_experts.w1/w3    rows              I / tp           -
+    ffn.shared_experts.w2       columns           I / tp           summed with the routed partial
+    ffn.experts.E.*             whole experts     E / tp experts   one all-reduce [M, D] for the
+                                                                   MoE's routed + shared
+    wq_a, wkv, q_norm, kv_norm, compressor, indexer, gate, mHC, norms, main_proj, the Markov
+    and confidence heads: replicated
 
 The shared latent KV is replicated, with its caches: it is ONE 512-d head (MQA) that every query
 head reads, so each rank needs all of it; split, every attention would first all-gather it. Its
@@ -32,8 +34,9 @@ The LM head: gathering the logits moves M x V fp32 (Flash, B = 1 verify of 6 tok
 each rank sending 1.55 MB); reducing row statistics instead (max / argmax / sum-exp per shard)
 moves a few bytes a token but needs every sampler (top-k, top-p, rejection's residual, the
 Markov draft sampler) rewritten over shards. The reference gathers, so the samplers are
-unchanged and every rank samples from the same bits with the same Philox keys; the exported
-step's choice is issue 53 item 2's (the bytes above against a ~10 ms step).
+unchanged and every rank samples from the same bits with the same Philox keys. At B = 16 the
+gather is 24.8 MB a rank per verify where statistics would stay a few KB: the exported step's
+choice (issue 53 item 2).
 """
 from __future__ import annotations
 
@@ -197,8 +200,8 @@ class ParallelDeepseekV4(DeepseekV4):
         # built with E / tp experts, so no rank ever allocates all of them (Flash: 147 GiB of
         # MXFP4 across the layers); the gates' [E, D] weight and [E] bias are re-made at all E
         # by build_rank_model's resize (the gate scores every expert)
-        super().__init__(dataclasses.replace(rank_cfg, n_routed_experts=cfg.n_routed_experts // pc.tp),
-                         prec, max_positions, with_draft)
+        build_cfg = dataclasses.replace(rank_cfg, n_routed_experts=cfg.n_routed_experts // pc.tp)
+        super().__init__(build_cfg, prec, max_positions, with_draft)
         self.cfg, self.full_cfg, self.pc = rank_cfg, cfg, pc
         self.vocab_lo, _ = pc.span(cfg.vocab_size, "vocab_size")
         self.expert_lo, _ = pc.span(cfg.n_routed_experts, "n_routed_experts")

@@ -89,7 +89,8 @@ def test_ranks_agree_bitwise(tp_run):
 def _bits(t: torch.Tensor) -> torch.Tensor:
     if not t.dtype.is_floating_point:
         return t
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.dtype.itemsize])
 
 
 def test_tp2_equals_unsharded(tp_run):
