@@ -191,10 +191,10 @@ def _export_programs(model, cfg, cache, bc: BuildConfig, pconf: PassConfig, log)
     for key in keys:
         state = allocate_state(cfg, cache, bc.precision(), bc.device)
         pm = PassManager(bc.passes, pconf)
-        prefill = key.kind == PREFILL
+        kind = ({"chunk": key.size} if key.kind == PREFILL else
+                {"target": True} if key.kind == TARGET else {})
         every[key], stats[key.listed] = _export_bucket(
-            model, state, cache, 0 if prefill else key.size, pm, bc, log,
-            chunk=key.size if prefill else 0, target=key.kind == TARGET)
+            model, state, cache, 0 if key.kind == PREFILL else key.size, pm, bc, log, **kind)
     return every, stats, pm, state
 
 
