@@ -130,7 +130,7 @@ def time_replay(eng, B: int, prompts, params, replays: int) -> dict:
     q = harness.quantiles(times)
     return {"replay_us": q["us_median"], "replay_p10_us": q["us_p10"],
             "replay_p90_us": q["us_p90"], "greedy_variant": greedy,
-            "replay_method": "graph/cuda-events" if B in graphs else "program/perf_counter"}
+            "replay_method": "graph/cuda-events" if g is not None else "program/perf_counter"}
 
 
 def time_loop(eng, B: int, prompts, params, overlap: bool) -> dict:
@@ -139,16 +139,16 @@ def time_loop(eng, B: int, prompts, params, overlap: bool) -> dict:
     cuda = eng.device.type == "cuda"
     launch, marks = eng.launch, []
 
-    def timed_launch(rows, b, greedy, use_graph=True):
+    def timed_launch(rows, key, use_graph=True):
         a = torch.cuda.Event(enable_timing=True) if cuda else None
         if a is not None:
             a.record()
-        out = launch(rows, b, greedy, use_graph)
+        out = launch(rows, key, use_graph)
         e = None
         if a is not None:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-        marks.append((b, a, e))
+        marks.append((key.size, a, e))
         return out
     eng.launch = timed_launch
     calls = []

@@ -52,8 +52,8 @@ def test_stream_with_overlap_equals_serial_generate(small_loaded):
     want = ref.tokens[0][:ref.tokens[0].index(stop) + 1]
     s = eng.open_stream(overlap=True)
     launches = []
-    eng.launch = lambda rows, b, greedy, launch=eng.launch: (launches.append(list(rows)),
-                                                             launch(rows, b, greedy))[1]
+    eng.launch = lambda rows, key, launch=eng.launch: (launches.append(list(rows)),
+                                                       launch(rows, key))[1]
     try:
         assert [s.add(p, sp) for p, sp in zip(prompts, params)] == [0, 1, 2]
         got = _collect(_drain(s))
