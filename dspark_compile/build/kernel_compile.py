@@ -1,7 +1,8 @@
 """The engine's kernel store filled at build time: every program of the engine run once on this
 GPU, every Triton kernel it compiles or reads from the cache recorded, and the cubins and
 metadata collected into the store's files (the format, the checks and the load side:
-dspark_compile/engine_dir/kernel_store.py).
+dspark_compile/engine_dir/kernel_store.py). Before that run, kernel_pool.py compiles the
+distinct kernel configurations in worker processes, so the run finds them in Triton's cache.
 """
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from triton.runtime.jit import JITFunction
 
 from dspark_compile.engine_dir.kernel_store import (
     _KEPT, _PROC, GROUP_PREFIX, _activate, compiles, store_dir, toolchain)
+from dspark_compile.build import kernel_pool
 from dspark_compile.models.prefill_chunk import chunk_inputs
 from dspark_compile.models.state import allocate_state
 from dspark_compile.runtime.variants import sampler_mode_variant
@@ -104,31 +107,61 @@ def collect(recorded: dict, tc: dict) -> tuple[dict, dict]:
     return out, entry
 
 
+def _weights(programs: Iterable) -> set:
+    """The storage addresses of the programs' weights and constants: what the discovery pass
+    never zeroes (kernel_pool.discovering)."""
+    out = set()
+    for ep in programs:
+        for t in (*ep.state_dict.values(), *ep.constants.values()):
+            if isinstance(t, torch.Tensor):
+                out.add(t.untyped_storage().data_ptr())
+    return out
+
+
 def compile_engine_kernels(programs: dict, prefill_programs: dict, cfg, cache, prec,
                            device: torch.device, log=print,
-                           target_programs: dict | None = None) -> tuple[dict, dict]:
+                           target_programs: dict | None = None,
+                           workers: int = 0) -> tuple[dict, dict]:
     """Run every program of the engine once, as a load warms it up before capture (each
     bucket's step, its greedy variant and its target-only program on padded rows, each prefill
     program on the trash row, on a fresh decode state), so every kernel it launches is compiled
-    for this device; returns the store's files and manifest entry (`collect`)."""
+    for this device; returns the store's files and manifest entry (`collect`).
+
+    `workers` (BuildConfig.compile_workers): 1 compiles each kernel at its first launch in this
+    process; otherwise the distinct kernel configurations are found first and compiled in that
+    many worker processes (0: one per core, bounded by host memory; kernel_pool.py), so the
+    run that records the store finds them in Triton's cache."""
     t = time.perf_counter()
     trash = cache.max_rows
-    state = allocate_state(cfg, cache, prec, device)
-    before = compiles()
-    with record() as seen, torch.no_grad():
+    target_programs = target_programs or {}
+
+    def run() -> None:
+        state = allocate_state(cfg, cache, prec, device)
         for b, ep in sorted(programs.items()):
             rows = torch.full((b,), trash, dtype=torch.int64, device=device)
             for module in (ep.module(), sampler_mode_variant(ep)):
                 if module is not None:
                     module(rows, state)
-        for b, ep in sorted((target_programs or {}).items()):
+        for b, ep in sorted(target_programs.items()):
             ep.module()(torch.full((b,), trash, dtype=torch.int64, device=device), state)
         for c, ep in sorted(prefill_programs.items()):
             ep.module()(chunk_inputs(trash, 0, [0], c).to(device), state)
         torch.cuda.synchronize(device)
-    del state
+
+    if workers < 0:
+        raise ValueError(f"compile_workers must be >= 0, got {workers}")
+    if workers != 1:
+        every = [*programs.values(), *target_programs.values(), *prefill_programs.values()]
+        kernel_pool.precompile(run, _weights(every), workers, device, log)
+    before = compiles()
+    with record() as seen, torch.no_grad():
+        run()
     files, entry = collect(seen, toolchain(device))
+    late = sorted({g[len(GROUP_PREFIX):-len(".json")] for fs in seen.values() for g in fs
+                   if g.startswith(GROUP_PREFIX)})
+    if late and workers != 1:
+        log(f"[kernels] compiled in the recording run: {', '.join(late[:20])}")
     log(f"[kernels] {entry['kernels']} Triton kernels for sm_{entry['sm']} (triton "
-        f"{entry['triton']}, {compiles() - before} compiled now), {entry['bytes'] / 1e6:.1f} MB "
-        f"in {time.perf_counter() - t:.1f}s")
+        f"{entry['triton']}, {compiles() - before} compiled in the recording run), "
+        f"{entry['bytes'] / 1e6:.1f} MB in {time.perf_counter() - t:.1f}s")
     return files, entry

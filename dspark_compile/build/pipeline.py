@@ -261,7 +261,7 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
         # load compiles nothing (dspark_compile/engine_dir/kernel_store.py)
         files, fields["kernel_store"] = compile_engine_kernels(
             programs, prefill_programs, cfg, cache, prec, torch.device(bc.device), log,
-            target_programs)
+            target_programs, workers=bc.compile_workers)
         extra.update(files)
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
