@@ -74,14 +74,24 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25, help="source lines printed per program")
     a = p.parse_args(argv)
     from dspark_compile.engine_dir.format import register_kernel_ops
+    from dspark_compile.engine_dir.graph_read import read_program
+    from dspark_compile.engine_dir.weights import _load_weights
     register_kernel_ops()              # programs call dspark:: ops
     result = {}
     for e in a.engines:
-        # the programs alone, without the engine's checks or weights: an engine an older tree
-        # built (other pass hashes) counts as well
+        # the programs and weights alone, without the engine's checks: an engine an older tree
+        # built (other pass hashes) counts as well. The format keeps no source lines, so the
+        # program is traced again (GraphProgram.exported) and its aten nodes attributed to "?"
         manifest = json.loads((Path(e) / "manifest.json").read_text())
-        programs = {int(b): torch.export.load(str(Path(e) / entry["path"]))
-                    for b, entry in manifest["programs"].items()}
+        weights = _load_weights(Path(e) / manifest["weights"]["file"],
+                                manifest["weights"]["tensors"], "cpu")
+        programs = {}
+        for b, entry in manifest["programs"].items():
+            consts = entry.get("constants")
+            program = read_program((Path(e) / entry["path"]).read_bytes(),
+                                   (Path(e) / consts).read_bytes() if consts else None,
+                                   entry["path"])
+            programs[int(b)] = program.bind(weights).exported()
         rec = {"torch": manifest.get("torch_version"), "created_utc": manifest.get("created_utc"),
                "hidden_size": manifest.get("model_config", {}).get("hidden_size"), "buckets": {}}
         for b, ep in sorted(programs.items()):

@@ -325,7 +325,7 @@ def _tree(root) -> dict:
     return out
 
 
-_ENGINE_FILES = ("programs/step_b1.pt2", "programs/step_b2.pt2", "programs/prefill_c64.pt2",
+_ENGINE_FILES = ("programs/step_b1.json", "programs/step_b2.json", "programs/prefill_c64.json",
                  "weights.safetensors", "kernels/sm_120/resources.json", "tokenizer.json",
                  "compiled/step_b1.full.pt2")
 
@@ -350,7 +350,7 @@ def _add_user_files(root, rng):
     """1-3 user entries at random depths: files (some named like the writer's own, in places
     it never writes them), empty directories, symbolic links."""
     dirs = sorted({str(p.relative_to(root)) for p in root.rglob("*") if p.is_dir()} | {"."})
-    names = ["mine.txt", "notes.md", "step_b4.pt2", "model.safetensors", "config.json",
+    names = ["mine.txt", "notes.md", "step_b4.json", "model.safetensors", "config.json",
              "weights.safetensors", "resources.json", ".hidden"]
     added = []
     for _ in range(rng.randint(1, 3)):

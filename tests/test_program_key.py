@@ -6,9 +6,9 @@ from dspark_compile.engine_dir.format import (PREFILL, PROGRAM_TABLES, STEP, TAR
 
 
 def test_names_and_paths_are_the_engine_formats():
-    assert ProgramKey(STEP, 16).path == "programs/step_b16.pt2"
-    assert ProgramKey(TARGET, 16).path == "programs/target_b16.pt2"
-    assert ProgramKey(PREFILL, 64).path == "programs/prefill_c64.pt2"
+    assert ProgramKey(STEP, 16).path == "programs/step_b16.json"
+    assert ProgramKey(TARGET, 16).path == "programs/target_b16.json"
+    assert ProgramKey(PREFILL, 64).path == "programs/prefill_c64.json"
     assert ProgramKey(STEP, 16).compiled_path == "compiled/step_b16.bin"
     assert ProgramKey(STEP, 16, "greedy").compiled_path == "compiled/step_b16_greedy.bin"
     assert ProgramKey(PREFILL, 64).compiled_path == "compiled/prefill_c64.bin"
@@ -30,7 +30,7 @@ def test_a_listed_name_reads_back_as_its_key(key):
 
 
 @pytest.mark.parametrize("name", ["", "b16", "step_b", "prefill_c-1", "target_c4", "prefill_b4",
-                                  "step_b16.pt2", "x" * 10, "1.5"])
+                                  "step_b16.json", "x" * 10, "1.5"])
 def test_a_name_that_is_no_program_is_refused(name):
     with pytest.raises(ValueError, match="names no program"):
         ProgramKey.of_listed(name)

@@ -43,6 +43,7 @@ from dspark_compile.models.state import allocate_state
 from dspark_compile.models.step import DraftVerifyStep, TargetStep
 from dspark_compile.passes import PassConfig, PassManager
 from dspark_compile.models.chat_format import tokenizer_config
+from dspark_compile.runtime.variants import GREEDY, variant_graph
 
 
 def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
@@ -266,9 +267,13 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
     if bc.arch:
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()
+    # each step's greedy sampler variant, derived here once instead of at every load
+    variants = {ProgramKey(STEP, b, GREEDY): g for b, ep in programs.items()
+                if (g := variant_graph(ep)) is not None}
     manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra,
                            prefill_programs=prefill_programs, target_programs=target_programs,
-                           overwrite=bc.overwrite, free_bytes=free_bytes)
+                           overwrite=bc.overwrite, free_bytes=free_bytes,
+                           variant_graphs=variants)
     log(f"[write] {out} in {time.perf_counter() - t:.1f}s (total {time.perf_counter() - t0:.1f}s)")
     log(pm.format_stats(stats[str(max(bc.buckets))]))
     return manifest

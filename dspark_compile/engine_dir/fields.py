@@ -189,13 +189,14 @@ def _numel(shape) -> int:
     return n
 
 
-def _blame(key: str, have, want) -> str:
-    """The manifest field that sizes the state dimension where `have` and `want` differ."""
-    if have.dtype != want.dtype:
+def _blame(key: str, dtype, shape, want) -> str:
+    """The manifest field that sizes the state dimension where the program's (`dtype`,
+    `shape`) and the state spec `want` differ."""
+    if dtype != want.dtype:
         return "build_config.dtype"
-    if have.shape[0] != want.shape[0]:
+    if shape[0] != want.shape[0]:
         return "build_config.max_rows"
-    if len(have.shape) == len(want.shape) and have.shape[1:2] != want.shape[1:2]:
+    if len(shape) == len(want.shape) and tuple(shape[1:2]) != tuple(want.shape[1:2]):
         if ".ckv_" in key or key.endswith(".idx_k"):
             return "build_config.max_seq_len"
         if any(s in key for s in (".swa_", ".cmp_", ".idx_kv", ".idx_score")):
@@ -206,27 +207,19 @@ def _blame(key: str, have, want) -> str:
 def check_programs_state(cfg, build, programs: dict) -> None:
     """Every program's state inputs have the shapes and dtypes that model_config and
     build_config give the decode state (models/state.py state_specs). Programs whose state
-    fields differ by name are left to artifact_load.check_state_layout, which names them."""
+    fields differ by name are left to engine_dir/load.check_state_layout, which names them.
+    `programs`: {bucket or ProgramKey: GraphProgram}."""
     specs = state_specs(cfg, build.cache(cfg.dspark_block_size), build.precision())
-    for b, ep in sorted(programs.items(), key=lambda kv: str(kv[0])):
-        try:
-            keys = list(ep.call_spec.in_spec.child(0).child(1).context)
-        except (AttributeError, IndexError, TypeError):
+    for b, program in sorted(programs.items(), key=lambda kv: str(kv[0])):
+        if program.state_keys != list(specs):
             continue
-        if keys != list(specs):
-            continue
-        names = ep.graph_signature.user_inputs[1:]
-        nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-        for key, name in zip(keys, names):
-            val = nodes[name].meta.get("val") if name in nodes else None
-            if val is None:
-                continue
+        for key, (dtype, shape) in program.state_meta.items():
             spec = specs[key]
-            if tuple(val.shape) != tuple(spec.shape) or val.dtype != spec.dtype:
-                field = _blame(key, val, spec)
+            if tuple(shape) != tuple(spec.shape) or dtype != spec.dtype:
+                field = _blame(key, dtype, shape, spec)
                 what = f"bucket {b}'s" if isinstance(b, int) else f"the {b}"
                 raise ArtifactError(
                     f"manifest field '{field}' does not match {what} program: state '{key}' is "
-                    f"{list(val.shape)} {str(val.dtype).replace('torch.', '')} in the program, "
+                    f"{list(shape)} {str(dtype).replace('torch.', '')} in the program, "
                     f"{list(spec.shape)} {str(spec.dtype).replace('torch.', '')} from the "
                     "manifest — restore it or rebuild", field=field)

@@ -16,7 +16,9 @@ from typing import Optional
 
 import torch
 
-FORMAT_VERSION = 1
+# 2: programs in the engine's own graph format (engine_dir/graph_format.py), greedy variants
+# written at build; 1: torch.export .pt2 archives, refused at load with the rebuild to run
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 PROGRAM_DIR = "programs"
@@ -83,8 +85,16 @@ class ProgramKey:
 
     @property
     def path(self) -> str:
-        """Its program file in the engine (the full variant's: a greedy one is derived)."""
-        return f"{PROGRAM_DIR}/{self.stem}.pt2"
+        """Its graph file in the engine (engine_dir/graph_format.py), per variant:
+        programs/step_b16.json, programs/step_b16_greedy.json."""
+        suffix = "" if self.variant == "full" else f"_{self.variant}"
+        return f"{PROGRAM_DIR}/{self.stem}{suffix}.json"
+
+    @property
+    def constants_path(self) -> str:
+        """Its own constants (lifted tensors that are not weights), shared by its variants:
+        programs/step_b16.constants.safetensors (absent when it has none)."""
+        return f"{PROGRAM_DIR}/{self.stem}.constants.safetensors"
 
     @property
     def compiled_path(self) -> str:

@@ -76,17 +76,20 @@ SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 # --------------------------------------------------------------------------- write
-def dump_program(ep: torch.export.ExportedProgram,
-                 shared: Optional[set] = None) -> tuple[bytes, Optional[bytes]]:
+def dump_program(ep: torch.export.ExportedProgram, shared: Optional[set] = None,
+                 graph: Optional[torch.fx.Graph] = None) -> tuple[bytes, Optional[bytes]]:
     """(graph JSON, constants safetensors or None) of `ep`. `shared`: the names of the lifted
     tensors the engine stores in weights.safetensors (default: every parameter and buffer);
-    the other lifted tensors are the program's own constants. ValueError naming the node for
-    anything the format does not hold (another op, a symbolic size, an unknown literal)."""
+    the other lifted tensors are the program's own constants. `graph`: a variant of ep's graph
+    to write instead (same placeholders and outputs: runtime/variants.py's greedy step).
+    ValueError naming the node for anything the format does not hold (another op, a symbolic
+    size, an unknown literal)."""
     from safetensors.torch import save
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = ep.graph_signature
-    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    graph = ep.graph if graph is None else graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(sig.input_specs):
         raise ValueError(f"{len(placeholders)} placeholders, {len(sig.input_specs)} input specs")
     kinds = {InputKind.USER_INPUT: "user", InputKind.PARAMETER: "parameter",
@@ -110,7 +113,7 @@ def dump_program(ep: torch.export.ExportedProgram,
                 constants[spec.target] = table[spec.target].detach().cpu().contiguous()
         inputs.append(entry)
     nodes = []
-    for n in ep.graph.nodes:
+    for n in graph.nodes:
         if n.op == "call_function":
             nodes.append({"name": n.name, "op": _op_name(n), "args": [_enc(a, n) for a in n.args],
                           "kwargs": {k: _enc(v, n) for k, v in n.kwargs.items()}})
@@ -120,7 +123,7 @@ def dump_program(ep: torch.export.ExportedProgram,
     out_kinds = {OutputKind.USER_OUTPUT: "user", OutputKind.USER_INPUT_MUTATION:
                  "user_input_mutation", OutputKind.BUFFER_MUTATION: "buffer_mutation",
                  OutputKind.PARAMETER_MUTATION: "parameter_mutation"}
-    flat = list(ep.graph.output_node().args[0])
+    flat = list(graph.output_node().args[0])
     if len(flat) != len(sig.output_specs):
         raise ValueError(f"{len(flat)} outputs, {len(sig.output_specs)} output specs")
     outputs = []
@@ -128,7 +131,7 @@ def dump_program(ep: torch.export.ExportedProgram,
         kind = out_kinds.get(spec.kind)
         if kind is None:
             raise ValueError(f"output {spec.arg} is a {spec.kind.name}")
-        outputs.append({"kind": kind, "value": _enc(value, ep.graph.output_node()),
+        outputs.append({"kind": kind, "value": _enc(value, graph.output_node()),
                         **({} if kind == "user" else {"target": spec.target})})
     call = ep.module_call_graph[0].signature
     in_spec = ep.call_spec.in_spec
@@ -137,8 +140,8 @@ def dump_program(ep: torch.export.ExportedProgram,
     doc = {"format": FORMAT, "version": VERSION, "arg_names": names,
            "in_spec": _spec_enc(in_spec), "out_spec": _spec_enc(ep.call_spec.out_spec),
            "inputs": inputs, "nodes": nodes, "outputs": outputs}
-    graph = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    return graph, (save(constants) if constants else None)
+    data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return data, (save(constants) if constants else None)
 
 
 def _tensor_meta(node) -> dict:

@@ -217,6 +217,26 @@ class GraphProgram:
         self.nodes: list[tuple] = nodes          # (name, op, args, kwargs)
         self.outputs: list[tuple] = outputs      # (kind, target, value)
         self.constants: dict = constants
+        self.weights: Optional[Mapping[str, torch.Tensor]] = None     # bind()
+
+    def bind(self, weights: Mapping[str, torch.Tensor]) -> "GraphProgram":
+        """Keep `weights` (the engine's, shared by its programs) as the tensors `module()`
+        lifts, each checked now (present, its dtype and shape); returns self."""
+        for i in self.inputs:
+            if i.kind != "user":
+                self._lifted(i, weights)
+        self.weights = weights
+        return self
+
+    def lifted(self) -> list:
+        """The lifted tensors in input order (weights, then constants as they come), as a
+        compiled program's leading inputs take them (runtime/inductor.py)."""
+        return [self._lifted(i, self._bound()) for i in self.inputs if i.kind != "user"]
+
+    def _bound(self) -> Mapping[str, torch.Tensor]:
+        if self.weights is None:
+            raise ValueError(f"program '{self.rel}' is not bound to weights (bind())")
+        return self.weights
 
     @property
     def state_keys(self) -> Optional[list]:
@@ -239,13 +259,16 @@ class GraphProgram:
         """The names this program takes from the engine's weights, in input order."""
         return [i.target for i in self.inputs if i.stored == "weights"]
 
-    def module(self, weights: Mapping[str, torch.Tensor],
+    def module(self, weights: Optional[Mapping[str, torch.Tensor]] = None,
                validate_inputs: bool = True) -> torch.fx.GraphModule:
         """A fresh module `fn(*args)` running the program, as `ep.module()` would: its lifted
-        tensors are `weights[target]` (the same tensor objects, never copied) or the program's
-        constants; a user input or buffer the graph mutates gets the copy_ ep.module() inserts.
-        With `validate_inputs` each call checks its arguments' structure, shapes and dtypes."""
+        tensors are `weights[target]` (default: the bound weights; the same tensor objects,
+        never copied) or the program's constants; a user input or buffer the graph mutates gets
+        the copy_ ep.module() inserts. With `validate_inputs` each call checks its arguments'
+        structure, shapes and dtypes."""
         from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+
+        weights = self._bound() if weights is None else weights
 
         root = torch.nn.Module()
         graph = torch.fx.Graph()
@@ -276,6 +299,18 @@ class GraphProgram:
         gm.validate_inputs = validate_inputs
         gm.register_forward_pre_hook(_InputCheck(self), with_kwargs=True)
         return gm
+
+    def exported(self) -> torch.export.ExportedProgram:
+        """The program as a torch.export program again (for tools that take one: the ONNX
+        export, dspark_compile/inspection/), traced from `module()` on example inputs of its
+        shapes and dtypes (their values are never read: export traces with fake tensors)."""
+        users = [i for i in self.inputs if i.kind == "user"]
+        device = next((t.device for t in self.lifted()), torch.device("cpu"))
+        args, _ = pytree.tree_unflatten(
+            [torch.zeros(i.shape, dtype=i.dtype, device=device) for i in users], self.in_spec)
+        with torch.no_grad():
+            return torch.export.export(self.module(validate_inputs=False), tuple(args),
+                                       strict=False)
 
     def _lifted_name(self, target: str) -> str:
         return next(i.name for i in self.inputs if i.target == target)

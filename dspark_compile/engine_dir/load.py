@@ -6,13 +6,15 @@ then the manifest checksum, format version, toolchain versions, target SM, pass 
 the schemas of the `dspark::` ops the programs call, any caller expectations, and the size and
 sha256 of every file; each failure raises `ArtifactError` naming the field or file.
 `load_engine` refuses an engine whose programs are code unless trusted (check_code_trust),
-registers the `dspark::` ops (imports every `dspark_compile.kernels` module), loads each program
-after checking that its archive holds a graph and raw tensors only
-(dspark_compile/engine_dir/programs.py), and attaches the shared weights
-(dspark_compile/engine_dir/weights.py).
+registers the `dspark::` ops (imports every `dspark_compile.kernels` module), reads each program
+as data (dspark_compile/engine_dir/graph_read.py: no pickle, no code, every op on an allowlist),
+checks it against its manifest entry, and binds it to the shared weights
+(dspark_compile/engine_dir/weights.py). An engine of the old format (torch.export archives) is
+refused with the build command that replaces it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,14 +23,15 @@ from typing import Iterable, Optional
 import torch
 
 from dspark_compile.engine_dir.format import (
-    COMPILED_DIR, FORMAT_VERSION, MANIFEST, PREFILL, PROGRAM_TABLES, STEP, TARGET, ArtifactError, ProgramKey,
-    _checksum, check_digest, register_kernel_ops, sha256_stream, unique_keys)
+    COMPILED_DIR, FORMAT_VERSION, MANIFEST, PREFILL, PROGRAM_TABLES, STEP, TARGET, VARIANTS,
+    ArtifactError, ProgramKey, _checksum, check_digest, register_kernel_ops, sha256_stream,
+    unique_keys)
+from dspark_compile.engine_dir.graph_read import GraphProgram, read_program
 from dspark_compile.engine_dir.paths import check_engine, open_file, read_file
-from dspark_compile.engine_dir.weights import _attach_weights, _load_weights
+from dspark_compile.engine_dir.weights import _load_weights
 from dspark_compile.engine_dir.versions import ENV_FIELDS, environment_fields
 from dspark_compile.engine_dir.fields import (check_engine_fields, check_programs_state,
     check_weights_table)
-from dspark_compile.engine_dir.programs import load_program_file
 from dspark_compile.passes import REGISTRY
 
 
@@ -180,35 +183,47 @@ def _check_structure(manifest: dict) -> None:
         raise ArtifactError(f"manifest field 'buckets': {buckets} does not match the programs "
                             f"listed {sorted(progs)}", field="buckets")
     files = manifest.get("files", {})
-    for b, entry in progs.items():
-        if entry.get("path") not in files:
-            raise ArtifactError(f"manifest field 'programs': bucket {b}'s program "
-                                f"'{entry.get('path')}' is not in the file table", field="programs")
-    prefill = manifest.get("prefill_programs", {})
-    if not isinstance(prefill, dict):
-        raise ArtifactError("manifest field 'prefill_programs' is not a table",
-                            field="prefill_programs")
-    for c, entry in prefill.items():
-        if not (isinstance(entry, dict) and c.isdigit() and int(c) > 0
-                and entry.get("path") == ProgramKey(PREFILL, int(c)).path and entry["path"] in files):
-            raise ArtifactError(f"manifest field 'prefill_programs': chunk {c!r}'s program "
-                                f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
-                                "not a prefill program in the file table",
-                                field="prefill_programs")
-    target = manifest.get("target_programs", {})
-    if not isinstance(target, dict):
-        raise ArtifactError("manifest field 'target_programs' is not a table",
-                            field="target_programs")
-    for b, entry in target.items():
-        if not (isinstance(entry, dict) and b in progs
-                and entry.get("path") == ProgramKey(TARGET, int(b)).path and entry["path"] in files):
-            raise ArtifactError(f"manifest field 'target_programs': bucket {b}'s program "
-                                f"{entry.get('path') if isinstance(entry, dict) else entry!r} is "
-                                "not a target program of a step bucket in the file table",
-                                field="target_programs")
+    for kind in (STEP, PREFILL, TARGET):
+        table = ProgramKey(kind, 1).table
+        entries = manifest.get(table, {})
+        if not isinstance(entries, dict):
+            raise ArtifactError(f"manifest field '{table}' is not a table", field=table)
+        for k, entry in entries.items():
+            _check_entry_files(table, kind, k, entry, files)
+            if kind == TARGET and k not in progs:
+                raise ArtifactError(f"manifest field '{table}': bucket {k} is not a step "
+                                    "bucket", field=table)
     if manifest.get("weights", {}).get("file") not in files:
         raise ArtifactError("manifest field 'weights': the weights file is not in the file table",
                             field="weights")
+
+
+def _check_entry_files(table: str, kind: str, k, entry, files: dict) -> None:
+    """A program entry names exactly its ProgramKey's files (graph, constants, variants), each
+    in the file table: a hand-edited entry cannot make the load read another file."""
+    key = ProgramKey(kind, int(k)) if isinstance(k, str) and k.isdigit() and int(k) > 0 \
+        else None
+    what = "chunk" if kind == PREFILL else "bucket"
+    if key is None or not isinstance(entry, dict):
+        raise ArtifactError(f"manifest field '{table}': entry {k!r} is not a program of a "
+                            f"{what} size", field=table)
+    want = [("path", entry.get("path"), key.path)]
+    if entry.get("constants") is not None:
+        want.append(("constants", entry["constants"], key.constants_path))
+    variants = entry.get("variants", {})
+    if not isinstance(variants, dict):
+        raise ArtifactError(f"manifest field '{table}.{k}.variants' is not a table",
+                            field=table)
+    for v, rel in variants.items():
+        if v not in VARIANTS or v == "full":
+            raise ArtifactError(f"manifest field '{table}.{k}.variants': {v!r} is not a "
+                                "program variant", field=table)
+        want.append((f"variants.{v}", rel, key.with_variant(v).path))
+    for name, have, path in want:
+        if have != path or path not in files:
+            raise ArtifactError(f"manifest field '{table}.{k}.{name}': {what} {k}'s file "
+                                f"{str(have)[:120]!r} is not {path} in the file table",
+                                field=table)
 
 
 def check_state_layout(programs: dict, state: dict) -> None:
@@ -216,10 +231,9 @@ def check_state_layout(programs: dict, state: dict) -> None:
     order): an engine built when the state had other fields (e.g. before `row.verify`, the
     rejection op's per-row verification) is refused naming them, not failed at the first step."""
     want = list(state)
-    for b, ep in sorted(programs.items()):
-        try:
-            have = list(ep.call_spec.in_spec.child(0).child(1).context)
-        except (AttributeError, IndexError, TypeError):
+    for b, program in sorted(programs.items()):
+        have = program.state_keys
+        if have is None:
             continue                     # not a (rows, state) program: nothing to compare
         if have != want:
             missing = [k for k in want if k not in have]
@@ -252,7 +266,7 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     # itself (dspark_compile/engine_dir/paths.py)
     check_engine(engine_dir, manifest)
     if "format_version" not in skip and manifest.get("format_version") != FORMAT_VERSION:
-        raise _mismatch("format_version", manifest.get("format_version"), FORMAT_VERSION, True)
+        raise _old_format(engine_dir, manifest)
     expect = dict(expect or {})
     # target_sm: that of the device the engine will run on; without one, this machine's GPU
     # for a GPU engine and "cpu" for a CPU engine (which runs anywhere)
@@ -283,6 +297,28 @@ def load_manifest(engine_dir, expect: Optional[dict] = None, skip: Iterable[str]
     return manifest
 
 
+def _old_format(engine_dir: Path, manifest: dict) -> ArtifactError:
+    """The one-line refusal of an engine of another format version, with the build command
+    that replaces it (its checkpoint is not recorded in the manifest: the user names it)."""
+    have = manifest.get("format_version")
+    bc = manifest.get("build_config") if isinstance(manifest.get("build_config"), dict) else {}
+    flags = []
+    for field, flag in (("buckets", "--buckets"), ("max_seq_len", "--max-seq-len"),
+                        ("dtype", "--dtype"), ("device", "--device")):
+        v = bc.get(field)
+        if isinstance(v, list) and all(_is_int(x) for x in v):
+            flags.append(f"{flag} {','.join(map(str, v))}")
+        elif isinstance(v, (int, str)) and not isinstance(v, bool) and str(v).isprintable() \
+                and len(str(v)) < 40:
+            flags.append(f"{flag} {v}")
+    what = ("its programs are torch.export archives, which this dspark-compile no longer loads"
+            if have == 1 else f"this dspark-compile reads format {FORMAT_VERSION}")
+    return ArtifactError(
+        f"engine {engine_dir} has format_version {str(have)[:20]} ({what}) — rebuild it: "
+        f"dspark-compile build CHECKPOINT --out {engine_dir} {' '.join(flags)} --overwrite",
+        field="format_version")
+
+
 TRUST_FLAG = "--trust-engine-code"
 
 
@@ -303,20 +339,20 @@ def check_code_trust(manifest: dict, trust_code: bool) -> None:
 
 def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] = (),
                 device="cpu", check_files: bool = True, trust_code: bool = False):
-    """Validate and load an engine: returns (manifest, {bucket: ExportedProgram},
-    {FQN: weight tensor}). The weights are loaded once (onto `device`) and the same tensors
-    are attached to every program. `trust_code`: load an engine whose programs are code
+    """Validate and load an engine: returns (manifest, {bucket: GraphProgram} of the steps,
+    {FQN: weight tensor}). The weights are loaded once (onto `device`) and every program is
+    bound to the same tensors. `trust_code`: load an engine whose programs are code
     (check_code_trust); refused otherwise."""
     engine_dir = Path(engine_dir)
     manifest = load_manifest(engine_dir, expect=expect, skip=skip, check_files=False,
                              device=device)
     if check_files:
-        # a program file's bytes are hashed where they are read (load_program_file), so the
-        # table check leaves them out: each program is read and hashed once
+        # a program's files are hashed where they are read (_read_checked), so the table check
+        # leaves them out: each is read and hashed once
         _check_files(engine_dir, manifest, _program_paths(manifest))
     check_code_trust(manifest, trust_code)
     configs = _engine_fields(manifest, device)
-    register_kernel_ops()  # before torch.export.load: programs call dspark:: ops
+    register_kernel_ops()  # before a program is read: its ops are resolved by name
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], device)
     programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
@@ -339,48 +375,81 @@ def _engine_fields(manifest: dict, device=None):
 
 
 def _program_paths(manifest: dict) -> frozenset:
-    """The files of a validated manifest's program tables (step, prefill, target)."""
-    return frozenset(entry["path"] for table in PROGRAM_TABLES
-                     for entry in manifest.get(table, {}).values())
+    """The files of a validated manifest's program tables (graphs, constants, variants)."""
+    out = set()
+    for table in PROGRAM_TABLES:
+        for entry in manifest.get(table, {}).values():
+            out.add(entry["path"])
+            out.update(entry.get("variants", {}).values())
+            if entry.get("constants") is not None:
+                out.add(entry["constants"])
+    return frozenset(out)
 
 
-def _load_program_file(engine_dir, manifest: dict, rel: str):
-    """The program at the validated manifest's path `rel`, refused unless it is a graph and raw
-    tensors only (dspark_compile/engine_dir/programs.py: loading it executes nothing from it)."""
-    return load_program_file(Path(engine_dir), rel, manifest["files"][rel])
+def _read_checked(engine_dir: Path, manifest: dict, rel: str) -> bytes:
+    """Engine file `rel` of a validated manifest, read once and checked against its file-table
+    entry (size, sha256) on those same bytes."""
+    info = manifest["files"][rel]
+    with open_file(engine_dir, rel) as f:
+        check_digest(rel, info, os.fstat(f.fileno()).st_size)
+        data = f.read(info["size"] + 1)
+    check_digest(rel, info, len(data), hashlib.sha256(data).hexdigest())
+    return data
 
 
-def load_program(engine_dir, manifest: dict, bucket: int, weights: dict):
-    """Bucket's program of a validated manifest, with the shared `weights` attached (the ops
-    must be registered: register_kernel_ops)."""
-    entry = manifest["programs"][str(bucket)]
-    ep = _load_program_file(engine_dir, manifest, entry["path"])
-    _attach_weights(ep, entry["shared_weights"], weights, ProgramKey(STEP, bucket))
-    return ep
+def load_program(engine_dir, manifest: dict, key, weights: dict) -> GraphProgram:
+    """Program `key` (a ProgramKey, or a bucket: its step) of a validated manifest, read as data
+    (engine_dir/graph_read.py), checked against its manifest entry (the weights it shares, its
+    inputs) and bound to the engine's `weights` (the dspark:: ops must be registered:
+    register_kernel_ops)."""
+    key = key if isinstance(key, ProgramKey) else ProgramKey(STEP, int(key))
+    engine_dir = Path(engine_dir)
+    entry = manifest[key.table][str(key.size)]
+    rel = entry["path"] if key.variant == "full" else entry.get("variants", {}).get(key.variant)
+    if rel is None:
+        raise ArtifactError(f"program {key} is not in the engine (manifest field "
+                            f"'{key.table}.{key.size}.variants')", field=key.table)
+    consts = entry.get("constants")
+    program = read_program(_read_checked(engine_dir, manifest, rel),
+                           _read_checked(engine_dir, manifest, consts) if consts else None, rel)
+    shared = entry.get("shared_weights")
+    if not isinstance(shared, list) or sorted(program.weight_names) != sorted(shared):
+        raise ArtifactError(f"program '{rel}' takes the weights {sorted(program.weight_names)[:4]}"
+                            f"... ({len(program.weight_names)}), its manifest entry lists "
+                            f"{len(shared) if isinstance(shared, list) else shared!r}",
+                            path=rel)
+    users = [i.name for i in program.inputs if i.kind == "user"]
+    if entry.get("user_inputs", users) != users:
+        raise ArtifactError(f"program '{rel}' takes the inputs {users[:4]}..., its manifest "
+                            "entry lists others", path=rel)
+    return program.bind(weights)
+
+
+def program_variants(manifest: dict, key: ProgramKey) -> list:
+    """The variants of program `key` the validated manifest lists, "full" first."""
+    entry = manifest[key.table][str(key.size)]
+    return ["full", *sorted(entry.get("variants", {}))]
 
 
 def _load_table(engine_dir, manifest: dict, weights: dict, kind: str) -> dict:
-    """{size: ExportedProgram} of the validated manifest's programs of `kind` (its table), with
-    the shared `weights` attached."""
+    """{size: GraphProgram} of the validated manifest's programs of `kind` (its table), bound
+    to the shared `weights`."""
     out = {}
-    for k, entry in sorted(manifest.get(ProgramKey(kind, 1).table, {}).items(),
-                           key=lambda kv: int(kv[0])):
-        ep = _load_program_file(engine_dir, manifest, entry["path"])
-        _attach_weights(ep, entry["shared_weights"], weights, ProgramKey(kind, int(k)))
-        out[int(k)] = ep
+    for k in sorted(manifest.get(ProgramKey(kind, 1).table, {}), key=int):
+        out[int(k)] = load_program(engine_dir, manifest, ProgramKey(kind, int(k)), weights)
     configs = _engine_fields(manifest)
     if configs is not None:
-        check_programs_state(*configs, {ProgramKey(kind, k): ep for k, ep in out.items()})
+        check_programs_state(*configs, {ProgramKey(kind, k): p for k, p in out.items()})
     return out
 
 
 def load_prefill_programs(engine_dir, manifest: dict, weights: dict) -> dict:
-    """{chunk length: ExportedProgram} of a validated manifest's prefill programs (none for an
-    engine built without them), with the shared `weights` attached."""
+    """{chunk length: GraphProgram} of a validated manifest's prefill programs (none for an
+    engine built without them), bound to the shared `weights`."""
     return _load_table(engine_dir, manifest, weights, PREFILL)
 
 
 def load_target_programs(engine_dir, manifest: dict, weights: dict) -> dict:
-    """{bucket: ExportedProgram} of a validated manifest's target-only programs (none for an
-    engine built without them), with the shared `weights` attached."""
+    """{bucket: GraphProgram} of a validated manifest's target-only programs (none for an
+    engine built without them), bound to the shared `weights`."""
     return _load_table(engine_dir, manifest, weights, TARGET)

@@ -75,6 +75,11 @@ def manifest_paths(manifest: dict):
             for k, entry in entries.items():
                 if isinstance(entry, dict) and "path" in entry:
                     yield f"{table}.{k}.path", entry["path"], "file"
+                if isinstance(entry, dict) and isinstance(entry.get("constants"), str):
+                    yield f"{table}.{k}.constants", entry["constants"], "file"
+                variants = entry.get("variants") if isinstance(entry, dict) else None
+                for v, rel in variants.items() if isinstance(variants, dict) else ():
+                    yield f"{table}.{k}.variants.{v}", rel, "file"
     weights = manifest.get("weights")
     if isinstance(weights, dict) and "file" in weights:
         yield "weights.file", weights["file"], "file"

@@ -2,10 +2,14 @@
 
     engine/
       manifest.json              what was built, with what, and a checksum of every file
-      programs/step_b{B}.pt2     one torch.export program per batch bucket B
-      programs/prefill_c{C}.pt2  optional: one prefill program per chunk length C
+      programs/step_b{B}.json    one program per batch bucket B, a graph as data
+                                 (dspark_compile/engine_dir/graph_format.py)
+      programs/step_b{B}_greedy.json   its greedy sampler variant (runtime/variants.py),
+                                 derived at build
+      programs/step_b{B}.constants.safetensors   its own lifted constants, when it has any
+      programs/prefill_c{C}.json optional: one prefill program per chunk length C
                                  (models/prefill_chunk.py; manifest `prefill_programs`)
-      programs/target_b{B}.pt2   optional: the target-only program of bucket B (one token
+      programs/target_b{B}.json  optional: the target-only program of bucket B (one token
                                  per row, models/step.py TargetStep; `target_programs`)
       weights.safetensors        every weight once, shared by all programs
       kernels/sm_XY/...          optional build reports (e.g. kernel resource usage)
@@ -56,8 +60,8 @@ from dspark_compile.engine_dir.format import (
     _EXTRA_DIRS, FORMAT_VERSION, MANIFEST, PREFILL, PROGRAM_DIR, ProgramKey, sha256_file, STEP,
     TARGET, TOKENIZER_FILE, TOKENIZER_FILES, WEIGHTS_FILE)
 from dspark_compile.engine_dir.load import _read_manifest
-from dspark_compile.engine_dir.weights import (
-    _plan_weights, _programs_device, _save_program, _save_weights)
+from dspark_compile.engine_dir.graph_format import dump_program
+from dspark_compile.engine_dir.weights import _plan_weights, _programs_device, _save_weights
 from dspark_compile.atomic_dir import (
     canonical, check_free_space, disk_errors, fsync_dir, move_into_place, needed_bytes,
     output_lock, remove_stale_temps, replace_refusal, temp_dir)
@@ -154,9 +158,9 @@ def occupied(dest: Path) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- size
-# A program file's bytes per graph node: the tiny model's bucket-1 step (1,084 nodes after the
-# passes) took 1,118,894 bytes (1,032 a node) with its weights stored apart; twice that covers
-# the lifted constants and larger models' longer names.
+# A program's bytes per graph node: the tiny model's bucket-2 step (1,141 nodes after the passes)
+# is 179 KB of graph JSON (157 bytes a node); with its greedy variant and its constants, 2 KB a
+# node bounds larger models' longer names and literals from above.
 ENGINE_PROGRAM_BYTES_PER_NODE = 2048
 # The manifest's bytes: the tiny engine's (371 weights, one program) was 120,660 bytes, ~150
 # a weight (its sha256, dtype, shape) and ~15,000 a program (file entry, pass stats); these
@@ -189,19 +193,19 @@ def engine_bytes(weight_bytes: int, n_weights: int, program_nodes: list[int],
 
 
 # --------------------------------------------------------------------------- save
-def _tables(every: dict, shared: dict, *tables: str) -> dict:
-    """The manifest's program tables named (those with programs): {str(size): its file, its
-    shared weights, its inputs} per ProgramKey of `every`."""
+def _tables(every: dict, files: dict, shared: dict, *tables: str) -> dict:
+    """The manifest's program tables named (those with programs): {str(size): its files
+    (`_write_program`), its shared weights, its inputs} per ProgramKey of `every`."""
     out = {}
     for key, ep in sorted(every.items()):
         if key.table in tables:
             out.setdefault(key.table, {})[str(key.size)] = {
-                "path": key.path, "shared_weights": shared[key],
+                **files[key], "shared_weights": shared[key],
                 "user_inputs": list(ep.graph_signature.user_inputs)}
     return out
 
 
-def _manifest(fields: dict, every: dict, shared: dict, tensors: dict) -> dict:
+def _manifest(fields: dict, every: dict, files: dict, shared: dict, tensors: dict) -> dict:
     """The manifest of the written engine, less its file table and checksum."""
     buckets = sorted(k.size for k in every if k.kind == STEP)
     env = environment_fields()
@@ -211,11 +215,11 @@ def _manifest(fields: dict, every: dict, shared: dict, tensors: dict) -> dict:
         # a JSON copy; non-JSON values (e.g. in pass notes) are recorded as their str()
         **json.loads(json.dumps(fields, default=str)),
         "buckets": buckets,
-        **_tables(every, shared, "programs"),
+        **_tables(every, files, shared, "programs"),
         "weights": {"file": WEIGHTS_FILE, "tensors": tensors},
         "dspark_ops": _dspark_ops(every),
         "graph_memory_bytes": {str(b): None for b in buckets},
-        **_tables(every, shared, "prefill_programs", "target_programs"),
+        **_tables(every, files, shared, "prefill_programs", "target_programs"),
         "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"),
     }
@@ -226,7 +230,8 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
                 extra_files: Optional[dict] = None,
                 prefill_programs: Optional[dict] = None,
                 target_programs: Optional[dict] = None, overwrite: bool = True,
-                free_bytes: Optional[Callable[[Path], int]] = None) -> dict:
+                free_bytes: Optional[Callable[[Path], int]] = None,
+                variant_graphs: Optional[dict] = None) -> dict:
     """Write an engine directory atomically; returns the manifest.
 
     programs: {bucket B (int > 0): ExportedProgram}.
@@ -247,10 +252,14 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
         refuse any `out_dir` that is not absent or empty, before writing and at the rename.
     free_bytes: the free bytes of a path's file system (default: shutil.disk_usage's); the
         tests' seam for a full disk.
+    variant_graphs: {ProgramKey with a variant other than "full": torch.fx.Graph} the graph of
+        a program's variant (the greedy step, runtime/variants.py), same inputs and outputs as
+        the program; written beside it and listed in its entry's `variants`.
     Holds `out_dir`'s lock while it writes (a concurrent writer: OutputLocked, naming it).
     """
     out_dir = canonical(Path(out_dir).absolute())
     every = _program_table(programs, prefill_programs or {}, target_programs or {})
+    variants = _variant_table(every, variant_graphs or {})
     fields = _checked_fields(manifest_fields or {}, every)
     extra_files = dict(extra_files or {})
     _check_extra_files(extra_files)
@@ -261,7 +270,8 @@ def save_engine(out_dir, programs: dict, weights: Optional[dict] = None,
             raise ArtifactError(f"{out_dir} {why}; pass overwrite=True to replace an engine",
                                 path=str(out_dir))
         remove_stale_temps(out_dir)     # of earlier writes of out_dir that were killed
-        return _write(out_dir, every, weights, fields, extra_files, overwrite, free_bytes)
+        return _write(out_dir, every, variants, weights, fields, extra_files, overwrite,
+                      free_bytes)
 
 
 def _program_table(programs: dict, prefill_programs: dict, target_programs: dict) -> dict:
@@ -294,6 +304,38 @@ def _program_table(programs: dict, prefill_programs: dict, target_programs: dict
             **{ProgramKey(TARGET, b): ep for b, ep in target_programs.items()}}
 
 
+def _variant_table(every: dict, graphs: dict) -> dict:
+    """save_engine's variant graphs checked, grouped by program: {ProgramKey (full): {ProgramKey
+    (variant): torch.fx.Graph}}."""
+    out: dict = {}
+    for key, graph in graphs.items():
+        if not isinstance(key, ProgramKey) or key.variant == "full" \
+                or key.with_variant("full") not in every:
+            raise ArtifactError(f"variant graph {key!s}: not a variant of one of the programs "
+                                f"{sorted(map(str, every))}", field="variants")
+        if not isinstance(graph, torch.fx.Graph):
+            raise ArtifactError(f"variant graph {key!s} is a {type(graph).__name__}, not a "
+                                "torch.fx.Graph", field="variants")
+        out.setdefault(key.with_variant("full"), {})[key] = graph
+    return out
+
+
+def _write_program(root: Path, key: ProgramKey, ep, shared: list, variants: dict) -> dict:
+    """Program `key` (and its variants' graphs) in the engine's graph format under `root`;
+    returns its manifest entry's files: its graph, its constants (None without any), its
+    variants' graphs."""
+    graph, constants = dump_program(ep, set(shared))
+    (root / key.path).write_bytes(graph)
+    entry = {"path": key.path, "constants": None, "variants": {}}
+    if constants is not None:
+        (root / key.constants_path).write_bytes(constants)
+        entry["constants"] = key.constants_path
+    for vkey, g in sorted(variants.items()):
+        (root / vkey.path).write_bytes(dump_program(ep, set(shared), graph=g)[0])
+        entry["variants"][vkey.variant] = vkey.path
+    return entry
+
+
 def _checked_fields(manifest_fields: dict, every: dict) -> dict:
     """The caller's manifest fields, with the model config's hash and the target SM filled
     in; ArtifactError for a computed field set or a required one missing."""
@@ -323,21 +365,22 @@ def _check_extra_files(extra_files: dict) -> None:
                                 path=rel)
 
 
-def _write(out_dir: Path, every: dict, weights, fields: dict, extra_files: dict,
-           overwrite: bool, free_bytes) -> dict:
+def _write(out_dir: Path, every: dict, variants: dict, weights, fields: dict,
+           extra_files: dict, overwrite: bool, free_bytes) -> dict:
     """save_engine's write, under out_dir's lock: programs, weights, extra files and manifest
     into a temporary directory, then renamed into place."""
     store, shared = _plan_weights(every, weights)
     sizes = (tensor_bytes(store.values()), len(store))
     extra = sum(len(c.encode() if isinstance(c, str) else c) for c in extra_files.values())
-    need = engine_bytes(*sizes, [len(ep.graph.nodes) for ep in every.values()], extra)
+    nodes = [len(ep.graph.nodes) * (1 + len(variants.get(k, {}))) for k, ep in every.items()]
+    need = engine_bytes(*sizes, nodes, extra)
     check_free_space(out_dir, need, "the engine", free_bytes)
     with disk_errors(out_dir, "the engine", need):
         tmp = temp_dir(out_dir)
         try:
             (tmp / PROGRAM_DIR).mkdir()
-            for key, ep in every.items():
-                _save_program(ep, tmp / key.path, shared[key])
+            files = {key: _write_program(tmp, key, ep, shared[key], variants.get(key, {}))
+                     for key, ep in every.items()}
             # the programs are on disk: the rest (weights, extra files, manifest) again
             check_free_space(out_dir, engine_bytes(*sizes, [0] * len(every), extra),
                              "the rest of the engine", free_bytes)
@@ -346,7 +389,7 @@ def _write(out_dir: Path, every: dict, weights, fields: dict, extra_files: dict,
                 p = tmp / rel
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_bytes(content.encode() if isinstance(content, str) else bytes(content))
-            manifest = _manifest(fields, every, shared, tensors)
+            manifest = _manifest(fields, every, files, shared, tensors)
             manifest["files"] = _file_table(tmp)
             manifest["checksum"] = _checksum(manifest)
             _write_json_atomic(tmp / MANIFEST, manifest)

@@ -65,12 +65,13 @@ def input_names(ep) -> list:
 
 
 def load_program(engine_dir, manifest: dict, bucket: int):
-    """One bucket's program with the engine's weights attached (load_engine loads them all)."""
+    """One bucket's program with the engine's weights attached (load_engine loads them all),
+    as a torch.export program (GraphProgram.exported)."""
     engine_dir = Path(engine_dir)
     register_kernel_ops()
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], "cpu")
-    return load(engine_dir, manifest, bucket, weights)
+    return load(engine_dir, manifest, bucket, weights).exported()
 
 
 def functional_program(ep, specs: dict):

@@ -48,8 +48,8 @@ from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
 from dspark_compile.engine_dir.fields import engine_configs
 from dspark_compile.engine_dir.format import BACKENDS, STEP, TARGET, ProgramKey
 from dspark_compile.engine_dir.kernel_store import install
-from dspark_compile.engine_dir.programs import faster_deserialization
-from dspark_compile.engine_dir.load import load_prefill_programs, load_target_programs
+from dspark_compile.engine_dir.load import (load_prefill_programs, load_program,
+    load_target_programs, program_variants)
 from dspark_compile.models.config import rope_positions
 from dspark_compile.models.moe import sync_kernel_layouts, use_kernel_layouts
 from dspark_compile.models.prefill_chunk import chunk_schedule
@@ -61,7 +61,6 @@ from dspark_compile.models.target import DeepseekV4
 from dspark_compile.runtime.inductor import compiled_entries, compiled_table_paths, CompiledStep
 from dspark_compile.runtime.prefill import PrefillPrograms
 from dspark_compile.runtime.scheduler import GenerationStream, program_for
-from dspark_compile.runtime.variants import sampler_mode_variant
 
 
 def _build_device(engine_dir: Path) -> str | None:
@@ -139,7 +138,7 @@ class Engine:
         self.state = allocate_state(self.cfg, self.cache, self.model.prec, device)
         check_state_layout(programs, self.state)      # names the fields an old engine lacks
         self.trash = self.cache.max_rows
-        self.programs = programs   # the ExportedPrograms as loaded (inspection, checks)
+        self.programs = programs   # the steps' GraphPrograms as loaded (inspection, checks)
         self.backend = self.build.backend
         self.compiled_load_seconds: dict[int, float] = {}
         # every step-sized program the engine runs, one table: per bucket the step, its greedy
@@ -150,11 +149,15 @@ class Engine:
         if self.backend == "inductor":
             self._compiled_steps(greedy_variants)
         else:
-            for b, ep in programs.items():
-                self.table[ProgramKey(STEP, b)] = Program(ep.module())
-                greedy = sampler_mode_variant(ep) if greedy_variants else None
-                if greedy is not None:
-                    self.table[ProgramKey(STEP, b, "greedy")] = Program(greedy)
+            for b, program in programs.items():
+                key = ProgramKey(STEP, b)
+                self.table[key] = Program(program.module())
+                # written at build (runtime/variants.py); absent when the step has no sampler
+                # to switch
+                if greedy_variants and "greedy" in program_variants(manifest, key):
+                    greedy = load_program(engine_dir, manifest, key.with_variant("greedy"),
+                                          weights)
+                    self.table[key.with_variant("greedy")] = Program(greedy.module())
         self.prefill_programs = self._load_prefill(weights, prefill)
         if target:
             self._load_target(weights)
@@ -207,9 +210,8 @@ class Engine:
         use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         if use_graphs and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        with faster_deserialization():
-            manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device,
-                                                      trust_code=trust_code)
+        manifest, programs, weights = load_engine(engine_dir, expect=expect, device=device,
+                                                  trust_code=trust_code)
         install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
                   prefill, target)
@@ -256,9 +258,9 @@ class Engine:
         check_state_layout(programs, self.state)
         paths = (compiled_table_paths(self.manifest, TARGET, programs)
                  if self.backend == "inductor" else {})
-        for b, ep in programs.items():
-            fn = (CompiledStep(self.dir / paths[b], ep, self._padded_rows(b), self.state)
-                  if paths else ep.module())
+        for b, program in programs.items():
+            fn = (CompiledStep(self.dir / paths[b], program, self._padded_rows(b), self.state)
+                  if paths else program.module())
             self.table[ProgramKey(TARGET, b)] = Program(fn)
 
     def _record_load(self) -> None:

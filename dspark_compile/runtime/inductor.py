@@ -60,15 +60,30 @@ def _state_keys(ep: torch.export.ExportedProgram, rows: torch.Tensor, state: dic
 class CompiledStep:
     """A bucket's compiled step as the runtime calls it: `step(rows, state) -> (tokens, num)`.
 
-    The weight inputs are bound once; `state` must be the dict the step was loaded for (its
-    tensors are passed by key order, checked at load)."""
+    `program`: the step's GraphProgram as loaded, bound to the engine's weights
+    (engine_dir/load.py): its lifted tensors, in its input order, are the compiled program's
+    leading inputs, bound once here; `state` must be the dict the step was loaded for (its
+    tensors are passed by key order, checked here)."""
 
-    def __init__(self, path: Path, ep: torch.export.ExportedProgram, rows: torch.Tensor,
-                 state: dict):
-        _check_outputs(ep)
-        self.keys = _state_keys(ep, rows, state)
-        self.weights = weight_inputs(ep)
-        self.out_spec = ep.call_spec.out_spec
+    def __init__(self, path: Path, program, rows: torch.Tensor, state: dict):
+        bad = [target for kind, target, _ in program.outputs if kind != "user"]
+        if bad:
+            # the compiled call would return them and the runtime would drop the update
+            raise ArtifactError(f"program '{program.rel}' outputs mutations of {bad[:3]}, not "
+                                "user outputs: the step must update its state in place",
+                                path=program.rel)
+        _, spec = pytree.tree_flatten(((rows, state), {}))
+        if spec != program.in_spec:
+            raise ValueError("the state's keys or their order differ from the program's state "
+                             f"inputs: {list(state)} vs {program.state_keys}")
+        self.keys = list(state)
+        self.weights = program.lifted()
+        for t, i in zip(self.weights, (i for i in program.inputs if i.kind != "user")):
+            if not t.is_contiguous():
+                # the compiled code asserts its inputs' strides (weight_inputs)
+                raise ArtifactError(f"weight '{i.target}' is not contiguous: the compiled step "
+                                    "would not accept it", path=program.rel)
+        self.out_spec = program.out_spec
         t = time.perf_counter()
         try:
             self.artifact = CompiledArtifact.load(path=str(path), format="binary")

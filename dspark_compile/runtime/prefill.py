@@ -44,7 +44,7 @@ class PrefillPrograms:
             self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
                                             self.inputs[c], state) for c in self.chunks}
         else:
-            self.modules = {c: ep.module() for c, ep in programs.items()}
+            self.modules = {c: p.module() for c, p in programs.items()}
         self.graphs: dict[int, tuple] = {}     # C -> (CUDAGraph, output first [1])
         self.capture_seconds: dict[int, float] = {}
 

@@ -1,5 +1,6 @@
-"""Load-time program variants: a bucket's step specialised for batches whose sampling the host
-knows, sharing the program's weights.
+"""Program variants: a bucket's step specialised for batches whose sampling the host knows,
+sharing the program's weights. The build writes each variant's graph beside its program
+(`variant_graph`, engine_dir/write.py); the runtime loads both.
 
 The build exports one program per bucket with the Markov draft sampler in its general launch
 plan (mode "full": per-row temperature, top-k, top-p). When every live row of a step is greedy,
@@ -72,6 +73,20 @@ def sampler_mode_variant(program: torch.export.ExportedProgram,
     if not markov_nodes(program.graph_module):     # nothing to switch: build no module
         return None
     return switch_sampler_mode(program.module(), mode)
+
+
+def variant_graph(program: torch.export.ExportedProgram,
+                  mode: str = GREEDY) -> Optional[torch.fx.Graph]:
+    """A copy of the program's graph with its sampler calls switched to `mode` (what
+    sampler_mode_variant runs), for the build to write beside the program
+    (engine_dir/write.py `variant_graphs`): same placeholders and outputs, the program's own
+    graph untouched. None when the program has no Markov sampler call."""
+    _check_mode(mode)
+    if not markov_nodes(program.graph_module):
+        return None
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    return switch_sampler_mode(torch.fx.GraphModule(program.graph_module, graph), mode).graph
 
 
 def switch_sampler_mode(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:

@@ -115,9 +115,9 @@ FRESH = textwrap.dedent("""
         for g, r in zip(got, outputs[:2]):
             torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0)
         torch.testing.assert_close(state[2].cpu(), outputs[2], rtol=0, atol=0)  # cache updated
-    p1, p4 = programs[1], programs[4]
-    assert p1.state_dict["proj.weight"] is not None
-    assert p1.state_dict["proj.weight"].data_ptr() == p4.state_dict["proj.weight"].data_ptr()
+    m1, m4 = programs[1].module(), programs[4].module()
+    assert m1.proj.weight is not None
+    assert m1.proj.weight.data_ptr() == m4.proj.weight.data_ptr()
     assert str(weights["s1"].dtype) == sys.argv[4], weights["s1"].dtype   # the scales' dtype kept
     print("FRESH-OK", sorted(programs))
 """)
@@ -170,12 +170,14 @@ def test_cuda_engine_round_trip_in_a_fresh_process(tmp_path):
     _load_fresh(tmp_path / "engine", tmp_path, "cuda", E8M0_STORAGE)
 
 
-def test_plain_torch_load_needs_the_ops_registered(built, tmp_path):
-    # Why load_engine registers ops first: without it a fresh process cannot load the program.
-    code = ("import sys, torch; torch.export.load(sys.argv[1])")
-    r = subprocess.run([sys.executable, "-c", code, str(built[1] / "programs/step_b1.pt2")],
+def test_reading_a_program_needs_the_ops_registered(built, tmp_path):
+    # Why load_engine registers ops first: a fresh process resolves no dspark:: op by name
+    # until the kernels are imported; the reader refuses the program naming it.
+    code = ("import sys; from dspark_compile.engine_dir.graph_read import read_program; "
+            "read_program(open(sys.argv[1], 'rb').read(), rel='p')")
+    r = subprocess.run([sys.executable, "-c", code, str(built[1] / "programs/step_b1.json")],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert r.returncode != 0 and "moe_experts" in r.stderr
+    assert r.returncode != 0 and "moe_experts" in r.stderr and "ArtifactError" in r.stderr
 
 
 def test_load_in_process_shares_weights_and_matches_eager(built):
@@ -188,9 +190,10 @@ def test_load_in_process_shares_weights_and_matches_eager(built):
             ref = model(*c)
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
         torch.testing.assert_close(a[2], c[2], rtol=0, atol=0)
-        assert programs[b].state_dict["proj.weight"].data_ptr() == weights["proj.weight"].data_ptr()
-        assert programs[b].constants["rope"] is weights["rope"]
-        assert isinstance(programs[b].state_dict["proj.weight"], torch.nn.Parameter)
+        m = programs[b].module()
+        assert m.proj.weight.data_ptr() == weights["proj.weight"].data_ptr()
+        assert m.rope is weights["rope"]
+        assert isinstance(m.proj.weight, torch.nn.Parameter)
 
 
 def test_weights_are_stored_once_not_in_the_programs(built, tmp_path):
@@ -205,7 +208,7 @@ def test_weights_are_stored_once_not_in_the_programs(built, tmp_path):
     for b in BUCKETS:
         assert manifest["programs"][str(b)]["shared_weights"] == sorted(weights)
         # a plain save embeds every weight; the engine's programs carry none of them
-        assert embedded - sizes[f"programs/step_b{b}.pt2"] >= weight_bytes
+        assert embedded - sizes[f"programs/step_b{b}.json"] >= weight_bytes
 
 
 def test_loaded_weights_are_aligned(built):
@@ -234,7 +237,10 @@ def test_manifest_records_everything(built):
     assert t["proj.weight"]["shape"] == [D, D] and len(t["proj.weight"]["sha256"]) == 64
     assert t["s1"]["dtype"] == "float8_e8m0fnu" and t["s1"]["stored_as"] == "uint8"
     assert t["norm"]["dtype"] == "bfloat16"
-    assert set(manifest["files"]) == {"programs/step_b1.pt2", "programs/step_b4.pt2",
+    # the model's `torch.tensor(2.0)` literal is each program's own constant, beside it
+    assert set(manifest["files"]) == {"programs/step_b1.json", "programs/step_b4.json",
+                                      "programs/step_b1.constants.safetensors",
+                                      "programs/step_b4.constants.safetensors",
                                       "weights.safetensors", "kernels/cpu/resources.txt"}
     for rel, info in manifest["files"].items():
         assert info["size"] == os.path.getsize(engine_dir / rel) and len(info["sha256"]) == 64
@@ -258,8 +264,25 @@ ENV_CASES = {
     "cuda_version": "12.8",
     "dspark_compile_version": "0.0.1",
     "target_sm": "sm_120",
-    "format_version": 999,
 }
+
+
+@pytest.mark.parametrize("version", [1, 999])
+def test_other_format_version_refused_in_one_line_naming_the_rebuild(engine, version):
+    """An engine of the old format (1: torch.export archives) or of a later one is refused
+    before any program is read, in one line that names the engine and the build command that
+    replaces it, with the engine's own buckets."""
+    update_manifest_field(engine, "format_version", version)
+    update_manifest_field(engine, "build_config", {"buckets": [1, 4], "max_seq_len": 64})
+    for load in (load_manifest, load_engine):
+        with pytest.raises(ArtifactError) as e:
+            load(engine)
+        msg = str(e.value)
+        assert e.value.field == "format_version" and "\n" not in msg
+        assert msg.startswith(f"engine {engine} has format_version {version} (")
+        assert msg.endswith(f"— rebuild it: dspark-compile build CHECKPOINT --out {engine} "
+                            "--buckets 1,4 --max-seq-len 64 --overwrite")
+        assert ("torch.export archives" in msg) == (version == 1)
 
 
 @pytest.mark.parametrize("field", sorted(ENV_CASES))
@@ -367,11 +390,11 @@ def test_corrupted_file_is_named(engine):
 
 
 def test_truncated_file_is_named(engine):
-    p = engine / "programs" / "step_b4.pt2"
+    p = engine / "programs" / "step_b4.json"
     size = p.stat().st_size
     with open(p, "r+b") as f:
         f.truncate(size - 100)
-    with pytest.raises(ArtifactError, match=rf"engine file 'programs/step_b4.pt2' is truncated: "
+    with pytest.raises(ArtifactError, match=rf"engine file 'programs/step_b4.json' is truncated: "
                                             rf"{size - 100} of {size} bytes"):
         load_engine(engine)
 
@@ -384,8 +407,8 @@ def test_missing_and_grown_files_are_named(engine):
         load_manifest(engine)
     report.write_bytes(original)
     load_manifest(engine)
-    (engine / "programs" / "step_b1.pt2").unlink()
-    with pytest.raises(ArtifactError, match="engine file 'programs/step_b1.pt2' is missing"):
+    (engine / "programs" / "step_b1.json").unlink()
+    with pytest.raises(ArtifactError, match="engine file 'programs/step_b1.json' is missing"):
         load_manifest(engine)
 
 
@@ -404,15 +427,16 @@ def test_failed_build_keeps_the_previous_engine(built, engine, monkeypatch):
         save_engine(engine, programs, weights={"proj.weight": model.proj.weight},
                     manifest_fields=fields(passes, stats))
     # 2) fails half-way through writing the second program
-    real_save, calls = torch.export.save, []
+    from dspark_compile.engine_dir import write
+    real_dump, calls = write.dump_program, []
 
-    def failing_save(ep, f, **kw):
-        calls.append(f)
+    def failing_dump(ep, *a, **kw):
+        calls.append(ep)
         if len(calls) == 2:
             raise OSError("disk full")
-        return real_save(ep, f, **kw)
+        return real_dump(ep, *a, **kw)
 
-    monkeypatch.setattr(torch.export, "save", failing_save)
+    monkeypatch.setattr(write, "dump_program", failing_dump)
     with pytest.raises(OSError, match="disk full"):
         save_engine(engine, programs, manifest_fields=fields(passes, stats, model_config_hash="v2"))
     monkeypatch.undo()
@@ -428,7 +452,7 @@ def test_rebuild_replaces_the_engine_when_complete(built, engine):
     m = save_engine(engine, {1: programs[1]}, manifest_fields=fields(passes, stats,
                                                                      model_config_hash="v2"))
     assert load_manifest(engine, expect={"model_config_hash": "v2", "buckets": [1]}) == m
-    assert not (engine / "programs" / "step_b4.pt2").exists()
+    assert not (engine / "programs" / "step_b4.json").exists()
     assert not (engine / "kernels").exists()
     assert _leftovers(engine.parent) == []
 

@@ -164,7 +164,7 @@ def test_run_on_a_directory_that_is_not_an_engine(tmp_path, capsys):
 def test_run_on_a_damaged_program_file(small_engine, tmp_path, capsys, damage):
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
-    prog = eng / "programs" / "step_b1.pt2"
+    prog = eng / "programs" / "step_b1.json"
     data = bytearray(prog.read_bytes())
     if damage == "corrupted":
         data[len(data) // 2] ^= 0xFF
@@ -173,9 +173,9 @@ def test_run_on_a_damaged_program_file(small_engine, tmp_path, capsys, damage):
     prog.write_bytes(bytes(data))
     assert main(["run", str(eng), "--prompt-ids", "1,2", "--device", "cpu"]) == 1
     line = _one_line_error(capsys.readouterr().err, "run")
-    assert f"engine file 'programs/step_b1.pt2' is {damage}" in line
+    assert f"engine file 'programs/step_b1.json' is {damage}" in line
     assert main(["inspect", str(eng)]) == 1
-    assert "programs/step_b1.pt2" in _one_line_error(capsys.readouterr().err, "inspect")
+    assert "programs/step_b1.json" in _one_line_error(capsys.readouterr().err, "inspect")
 
 
 def test_run_check_lossless_needs_greedy(small_engine, capsys):
@@ -303,7 +303,7 @@ def _device_cuda(m):
 
 
 def _target_path(m):
-    m["target_programs"]["1"]["path"] = "programs/step_b1.pt2"
+    m["target_programs"]["1"]["path"] = "programs/step_b1.json"
 
 
 @pytest.mark.parametrize("edit, says", [
@@ -314,8 +314,8 @@ def _target_path(m):
     # was: AssertionError: Torch not compiled with CUDA enabled
     (_device_cuda, "manifest field 'build_config.device' is 'cuda', the programs were built for "
                    "target_sm 'cpu'"),
-    (_target_path, "manifest field 'target_programs': bucket 1's program "
-                   "'programs/step_b1.pt2' is not a target program of a step bucket"),
+    (_target_path, "manifest field 'target_programs.1.path': bucket 1's file "
+                   "'programs/step_b1.json' is not programs/target_b1.json in the file table"),
 ])
 def test_hand_edited_manifest_tables_are_named(small_engine, tmp_path, capsys, edit, says):
     import json
@@ -334,8 +334,8 @@ def test_hand_edited_manifest_tables_are_named(small_engine, tmp_path, capsys, e
 def test_an_engine_file_replaced_by_a_directory_is_named(small_engine, tmp_path, capsys):
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
-    (eng / "programs" / "step_b1.pt2").unlink()
-    (eng / "programs" / "step_b1.pt2").mkdir()
+    (eng / "programs" / "step_b1.json").unlink()
+    (eng / "programs" / "step_b1.json").mkdir()
     assert main(["run", str(eng), "--prompt-ids", "1"]) == 1
-    assert "engine file 'programs/step_b1.pt2' is not a file" in _one_line_error(
+    assert "engine file 'programs/step_b1.json' is not a file" in _one_line_error(
         capsys.readouterr().err, "run")

@@ -69,7 +69,7 @@ def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
         rows = torch.tensor([4, 0, ROWS][:b])
         ref_state, got_state = _state(), _state()
         want = ep.module()(rows, ref_state)
-        step = CompiledStep(path, ep, rows, got_state)
+        step = CompiledStep(path, _as_loaded(ep), rows, got_state)
         got = step(rows, got_state)
         for w, g in zip(want, got):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -78,6 +78,14 @@ def test_compiled_programs_equal_the_exported_ones(programs, workers, tmp_path):
                                        msg=f"state '{k}' after the compiled step")
         for k in ("cache", "ctx"):
             assert not torch.equal(got_state[k], _state()[k]), f"state '{k}' was not written"
+
+
+def _as_loaded(ep):
+    """The program as an engine load gives it to CompiledStep: written in the engine's format,
+    read back and bound to its weights."""
+    from dspark_compile.engine_dir.graph_format import dump_program
+    from dspark_compile.engine_dir.graph_read import read_program
+    return read_program(*dump_program(ep)).bind({**ep.state_dict, **ep.constants})
 
 
 def test_a_failing_worker_names_its_bucket(programs, monkeypatch):
@@ -97,9 +105,10 @@ def test_an_unreadable_compiled_program_is_named(programs, tmp_path):
     bad = tmp_path / "step_b1.bin"
     bad.write_bytes(b"not an artifact")
     with pytest.raises(ArtifactError, match="cannot load compiled program 'step_b1.bin'"):
-        CompiledStep(bad, eps[1], torch.arange(1), state)
+        CompiledStep(bad, _as_loaded(eps[1]), torch.arange(1), state)
     with pytest.raises(ValueError, match="keys or their order differ"):
-        CompiledStep(bad, eps[1], torch.arange(1), {k: state[k] for k in reversed(state)})
+        CompiledStep(bad, _as_loaded(eps[1]), torch.arange(1),
+                     {k: state[k] for k in reversed(state)})
 
 
 def test_the_backend_decides_what_each_compile_is(programs):

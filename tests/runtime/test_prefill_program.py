@@ -156,7 +156,7 @@ def test_manifest_records_the_prefill_programs(chunk_engine):
     m, eng = chunk_engine
     assert m["build_config"]["prefill_chunks"] == [C]
     entry = m["prefill_programs"][str(C)]
-    assert entry["path"] == ProgramKey(PREFILL, C).path == f"programs/prefill_c{C}.pt2"
+    assert entry["path"] == ProgramKey(PREFILL, C).path == f"programs/prefill_c{C}.json"
     assert entry["path"] in m["files"]
     assert entry["user_inputs"][0] == "inputs" and entry["shared_weights"]
     assert entry["shared_weights"] == m["programs"]["1"]["shared_weights"], \
@@ -207,7 +207,7 @@ def test_prefill_chunks_flag_and_old_engines(chunk_engine, tmp_path):
     copy = tmp_path / "engine"
     shutil.copytree(eng.dir, copy)
     update_manifest_field(copy, "prefill_programs.16",
-                          {"path": "programs/prefill_c16.pt2", "shared_weights": []})
+                          {"path": "programs/prefill_c16.json", "shared_weights": []})
     with pytest.raises(ArtifactError, match="prefill_programs") as e:
         load_manifest(copy)
     assert e.value.field == "prefill_programs"

@@ -1,5 +1,5 @@
 """An engine directory from somewhere else can neither reach outside itself nor run code when it
-is loaded (dspark_compile/engine_dir/paths.py, program_load.py, kernel_store.py; README "What an
+is loaded (dspark_compile/engine_dir/paths.py, graph_read.py, kernel_store.py; README "What an
 engine directory holds").
 
 Every case tampers with a copy of the small CPU engine (tests/runtime/conftest.py) the way its
@@ -70,152 +70,101 @@ def refresh(eng: Path, rel: str, path: Path | None = None) -> dict:
 
 
 def rewrite_program(eng: Path, rel: str, edit) -> None:
-    """Rewrite the .pt2 archive `rel`: `edit` gets {record name: bytes} (the archive's root
-    folder stripped, as torch's reader names them) and changes it in place."""
+    """Rewrite the engine's graph file `rel` (engine_dir/graph_format.py): `edit` changes its
+    JSON document in place; the file table follows."""
     path = eng / rel
-    with zipfile.ZipFile(path) as z:
-        items = [(i.filename, z.read(i.filename)) for i in z.infolist()]
-    root = items[0][0].split("/")[0]
-    records = {n[len(root) + 1:]: d for n, d in items}
-    extra = edit(records) or []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")       # a duplicated name is one of the cases
-        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
-            for n, d in list(records.items()) + list(extra):
-                out.writestr(f"{root}/{n}", d)
+    doc = json.loads(path.read_bytes())
+    edit(doc)
+    path.write_text(json.dumps(doc))
     refresh(eng, rel)
 
 
-def _json_record(records: dict, name: str, edit) -> None:
-    obj = json.loads(records[name])
-    edit(obj)
-    records[name] = json.dumps(obj).encode()
+def _first_node(field, value):
+    return lambda marker: (lambda doc: doc["nodes"][0].update({field: value}))
 
 
-def _first_constant(marker, use_pickle=True, path_name=None):
-    def edit(records):
-        cfg = "data/constants/model_constants_config.json"
-
-        def change(obj):
-            meta = next(iter(obj["config"].values()))
-            meta["use_pickle"] = use_pickle
-            if path_name:
-                meta["path_name"] = path_name
-            records["data/constants/" + meta["path_name"]] = pickled(marker)
-        _json_record(records, cfg, change)
-    return edit
-
-
-def _first_weight_pickled(marker):
-    def edit(records):
-        def change(obj):
-            meta = next(iter(obj["config"].values()))
-            meta["use_pickle"] = True
-            records["data/weights/" + meta["path_name"]] = pickled(marker)
-        _json_record(records, "data/weights/model_weights_config.json", change)
-    return edit
-
-
-def _model_json(change):
-    def edit(records):
-        _json_record(records, "models/model.json", change)
-    return edit
-
-
-def _first_node_target(target):
-    def change(model):
-        model["graph_module"]["graph"]["nodes"][0]["target"] = target
-    return _model_json(change)
-
-
-def _symbolic_size(marker):
-    def change(model):
-        meta = next(iter(model["graph_module"]["graph"]["tensor_values"].values()))
-        meta["sizes"][0] = {"as_expr": {"expr_str": f"exec(\"open({str(marker)!r}, 'w')\")",
-                                        "hint": None}}
-    return _model_json(change)
-
-
-def _added(name, data_of):
-    return lambda marker: (lambda records: [(name, data_of(marker))])
+def _payload_literal(marker):
+    """A literal the reader would have to evaluate: code as a string where a value goes."""
+    code = f"exec(\"open({str(marker)!r}, 'w')\")"
+    return lambda doc: doc["nodes"][0]["args"].append({"expr": code})
 
 
 # (case, edit factory(marker), what the refusal says)
-ARCHIVE_CASES = [
-    ("pickled_constant", _first_constant, "is stored as a pickle"),
-    ("pickled_weight", _first_weight_pickled, "is stored as a pickle"),
-    ("custom_object_constant", lambda mk: _first_constant(mk, False, "custom_obj_0"),
-     "holds the record 'data/constants/custom_obj_0'"),
-    ("opaque_object_constant", lambda mk: _first_constant(mk, False, "opaque_obj_0"),
-     "holds the record 'data/constants/opaque_obj_0'"),
-    ("legacy_constants_pickle", _added("data/constants/model.pt", pickled),
-     "holds the record 'data/constants/model.pt'"),
-    ("legacy_weights_pickle", _added("data/weights/model.pt", pickled),
-     "holds the record 'data/weights/model.pt'"),
-    ("sample_inputs_pickle",
-     lambda mk: (lambda r: r.__setitem__("data/sample_inputs/model.pt", pickled(mk))),
-     "holds sample inputs"),
-    ("aotinductor_library", _added("data/aotinductor/model/model.so", lambda mk: b"\x7fELF"),
-     "holds the record 'data/aotinductor/model/model.so'"),
-    ("second_model", _added("models/other.json", lambda mk: b"{}"),
-     "holds the record 'models/other.json'"),
-    ("duplicated_record", _added("data/constants/model_constants_config.json",
-                                 lambda mk: b'{"config": {}}'),
-     "appears twice"),
-    ("guard_code", lambda mk: _model_json(lambda m: m.__setitem__(
-        "guards_code", [f"exec(\"open({str(mk)!r}, 'w')\")"])), "guard code"),
-    ("symbolic_expression", _symbolic_size, "symbolic expression"),
-    ("os_system_target", lambda mk: _first_node_target("torch.os.system"),
-     "calls 'torch.os.system'"),
-    ("dunder_target", lambda mk: _first_node_target("torch.ops.aten.__class__.__init__"),
-     "calls 'torch.ops.aten.__class__.__init__'"),
-    ("builtins_target", lambda mk: _first_node_target("builtins.exec"),
-     "calls 'builtins.exec'"),
+GRAPH_CASES = [
+    ("os_system_op", _first_node("op", "os.system"), "'os.system'"),
+    ("builtins_exec_op", _first_node("op", "builtins.exec"), "'builtins.exec'"),
+    ("dunder_op", _first_node("op", "aten.__class__.__init__"), "aten.__class__.__init__"),
+    ("python_literal", _payload_literal, "expr"),
+    ("code_as_a_name", _first_node("name", "x = __import__('os')"), "not an identifier"),
+    ("code_field", lambda mk: (lambda doc: doc.update(code="import os")), "unknown field"),
 ]
 
 
-@pytest.mark.parametrize("case, make_edit, says", ARCHIVE_CASES, ids=[c[0] for c in ARCHIVE_CASES])
-def test_a_program_holding_anything_a_load_would_execute_is_refused(small_engine, tmp_path,
-                                                                    case, make_edit, says):
+@pytest.mark.parametrize("case, make_edit, says", GRAPH_CASES, ids=[c[0] for c in GRAPH_CASES])
+def test_a_program_holding_anything_but_data_is_refused(small_engine, tmp_path, case,
+                                                        make_edit, says):
     from dspark_compile.runtime.engine import Engine
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
-    rewrite_program(eng, "programs/step_b1.pt2", make_edit(marker))
+    rewrite_program(eng, "programs/step_b1.json", make_edit(marker))
     load_manifest(eng)                   # checksum and file table agree: the author's view
-    with pytest.raises(ArtifactError, match="program 'programs/step_b1.pt2' is refused") as e:
+    with pytest.raises(ArtifactError, match="program 'programs/step_b1.json' is refused") as e:
         Engine.load(eng, device="cpu", target=False)
     assert says in str(e.value)
-    assert e.value.path == "programs/step_b1.pt2"
+    assert e.value.path == "programs/step_b1.json"
     assert not marker.exists()
 
 
-def test_the_pickled_constant_is_a_live_exploit_of_plain_torch(small_engine, tmp_path):
-    """The control of the cases above: the issue's tampered program, loaded by torch itself,
-    runs its payload."""
+def test_a_pickle_as_a_programs_constants_is_refused(small_engine, tmp_path):
+    """A constants file is safetensors, read as bytes: a pickle there is named, never
+    unpickled (the control: torch.load of the same bytes runs the payload)."""
+    from dspark_compile.runtime.engine import Engine
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
-    rewrite_program(eng, "programs/step_b1.pt2", _first_constant(marker))
-    from dspark_compile.engine_dir.format import register_kernel_ops
-    register_kernel_ops()
+    m = read_manifest(eng)
+    rel = "programs/step_b1.constants.safetensors"
+    (eng / rel).write_bytes(pickled(marker))
+    m["programs"]["1"]["constants"] = rel
+    write_manifest(eng, m)
+    refresh(eng, rel)
+    with pytest.raises(ArtifactError, match="programs/step_b1.json") as e:
+        Engine.load(eng, device="cpu", target=False)
+    assert "constants" in str(e.value)
+    assert not marker.exists()
     with contextlib.suppress(Exception):
-        torch.export.load(str(eng / "programs/step_b1.pt2"))
+        torch.load(io.BytesIO(pickled(marker)), weights_only=False)
     assert marker.exists()
 
 
-def test_run_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_path, capsys):
+def _old_format_engine(small_engine, tmp_path, marker) -> Path:
+    """The issue's tampered engine of the old format: format_version 1, its bucket-1 program a
+    .pt2 archive whose constant is a pickle of the payload (torch.export.load would run it)."""
+    eng = copy_engine(small_engine, tmp_path)
+    m = read_manifest(eng)
+    rel = "programs/step_b1.pt2"
+    with zipfile.ZipFile(eng / rel, "w") as z:
+        z.writestr("step_b1/data/constants/tensor_0", pickled(marker))
+    m["format_version"] = 1
+    m["programs"]["1"]["path"] = rel
+    write_manifest(eng, m)
+    refresh(eng, rel)
+    return eng
+
+
+def test_run_refuses_an_old_format_engine_in_one_line_and_runs_nothing(small_engine, tmp_path,
+                                                                       capsys):
     from dspark_compile.cli.main import main
     marker = tmp_path / "marker"
-    eng = copy_engine(small_engine, tmp_path)
-    rewrite_program(eng, "programs/step_b2.pt2", _first_constant(marker))
+    eng = _old_format_engine(small_engine, tmp_path, marker)
     rc = main(["run", str(eng), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1, err
-    assert "program 'programs/step_b2.pt2' is refused" in err[0] and "use_pickle" in err[0]
+    assert "has format_version 1" in err[0] and "rebuild it: dspark-compile build" in err[0]
     assert not marker.exists()
 
 
-def test_serve_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_path, capsys,
-                                                            monkeypatch):
+def test_serve_refuses_a_tampered_program_and_runs_nothing(small_engine, tmp_path, capsys,
+                                                          monkeypatch):
     pytest.importorskip("fastapi")
     from dspark_compile.cli.main import main
     from dspark_compile.serve import server
@@ -223,24 +172,26 @@ def test_serve_refuses_the_pickled_program_and_runs_nothing(small_engine, tmp_pa
     monkeypatch.setattr(server.Server, "run", lambda self, *a, **k: served.append(self))
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
-    rewrite_program(eng, "programs/step_b1.pt2", _first_constant(marker))
+    rewrite_program(eng, "programs/step_b2.json", _first_node("op", "builtins.exec")(marker))
     rc = main(["serve", str(eng), "--port", "0"])
     err = capsys.readouterr().err
     assert rc == 1 and not served, err
-    assert "program 'programs/step_b1.pt2' is refused" in err
+    assert "program 'programs/step_b2.json' is refused" in err
     assert not marker.exists()
 
 
-def test_every_program_of_a_built_engine_passes_the_archive_check(small_engine):
-    """The check refuses nothing the build writes (the steps and the target-only programs)."""
+def test_every_program_of_a_built_engine_reads_back(small_engine):
+    """The reader refuses nothing the build writes (the steps, their greedy variants and the
+    target-only programs)."""
     from dspark_compile.engine_dir.format import register_kernel_ops
-    from dspark_compile.engine_dir.programs import check_program_archive
+    from dspark_compile.engine_dir.graph_read import read_program
     register_kernel_ops()
     m = small_engine.manifest
-    paths = [e["path"] for t in ("programs", "target_programs") for e in m.get(t, {}).values()]
-    assert len(paths) == 4
+    paths = [p for t in ("programs", "target_programs") for e in m.get(t, {}).values()
+             for p in (e["path"], *e.get("variants", {}).values())]
+    assert len(paths) == 6
     for rel in paths:
-        check_program_archive((Path(small_engine.path) / rel).read_bytes(), rel)
+        read_program((Path(small_engine.path) / rel).read_bytes(), None, rel)
 
 
 # ------------------------------------------------------------------ the kernel store
@@ -352,19 +303,19 @@ def _absolute(eng, outside):
 
 
 def _dotdot_program(eng, outside):
-    """Bucket 2's program from ../outside/step_b2.pt2 (the issue's case)."""
-    shutil.move(eng / "programs/step_b2.pt2", outside / "step_b2.pt2")
+    """Bucket 2's program from ../outside/step_b2.json (the issue's case)."""
+    shutil.move(eng / "programs/step_b2.json", outside / "step_b2.json")
     m = read_manifest(eng)
-    m["files"]["../outside/step_b2.pt2"] = m["files"].pop("programs/step_b2.pt2")
-    m["programs"]["2"]["path"] = "../outside/step_b2.pt2"
+    m["files"]["../outside/step_b2.json"] = m["files"].pop("programs/step_b2.json")
+    m["programs"]["2"]["path"] = "../outside/step_b2.json"
     write_manifest(eng, m)
-    return "files.../outside/step_b2.pt2"
+    return "files.../outside/step_b2.json"
 
 
 def _file_link(eng, outside):
-    shutil.move(eng / "programs/step_b2.pt2", outside / "step_b2.pt2")
-    (eng / "programs/step_b2.pt2").symlink_to(outside / "step_b2.pt2")
-    return "programs/step_b2.pt2"
+    shutil.move(eng / "programs/step_b2.json", outside / "step_b2.json")
+    (eng / "programs/step_b2.json").symlink_to(outside / "step_b2.json")
+    return "programs/step_b2.json"
 
 
 def _dir_link(eng, outside):
@@ -450,7 +401,7 @@ def test_a_symlinked_engine_directory_itself_loads(small_engine, tmp_path):
 
 
 # ------------------------------------------------------------------ other hostile directories
-@pytest.mark.parametrize("where", ["manifest.json", "programs/step_b1.pt2", "notes.fifo"])
+@pytest.mark.parametrize("where", ["manifest.json", "programs/step_b1.json", "notes.fifo"])
 def test_a_fifo_in_the_engine_is_refused_without_blocking(small_engine, tmp_path, where):
     """Opening a FIFO for reading blocks until a writer comes: the load must not try."""
     from dspark_compile.runtime.engine import Engine
@@ -473,10 +424,10 @@ def test_a_tokenizer_outside_the_file_table_is_refused(small_engine, tmp_path):
 
 
 @pytest.mark.parametrize("path, says", [
-    ("programs/step_b1.pt2\x00.txt", "holds a NUL character"),
-    ("programs\\step_b1.pt2", "holds a backslash"),
-    ("programs//step_b1.pt2", "empty, '.' or '..' component"),
-    ("programs/x\udcff.pt2", "is not valid UTF-8"),
+    ("programs/step_b1.json\x00.txt", "holds a NUL character"),
+    ("programs\\step_b1.json", "holds a backslash"),
+    ("programs//step_b1.json", "empty, '.' or '..' component"),
+    ("programs/x\udcff.json", "is not valid UTF-8"),
 ])
 def test_a_program_path_that_is_not_a_plain_relative_path_is_refused(small_engine, tmp_path,
                                                                      path, says):
