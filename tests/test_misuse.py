@@ -147,8 +147,7 @@ def test_generate_without_a_draft_names_no_speculation(config_only, capsys):
     (["--arch", "sm_999"], "--arch must be one of "),
     (["--max-rows", "-2"], "--max-rows must be >= 1 (leave it out for the largest bucket), got -2"),
     (["--max-rows", "0"], "--max-rows must be >= 1 (leave it out for the largest bucket), got 0"),
-    (["--compile-workers", "4"], "--compile-workers 4: only --backend inductor compiles programs "
-                                 "(this build is --backend aten)"),
+    (["--compile-workers", "-1"], "--compile-workers must be >= 0 (0: one per core), got -1"),
     (["--max-seq-len", "5000"], "--max-seq-len=5000 exceeds the model's max_position_embeddings="
                                 "4096 (config.json)"),
     (["--max-rows", "3", "--buckets", "1,4"], "--max-rows must be >= the largest bucket (4), got 3"),

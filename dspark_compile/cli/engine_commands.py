@@ -249,8 +249,9 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                         "inductor: compile the glue between the fused ops with Inductor at build "
                         "time (slow to build: one tiny-model program took > 465 s on an H200)")
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
-                   help="with --backend inductor: processes compiling programs side by side "
-                        "(default 0: one per program, up to half the CPU cores; 1: in this process)")
+                   help="processes compiling side by side: a CUDA build's Triton kernels (default "
+                        "0: one per core, bounded by memory) and, with --backend inductor, its "
+                        "programs (0: one per program, up to half the cores); 1: in this process")
     p.add_argument("--no-target-programs", action="store_true",
                    help="leave out each bucket's target-only program (one token per row, no "
                         "draft: the engine's own non-speculative decoding, which run "
@@ -281,9 +282,9 @@ def cmd_build(args) -> int:
     if args.max_rows is not None and args.max_rows < 1:
         raise ValueError(f"--max-rows must be >= 1 (leave it out for the largest bucket), got "
                          f"{args.max_rows}")
-    if args.compile_workers is not None and args.backend != "inductor":
-        raise ValueError(f"--compile-workers {args.compile_workers}: only --backend inductor "
-                         f"compiles programs (this build is --backend {args.backend})")
+    if args.compile_workers is not None and args.compile_workers < 0:
+        raise ValueError(f"--compile-workers must be >= 0 (0: one per core), got "
+                         f"{args.compile_workers}")
     dev = _build_device(args)
     dtype = args.dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
     bc = BuildConfig(buckets=args.buckets, max_rows=args.max_rows or 0,

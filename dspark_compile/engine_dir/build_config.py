@@ -49,8 +49,10 @@ class BuildConfig:
     # not finished after 465 s (a build compiles two per bucket), while the aten engine builds
     # in minutes and runs the tiny step in 2.5 ms at B = 1 (README, "Command line")
     backend: str = ""
-    # worker processes compiling the programs side by side (dspark_compile/build/compile_workers.py);
-    # 0 = one per program up to half the CPU cores, 1 = in the building process
+    # worker processes compiling side by side: a CUDA build's Triton kernels
+    # (dspark_compile/build/kernel_pool.py; 0 = one per core, bounded by memory) and the
+    # Inductor backend's programs (build/compile_workers.py; 0 = one per program up to half the
+    # cores); 1 = in the building process
     compile_workers: int = 0
     # replace an engine already at the output (never a directory holding other files); False
     # (the CLI without --overwrite): an output that is not absent or empty is refused, also one
