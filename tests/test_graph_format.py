@@ -84,10 +84,13 @@ def test_graph_round_trip_has_ep_modules_nodes(tiny, dumped):
     ref = ep.module()
     got_nodes, ref_nodes = list(gm.graph.nodes), list(ref.graph.nodes)
     assert len(got_nodes) == len(ref_nodes) > 1000
-    assert [(n.op, n.target, n.name) for n in got_nodes] == \
-        [(n.op, n.target, n.name) for n in ref_nodes]
+    # lifted tensors are flat attributes named as their placeholders (no submodule tree)
+    assert [(n.op, n.target, n.name) for n in got_nodes if n.op != "get_attr"] == \
+        [(n.op, n.target, n.name) for n in ref_nodes if n.op != "get_attr"]
+    assert [n.op for n in got_nodes] == [n.op for n in ref_nodes]
+    assert all(n.target == n.name for n in got_nodes if n.op == "get_attr")
     # the weights are the engine's tensors themselves, never copies
-    assert gm.get_buffer("model.embed.weight") is weights["model.embed.weight"]
+    assert gm.get_buffer("b_model_embed_weight") is weights["model.embed.weight"]
 
 
 def test_round_trip_runs_bit_identical_to_ep_module(tiny, dumped):
@@ -151,7 +154,7 @@ def test_constants_and_functional_mutations_round_trip():
         a, b = ref(x, {"count": c_ref}), got(x, {"count": c_got})
         assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert int(c_ref) == int(c_got) == 2
-    assert torch.equal(ref.acc, got.acc) and got.acc is weights["acc"]
+    assert torch.equal(ref.acc, got.b_acc) and got.b_acc is weights["acc"]
     # the constants file must hold the graph's constants, at the sizes the graph says
     from safetensors.torch import load, save
     (name, t), = load(constants).items()
@@ -292,14 +295,12 @@ def test_weights_and_constants_of_other_sizes_refused(tiny, dumped):
 
 
 def test_weight_names_clashing_with_module_attributes_refused(tiny, dumped):
-    """A weight named like a module attribute (forward, training, the GraphModule's graph) or
-    below another tensor would replace or hide it: refused, naming it."""
+    """A lifted input named like a module attribute (forward, training, the GraphModule's
+    graph or code) would replace it: refused, naming it."""
     _, _, weights = tiny
-    doc = json.loads(dumped[0])
-    w = _first_weight(doc)
-    tensor = weights[w["target"]]
-    for bad in ("forward", "graph.x", "training", "model.embed.weight.x"):
-        w["target"] = bad
-        program = read_program(json.dumps(doc).encode(), None)
-        with pytest.raises(ArtifactError, match="clashes"):
-            program.module({**weights, bad: tensor})
+    text = dumped[0].decode()
+    old = _first_weight(json.loads(text))["name"]
+    for bad in ("forward", "graph", "training", "code", "register_buffer"):
+        program = read_program(text.replace(f'"{old}"', f'"{bad}"').encode(), None)
+        with pytest.raises(ArtifactError, match=f"'{bad}' clashes"):
+            program.module(weights)

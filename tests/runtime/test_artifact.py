@@ -116,8 +116,8 @@ FRESH = textwrap.dedent("""
             torch.testing.assert_close(g.cpu(), r, rtol=0, atol=0)
         torch.testing.assert_close(state[2].cpu(), outputs[2], rtol=0, atol=0)  # cache updated
     m1, m4 = programs[1].module(), programs[4].module()
-    assert m1.proj.weight is not None
-    assert m1.proj.weight.data_ptr() == m4.proj.weight.data_ptr()
+    assert m1.p_proj_weight is not None
+    assert m1.p_proj_weight.data_ptr() == m4.p_proj_weight.data_ptr()
     assert str(weights["s1"].dtype) == sys.argv[4], weights["s1"].dtype   # the scales' dtype kept
     print("FRESH-OK", sorted(programs))
 """)
@@ -191,9 +191,9 @@ def test_load_in_process_shares_weights_and_matches_eager(built):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
         torch.testing.assert_close(a[2], c[2], rtol=0, atol=0)
         m = programs[b].module()
-        assert m.proj.weight.data_ptr() == weights["proj.weight"].data_ptr()
-        assert m.rope is weights["rope"]
-        assert isinstance(m.proj.weight, torch.nn.Parameter)
+        assert m.p_proj_weight.data_ptr() == weights["proj.weight"].data_ptr()
+        assert m.b_rope is weights["rope"]
+        assert isinstance(m.p_proj_weight, torch.nn.Parameter)
 
 
 def test_weights_are_stored_once_not_in_the_programs(built, tmp_path):
