@@ -35,8 +35,24 @@ def simd_pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return fn(x)
     flat = x.reshape(-1)
+    if isinstance(flat.numel(), torch.SymInt):
+        return _padded_rows(flat.unsqueeze(-1), SIMD_PAD, lambda p: fn(p)).view(x.shape)
     pad = (-flat.numel()) % SIMD_PAD
     return fn(torch.cat((flat, flat.new_zeros(pad))))[:flat.numel()].view(x.shape)
+
+
+def _padded_rows(a2: torch.Tensor, chunk: int, fn) -> torch.Tensor:
+    """fn on a2 [M, K] zero-padded to [ceil(M / chunk), chunk, K] -> [M, ...] rows, for an M
+    that is symbolic (a program exported with a dynamic batch, build/pipeline.py): the eager
+    paths' `if pad:`, `cat` and `split(chunk)` would each guard on M (the count of chunks is
+    a Python int there). The rows are placed and read back by index (index_put / gather, no
+    slice whose bound the shape solver would have to prove), so the padded tensor holds the
+    same values as the eager path's and every row gets the same bits."""
+    M, K = a2.shape
+    n = (M + chunk - 1) // chunk
+    idx = torch.arange(M, device=a2.device)
+    at = (idx // chunk, idx % chunk)
+    return fn(a2.new_zeros(n, chunk, K).index_put(at, a2))[at]
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -132,6 +148,12 @@ def row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lead, K = a.shape[:-1], a.shape[-1]
     a2 = a.reshape(-1, K)
     M = a2.shape[0]
+    if isinstance(M, torch.SymInt):
+        # traced with a dynamic batch: one bmm of the ROW_CHUNK-row chunks, which on the CPU
+        # runs one GEMM of ROW_CHUNK rows per chunk, the eager path's calls (its bits at every
+        # concrete M: tests/build/test_dynamic_batch.py)
+        y = _padded_rows(a2, ROW_CHUNK, lambda c: torch.bmm(c, b.expand(c.shape[0], *b.shape)))
+        return y.reshape(*lead, b.shape[-1])
     pad = -M % ROW_CHUNK
     if pad:
         a2 = torch.cat((a2, a2.new_zeros(pad, K)))

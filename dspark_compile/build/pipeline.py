@@ -7,7 +7,7 @@ The program's inputs are `(rows, state)`: `rows` [B] maps batch rows to state ro
 row for padding) and `state` is the dict of preallocated decode-state tensors, updated in place
 (the program runs on the IR as exported: `run_decompositions()` would functionalise every cache
 update into a whole-cache copy: docs/architecture.md, "Toolchain facts"). Shapes are static
-per bucket.
+per bucket (export_step / export_target `dynamic=True`: one program for every batch size).
 
 With `prefill_chunks`, one prefill program per chunk length C goes the same way (export, the
 same pass pipeline, the same lowering): `PrefillChunk` (models/prefill_chunk.py), inputs
@@ -32,6 +32,7 @@ from dspark_compile.models.random_requests import prefilled_state
 from dspark_compile.atomic_dir import canonical, check_free_space, output_lock
 from dspark_compile.build.checks import check_build
 from dspark_compile.build.compile_workers import compile_programs
+from dspark_compile.build.dynamic_batch import hoist_sizes
 from dspark_compile.build.kernel_compile import compile_engine_kernels
 from dspark_compile.engine_dir.write import engine_bytes, occupied, tensor_bytes
 from dspark_compile.kernels.sm12x import resource_report
@@ -46,25 +47,47 @@ from dspark_compile.models.chat_format import tokenizer_config
 from dspark_compile.runtime.variants import GREEDY, variant_graph
 
 
-def export_step(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
-    """One static program for `bucket` request rows.
+def export_step(model, state: dict, bucket: int, dynamic: bool = False
+                ) -> torch.export.ExportedProgram:
+    """One static program for `bucket` request rows (with `dynamic`, one program for every
+    batch of 1 to the state's max_rows rows: _export_rows).
 
     Node meta is preserved during tracing so that each call of a `@fusable` reference function
     (kernels/region.py) lands in the graph as an annotated region the fusion passes replace."""
-    return _export_rows(DraftVerifyStep(model), state, bucket)
+    return _export_rows(DraftVerifyStep(model), state, bucket, dynamic)
 
 
-def export_target(model, state: dict, bucket: int) -> torch.export.ExportedProgram:
+def export_target(model, state: dict, bucket: int, dynamic: bool = False
+                  ) -> torch.export.ExportedProgram:
     """The target-only program of `bucket` (models/step.py TargetStep), traced like
     export_step: the fusion passes find the same regions in its target forward."""
-    return _export_rows(TargetStep(model), state, bucket)
+    return _export_rows(TargetStep(model), state, bucket, dynamic)
 
 
-def _export_rows(module, state: dict, bucket: int) -> torch.export.ExportedProgram:
-    """`module(rows, state)` exported for `bucket` rows, node meta preserved."""
-    rows = torch.arange(bucket, device=state["row.last_pos"].device)
-    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-        return torch.export.export(module, (rows, state), strict=False)
+def _export_rows(module, state: dict, bucket: int, dynamic: bool = False
+                 ) -> torch.export.ExportedProgram:
+    """`module(rows, state)` exported for `bucket` rows, node meta preserved.
+
+    `dynamic`: `rows`' length is a symbol B in [1, max_rows] (the state's rows but the trash
+    row), traced on min(max(bucket, 2), max_rows) rows; each batch size then runs the one
+    program (its own CUDA graph per bucket at load). Sizes are traced size-oblivious
+    (`backed_size_oblivious`): a symbol is not assumed to be 1 anywhere, which is what lets B
+    take 1 as well, and a reference whose result would depend on B being 1 fails the export
+    with a guard on B rather than specializing. The references' row-chunked paths take their
+    traced form for a symbolic row count (kernels/common.py row_matmul, simd_pointwise)."""
+    device = state["row.last_pos"].device
+    max_rows = state["row.last_pos"].shape[0] - 1
+    if not dynamic or max_rows < 2:
+        rows = torch.arange(bucket, device=device)
+        with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+            return torch.export.export(module, (rows, state), strict=False)
+    rows = torch.arange(min(max(bucket, 2), max_rows), device=device)
+    shapes = ({0: torch.export.Dim("B", min=1, max=max_rows)}, {k: None for k in state})
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta(), \
+            torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        ep = torch.export.export(module, (rows, state), strict=False, dynamic_shapes=shapes)
+    hoist_sizes(ep.graph_module)   # sizes first, out of the fusable regions (dynamic_batch.py)
+    return ep
 
 
 def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:
