@@ -40,7 +40,10 @@ aten, prims and dspark namespaces, resolved to a registered operator overload.
 
 `kind` is "user" (an argument of forward, one per leaf of in_spec, in order), "parameter",
 "buffer" or "constant" (lifted: `target` is the tensor's name; "stored" says whether it comes
-from the engine's weights or the program's constants). Shapes are static. Outputs of kind
+from the engine's weights or the program's constants). A program exported with a dynamic batch
+has "sizes": {"s0": [1, 64]} (each symbol's range) and user inputs whose shape names a symbol
+(["s0"]); its size arithmetic is nodes of `SIZE_OPS` (operator.mul, ...) and aten.sym_size.
+Lifted tensors' shapes are static. Outputs of kind
 "user_input_mutation" / "buffer_mutation" / "parameter_mutation" are copied into their target
 (a user input's placeholder name, a buffer's or parameter's name) at the end of the call, as
 `ep.module()` does; the rest is the call's result, shaped by out_spec.
@@ -73,6 +76,14 @@ LAYOUTS = {"strided": torch.strided}
 MEMORY_FORMATS = {n: getattr(torch, n) for n in ("contiguous_format", "preserve_format",
                                                  "channels_last", "channels_last_3d")}
 SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+# integer arithmetic on sizes, in a program exported with a dynamic batch size
+# (build/pipeline.py): the only Python functions a graph may call besides getitem, each with
+# its arity
+SIZE_OPS = {f"operator.{n}": (getattr(operator, n), 2) for n in (
+    "add", "sub", "mul", "floordiv", "mod", "eq", "ne", "lt", "le", "gt", "ge")}
+SIZE_OPS.update({"operator.neg": (operator.neg, 1), "torch.sym_max": (torch.sym_max, 2),
+                 "torch.sym_min": (torch.sym_min, 2)})
+SIZE_OP_NAMES = {fn: name for name, (fn, _) in SIZE_OPS.items()}
 
 
 # --------------------------------------------------------------------------- write
@@ -94,12 +105,14 @@ def dump_program(ep: torch.export.ExportedProgram, shared: Optional[set] = None,
         raise ValueError(f"{len(placeholders)} placeholders, {len(sig.input_specs)} input specs")
     kinds = {InputKind.USER_INPUT: "user", InputKind.PARAMETER: "parameter",
              InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
-    inputs, constants = [], {}
+    inputs, constants, sizes = [], {}, _sizes(ep)
     for node, spec in zip(placeholders, sig.input_specs):
         kind = kinds.get(spec.kind)
         if kind is None:
             raise ValueError(f"input '{node.name}' is a {spec.kind.name}, not a tensor")
-        entry = {"name": node.name, "kind": kind, **_tensor_meta(node)}
+        entry = {"name": node.name, "kind": kind, **_tensor_meta(node, sizes)}
+        if kind != "user" and any(isinstance(d, str) for d in entry["shape"]):
+            raise ValueError(f"the lifted tensor '{node.name}' has a symbolic size")
         if kind != "user":
             if shared is None:
                 stored = "program" if kind == "constant" else "weights"
@@ -139,12 +152,15 @@ def dump_program(ep: torch.export.ExportedProgram, shared: Optional[set] = None,
         [f"arg{i}" for i in range(in_spec.child(0).num_children)]
     doc = {"format": FORMAT, "version": VERSION, "arg_names": names,
            "in_spec": _spec_enc(in_spec), "out_spec": _spec_enc(ep.call_spec.out_spec),
-           "inputs": inputs, "nodes": nodes, "outputs": outputs}
+           "inputs": inputs, "nodes": nodes, "outputs": outputs,
+           **({"sizes": sizes} if sizes else {})}
     data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     return data, (save(constants) if constants else None)
 
 
-def _tensor_meta(node) -> dict:
+def _tensor_meta(node, sizes: dict) -> dict:
+    """A placeholder's dtype and shape; a symbolic dimension is its symbol's name, its range
+    recorded in `sizes` ({name: [min, max]}, from the program's range constraints)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ValueError(f"placeholder '{node.name}' has no tensor meta")
@@ -152,17 +168,35 @@ def _tensor_meta(node) -> dict:
         raise ValueError(f"placeholder '{node.name}' has the dtype {val.dtype}")
     shape = []
     for d in val.shape:
-        if not isinstance(d, int):
-            raise ValueError(f"placeholder '{node.name}' has the symbolic size {d}: the format "
-                             "holds static shapes")
-        shape.append(d)
+        if isinstance(d, torch.SymInt):
+            name = str(d.node.expr)
+            if name not in sizes:
+                raise ValueError(f"placeholder '{node.name}' has the size {name}, which is not "
+                                 "one symbol of the program's ranges")
+            shape.append(name)
+        else:
+            shape.append(int(d))
     return {"dtype": DTYPE_NAMES[val.dtype], "shape": shape}
+
+
+def _sizes(ep: torch.export.ExportedProgram) -> dict:
+    """{symbol: [min, max]} of the program's dynamic sizes (its range constraints)."""
+    out = {}
+    for sym, r in ep.range_constraints.items():
+        lo, hi = int(r.lower), r.upper
+        if not getattr(sym, "is_Symbol", False) or not math.isfinite(float(hi)):
+            raise ValueError(f"the program's size range {sym} in [{r.lower}, {r.upper}] is not "
+                             "one symbol with a finite range")
+        out[str(sym)] = [lo, int(hi)]
+    return out
 
 
 def _op_name(n) -> str:
     t = n.target
     if t is operator.getitem:
         return GETITEM
+    if t in SIZE_OP_NAMES:
+        return SIZE_OP_NAMES[t]
     if isinstance(t, torch._ops.OpOverload) and t.namespace in NAMESPACES:
         return f"{t._schema.name.replace('::', '.')}.{t._overloadname}"
     raise ValueError(f"node '{n.name}' calls {t}, not an aten, prims or dspark operator")

@@ -19,8 +19,8 @@ from torch.utils import _pytree as pytree
 
 from dspark_compile.engine_dir.format import ArtifactError, unique_keys
 from dspark_compile.engine_dir.graph_format import (
-    DTYPES, FORMAT, GETITEM, LAYOUTS, MAX_DEPTH, MEMORY_FORMATS, NAMESPACES, SPECIAL_FLOATS,
-    VERSION)
+    DTYPES, FORMAT, GETITEM, LAYOUTS, MAX_DEPTH, MEMORY_FORMATS, NAMESPACES, SIZE_OPS,
+    SPECIAL_FLOATS, VERSION)
 
 _TOP = {"format", "version", "arg_names", "in_spec", "out_spec", "inputs", "nodes", "outputs"}
 _NODE = {"name", "op", "args", "kwargs"}
@@ -71,6 +71,7 @@ class _Reader:
         self.rel = rel
         self.defined: set = set()
         self.ops: dict = {}
+        self.sizes: dict = {}          # symbol -> (min, max): the program's dynamic sizes
 
     def fail(self, why: str) -> ArtifactError:
         return _refuse(self.rel, why)
@@ -112,18 +113,36 @@ class _Reader:
                             "letters, digits and underscores")
         return v
 
-    def tensor_meta(self, entry: dict, what: str) -> tuple:
+    def tensor_meta(self, entry: dict, what: str, symbolic: bool = False) -> tuple:
+        """(dtype, shape); with `symbolic` a dimension may name one of the program's sizes."""
         dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
             raise self.fail(f"{what} has the unknown dtype {str(entry['dtype'])[:40]!r}")
         shape = entry["shape"]
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise self.fail(f"{what} has a shape that is not a list of non-negative ints")
+        if not isinstance(shape, list) or not all(
+                (_is_int(d) and d >= 0) or (symbolic and d in self.sizes) for d in shape):
+            raise self.fail(f"{what} has a shape that is not a list of non-negative ints"
+                            + (" or the program's sizes" if symbolic else ""))
         return dtype, tuple(shape)
+
+    def read_sizes(self, v) -> dict:
+        """The program's dynamic sizes {symbol: [min, max]}: identifiers, 1 <= min <= max."""
+        if not isinstance(v, dict) or len(v) > 16:
+            raise self.fail("its sizes are not a table of at most 16 symbols")
+        for name, r in v.items():
+            self.name(name, "a size")
+            if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r)
+                    and 1 <= r[0] <= r[1] < 2 ** 31):
+                raise self.fail(f"its size {name!r} has the range {str(r)[:40]}, not "
+                                "[min, max] with 1 <= min <= max < 2^31")
+        self.sizes = {k: tuple(r) for k, r in v.items()}
+        return self.sizes
 
     def op(self, v, what: str):
         if v == GETITEM:
             return operator.getitem
+        if v in SIZE_OPS:
+            return SIZE_OPS[v][0]
         if v in self.ops:
             return self.ops[v]
         m = _OP.fullmatch(v) if isinstance(v, str) else None
@@ -217,6 +236,7 @@ class GraphProgram:
         self.nodes: list[tuple] = nodes          # (name, op, args, kwargs)
         self.outputs: list[tuple] = outputs      # (kind, target, value)
         self.constants: dict = constants
+        self.sizes: dict = {}        # symbol -> (min, max) of a program with dynamic sizes
         self.weights: Optional[Mapping[str, torch.Tensor]] = None     # bind()
 
     def bind(self, weights: Mapping[str, torch.Tensor]) -> "GraphProgram":
@@ -302,14 +322,18 @@ class GraphProgram:
         gm.register_forward_pre_hook(_InputCheck(self), with_kwargs=True)
         return gm
 
-    def exported(self) -> torch.export.ExportedProgram:
-        """The program as a torch.export program again (for tools that take one: the ONNX
-        export, dspark_compile/inspection/), traced from `module()` on example inputs of its
-        shapes and dtypes (their values are never read: export traces with fake tensors)."""
+    def exported(self, sizes: Optional[dict] = None) -> torch.export.ExportedProgram:
+        """The program as a static torch.export program again (for tools that take one: the
+        ONNX export, dspark_compile/inspection/), traced from `module()` on example inputs of
+        its shapes and dtypes (their values are never read: export traces with fake tensors).
+        `sizes`: the value of each dynamic size (default: its range's maximum)."""
+        at = {k: hi for k, (_, hi) in self.sizes.items()}
+        at.update(sizes or {})
         users = [i for i in self.inputs if i.kind == "user"]
         device = next((t.device for t in self.lifted()), torch.device("cpu"))
         args, _ = pytree.tree_unflatten(
-            [torch.zeros(i.shape, dtype=i.dtype, device=device) for i in users], self.in_spec)
+            [torch.zeros([at[d] if isinstance(d, str) else d for d in i.shape], dtype=i.dtype,
+                         device=device) for i in users], self.in_spec)
         with torch.no_grad():
             return torch.export.export(self.module(validate_inputs=False), tuple(args),
                                        strict=False)
@@ -369,6 +393,7 @@ class _InputCheck:
 
     def __init__(self, program: GraphProgram):
         self.spec = program.in_spec
+        self.sizes = program.sizes
         self.users = [i for i in program.inputs if i.kind == "user"]
         self.n = program.in_spec.child(0).num_children
 
@@ -382,12 +407,23 @@ class _InputCheck:
         if not _same_structure(got, self.spec):
             raise ValueError(f"the program's inputs are {self.spec}, got {got}")
         from torch.fx._pytree import tree_flatten_spec
+        bound: dict = {}             # a size's value in this call: the same in every input
         for i, x in zip(self.users, tree_flatten_spec((list(args), {}), self.spec)):
-            if not isinstance(x, torch.Tensor) or x.dtype != i.dtype or tuple(x.shape) != i.shape:
+            ok = isinstance(x, torch.Tensor) and x.dtype == i.dtype and x.dim() == len(i.shape)
+            for have, want in zip(x.shape if ok else (), i.shape):
+                if isinstance(want, str):
+                    lo, hi = self.sizes[want]
+                    ok = ok and lo <= have <= hi and bound.setdefault(want, have) == have
+                else:
+                    ok = ok and have == want
+            if not ok:
                 have = (f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor)
                         else type(x).__name__)
-                raise ValueError(f"input '{i.name}' must be {i.dtype} {list(i.shape)}, got "
-                                 f"{have}")
+                raise ValueError(f"input '{i.name}' must be {i.dtype} {list(i.shape)}"
+                                 + "".join(f" ({k} in [{lo}, {hi}])"
+                                           for k, (lo, hi) in self.sizes.items()
+                                           if k in i.shape)
+                                 + f", got {have}")
 
 
 def _same_structure(a, b) -> bool:
@@ -416,7 +452,8 @@ def read_program(graph: bytes, constants: Optional[bytes] = None,
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise r.fail(f"its graph is not readable JSON ({type(e).__name__}: "
                      f"{str(e)[:120]})") from None
-    r.fields(doc, _TOP, set(), "its graph")
+    r.fields(doc, _TOP, {"sizes"}, "its graph")
+    sizes = r.read_sizes(doc.get("sizes", {}))
     if doc["format"] != FORMAT or not _is_int(doc["version"]) or doc["version"] != VERSION:
         raise r.fail(f"it is format {str(doc['format'])[:40]!r} version "
                      f"{str(doc['version'])[:20]}, this reader reads {FORMAT!r} version "
@@ -446,8 +483,10 @@ def read_program(graph: bytes, constants: Optional[bytes] = None,
     n_out = sum(k == "user" for k, _, _ in outputs)
     if n_out != out_spec.num_leaves:
         raise r.fail(f"it has {n_out} user outputs, its out_spec {out_spec.num_leaves}")
-    return GraphProgram(rel, names, in_spec, out_spec, inputs, nodes, outputs,
-                        _read_constants(r, constants, inputs))
+    program = GraphProgram(rel, names, in_spec, out_spec, inputs, nodes, outputs,
+                           _read_constants(r, constants, inputs))
+    program.sizes = sizes
+    return program
 
 
 def _read_inputs(r: _Reader, entries) -> list:
@@ -459,14 +498,16 @@ def _read_inputs(r: _Reader, entries) -> list:
         kind = e.get("kind") if isinstance(e, dict) else None
         if kind == "user":
             r.fields(e, {"name", "kind", "dtype", "shape"}, set(), what)
+            symbolic = True
         elif kind in _LIFTED:
             r.fields(e, {"name", "kind", "dtype", "shape", "target", "stored"},
                      {"persistent"} if kind == "buffer" else set(), what)
+            symbolic = False
         else:
             raise r.fail(f"{what} has the kind {str(kind)[:40]!r}, not user, parameter, "
                          "buffer or constant")
         name = r.define(e["name"], what)
-        dtype, shape = r.tensor_meta(e, f"input '{name}'")
+        dtype, shape = r.tensor_meta(e, f"input '{name}'", symbolic)
         i = _Input(name, kind, dtype, shape)
         if kind != "user":
             i.target = r.target(e["target"], f"input '{name}'")
@@ -507,6 +548,12 @@ def _check_call(r: _Reader, op, args: tuple, kwargs: dict, what: str) -> None:
     if op is operator.getitem:
         if len(args) != 2 or kwargs or not isinstance(args[0], _Ref) or not _is_int(args[1]):
             raise r.fail(f"{what} calls getitem with other than (a node, an int)")
+        return
+    arity = next((n for fn, n in SIZE_OPS.values() if fn is op), None)
+    if arity is not None:
+        if len(args) != arity or kwargs or not all(isinstance(a, _Ref) or _is_int(a)
+                                                   for a in args):
+            raise r.fail(f"{what} calls {op.__name__} with other than {arity} sizes or ints")
         return
     schema = op._schema.arguments
     positional = sum(not a.kwarg_only for a in schema)
