@@ -141,15 +141,16 @@ def _prefill_inputs(model, cache, chunk: int, seed: int) -> tuple:
 
 
 def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, chunk: int = 0,
-                   target: bool = False):
+                   target: bool = False, dynamic: bool = False):
     """Bucket b's step (with `target`, its target-only program; with `chunk`, the prefill
-    program for that chunk length) exported and run through the pass pipeline; (program, pass
-    stats)."""
+    program for that chunk length; with `dynamic`, the program of every bucket, traced at b)
+    exported and run through the pass pipeline; (program, pass stats)."""
     what = (f"prefill chunk {chunk}" if chunk else f"target bucket {b}" if target
-            else f"bucket {b}")
+            else f"bucket {b}") + (" (every bucket)" if dynamic else "")
     t = time.perf_counter()
     ep = (export_prefill(model, state, chunk) if chunk else
-          export_target(model, state, b) if target else export_step(model, state, b))
+          export_target(model, state, b, dynamic) if target else
+          export_step(model, state, b, dynamic))
     log(f"[export] {what}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
     factory = None
     if bc.verify_passes:
@@ -212,13 +213,21 @@ def _export_programs(model, cfg, cache, bc: BuildConfig, pconf: PassConfig, log)
         keys += [ProgramKey(TARGET, b) for b in sorted(bc.buckets, reverse=True)]
     keys += [ProgramKey(PREFILL, c) for c in sorted(bc.prefill_chunks, reverse=True)]
     every, stats = {}, {}
+    dynamic = bc.dynamic_batch and len(bc.buckets) > 1
     for key in keys:
+        if dynamic and key.kind != PREFILL and key.size != max(bc.buckets):
+            continue                 # the largest bucket's program serves them all (below)
         state = allocate_state(cfg, cache, bc.precision(), bc.device)
         pm = PassManager(bc.passes, pconf)
         kind = ({"chunk": key.size} if key.kind == PREFILL else
                 {"target": True} if key.kind == TARGET else {})
         every[key], stats[key.listed] = _export_bucket(
-            model, state, cache, 0 if key.kind == PREFILL else key.size, pm, bc, log, **kind)
+            model, state, cache, 0 if key.kind == PREFILL else key.size, pm, bc, log, **kind,
+            dynamic=dynamic and key.kind != PREFILL)
+    for key in keys:
+        if key not in every:         # a bucket served by the dynamic program of its kind
+            top = ProgramKey(key.kind, max(bc.buckets))
+            every[key], stats[key.listed] = every[top], stats[top.listed]
     return every, stats, pm, state
 
 
@@ -291,8 +300,12 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
         fields["kernel_resources"] = {bc.arch: report}
     t = time.perf_counter()
     # each step's greedy sampler variant, derived here once instead of at every load
-    variants = {ProgramKey(STEP, b, GREEDY): g for b, ep in programs.items()
-                if (g := variant_graph(ep)) is not None}
+    graphs: dict = {}                # one per program object (a dynamic one serves all)
+    for ep in programs.values():
+        if id(ep) not in graphs:
+            graphs[id(ep)] = variant_graph(ep)
+    variants = {ProgramKey(STEP, b, GREEDY): graphs[id(ep)] for b, ep in programs.items()
+                if graphs[id(ep)] is not None}
     manifest = save_engine(out, programs, manifest_fields=fields, extra_files=extra,
                            prefill_programs=prefill_programs, target_programs=target_programs,
                            overwrite=bc.overwrite, free_bytes=free_bytes,

@@ -34,6 +34,10 @@ class BuildConfig:
     # non-speculative decoding, which `run --no-speculation` runs and `run --check-lossless`
     # compares the speculative output with; ~half a step's export each (the CLI's default: on)
     target_programs: bool = False
+    # one step program (and one target-only program) for every bucket, exported with a dynamic
+    # batch size B in [1, max_rows] (build/pipeline.py): export, passes, storage and load stop
+    # growing with the bucket count; each bucket still captures its own CUDA graph
+    dynamic_batch: bool = False
     dtype: str = "float32"          # compute dtype of activations
     act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
     kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches

@@ -97,6 +97,19 @@ class ProgramKey:
         return f"{PROGRAM_DIR}/{self.stem}.constants.safetensors"
 
     @property
+    def shared_path(self) -> str:
+        """Its graph file when one program serves every size of its kind (exported with a
+        dynamic batch or chunk size, build/pipeline.py): programs/step.json,
+        programs/step_greedy.json."""
+        suffix = "" if self.variant == "full" else f"_{self.variant}"
+        return f"{PROGRAM_DIR}/{self.kind}{suffix}.json"
+
+    @property
+    def shared_constants_path(self) -> str:
+        """The constants of the program serving every size of its kind."""
+        return f"{PROGRAM_DIR}/{self.kind}.constants.safetensors"
+
+    @property
     def compiled_path(self) -> str:
         """Its Inductor-compiled file (--backend inductor), per variant."""
         suffix = "" if self.variant == "full" else f"_{self.variant}"

@@ -207,9 +207,12 @@ def _check_entry_files(table: str, kind: str, k, entry, files: dict) -> None:
     if key is None or not isinstance(entry, dict):
         raise ArtifactError(f"manifest field '{table}': entry {k!r} is not a program of a "
                             f"{what} size", field=table)
-    want = [("path", entry.get("path"), key.path)]
+    # the size's own program, or the one program of its kind serving every size
+    shared = entry.get("path") == key.shared_path
+    want = [("path", entry.get("path"), key.shared_path if shared else key.path)]
     if entry.get("constants") is not None:
-        want.append(("constants", entry["constants"], key.constants_path))
+        want.append(("constants", entry["constants"],
+                     key.shared_constants_path if shared else key.constants_path))
     variants = entry.get("variants", {})
     if not isinstance(variants, dict):
         raise ArtifactError(f"manifest field '{table}.{k}.variants' is not a table",
@@ -218,7 +221,8 @@ def _check_entry_files(table: str, kind: str, k, entry, files: dict) -> None:
         if v not in VARIANTS or v == "full":
             raise ArtifactError(f"manifest field '{table}.{k}.variants': {v!r} is not a "
                                 "program variant", field=table)
-        want.append((f"variants.{v}", rel, key.with_variant(v).path))
+        vkey = key.with_variant(v)
+        want.append((f"variants.{v}", rel, vkey.shared_path if shared else vkey.path))
     for name, have, path in want:
         if have != path or path not in files:
             raise ArtifactError(f"manifest field '{table}.{k}.{name}': {what} {k}'s file "
@@ -355,7 +359,9 @@ def load_engine(engine_dir, expect: Optional[dict] = None, skip: Iterable[str] =
     register_kernel_ops()  # before a program is read: its ops are resolved by name
     weights = _load_weights(engine_dir / manifest["weights"]["file"],
                             manifest["weights"]["tensors"], device)
-    programs = {b: load_program(engine_dir, manifest, b, weights) for b in manifest["buckets"]}
+    cache: dict = {}
+    programs = {b: load_program(engine_dir, manifest, b, weights, cache)
+                for b in manifest["buckets"]}
     if configs is not None:
         check_weights_table(*configs, manifest["weights"].get("tensors", {}))
         check_programs_state(*configs, programs)
@@ -397,11 +403,13 @@ def _read_checked(engine_dir: Path, manifest: dict, rel: str) -> bytes:
     return data
 
 
-def load_program(engine_dir, manifest: dict, key, weights: dict) -> GraphProgram:
+def load_program(engine_dir, manifest: dict, key, weights: dict,
+                 cache: Optional[dict] = None) -> GraphProgram:
     """Program `key` (a ProgramKey, or a bucket: its step) of a validated manifest, read as data
     (engine_dir/graph_read.py), checked against its manifest entry (the weights it shares, its
     inputs) and bound to the engine's `weights` (the dspark:: ops must be registered:
-    register_kernel_ops)."""
+    register_kernel_ops). `cache`: {file: GraphProgram} of this load, so one program serving
+    several sizes is read once."""
     key = key if isinstance(key, ProgramKey) else ProgramKey(STEP, int(key))
     engine_dir = Path(engine_dir)
     entry = manifest[key.table][str(key.size)]
@@ -409,6 +417,8 @@ def load_program(engine_dir, manifest: dict, key, weights: dict) -> GraphProgram
     if rel is None:
         raise ArtifactError(f"program {key} is not in the engine (manifest field "
                             f"'{key.table}.{key.size}.variants')", field=key.table)
+    if cache is not None and rel in cache:
+        return cache[rel]
     consts = entry.get("constants")
     program = read_program(_read_checked(engine_dir, manifest, rel),
                            _read_checked(engine_dir, manifest, consts) if consts else None, rel)
@@ -422,7 +432,10 @@ def load_program(engine_dir, manifest: dict, key, weights: dict) -> GraphProgram
     if entry.get("user_inputs", users) != users:
         raise ArtifactError(f"program '{rel}' takes the inputs {users[:4]}..., its manifest "
                             "entry lists others", path=rel)
-    return program.bind(weights)
+    program.bind(weights)
+    if cache is not None:
+        cache[rel] = program
+    return program
 
 
 def program_variants(manifest: dict, key: ProgramKey) -> list:
@@ -434,9 +447,10 @@ def program_variants(manifest: dict, key: ProgramKey) -> list:
 def _load_table(engine_dir, manifest: dict, weights: dict, kind: str) -> dict:
     """{size: GraphProgram} of the validated manifest's programs of `kind` (its table), bound
     to the shared `weights`."""
-    out = {}
+    out, cache = {}, {}
     for k in sorted(manifest.get(ProgramKey(kind, 1).table, {}), key=int):
-        out[int(k)] = load_program(engine_dir, manifest, ProgramKey(kind, int(k)), weights)
+        out[int(k)] = load_program(engine_dir, manifest, ProgramKey(kind, int(k)), weights,
+                                   cache)
     configs = _engine_fields(manifest)
     if configs is not None:
         check_programs_state(*configs, {ProgramKey(kind, k): p for k, p in out.items()})

@@ -320,19 +320,30 @@ def _variant_table(every: dict, graphs: dict) -> dict:
     return out
 
 
+def is_dynamic(ep) -> bool:
+    """The program takes inputs of a dynamic size (one program for every batch or chunk size
+    of its kind, build/pipeline.py)."""
+    return any(isinstance(d, torch.SymInt) for n in ep.graph.nodes if n.op == "placeholder"
+               for d in getattr(n.meta.get("val"), "shape", ()))
+
+
 def _write_program(root: Path, key: ProgramKey, ep, shared: list, variants: dict) -> dict:
     """Program `key` (and its variants' graphs) in the engine's graph format under `root`;
     returns its manifest entry's files: its graph, its constants (None without any), its
-    variants' graphs."""
+    variants' graphs. A dynamic program is written at its kind's shared paths
+    (ProgramKey.shared_path), once for every size it serves (`_write`)."""
+    dynamic = is_dynamic(ep)
+    path_of = (lambda k: k.shared_path) if dynamic else (lambda k: k.path)
     graph, constants = dump_program(ep, set(shared))
-    (root / key.path).write_bytes(graph)
-    entry = {"path": key.path, "constants": None, "variants": {}}
+    (root / path_of(key)).write_bytes(graph)
+    entry = {"path": path_of(key), "constants": None, "variants": {}}
     if constants is not None:
-        (root / key.constants_path).write_bytes(constants)
-        entry["constants"] = key.constants_path
+        rel = key.shared_constants_path if dynamic else key.constants_path
+        (root / rel).write_bytes(constants)
+        entry["constants"] = rel
     for vkey, g in sorted(variants.items()):
-        (root / vkey.path).write_bytes(dump_program(ep, set(shared), graph=g)[0])
-        entry["variants"][vkey.variant] = vkey.path
+        (root / path_of(vkey)).write_bytes(dump_program(ep, set(shared), graph=g)[0])
+        entry["variants"][vkey.variant] = path_of(vkey)
     return entry
 
 
@@ -379,8 +390,12 @@ def _write(out_dir: Path, every: dict, variants: dict, weights, fields: dict,
         tmp = temp_dir(out_dir)
         try:
             (tmp / PROGRAM_DIR).mkdir()
-            files = {key: _write_program(tmp, key, ep, shared[key], variants.get(key, {}))
-                     for key, ep in every.items()}
+            files, written = {}, {}      # one program object serving several sizes: once
+            for key, ep in sorted(every.items()):
+                if id(ep) not in written:
+                    written[id(ep)] = _write_program(tmp, key, ep, shared[key],
+                                                     variants.get(key, {}))
+                files[key] = written[id(ep)]
             # the programs are on disk: the rest (weights, extra files, manifest) again
             check_free_space(out_dir, engine_bytes(*sizes, [0] * len(every), extra),
                              "the rest of the engine", free_bytes)

@@ -146,18 +146,22 @@ class Engine:
         # dspark_compile/runtime/variants.py; absent when disabled or nothing to switch) and
         # the target-only step (speculative=False; absent without target programs)
         self.table: dict[ProgramKey, Program] = {}
+        # one module per program: a program exported with a dynamic batch serves every bucket
+        # (each bucket still captures its own CUDA graph)
+        self._modules: dict[int, torch.nn.Module] = {}
         if self.backend == "inductor":
             self._compiled_steps(greedy_variants)
         else:
+            loaded: dict = {}
             for b, program in programs.items():
                 key = ProgramKey(STEP, b)
-                self.table[key] = Program(program.module())
+                self.table[key] = Program(self._module(program))
                 # written at build (runtime/variants.py); absent when the step has no sampler
                 # to switch
                 if greedy_variants and "greedy" in program_variants(manifest, key):
                     greedy = load_program(engine_dir, manifest, key.with_variant("greedy"),
-                                          weights)
-                    self.table[key.with_variant("greedy")] = Program(greedy.module())
+                                          weights, loaded)
+                    self.table[key.with_variant("greedy")] = Program(self._module(greedy))
         self.prefill_programs = self._load_prefill(weights, prefill)
         if target:
             self._load_target(weights)
@@ -234,6 +238,12 @@ class Engine:
                     seconds += step.load_seconds
             self.compiled_load_seconds[b] = seconds
 
+    def _module(self, program) -> torch.nn.Module:
+        """The runnable module of a loaded GraphProgram, built once per program."""
+        if id(program) not in self._modules:
+            self._modules[id(program)] = program.module()
+        return self._modules[id(program)]
+
     def _load_prefill(self, weights: dict, prefill: str | None):
         """The engine's prefill programs bound to the state, or None: prefill runs the eager
         reference (an engine without them, `prefill="eager"`, or by default an Inductor engine
@@ -260,7 +270,7 @@ class Engine:
                  if self.backend == "inductor" else {})
         for b, program in programs.items():
             fn = (CompiledStep(self.dir / paths[b], program, self._padded_rows(b), self.state)
-                  if paths else program.module())
+                  if paths else self._module(program))
             self.table[ProgramKey(TARGET, b)] = Program(fn)
 
     def _record_load(self) -> None:

@@ -44,7 +44,11 @@ class PrefillPrograms:
             self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
                                             self.inputs[c], state) for c in self.chunks}
         else:
-            self.modules = {c: p.module() for c, p in programs.items()}
+            built: dict = {}          # a dynamic program serves every chunk: one module
+            for p in programs.values():
+                if id(p) not in built:
+                    built[id(p)] = p.module()
+            self.modules = {c: built[id(p)] for c, p in programs.items()}
         self.graphs: dict[int, tuple] = {}     # C -> (CUDAGraph, output first [1])
         self.capture_seconds: dict[int, float] = {}
 

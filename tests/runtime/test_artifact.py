@@ -622,3 +622,37 @@ def test_sigterm_during_a_build_removes_its_temporary(built, tmp_path, monkeypat
     with sigterm_raises(), pytest.raises(Terminated):
         save_engine(tmp_path / "engine", programs, manifest_fields=fields(passes, stats))
     assert sorted(os.listdir(tmp_path)) == []
+
+
+# ------------------------------------------------------------------ one program, every bucket
+def test_a_dynamic_program_is_stored_once_and_serves_every_bucket(tmp_path):
+    """A program exported with a dynamic size (build --dynamic-batch) is written once at its
+    kind's shared path, every bucket's entry names it, the load reads it once (one
+    GraphProgram), and at each bucket it equals the eager model bit for bit; a call outside
+    its size range is refused naming the range."""
+    model = Step().eval()
+    T = torch.export.Dim("T", min=1, max=S)
+    with torch.no_grad():
+        ep = torch.export.export(model, make_inputs(0, 4),
+                                 dynamic_shapes=({0: T}, {0: T}, None))
+    pm = PassManager()
+    stats = pm.run(ep, state_inputs=("kv_cache",))
+    m = save_engine(tmp_path / "engine", {1: ep, 4: ep},
+                    manifest_fields=fields(pm.manifest_entries(), {1: stats, 4: stats}))
+    assert {e["path"] for e in m["programs"].values()} == {"programs/step.json"}
+    assert [f for f in m["files"] if f.startswith("programs/")] == [
+        "programs/step.constants.safetensors", "programs/step.json"]
+    _, programs, weights = load_engine(tmp_path / "engine")
+    assert programs[1] is programs[4] and list(programs[1].sizes.values()) == [(1, S)]
+    fn = programs[1].module()
+    for b in (1, 3, 4):
+        a, c = make_inputs(11, b), make_inputs(11, b)
+        got = fn(*a)
+        with torch.no_grad():
+            ref = model(*c)
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        torch.testing.assert_close(a[2], c[2], rtol=0, atol=0)
+    x, slots, cache = make_inputs(0, 2)
+    with pytest.raises(ValueError, match=rf"input 'slots' must be torch.int64 \['(\w+)'\] "
+                                         rf"\(\1 in \[1, {S}\]\), got torch.int64 \[3\]"):
+        fn(x, torch.arange(3), cache)     # T bound to 2 by x, 3 by slots
