@@ -87,8 +87,11 @@ def rope_last(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, r
     """
     cs = cos_sin[positions]                     # [T, rope_dim]
     half = rope_dim // 2
-    shape = (cs.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cs[:, :half].reshape(shape), cs[:, half:].reshape(shape)
+    # [T, 1.., half] views by unsqueeze: a reshape of the strided half would ask whether T is
+    # 1 (a guard on the batch of a target-only program exported for every batch size)
+    cos, sin = cs[:, :half], cs[:, half:]
+    for _ in range(x.dim() - 2):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = rope_gptj(x[..., -rope_dim:], cos, sin, inverse=inverse).to(x.dtype)
     return torch.cat((x[..., :-rope_dim], rot), dim=-1)
 

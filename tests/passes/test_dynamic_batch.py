@@ -1,10 +1,11 @@
-"""One step program for every batch size (build/pipeline.py `export_step(dynamic=True)`).
+"""One step program for every batch size (build/pipeline.py `export_step(dynamic=True)`,
+`export_target(dynamic=True)`).
 
-The tiny model's step is exported once with a symbolic batch B in [1, max_rows] (fp64, FP8
-simulated, so every fusable region exists) and run through the whole pass pipeline; then, at
-B = 1, 2 and max_rows, the program's outputs and every state tensor after the step equal the
-eager step's (the references every static program is checked against) bit for bit, on
-prefilled states. One export for the module (~35 s on a 2-core CPU).
+The tiny model's step and target-only step are exported once each with a symbolic batch B in
+[1, max_rows] (fp64, FP8 simulated, so every fusable region exists) and run through the whole
+pass pipeline; then, at B = 1, 2 and max_rows, the program's outputs and every state tensor
+after the step equal the eager step's (the references every static program is checked
+against) bit for bit, on prefilled states. Two exports for the module (~50 s on a 2-core CPU).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from dspark_compile.build.dynamic_batch import is_size_node
-from dspark_compile.build.pipeline import export_step, state_input_names
+from dspark_compile.build.pipeline import export_step, export_target, state_input_names
 from dspark_compile.engine_dir.build_config import BuildConfig
 from dspark_compile.factory.synth import synth_checkpoint
 from dspark_compile.models import load_model
@@ -20,7 +21,7 @@ from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.config import rope_positions
 from dspark_compile.models.random_requests import prefilled_state
 from dspark_compile.models.state import allocate_state
-from dspark_compile.models.step import DraftVerifyStep
+from dspark_compile.models.step import DraftVerifyStep, TargetStep
 from dspark_compile.passes import PassManager
 
 MAX_ROWS = 3
@@ -37,13 +38,18 @@ class _Tiny:
                                 rope_positions(bc.max_seq_len, self.cfg.dspark_block_size),
                                 True, device="cpu", tensors=tensors, cfg=self.cfg)
         self.cache = bc.cache(self.cfg.dspark_block_size)
-        self.ep = export_step(self.model, allocate_state(self.cfg, self.cache, self.prec, "cpu"),
-                              2, dynamic=True)
-        self.exported_nodes = len(self.ep.graph.nodes)
-        self.stats = {r["name"]: r["matches"] for r in PassManager().run(
-            self.ep, state_inputs=state_input_names(self.ep))}
-        self.ep.example_inputs = None
+        self.ep, self.stats = self._program(export_step)
         self.module = self.ep.module()
+        self.target = self._program(export_target)[0].module()
+
+    def _program(self, export):
+        """(program exported for every batch and run through the passes, pass matches)."""
+        ep = export(self.model, allocate_state(self.cfg, self.cache, self.prec, "cpu"), 2,
+                    dynamic=True)
+        stats = {r["name"]: r["matches"] for r in PassManager().run(
+            ep, state_inputs=state_input_names(ep))}
+        ep.example_inputs = None
+        return ep, stats
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +93,13 @@ def test_one_program_for_every_batch(tiny):
                          for n in sizes for i in n.all_input_nodes)
 
 
-@pytest.mark.parametrize("B", [1, 2, MAX_ROWS])
-def test_each_batch_equals_the_eager_step(tiny, B):
-    """Outputs and every state tensor after the step equal the eager step's bit for bit (the
-    ring's scratch slot aside), on two prefilled states."""
-    step = DraftVerifyStep(tiny.model)
+def _assert_same_step(ref, got, tiny, B: int, seeds) -> None:
+    """ref(rows, state) and got(rows, state): outputs and every state tensor after the step
+    bit for bit (the rings' scratch slot aside), on prefilled states of B rows."""
     trash = tiny.cache.max_rows
-    for seed in (0, 1):
-        (ref_out, ref_state), (got_out, got_state) = (_run(step, tiny, B, seed),
-                                                      _run(tiny.module, tiny, B, seed))
+    for seed in seeds:
+        (ref_out, ref_state), (got_out, got_state) = (_run(ref, tiny, B, seed),
+                                                      _run(got, tiny, B, seed))
         assert len(ref_out) == len(got_out)
         for i, (a, b) in enumerate(zip(ref_out, got_out)):
             assert a.dtype == b.dtype and a.shape == b.shape, f"output {i}"
@@ -104,6 +108,19 @@ def test_each_batch_equals_the_eager_step(tiny, B):
         for k, a in ref_state.items():
             assert torch.equal(_comparable(a, trash), _comparable(got_state[k], trash)), \
                 f"B={B} seed {seed}: state '{k}' differs"
+
+
+@pytest.mark.parametrize("B", [1, 2, MAX_ROWS])
+def test_each_batch_equals_the_eager_step(tiny, B):
+    """The step program at B rows computes the eager step's bits, on two prefilled states."""
+    _assert_same_step(DraftVerifyStep(tiny.model), tiny.module, tiny, B, (0, 1))
+
+
+@pytest.mark.parametrize("B", [1, MAX_ROWS])
+def test_each_batch_equals_the_eager_target_step(tiny, B):
+    """The target-only program (one token a row: at B = 1 a single token, where a reshape of
+    a strided view would have asked whether B is 1) computes the eager TargetStep's bits."""
+    _assert_same_step(TargetStep(tiny.model), tiny.target, tiny, B, (0,))
 
 
 @pytest.mark.xfail(strict=True, reason="passes/regions.py _check_closed refuses a region that "
