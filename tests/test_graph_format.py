@@ -302,5 +302,5 @@ def test_weight_names_clashing_with_module_attributes_refused(tiny, dumped):
     old = _first_weight(json.loads(text))["name"]
     for bad in ("forward", "graph", "training", "code", "register_buffer"):
         program = read_program(text.replace(f'"{old}"', f'"{bad}"').encode(), None)
-        with pytest.raises(ArtifactError, match=f"'{bad}' clashes"):
+        with pytest.raises(ArtifactError, match=f"'{bad}', which clashes"):
             program.module(weights)

@@ -280,12 +280,14 @@ class GraphProgram:
         return [i.target for i in self.inputs if i.stored == "weights"]
 
     def module(self, weights: Optional[Mapping[str, torch.Tensor]] = None,
-               validate_inputs: bool = True) -> torch.fx.GraphModule:
+               validate_inputs: bool = True, nested: bool = False) -> torch.fx.GraphModule:
         """A fresh module `fn(*args)` running the program, as `ep.module()` would: its lifted
         tensors are `weights[target]` (default: the bound weights; the same tensor objects,
         never copied) or the program's constants; a user input or buffer the graph mutates gets
         the copy_ ep.module() inserts. With `validate_inputs` each call checks its arguments'
-        structure, shapes and dtypes."""
+        structure, shapes and dtypes. The lifted tensors are flat attributes named as their
+        placeholders, or with `nested` submodules named as the weights are (ep.module()'s
+        layout, for tools that show the names: the ONNX export; ~500 nn.Modules a tiny step)."""
         from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
         weights = self._bound() if weights is None else weights
@@ -299,8 +301,9 @@ class GraphProgram:
                 continue
             # a flat attribute named as the placeholder: no submodule per dotted name (a
             # tiny step's ~370 lifted tensors made ~500 nn.Modules, 40 % of its module's build)
-            _assign(root, i, self._lifted(i, weights), self.rel)
-            env[i.name] = graph.get_attr(i.name)
+            attr = i.target if nested else i.name
+            _assign(root, i, self._lifted(i, weights), self.rel, attr)
+            env[i.name] = graph.get_attr(attr)
         for name, op, args, kwargs in self.nodes:
             env[name] = graph.create_node("call_function", op, _resolve(args, env),
                                           _resolve(kwargs, env), name=name)
@@ -335,8 +338,8 @@ class GraphProgram:
             [torch.zeros([at[d] if isinstance(d, str) else d for d in i.shape], dtype=i.dtype,
                          device=device) for i in users], self.in_spec)
         with torch.no_grad():
-            return torch.export.export(self.module(validate_inputs=False), tuple(args),
-                                       strict=False)
+            return torch.export.export(self.module(validate_inputs=False, nested=True),
+                                       tuple(args), strict=False)
 
     def _lifted_name(self, target: str) -> str:
         return next(i.name for i in self.inputs if i.target == target)
@@ -366,20 +369,35 @@ def _resolve(v, env):
     return v
 
 
-def _assign(root: torch.nn.Module, i: _Input, t: torch.Tensor, rel: str) -> None:
-    """`t` as root's attribute `i.name` (its placeholder's name, an identifier), registered as
-    ep.module() registers it (a parameter, a buffer, or a plain constant); a name that clashes
-    with a module attribute is refused."""
-    if i.name in _RESERVED or hasattr(root, i.name):
-        raise _refuse(rel, f"its input '{i.name}' clashes with a module attribute or another "
-                           "tensor")
-    if i.kind == "parameter":
-        root.register_parameter(i.name, t if isinstance(t, torch.nn.Parameter)
-                                else torch.nn.Parameter(t, requires_grad=False))
-    elif i.kind == "buffer":
-        root.register_buffer(i.name, t, persistent=i.persistent)
-    else:
-        setattr(root, i.name, t)
+def _assign(root: torch.nn.Module, i: _Input, t: torch.Tensor, rel: str, attr: str) -> None:
+    """`t` as root's attribute `attr` (the input's name, or its dotted tensor name: submodules
+    made on the way), registered as ep.module() registers it (a parameter, a buffer, or a plain
+    constant); a name that clashes with a module attribute or another tensor is refused."""
+    *path, leaf = attr.split(".")
+    mod = root
+    try:
+        for p in path:
+            if p in mod._buffers or p in mod._parameters:
+                raise KeyError(p)
+            sub = mod._modules.get(p)
+            if sub is None:
+                if hasattr(mod, p) or p in _RESERVED:
+                    raise KeyError(p)
+                sub = torch.nn.Module()
+                mod.add_module(p, sub)
+            mod = sub
+        if leaf in _RESERVED or hasattr(mod, leaf):
+            raise KeyError(leaf)
+        if i.kind == "parameter":
+            mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter)
+                                   else torch.nn.Parameter(t, requires_grad=False))
+        elif i.kind == "buffer":
+            mod.register_buffer(leaf, t, persistent=i.persistent)
+        else:
+            setattr(mod, leaf, t)
+    except KeyError as e:
+        raise _refuse(rel, f"its input '{attr}' is named {e.args[0]!r}, which clashes with a "
+                           "module attribute or another tensor") from None
 
 
 # attributes a GraphModule has beyond nn.Module's (its graph, code, meta ...)

@@ -4,8 +4,8 @@ Everything comes from the engine directory, nothing is rebuilt or loaded into to
 
 - per bucket, the node count after each pass (a waterfall, report_plots.py) and the pass table
   (time, nodes before and after, matches, verification) from the manifest's `pass_stats`;
-- the `dspark::` ops each program calls, per kind, counted in the program file's serialized
-  graph (`programs/step_b{B}.pt2`, read as the zip archive it is);
+- the `dspark::` ops each program calls, per kind, counted in the program file's graph
+  (`programs/step_b{B}.json`, engine_dir/graph_format.py);
 - the kernel resource report per architecture when the build stored one (`kernel_resources`,
   `build --arch`), with the CTAs per SM that registers and shared memory each allow;
 - graph-pool memory and capture times once a GPU load recorded them (`graph_memory_bytes`,
@@ -18,9 +18,7 @@ The page has no script and no external reference: inline CSS, inline SVG plots.
 from __future__ import annotations
 
 import html
-import io
 import json
-import zipfile
 from collections import Counter
 from pathlib import Path
 from dspark_compile.engine_dir.format import ArtifactError
@@ -69,25 +67,20 @@ _STEP_JSON_LIMIT = 16 << 20      # benchmarks/step.py writes a few kB
 
 
 def program_op_counts(engine_dir: Path, rel: str, size: int | None = None):
-    """{op: calls} of the `dspark::` ops in a stored program, or None when its file cannot be
-    read that way (torch.export.save writes the graph as JSON inside the .pt2 zip). The file
-    is read through artifact_paths (inside the engine, no link, at most `size` bytes: its
-    file-table size) and only an uncompressed graph record is parsed."""
+    """{op: calls} of the `dspark::` ops in a stored program (its graph JSON's nodes,
+    dspark_compile/engine_dir/graph_format.py), or None when its file cannot be read that way.
+    The file is read through engine_dir/paths.py (inside the engine, no link, at most `size`
+    bytes: its file-table size) and parsed as JSON, nothing else."""
     try:
         data = read_file(Path(engine_dir), rel, size if size is not None else 1 << 30)
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            info = next(i for i in z.infolist() if i.filename.endswith("models/model.json"))
-            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
-                return None
-            nodes = json.loads(z.read(info))["graph_module"]["graph"]["nodes"]
-    except (ArtifactError, OSError, zipfile.BadZipFile, StopIteration, KeyError, TypeError,
-            ValueError, RecursionError):
+        nodes = json.loads(data)["nodes"]
+    except (ArtifactError, OSError, KeyError, TypeError, ValueError, RecursionError):
         return None
     if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
         return None
-    prefix = "torch.ops.dspark."
-    return dict(sorted(Counter(n["target"][len(prefix):].split(".")[0] for n in nodes
-                               if str(n.get("target", "")).startswith(prefix)).items()))
+    prefix = "dspark."
+    return dict(sorted(Counter(str(n["op"])[len(prefix):].split(".")[0] for n in nodes
+                               if str(n.get("op", "")).startswith(prefix)).items()))
 
 
 def _summary(engine_dir: Path, m: dict, loads_here: str) -> str:
