@@ -90,12 +90,27 @@ def _export_rows(module, state: dict, bucket: int, dynamic: bool = False
     return ep
 
 
-def export_prefill(model, state: dict, chunk: int) -> torch.export.ExportedProgram:
+def export_prefill(model, state: dict, chunk: int, dynamic: bool = False
+                   ) -> torch.export.ExportedProgram:
     """One static prefill program for chunks of `chunk` tokens (models/prefill_chunk.py);
-    traced like export_step, so the fusion passes find the same regions."""
-    inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=state["row.last_pos"].device)
-    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-        return torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False)
+    traced like export_step, so the fusion passes find the same regions. `dynamic`: one
+    program for every chunk length C in [1, chunk] (inputs [C + 3]), traced like
+    _export_rows(dynamic=True)."""
+    device = state["row.last_pos"].device
+    if not dynamic or chunk < 2:
+        inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=device)
+        with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+            return torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False)
+    inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=device)
+    # the length itself is the symbol (a derived `Dim + 3` would start at C = 2)
+    shapes = ({0: torch.export.Dim("C_plus_header", min=1 + HEADER, max=chunk + HEADER)},
+              {k: None for k in state})
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta(), \
+            torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        ep = torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False,
+                                 dynamic_shapes=shapes)
+    hoist_sizes(ep.graph_module)
+    return ep
 
 
 def state_input_names(ep) -> list[str]:
@@ -164,8 +179,8 @@ def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, 
             f"{r['nodes_before']:>6} -> {r['nodes_after']:<6} matches {r['matches']}"
             + ("  verified" if r.get("verified") else ""))
     # export keeps the example inputs (here: the whole decode state, ~100 MB even for the
-    # tiny model) and torch.export.save would write them into every program file; the
-    # runtime allocates its own state, so they are dropped
+    # tiny model), which the Inductor backend's job files (build/compile_workers.py) would
+    # carry and a deep copy would duplicate; the runtime allocates its own state
     ep.example_inputs = None
     return ep, rows
 

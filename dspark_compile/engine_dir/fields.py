@@ -145,7 +145,7 @@ def check_engine_fields(manifest: dict, device=None) -> tuple:
 def check_weights_table(cfg, build, tensors: dict) -> None:
     """The weights table against the model model_config builds (on the meta device: shapes
     only, nothing allocated). Called once the programs are loaded: the first meta-device
-    module in a process costs seconds of torch's lazy set-up that torch.export.load has then
+    module in a process costs seconds of torch's lazy set-up that reading the programs has then
     already done (0.1 s after it)."""
     import torch
 

@@ -60,7 +60,7 @@ class ProgramKey:
     bucket's target-only step, models/step.py TargetStep; PREFILL: a prompt chunk of `size`
     tokens, models/prefill_chunk.py), its size (the bucket, or the chunk length) and its
     variant ("full": the program as built; "greedy": a step with its Markov sampler on the
-    greedy plan, derived at load or compiled, runtime/variants.py)."""
+    greedy plan, written at build or compiled, runtime/variants.py)."""
     kind: str
     size: int
     variant: str = "full"
@@ -212,7 +212,7 @@ def config_hash(config) -> str:
 
 # --------------------------------------------------------------------------- ops
 def register_kernel_ops() -> list[str]:
-    """Import every dspark_compile.kernels module so each `dspark::` op is registered (a .pt2
+    """Import every dspark_compile.kernels module so each `dspark::` op is registered (a program
     calling them cannot be deserialised otherwise)."""
     import dspark_compile.kernels as kernels
 

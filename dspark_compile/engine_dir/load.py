@@ -329,7 +329,7 @@ TRUST_FLAG = "--trust-engine-code"
 def check_code_trust(manifest: dict, trust_code: bool) -> None:
     """An engine whose programs are code (`--backend inductor`: the Python and the kernels
     Inductor generated, in compiled/) loads only when the caller trusts its author; an aten
-    engine's load executes nothing from the directory (dspark_compile/engine_dir/programs.py)."""
+    engine's load executes nothing from the directory (dspark_compile/engine_dir/graph_read.py)."""
     bc = manifest.get("build_config")
     backend = bc.get("backend", "aten") if isinstance(bc, dict) else "aten"
     if backend != "aten" and not trust_code:

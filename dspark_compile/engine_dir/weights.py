@@ -1,15 +1,14 @@
 """Weights stored once, shared by every program of an engine.
 
 The step module's parameters and buffers are stored once, in weights.safetensors keyed by their
-module FQN (the ExportedProgram's `state_dict` / `constants` key), and *not* inside the .pt2
-files: each bucket's program would otherwise carry its own full copy of the model (N buckets = N
-copies on disk and N in memory). `save_engine` swaps those entries for one-element stand-ins
-while `torch.export.save` runs (the graph keeps their shape/dtype), and `load_engine` puts the
-loaded tensors back, the same tensor objects in every bucket's program. Which entries each
-program takes from the shared file is listed in the manifest (`programs[B].shared_weights`).
-Tensors that are not module weights (constants export lifts out of `forward`, e.g.
-`torch.tensor(...)` literals, which may differ per bucket under one name) stay inside their
-.pt2. State tensors (caches) are user inputs: the runtime allocates them; they are not part of
+module FQN (the ExportedProgram's `state_dict` / `constants` key), and *not* beside each program:
+each bucket's program would otherwise carry its own full copy of the model (N buckets = N copies
+on disk and N in memory). A program's graph names them (engine_dir/graph_format.py) and
+`load_engine` binds the loaded tensors, the same tensor objects in every program. Which entries
+each program takes from the shared file is listed in the manifest
+(`programs[B].shared_weights`). Tensors that are not module weights (constants export lifts out
+of `forward`, e.g. `torch.tensor(...)` literals, which may differ per bucket under one name) are
+the program's own constants file. State tensors (caches) are user inputs: the runtime allocates them; they are not part of
 the engine. Dtypes safetensors cannot read back (float8_e8m0fnu) are stored as a uint8 view and
 viewed back on load (the manifest records the real dtype).
 """
@@ -165,8 +164,8 @@ def _stand_in(t: torch.Tensor, is_param: bool):
 
 def _save_program(ep, path: Path, shared: list) -> None:
     """torch.export.save with the shared weights swapped for stand-ins and without the export's
-    example inputs (restored after): torch.export.save pickles those, and a load refuses a
-    program holding a pickle (dspark_compile/engine_dir/programs.py); the runtime allocates its own."""
+    example inputs (restored after): the build's hand-over of a program to an Inductor compile
+    worker (build/compile_workers.py; never an engine file, which is graph_format.py's)."""
     entries = _weight_entries(ep)
     saved = []
     example_inputs = ep.example_inputs
