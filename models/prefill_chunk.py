@@ -99,7 +99,11 @@ class PrefillChunk(nn.Module):
     def forward(self, inputs: torch.Tensor, state: dict):
         model, cfg = self.model, self.model.cfg
         C, V = self.chunk, cfg.vocab_size
-        if tuple(inputs.shape) != (C + HEADER,):
+        if isinstance(inputs.shape[0], torch.SymInt):
+            # one program for every chunk length up to `chunk` (export_prefill(dynamic=True)):
+            # C is the traced length; the export's range bounds it
+            C = inputs.shape[0] - HEADER
+        elif tuple(inputs.shape) != (C + HEADER,):
             raise ValueError(f"PrefillChunk({C}): inputs must be [{C + HEADER}] (row, start, n, "
                              f"{C} ids), got {list(inputs.shape)}")
         row, start, n, ids = inputs[0:1], inputs[1:2], inputs[2:3], inputs[HEADER:]

@@ -70,45 +70,46 @@ def _export_rows(module, state: dict, bucket: int, dynamic: bool = False
 
     `dynamic`: `rows`' length is a symbol B in [1, max_rows] (the state's rows but the trash
     row), traced on min(max(bucket, 2), max_rows) rows; each batch size then runs the one
-    program (its own CUDA graph per bucket at load). Sizes are traced size-oblivious
-    (`backed_size_oblivious`): a symbol is not assumed to be 1 anywhere, which is what lets B
-    take 1 as well, and a reference whose result would depend on B being 1 fails the export
-    with a guard on B rather than specializing. The references' row-chunked paths take their
-    traced form for a symbolic row count (kernels/common.py row_matmul, simd_pointwise)."""
+    program (its own CUDA graph per bucket at load): _export."""
     device = state["row.last_pos"].device
     max_rows = state["row.last_pos"].shape[0] - 1
     if not dynamic or max_rows < 2:
-        rows = torch.arange(bucket, device=device)
-        with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-            return torch.export.export(module, (rows, state), strict=False)
+        return _export(module, torch.arange(bucket, device=device), state)
     rows = torch.arange(min(max(bucket, 2), max_rows), device=device)
-    shapes = ({0: torch.export.Dim("B", min=1, max=max_rows)}, {k: None for k in state})
-    with torch.no_grad(), torch.fx.traceback.preserve_node_meta(), \
-            torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        ep = torch.export.export(module, (rows, state), strict=False, dynamic_shapes=shapes)
-    hoist_sizes(ep.graph_module)   # sizes first, out of the fusable regions (dynamic_batch.py)
-    return ep
+    return _export(module, rows, state, torch.export.Dim("B", min=1, max=max_rows))
 
 
 def export_prefill(model, state: dict, chunk: int, dynamic: bool = False
                    ) -> torch.export.ExportedProgram:
     """One static prefill program for chunks of `chunk` tokens (models/prefill_chunk.py);
     traced like export_step, so the fusion passes find the same regions. `dynamic`: one
-    program for every chunk length C in [1, chunk] (inputs [C + 3]), traced like
-    _export_rows(dynamic=True)."""
-    device = state["row.last_pos"].device
+    program for every chunk length C in [1, chunk] (inputs [C + 3]): _export."""
+    inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=state["row.last_pos"].device)
     if not dynamic or chunk < 2:
-        inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=device)
-        with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-            return torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False)
-    inputs = torch.zeros(chunk + HEADER, dtype=torch.int64, device=device)
+        return _export(PrefillChunk(model, chunk), inputs, state)
     # the length itself is the symbol (a derived `Dim + 3` would start at C = 2)
-    shapes = ({0: torch.export.Dim("C_plus_header", min=1 + HEADER, max=chunk + HEADER)},
-              {k: None for k in state})
-    with torch.no_grad(), torch.fx.traceback.preserve_node_meta(), \
-            torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        ep = torch.export.export(PrefillChunk(model, chunk), (inputs, state), strict=False,
-                                 dynamic_shapes=shapes)
+    length = torch.export.Dim("C_plus_header", min=1 + HEADER, max=chunk + HEADER)
+    return _export(PrefillChunk(model, chunk), inputs, state, length)
+
+
+def _export(module, first: torch.Tensor, state: dict, dim=None) -> torch.export.ExportedProgram:
+    """`module(first, state)` exported non-strict with node meta preserved; static, or with
+    `dim` (a torch.export.Dim) as `first`'s length and the state's shapes static.
+
+    A dynamic length is traced size-oblivious (`backed_size_oblivious`): the symbol is not
+    assumed to be 1 anywhere, which lets it take 1 as well (a reference whose result would
+    depend on it being 1 fails the export with a guard rather than specializing; the results
+    at every length are checked by tests/passes/test_dynamic_batch.py). The references'
+    row-chunked paths take their traced form for a symbolic row count (kernels/common.py
+    row_matmul, simd_pointwise), and the size nodes are moved out of the fusable regions
+    (build/dynamic_batch.py)."""
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+        if dim is None:
+            return torch.export.export(module, (first, state), strict=False)
+        shapes = ({0: dim}, {k: None for k in state})
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            ep = torch.export.export(module, (first, state), strict=False,
+                                     dynamic_shapes=shapes)
     hoist_sizes(ep.graph_module)
     return ep
 
