@@ -36,18 +36,17 @@ def simd_pointwise(fn, x: torch.Tensor) -> torch.Tensor:
         return fn(x)
     flat = x.reshape(-1)
     if isinstance(flat.numel(), torch.SymInt):
-        return _padded_rows(flat.unsqueeze(-1), SIMD_PAD, lambda p: fn(p)).view(x.shape)
+        return _padded_rows(flat.unsqueeze(-1), SIMD_PAD, fn).view(x.shape)
     pad = (-flat.numel()) % SIMD_PAD
     return fn(torch.cat((flat, flat.new_zeros(pad))))[:flat.numel()].view(x.shape)
 
 
 def _padded_rows(a2: torch.Tensor, chunk: int, fn) -> torch.Tensor:
-    """fn on a2 [M, K] zero-padded to [ceil(M / chunk), chunk, K] -> [M, ...] rows, for an M
-    that is symbolic (a program exported with a dynamic batch, build/pipeline.py): the eager
-    paths' `if pad:`, `cat` and `split(chunk)` would each guard on M (the count of chunks is
-    a Python int there). The rows are placed and read back by index (index_put / gather, no
-    slice whose bound the shape solver would have to prove), so the padded tensor holds the
-    same values as the eager path's and every row gets the same bits."""
+    """fn on a2 [M, K] zero-padded to [ceil(M / chunk), chunk, K], read back as [M, ...], for
+    an M that is symbolic (a program exported with a dynamic batch, build/pipeline.py): the
+    eager path's `cat` of a pad that may be empty guards on M. The rows are placed and read
+    back by index (index_put / gather, no slice whose bound the shape solver would have to
+    prove), so fn sees the eager path's padded values in the same contiguous layout."""
     M, K = a2.shape
     n = (M + chunk - 1) // chunk
     idx = torch.arange(M, device=a2.device)
@@ -152,16 +151,32 @@ def row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a2 = a.reshape(-1, K)
     M = a2.shape[0]
     if isinstance(M, torch.SymInt):
-        # traced with a dynamic batch: one bmm of the ROW_CHUNK-row chunks, which on the CPU
-        # runs one GEMM of ROW_CHUNK rows per chunk, the eager path's calls (its bits at every
-        # concrete M: tests/build/test_dynamic_batch.py)
-        y = _padded_rows(a2, ROW_CHUNK, lambda c: torch.bmm(c, b.expand(c.shape[0], *b.shape)))
-        return y.reshape(*lead, b.shape[-1])
+        # traced with a dynamic batch (build/pipeline.py): the chunk count is not known, so
+        # the graph calls this very function as one op (dspark::row_matmul), which runs it at
+        # the concrete M. A bmm of the padded chunks is no substitute: MKL's threaded GEMM
+        # sums differently from bmm's per-matrix GEMMs (on 16 threads 25 of 84 fp32/fp64
+        # shapes, M 1-64, K 64-2048, N 24-4096, differed in the last bits; torch 2.13, MKL).
+        return torch.ops.dspark.row_matmul(a2, b).reshape(*lead, b.shape[-1])
     pad = -M % ROW_CHUNK
     if pad:
         a2 = torch.cat((a2, a2.new_zeros(pad, K)))
     y = torch.cat([c @ b for c in a2.split(ROW_CHUNK)]) if a2.shape[0] else a2 @ b
     return y[:M].reshape(*lead, b.shape[-1])
+
+
+@torch.library.custom_op("dspark::row_matmul", mutates_args=())
+def _row_matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """row_matmul(a [M, K], b [K, N]) at a concrete M: the traced form of a row_matmul whose
+    row count is symbolic. A reference helper, not a kernel (kernels/registry.py's KERNELS
+    does not list it): the fused programs hold none, since every traced row_matmul is inside
+    a fusable region."""
+    y = row_matmul(a, b)
+    return y.clone() if y._base is not None else y
+
+
+@_row_matmul_op.register_fake
+def _row_matmul_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
 
 
 # Decoded weights between eager CPU calls of a reference (the CPU engine, the eager model): the
