@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -106,6 +107,30 @@ def test_round_trip_runs_bit_identical_to_ep_module(tiny, dumped):
     assert sorted(program.weight_names) == sorted(weights)
     for seed in (0, 1):
         _assert_same_run(_run(ep.module(), ts, seed), _run(program.module(weights), ts, seed))
+
+
+def test_runner_runs_bit_identical_to_ep_module_and_its_source_holds_no_file_text(tiny,
+                                                                                   dumped):
+    """ProgramRunner (engine_dir/graph_run.py: the engine's fast callable) leaves the same
+    outputs and state as ep.module() bit for bit; its generated function names values by
+    position and takes every literal, operator and tensor from its pools, so none of the file's
+    names or literals is in its code; calls of another shape are refused like the module's."""
+    from dspark_compile.engine_dir.graph_run import ProgramRunner
+    ts, ep, weights = tiny
+    program = read_program(*dumped)
+    runner = ProgramRunner(program, weights)
+    for seed in (0, 1):
+        _assert_same_run(_run(ep.module(), ts, seed), _run(runner, ts, seed))
+    code = runner._run.__code__
+    assert all(c is None or type(c) is int for c in code.co_consts), code.co_consts[:10]
+    assert set(code.co_names) == set()
+    assert all(re.fullmatch(r"_[awk]|_ops|[awvc]\d+", v) for v in code.co_varnames)
+    assert runner.get_buffer("b_model_embed_weight") is weights["model.embed.weight"]
+    assert len(runner.graph.nodes) == len(ep.module().graph.nodes)   # tools: the fx graph
+    from dspark_compile.models.random_requests import prefilled_state
+    rows, state = prefilled_state(ts.model, ts.cache, 2, 0)
+    with pytest.raises(ValueError, match="input 'rows' must be"):
+        runner(rows[:1], state)
 
 
 def test_greedy_variant_written_at_build_matches_load_time_variant(tiny):

@@ -48,6 +48,7 @@ from dspark_compile.kernels.sampling.reference import GREEDY_BELOW, greedy_rows
 from dspark_compile.engine_dir.fields import engine_configs
 from dspark_compile.engine_dir.format import BACKENDS, STEP, TARGET, ProgramKey
 from dspark_compile.engine_dir.kernel_store import install
+from dspark_compile.engine_dir.graph_run import ProgramRunner
 from dspark_compile.engine_dir.load import (load_prefill_programs, load_program,
     load_target_programs, program_variants)
 from dspark_compile.models.config import rope_positions
@@ -239,9 +240,10 @@ class Engine:
             self.compiled_load_seconds[b] = seconds
 
     def _module(self, program) -> torch.nn.Module:
-        """The runnable module of a loaded GraphProgram, built once per program."""
+        """The runnable module of a loaded GraphProgram (engine_dir/graph_run.py
+        ProgramRunner), built once per program."""
         if id(program) not in self._modules:
-            self._modules[id(program)] = program.module()
+            self._modules[id(program)] = ProgramRunner(program)
         return self._modules[id(program)]
 
     def _load_prefill(self, weights: dict, prefill: str | None):

@@ -22,6 +22,7 @@ import torch
 
 from dspark_compile.engine_dir.format import PREFILL, ArtifactError
 from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule, HEADER
+from dspark_compile.engine_dir.graph_run import ProgramRunner
 from dspark_compile.runtime.cuda_graphs import capture_graph, warm_up
 from dspark_compile.runtime.inductor import CompiledStep, compiled_table_paths
 
@@ -47,7 +48,7 @@ class PrefillPrograms:
             built: dict = {}          # a dynamic program serves every chunk: one module
             for p in programs.values():
                 if id(p) not in built:
-                    built[id(p)] = p.module()
+                    built[id(p)] = ProgramRunner(p)
             self.modules = {c: built[id(p)] for c, p in programs.items()}
         self.graphs: dict[int, tuple] = {}     # C -> (CUDAGraph, output first [1])
         self.capture_seconds: dict[int, float] = {}
