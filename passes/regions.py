@@ -155,8 +155,13 @@ def _check_closed(reg: Region, members: set, user_inputs: frozenset) -> None:
                                   f"'{leak[0].name}' without an output marker")
         if n not in args:
             for i in n.all_input_nodes:
+                # a symbolic size (a program exported for every batch size reads the sizes
+                # that build/dynamic_batch.py hoisted above every region): the op derives it
+                # from its arguments' shapes, nothing flows through it
                 constant = i.op == "get_attr" or (i.op == "placeholder"
-                                                   and i.name not in user_inputs)
+                                                   and i.name not in user_inputs) or (
+                    i.op == "call_function" and isinstance(
+                        i.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat)))
                 if i not in members and not constant:
                     raise RegionError(f"{reg.where}: node '{n.name}' reads '{i.name}' from outside "
                                       "the region without an argument marker")

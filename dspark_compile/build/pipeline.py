@@ -162,9 +162,10 @@ def _export_bucket(model, state: dict, cache, b: int, pm, bc: BuildConfig, log, 
     program for that chunk length; with `dynamic`, the program of every bucket, traced at b)
     exported and run through the pass pipeline; (program, pass stats)."""
     what = (f"prefill chunk {chunk}" if chunk else f"target bucket {b}" if target
-            else f"bucket {b}") + (" (every bucket)" if dynamic else "")
+            else f"bucket {b}") + ((" (every chunk)" if chunk else " (every bucket)")
+                                   if dynamic else "")
     t = time.perf_counter()
-    ep = (export_prefill(model, state, chunk) if chunk else
+    ep = (export_prefill(model, state, chunk, dynamic) if chunk else
           export_target(model, state, b, dynamic) if target else
           export_step(model, state, b, dynamic))
     log(f"[export] {what}: {len(ep.graph.nodes)} nodes in {time.perf_counter() - t:.1f}s")
@@ -229,20 +230,24 @@ def _export_programs(model, cfg, cache, bc: BuildConfig, pconf: PassConfig, log)
         keys += [ProgramKey(TARGET, b) for b in sorted(bc.buckets, reverse=True)]
     keys += [ProgramKey(PREFILL, c) for c in sorted(bc.prefill_chunks, reverse=True)]
     every, stats = {}, {}
-    dynamic = bc.dynamic_batch and len(bc.buckets) > 1
+    # --dynamic-batch: the largest size of each kind is exported for every size of its kind
+    # (buckets; prefill chunk lengths), when it has more than one
+    sizes = {kind: sorted({k.size for k in keys if k.kind == kind}) for kind in (STEP, TARGET,
+                                                                                PREFILL)}
+    dynamic = {kind: bc.dynamic_batch and len(s) > 1 for kind, s in sizes.items()}
     for key in keys:
-        if dynamic and key.kind != PREFILL and key.size != max(bc.buckets):
-            continue                 # the largest bucket's program serves them all (below)
+        if dynamic[key.kind] and key.size != sizes[key.kind][-1]:
+            continue                 # served by the largest size's program (below)
         state = allocate_state(cfg, cache, bc.precision(), bc.device)
         pm = PassManager(bc.passes, pconf)
         kind = ({"chunk": key.size} if key.kind == PREFILL else
                 {"target": True} if key.kind == TARGET else {})
         every[key], stats[key.listed] = _export_bucket(
             model, state, cache, 0 if key.kind == PREFILL else key.size, pm, bc, log, **kind,
-            dynamic=dynamic and key.kind != PREFILL)
+            dynamic=dynamic[key.kind])
     for key in keys:
-        if key not in every:         # a bucket served by the dynamic program of its kind
-            top = ProgramKey(key.kind, max(bc.buckets))
+        if key not in every:         # a size served by the dynamic program of its kind
+            top = ProgramKey(key.kind, sizes[key.kind][-1])
             every[key], stats[key.listed] = every[top], stats[top.listed]
     return every, stats, pm, state
 

@@ -123,8 +123,6 @@ def test_each_batch_equals_the_eager_target_step(tiny, B):
     _assert_same_step(TargetStep(tiny.model), tiny.target, tiny, B, (0,))
 
 
-@pytest.mark.xfail(strict=True, reason="passes/regions.py _check_closed refuses a region that "
-                   "reads a symbolic size computed outside it (issue 52 item 2 report)")
 def test_every_fusion_matches(tiny, tiny_step_lib):
     """The passes fuse every region of the dynamic program, as of the static one: each fusion
     pass matches every region of its ops, counted from the config (tests/passes/tiny_step.py

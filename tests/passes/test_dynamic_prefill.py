@@ -93,8 +93,6 @@ def test_each_chunk_length_equals_the_eager_chunk(tiny, C):
                 f"C={C} seed {seed}: state '{k}' differs"
 
 
-@pytest.mark.xfail(strict=True, reason="passes/regions.py _check_closed refuses a region that "
-                   "reads a symbolic size computed outside it (issue 52 item 2 report)")
 def test_every_fusion_matches(tiny, tiny_step_lib):
     """Every fusable region of the dynamic program is fused: no region annotation is left and
     the sampler fused (the prefill's `sample` and the draft block's markov_sample)."""
