@@ -8,9 +8,9 @@ on disk and N in memory). A program's graph names them (engine_dir/graph_format.
 each program takes from the shared file is listed in the manifest
 (`programs[B].shared_weights`). Tensors that are not module weights (constants export lifts out
 of `forward`, e.g. `torch.tensor(...)` literals, which may differ per bucket under one name) are
-the program's own constants file. State tensors (caches) are user inputs: the runtime allocates them; they are not part of
-the engine. Dtypes safetensors cannot read back (float8_e8m0fnu) are stored as a uint8 view and
-viewed back on load (the manifest records the real dtype).
+the program's own constants file. State tensors (caches) are user inputs: the runtime allocates
+them; they are not part of the engine. Dtypes safetensors cannot read back (float8_e8m0fnu) are
+stored as a uint8 view and viewed back on load (the manifest records the real dtype).
 """
 from __future__ import annotations
 
