@@ -52,7 +52,7 @@ from dspark_compile.engine_dir.graph_run import ProgramRunner
 from dspark_compile.engine_dir.load import (load_prefill_programs, load_program,
     load_target_programs, program_variants)
 from dspark_compile.models.config import rope_positions
-from dspark_compile.models.moe import sync_kernel_layouts, use_kernel_layouts
+from dspark_compile.models.moe import Experts, sync_kernel_layouts
 from dspark_compile.models.prefill_chunk import chunk_schedule
 from dspark_compile.models.request import SamplingParams, validate_batch
 from dspark_compile.models.generate import set_row_sampling
@@ -305,12 +305,19 @@ class Engine:
         sd = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         own = dict(model.named_buffers())
         probe = next((k for k in sd if k.endswith(".experts.w1_weight") and k in own), None)
-        if probe is not None and sd[probe].shape != own[probe].shape:
-            # the build stored the MoE experts in their kernel's layout (models/moe.py
-            # use_kernel_layouts, an exact permutation): the eager model takes it too, and its
-            # moe_experts calls name it
-            use_kernel_layouts(model, self.build.precision().dtype)
         tiled = probe is not None and sd[probe].shape != own[probe].shape
+        if tiled:
+            # the build stored the MoE experts in their kernel's layout (models/moe.py
+            # use_kernel_layouts, an exact permutation): the eager model takes those tensors as
+            # they are (its buffers shaped like them here, on the meta device: converting the
+            # model's zero-filled experts first took 6 of a 12 s tiny-deep CPU load), and
+            # sync_kernel_layouts names the layout its moe_experts calls pass
+            for name, m in model.named_modules():
+                if isinstance(m, Experts):
+                    for b in m.NAMES:
+                        t = sd.get(f"{name}.{b}")
+                        if t is not None:
+                            setattr(m, b, torch.empty(t.shape, dtype=t.dtype, device="meta"))
         persistent = set(model.state_dict())
         # non-persistent buffers (RoPE tables) are rebuilt by the model itself
         missing, unexpected = model.load_state_dict({k: v for k, v in sd.items() if k in persistent},
@@ -320,8 +327,7 @@ class Engine:
             raise ValueError(f"engine weights do not fit the model: missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}")
         if tiled:
-            # the layout's name (its `wide` flag) follows the loaded scale bytes, not the empty
-            # buffers use_kernel_layouts shaped
+            # the layout's name (tiles and `wide` flag) follows the loaded tensors
             sync_kernel_layouts(model)
         return model.eval()
 
