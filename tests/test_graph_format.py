@@ -329,3 +329,25 @@ def test_weight_names_clashing_with_module_attributes_refused(tiny, dumped):
         program = read_program(text.replace(f'"{old}"', f'"{bad}"').encode(), None)
         with pytest.raises(ArtifactError, match=f"'{bad}', which clashes"):
             program.module(weights)
+
+
+def test_model_parts_travel_with_the_nodes(tiny, dumped):
+    """Each node keeps the model part the build decided (engine_dir/parts.py), so per-layer
+    tools work on a loaded program; a part that is not a part name, or an index outside the
+    table, is refused."""
+    from dspark_compile.engine_dir.parts import node_part
+    _, ep, weights = tiny
+    program = read_program(*dumped)
+    want = {n.name: node_part(n) for n in ep.graph.nodes if n.op == "call_function"}
+    assert program.parts == want and {"layers.0", "mtp.0", "sampler", "head"} <= set(want.values())
+    gm = program.module(weights)
+    assert {n.name: n.meta["dspark_part"] for n in gm.graph.nodes
+            if n.op == "call_function" and "dspark_part" in n.meta} == want
+    doc = json.loads(dumped[0])
+    for edit, says in ((lambda d: d["parts"].append("x'); import os"), "parts"),
+                       (lambda d: d["nodes"][0].update(part=len(d["parts"])), "part")):
+        bad = json.loads(dumped[0])
+        edit(bad)
+        with pytest.raises(ArtifactError, match=says):
+            read_program(json.dumps(bad).encode(), dumped[1])
+    assert doc["parts"]

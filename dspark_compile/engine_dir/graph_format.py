@@ -26,7 +26,8 @@ weights.safetensors by name.
         {"name": "rows", "kind": "user", "dtype": "int64", "shape": [2]}, ...],
      "nodes": [                                  # call_function nodes in graph order
         {"name": "view", "op": "aten.view.default", "args": [{"node": "x"}, [2, 32]],
-         "kwargs": {}}, ...],
+         "kwargs": {}, "part": 1}, ...],           # part: optional, an index into "parts"
+     "parts": ["step", "layers.0", ...],         # optional: the model parts the nodes name
      "outputs": [                                # the graph's flat outputs, in order
         {"kind": "user", "value": {"node": "getitem_3"}},
         {"kind": "user_input_mutation", "target": "state_row_tokens", "value": {"node": "x"}}]}
@@ -59,6 +60,8 @@ import operator
 from typing import Optional
 
 import torch
+
+from dspark_compile.engine_dir.parts import node_part
 
 FORMAT, VERSION = "dspark-graph", 1
 # a literal's nesting below a node's argument tuple: aten's deepest is a list of optional
@@ -125,11 +128,14 @@ def dump_program(ep: torch.export.ExportedProgram, shared: Optional[set] = None,
                 table = ep.constants if spec.target in ep.constants else ep.state_dict
                 constants[spec.target] = table[spec.target].detach().cpu().contiguous()
         inputs.append(entry)
-    nodes = []
+    nodes, parts = [], {}
     for n in graph.nodes:
         if n.op == "call_function":
+            # the model part, for tools (engine_dir/parts.py): an index into the doc's "parts"
+            part = parts.setdefault(n.meta.get("dspark_part") or node_part(n), len(parts))
             nodes.append({"name": n.name, "op": _op_name(n), "args": [_enc(a, n) for a in n.args],
-                          "kwargs": {k: _enc(v, n) for k, v in n.kwargs.items()}})
+                          "kwargs": {k: _enc(v, n) for k, v in n.kwargs.items()},
+                          "part": part})
         elif n.op not in ("placeholder", "output"):
             raise ValueError(f"node '{n.name}' is a {n.op} node; the format holds call_function "
                              "nodes only")
@@ -152,7 +158,7 @@ def dump_program(ep: torch.export.ExportedProgram, shared: Optional[set] = None,
         [f"arg{i}" for i in range(in_spec.child(0).num_children)]
     doc = {"format": FORMAT, "version": VERSION, "arg_names": names,
            "in_spec": _spec_enc(in_spec), "out_spec": _spec_enc(ep.call_spec.out_spec),
-           "inputs": inputs, "nodes": nodes, "outputs": outputs,
+           "inputs": inputs, "nodes": nodes, "outputs": outputs, "parts": list(parts),
            **({"sizes": sizes} if sizes else {})}
     data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     return data, (save(constants) if constants else None)

@@ -24,6 +24,8 @@ from dspark_compile.engine_dir.graph_format import (
 
 _TOP = {"format", "version", "arg_names", "in_spec", "out_spec", "inputs", "nodes", "outputs"}
 _NODE = {"name", "op", "args", "kwargs"}
+# a model part's name (engine_dir/parts.py): layers.3, mtp.0, draft.context, step ...
+_PART_NAME = re.compile(r"[a-z][a-z0-9_.]{0,39}")
 _LIFTED = ("parameter", "buffer", "constant")
 _MUTATIONS = {"user_input_mutation": "user", "buffer_mutation": "buffer",
               "parameter_mutation": "parameter"}
@@ -237,6 +239,7 @@ class GraphProgram:
         self.outputs: list[tuple] = outputs      # (kind, target, value)
         self.constants: dict = constants
         self.sizes: dict = {}        # symbol -> (min, max) of a program with dynamic sizes
+        self.parts: dict = {}        # node name -> its model part (engine_dir/parts.py)
         self.weights: Optional[Mapping[str, torch.Tensor]] = None     # bind()
 
     def bind(self, weights: Mapping[str, torch.Tensor]) -> "GraphProgram":
@@ -307,6 +310,8 @@ class GraphProgram:
         for name, op, args, kwargs in self.nodes:
             env[name] = graph.create_node("call_function", op, _resolve(args, env),
                                           _resolve(kwargs, env), name=name)
+            if name in self.parts:
+                env[name].meta["dspark_part"] = self.parts[name]
         users, copies = [], {}
         for kind, target, value in self.outputs:
             value = _resolve(value, env)
@@ -470,7 +475,11 @@ def read_program(graph: bytes, constants: Optional[bytes] = None,
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise r.fail(f"its graph is not readable JSON ({type(e).__name__}: "
                      f"{str(e)[:120]})") from None
-    r.fields(doc, _TOP, {"sizes"}, "its graph")
+    r.fields(doc, _TOP, {"sizes", "parts"}, "its graph")
+    parts = doc.get("parts", [])
+    if not (isinstance(parts, list) and len(parts) <= 4096 and all(
+            isinstance(p, str) and _PART_NAME.fullmatch(p) for p in parts)):
+        raise r.fail("its parts are not a list of model part names")
     sizes = r.read_sizes(doc.get("sizes", {}))
     if doc["format"] != FORMAT or not _is_int(doc["version"]) or doc["version"] != VERSION:
         raise r.fail(f"it is format {str(doc['format'])[:40]!r} version "
@@ -493,7 +502,7 @@ def read_program(graph: bytes, constants: Optional[bytes] = None,
         raise r.fail(f"its in_spec has {in_spec.child(0).num_children} arguments, arg_names "
                      f"{len(names)}")
     inputs = _read_inputs(r, doc["inputs"])
-    nodes = _read_nodes(r, doc["nodes"])
+    nodes, node_parts = _read_nodes(r, doc["nodes"], parts)
     outputs = _read_outputs(r, doc["outputs"], inputs)
     n_user = sum(i.kind == "user" for i in inputs)
     if n_user != in_spec.num_leaves:
@@ -504,6 +513,7 @@ def read_program(graph: bytes, constants: Optional[bytes] = None,
     program = GraphProgram(rel, names, in_spec, out_spec, inputs, nodes, outputs,
                            _read_constants(r, constants, inputs))
     program.sizes = sizes
+    program.parts = node_parts
     return program
 
 
@@ -543,12 +553,18 @@ def _read_inputs(r: _Reader, entries) -> list:
     return out
 
 
-def _read_nodes(r: _Reader, entries) -> list:
+def _read_nodes(r: _Reader, entries, parts: list) -> tuple:
+    """(nodes, {node name: its model part}) of the graph's node list."""
     if not isinstance(entries, list):
         raise r.fail("its nodes are not a list")
-    out = []
+    out, named = [], {}
     for k, e in enumerate(entries):
-        r.fields(e, _NODE, set(), f"node {k}")
+        r.fields(e, _NODE, {"part"}, f"node {k}")
+        if "part" in e:
+            if not (_is_int(e["part"]) and 0 <= e["part"] < len(parts)):
+                raise r.fail(f"node {k} names the part {str(e['part'])[:20]}, not an index "
+                             "into its parts")
+            named[e["name"]] = parts[e["part"]]
         what = f"node '{str(e['name'])[:80]}'"
         op = r.op(e["op"], what)
         if not isinstance(e["args"], list) or not isinstance(e["kwargs"], dict):
@@ -557,7 +573,7 @@ def _read_nodes(r: _Reader, entries) -> list:
         kwargs = {key: r.value(v, what) for key, v in e["kwargs"].items()}
         _check_call(r, op, args, kwargs, what)
         out.append((r.define(e["name"], f"node {k}"), op, args, kwargs))
-    return out
+    return out, named
 
 
 def _check_call(r: _Reader, op, args: tuple, kwargs: dict, what: str) -> None:
