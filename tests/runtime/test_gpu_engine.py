@@ -226,7 +226,8 @@ def test_the_in_place_check_catches_a_functionalised_step(gpu_engine, live_rows,
     every cache update an out-of-place index_put copied back) is caught."""
     eng = gpu_engine
     b = min(buckets)
-    functional = eng.programs[b].run_decompositions().module()
+    program = eng.programs[b]        # traced again at this bucket's size (a dynamic program too)
+    functional = program.exported({k: b for k in program.sizes}).run_decompositions().module()
     copies = _whole_state_copies(eng, functional, random.Random(b).sample(live_rows, b))
     assert copies, "a functionalised step's whole-cache copies went unnoticed"
 
