@@ -389,6 +389,8 @@ def test_engine_without_the_verify_state_is_refused():
     """A program exported before the decode state had `row.verify` is refused at load naming
     the field (artifact.check_state_layout, called by Engine), not failed at its first step."""
     from dspark_compile.engine_dir.format import ArtifactError
+    from dspark_compile.engine_dir.graph_format import dump_program
+    from dspark_compile.engine_dir.graph_read import read_program
     from dspark_compile.engine_dir.load import check_state_layout
 
     class Step(torch.nn.Module):
@@ -396,7 +398,7 @@ def test_engine_without_the_verify_state_is_refused():
             return state["row.seed"][rows] + 1
 
     old = {"row.seed": torch.zeros(3, dtype=torch.int64)}
-    ep = torch.export.export(Step(), (torch.arange(2), old))
+    ep = read_program(*dump_program(torch.export.export(Step(), (torch.arange(2), old))))
     check_state_layout({2: ep}, old)
     with pytest.raises(ArtifactError, match=r"lacks the state fields \['row.verify'\]"):
         check_state_layout({2: ep}, {**old, "row.verify": torch.zeros(3, dtype=torch.int64)})
