@@ -259,7 +259,7 @@ class Engine:
             return None
         return PrefillPrograms(self.dir, self.manifest,
                                load_prefill_programs(self.dir, self.manifest, weights),
-                               self.state, self.device, self.backend, chunks)
+                               self.state, self.device, self.backend, chunks, self._module)
 
     def _load_target(self, weights: dict) -> None:
         """Every bucket's target-only step into the table: the program's module (aten) or its

@@ -22,7 +22,6 @@ import torch
 
 from dspark_compile.engine_dir.format import PREFILL, ArtifactError
 from dspark_compile.models.prefill_chunk import chunk_inputs, chunk_schedule, HEADER
-from dspark_compile.engine_dir.graph_run import ProgramRunner
 from dspark_compile.runtime.cuda_graphs import capture_graph, warm_up
 from dspark_compile.runtime.inductor import CompiledStep, compiled_table_paths
 
@@ -31,7 +30,7 @@ class PrefillPrograms:
     """The prefill programs of one loaded engine, bound to its decode state."""
 
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, state: dict,
-                 device: torch.device, backend: str, chunks: tuple):
+                 device: torch.device, backend: str, chunks: tuple, runner):
         if sorted(programs) != sorted(chunks):
             raise ArtifactError(f"manifest field 'prefill_programs': programs for chunks "
                                 f"{sorted(programs)}, build_config.prefill_chunks says "
@@ -45,11 +44,9 @@ class PrefillPrograms:
             self.modules = {c: CompiledStep(Path(engine_dir) / paths[c], programs[c],
                                             self.inputs[c], state) for c in self.chunks}
         else:
-            built: dict = {}          # a dynamic program serves every chunk: one module
-            for p in programs.values():
-                if id(p) not in built:
-                    built[id(p)] = ProgramRunner(p)
-            self.modules = {c: built[id(p)] for c, p in programs.items()}
+            # `runner`: the engine's one callable per program (a dynamic program serves every
+            # chunk length)
+            self.modules = {c: runner(p) for c, p in programs.items()}
         self.graphs: dict[int, tuple] = {}     # C -> (CUDAGraph, output first [1])
         self.capture_seconds: dict[int, float] = {}
 
