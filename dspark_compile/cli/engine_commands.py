@@ -252,10 +252,12 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                    help="processes compiling side by side: a CUDA build's Triton kernels (default "
                         "0: one per core, bounded by memory) and, with --backend inductor, its "
                         "programs (0: one per program, up to half the cores); 1: in this process")
-    p.add_argument("--dynamic-batch", action="store_true",
-                   help="one step (and target-only) program for every bucket, exported with a "
-                        "dynamic batch size: export, passes and load no longer grow with the "
-                        "bucket count (each bucket still gets its own CUDA graph)")
+    p.add_argument("--static-batch", action="store_true",
+                   help="one program per bucket and per prefill chunk length, each exported at "
+                        "its own size (default: one step, one target-only and one prefill "
+                        "program exported with a dynamic size for every bucket / chunk length, "
+                        "so export, passes and load do not grow with the bucket count; each "
+                        "bucket still gets its own CUDA graph)")
     p.add_argument("--no-target-programs", action="store_true",
                    help="leave out each bucket's target-only program (one token per row, no "
                         "draft: the engine's own non-speculative decoding, which run "
@@ -280,7 +282,7 @@ def _build_device(args) -> str:
                 "out_dir": "--out", "compile_workers": "--compile-workers",
                 "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs",
                 "prefill_chunks": "--prefill-chunks", "target_programs": "--no-target-programs",
-                "dynamic_batch": "--dynamic-batch",
+                "dynamic_batch": "--static-batch",
                 "overwrite=True": "--overwrite"})
 def cmd_build(args) -> int:
 
@@ -299,7 +301,7 @@ def cmd_build(args) -> int:
                      device=dev, backend=args.backend, compile_workers=args.compile_workers or 0,
                      prefill_chunks=args.prefill_chunks,
                      target_programs=not args.no_target_programs, overwrite=args.overwrite,
-                     dynamic_batch=args.dynamic_batch)
+                     dynamic_batch=not args.static_batch)
     out = Path(args.out)
     if (out / MANIFEST).is_file() and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")

@@ -35,9 +35,12 @@ class BuildConfig:
     # compares the speculative output with; ~half a step's export each (the CLI's default: on)
     target_programs: bool = False
     # one step program (and one target-only program) for every bucket, exported with a dynamic
-    # batch size B in [1, max_rows] (build/pipeline.py): export, passes, storage and load stop
-    # growing with the bucket count; each bucket still captures its own CUDA graph
-    dynamic_batch: bool = False
+    # batch size B in [1, max_rows], and one prefill program for every chunk length
+    # (build/pipeline.py): export, passes, storage and load stop growing with the bucket count;
+    # each bucket still captures its own CUDA graph. False (build --static-batch): one program
+    # per size. The Inductor backend compiles one program per shape either way, so it exports
+    # per size (__post_init__)
+    dynamic_batch: bool = True
     dtype: str = "float32"          # compute dtype of activations
     act_quant: bool = True          # simulate FP8 activation quant at FP8 GEMMs
     kv_fp8: bool = True             # FP8 (fp8_ds_mla-style) KV caches
@@ -66,6 +69,8 @@ class BuildConfig:
     def __post_init__(self):
         if not self.backend:
             self.backend = "aten"
+        if self.backend == "inductor":
+            self.dynamic_batch = False
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
         if self.compile_workers < 0:
