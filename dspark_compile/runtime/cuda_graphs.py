@@ -6,6 +6,7 @@
     capture_graph(fn, args)    fn(*args) captured into the shared pool on the capture stream
     packed(fn)                 a step whose two outputs (tokens [B, N+1], num [B]) come back as
                                one int64 tensor [B, N+2], so one device-to-host copy reads a step
+                               (a logprobs step's payload after them)
     StepGraph                  a captured step: its graph, its static rows input, its output
 
 A graph's outputs are static tensors in the pool: valid until the next replay of any graph of
@@ -41,9 +42,15 @@ def capture_graph(fn, args: tuple, device: torch.device, pool, stream):
     return graph, out
 
 
-def pack(tokens: torch.Tensor, num: torch.Tensor) -> torch.Tensor:
-    """[B, N+1] committed tokens and [B] counts as one [B, N+2] int64 tensor (the count last)."""
-    return torch.cat((tokens.to(torch.int64), num.to(torch.int64)[:, None]), 1)
+def pack(tokens: torch.Tensor, num: torch.Tensor, payload: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """[B, N+1] committed tokens and [B] counts as one [B, N+2] int64 tensor (the count last);
+    a logprobs step's float32 payload [B, P] (runtime/logprobs.py) follows as P int64 columns
+    holding its bits: [B, N+2+P], still one device-to-host copy."""
+    parts = [tokens.to(torch.int64), num.to(torch.int64)[:, None]]
+    if payload is not None:
+        parts.append(payload.contiguous().view(torch.int32).to(torch.int64))
+    return torch.cat(parts, 1)
 
 
 def unpack(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +59,8 @@ def unpack(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def packed(fn):
-    """The step `fn(rows, state) -> (tokens, num)` returning pack(tokens, num): a graph of it ends
-    with one small concatenation, and a step's outputs are one contiguous tensor."""
+    """The step `fn(rows, state) -> (tokens, num[, payload])` returning pack(...): a graph of it
+    ends with one small concatenation, and a step's outputs are one contiguous tensor."""
     def step(rows, state):
         return pack(*fn(rows, state))
     return step

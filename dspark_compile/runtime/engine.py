@@ -60,6 +60,8 @@ from dspark_compile.models.state import allocate_state, check_prefill
 from dspark_compile.models.step import prefill
 from dspark_compile.models.target import DeepseekV4
 from dspark_compile.runtime.inductor import compiled_entries, compiled_table_paths, CompiledStep
+from dspark_compile.runtime import logprobs as lp
+from dspark_compile.runtime.logprobs import logprob_table
 from dspark_compile.runtime.prefill import PrefillPrograms
 from dspark_compile.runtime.scheduler import GenerationStream, program_for
 
@@ -97,6 +99,8 @@ class Launched:
     host: torch.Tensor
     event: object = None
     key: ProgramKey | None = None
+    # a logprobs call's payload columns (the same host copy; runtime/logprobs.py), else None
+    payload: torch.Tensor | None = None
 
     @property
     def bucket(self) -> int:
@@ -129,7 +133,7 @@ class Program:
 class Engine:
     def __init__(self, engine_dir: Path, manifest: dict, programs: dict, weights: dict,
                  device: torch.device, use_graphs: bool, greedy_variants: bool = True,
-                 prefill: str | None = None, target: bool = True):
+                 prefill: str | None = None, target: bool = True, logprobs: bool = True):
 
         self.dir, self.manifest, self.device = engine_dir, manifest, device
         self.cfg, self.build = engine_configs(manifest)   # names a missing or broken field
@@ -166,6 +170,13 @@ class Engine:
         self.prefill_programs = self._load_prefill(weights, prefill)
         if target:
             self._load_target(weights)
+        # each step program's logprobs variant, derived from its graph (runtime/logprobs.py),
+        # run only for steps where a row asks: {the step's key: its callable as a Program}
+        self.logprob_programs = ({k: Program(fn) for k, fn in
+                                  logprob_table(self.table, self._module).items()}
+                                 if logprobs else {})
+        if logprobs and self.prefill_programs is not None:
+            self.prefill_programs.derive_logprobs(self._module)
         self._stream = None      # the open GenerationStream (weak reference), one at a time
         self.capture_seconds: dict[int, float] = {}
         self.graph_pool_bytes: dict[int, int] = {}
@@ -179,7 +190,8 @@ class Engine:
     def load(cls, engine_dir, device=None, use_graphs: bool | None = None, expect: dict | None = None,
              record_graph_memory: bool = True, greedy_variants: bool = True,
              backend: str | None = None, prefill: str | None = None,
-             kernels: str = "use", target: bool = True, trust_code: bool = False) -> "Engine":
+             kernels: str = "use", target: bool = True, trust_code: bool = False,
+             logprobs: bool = True) -> "Engine":
         """`greedy_variants`: also keep (and on CUDA capture) each bucket's step with the greedy
         draft-sampler plan, used for steps whose live rows are all greedy. `backend`: refuse an
         engine built with another --backend (manifest field 'build_config.backend'); None =
@@ -192,7 +204,9 @@ class Engine:
         target-only programs, when it has them (build --no-target-programs leaves them out),
         for speculative=False; False saves their load and capture. `trust_code`: load an
         engine whose programs are code (--backend inductor: generated Python in compiled/),
-        refused otherwise; an aten engine's load executes nothing from its directory."""
+        refused otherwise; an aten engine's load executes nothing from its directory.
+        `logprobs`: also derive (and on CUDA capture) each step's and prefill program's
+        logprobs variant (runtime/logprobs.py), run for calls where a request asks."""
         t0 = time.perf_counter()
         if prefill not in (None, "programs", "eager"):
             raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")
@@ -219,7 +233,7 @@ class Engine:
                                                   trust_code=trust_code)
         install(engine_dir, manifest, device, kernels)    # before anything launches a kernel
         eng = cls(engine_dir, manifest, programs, weights, device, use_graphs, greedy_variants,
-                  prefill, target)
+                  prefill, target, logprobs)
         eng.load_seconds = time.perf_counter() - t0
         if use_graphs and record_graph_memory:
             eng._record_load()
@@ -366,6 +380,18 @@ class Engine:
                                   f"the full program")
                     continue
                 added += more
+            for key in (ProgramKey(STEP, b), ProgramKey(STEP, b, "greedy")):
+                program = self.logprob_programs.get(key)
+                if program is None:
+                    continue
+                try:
+                    program.graph, more = self._capture(program.fn, b, pool, stream, warmup)
+                except Exception as e:  # noqa: BLE001 -- logprobs must not fail the load
+                    del self.logprob_programs[key]
+                    warnings.warn(f"bucket {b}: the logprobs variant of {key} could not be "
+                                  f"captured ({type(e).__name__}: {str(e)[:200]})")
+                    continue
+                added += more
             self.capture_seconds[b] = time.perf_counter() - t
             self.graph_pool_bytes[b] = int(added)
         if self.prefill_programs is not None:
@@ -444,6 +470,10 @@ class Engine:
         target-only programs too)."""
         return key in self.table
 
+    def has_logprobs(self, key: ProgramKey) -> bool:
+        """Whether step program `key` has a logprobs variant (runtime/logprobs.py)."""
+        return key in self.logprob_programs
+
     def program(self, key: ProgramKey) -> Program:
         """Program `key` as loaded: its callable and its captured graph (None off CUDA)."""
         if key not in self.table:
@@ -463,7 +493,8 @@ class Engine:
         self.times.seconds += time.perf_counter() - t     # the launch counted its own
         return unpack(host)
 
-    def launch(self, rows: list[int], key: ProgramKey, use_graph: bool = True) -> Launched:
+    def launch(self, rows: list[int], key: ProgramKey, use_graph: bool = True,
+               logprobs: bool = False) -> Launched:
         """Enqueue one call of program `key` (a step, its greedy variant, or a target-only step,
         of bucket b = key.size; which one: the scheduler's program_for) on `rows` (valid state
         rows, at most b; the rest padded with the trash row) and the copy of its outputs to the
@@ -473,8 +504,9 @@ class Engine:
         without reading their outputs. On CUDA: one host-to-device copy of the rows (pinned,
         asynchronous) and one device-to-host copy of the packed outputs [n, N+2] (pinned,
         asynchronous, enqueued before any later replay can overwrite the pool). A target-only
-        program's outputs are [n, 2]."""
-        program = self.program(key)
+        program's outputs are [n, 2]. `logprobs`: program `key`'s logprobs variant, its payload
+        columns in the Launched's `payload`."""
+        program = self.logprob_programs[key] if logprobs else self.program(key)
         n, b = len(rows), key.size
         t = time.perf_counter()
         cuda = self.device.type == "cuda"
@@ -498,7 +530,9 @@ class Engine:
         self.times.steps += 1
         self.times.seconds += time.perf_counter() - t
         self.times.per_bucket[b] = self.times.per_bucket.get(b, 0) + 1
-        launched = Launched(host, event, key)
+        w = self.cfg.dspark_block_size + 2            # tokens | num, then the payload
+        launched = (Launched(host[:, :w], event, key, host[:, w:]) if logprobs
+                    else Launched(host, event, key))
         self.times.greedy_steps += int(launched.greedy)
         self.times.target_steps += int(launched.target)
         return launched
@@ -550,28 +584,48 @@ class Engine:
         return chunk_schedule(len(prompt), self.prefill_programs.chunks)
 
     @torch.no_grad()
-    def launch_prefill(self, row: int, prompt: list[int], calls: list) -> Launched:
+    def launch_prefill(self, row: int, prompt: list[int], calls: list,
+                       logprobs: bool = False) -> Launched:
         """Enqueue `calls` (consecutive entries of prefill_calls(prompt), in order) of the
         prompt's prefill into state row `row` (its sampling parameters set); when they end the
         prompt, returns the first token's Launched (its device-to-host copy enqueued like a
         step's), else a Launched already done. The eager reference runs the whole prompt at
-        once, and synchronously."""
+        once, and synchronously. `logprobs`: the first token's payload (runtime/logprobs.py)
+        in the Launched's `payload` [1, P]."""
         if self.prefill_programs is None:
-            return Launched(torch.tensor([self.prefill(row, prompt)]))
+            if not logprobs:
+                return Launched(torch.tensor([self.prefill(row, prompt)]))
+            first, logits = prefill(self.model, self.state, row, prompt,
+                                    self.cache.max_step_tokens, speculative=True,
+                                    return_logits=True)
+            p = lp.payload(logits[None], torch.tensor([first], device=logits.device))
+            return Launched(torch.tensor([first]), payload=lp.to_bits(p.cpu())[None])
         if calls[0][0] == 0:
             check_prefill(self.model, self.state, row, prompt,
                           max(self.prefill_programs.chunks), True)
-        first = self.prefill_programs.launch(row, prompt, calls)
+        first = self.prefill_programs.launch(row, prompt, calls, logprobs=logprobs)
         if calls[-1][0] + calls[-1][1] < len(prompt):
             return Launched(torch.zeros(1, dtype=torch.int64))
-        if self.device.type != "cuda":
-            return Launched(first)
-        # the graph's output lives in the pool: copied out before any later replay
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        host.copy_(first, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return Launched(host, event)
+        if self.device.type == "cuda":
+            # the graph's output lives in the pool: copied out before any later replay
+            host = torch.empty(first.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(first, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = first, None
+        return Launched(host[:1], event, payload=host[1:][None] if logprobs else None)
+
+    def logprobs_refusal(self) -> str | None:
+        """Why this engine cannot return logprobs (None: it can)."""
+        return lp.refusal(self)
+
+    @torch.no_grad()
+    def prompt_logprobs(self, row: int, prompt: list[int], k: int) -> list:
+        """The target's logprobs of the prompt's tokens (echo), by the eager reference on state
+        row `row`, which the request's prefill then rewrites (runtime/logprobs.py)."""
+        return lp.prompt_logprobs(self.model, self.state, row, prompt,
+                                  self.cache.max_step_tokens, k)
 
     # ------------------------------------------------------------------ streams
     def open_stream(self, overlap: bool | None = None, prefill_tokens: int | None = None,

@@ -40,11 +40,20 @@ Without speculation (Engine.open_stream(speculative=False)) the same loop launch
 target-only programs: each step commits exactly one token per row and writes one position, and
 no acceptance is counted.
 
+Logprobs (runtime/logprobs.py): a request added with `logprobs=k` gets, on each event, the
+target's logprob of each token it commits and the top k; a step whose group has such a row
+runs its program's logprobs variant (one more output, read with the same copy), every other
+step the program as built. `prompt_logprobs=k` (echo) runs the eager reference over the prompt
+on the request's row at admission, before its prefill (synchronously: the host waits for it);
+with `decode=False` the request ends there, committing nothing.
+
 Which program a step runs is decided here alone (program_for), for the stream and for
 Engine.run_step. What the stream needs of an engine (Engine; tests/runtime/test_stream_scheduler.py
 fakes it): `cfg` (block size, vocabulary), `cache` (rows, positions), `buckets`, `bucket_for`,
 `has(ProgramKey)`, `launch(rows, ProgramKey)`, `prefill_calls`, `launch_prefill`,
-`set_row_sampling(row, params)` and the `times` counters.
+`set_row_sampling(row, params)` and the `times` counters; for logprobs requests also
+`logprobs_refusal()`, `has_logprobs(ProgramKey)`, `prompt_logprobs(row, prompt, k)` and the
+`logprobs` keyword of `launch` / `launch_prefill`.
 """
 from __future__ import annotations
 
@@ -58,16 +67,20 @@ from dspark_compile.engine_dir.format import STEP, TARGET, ProgramKey
 from dspark_compile.models.generate import GenerationResult, append_committed
 from dspark_compile.models.request import SamplingParams, validate_request
 from dspark_compile.runtime.cuda_graphs import unpack
+from dspark_compile.runtime.logprobs import MAX_LOGPROBS, decode, entries
 
 
-def program_for(engine, bucket: int, all_greedy: bool, speculative: bool = True) -> ProgramKey:
+def program_for(engine, bucket: int, all_greedy: bool, speculative: bool = True,
+                logprobs: bool = False) -> ProgramKey:
     """The program a step of `bucket` runs: the target-only step without speculation; the
     step's greedy variant when every live row is greedy and the engine has it (a sampled row
-    must never run it: its draft sampler takes the argmax); else the step."""
+    must never run it: its draft sampler takes the argmax); else the step. `logprobs`: of the
+    programs with a logprobs variant (Engine.launch(..., logprobs=True) runs it)."""
     if not speculative:
         return ProgramKey(TARGET, bucket)
     greedy = ProgramKey(STEP, bucket, "greedy")
-    return greedy if all_greedy and engine.has(greedy) else ProgramKey(STEP, bucket)
+    has = engine.has_logprobs if logprobs else engine.has
+    return greedy if all_greedy and has(greedy) else ProgramKey(STEP, bucket)
 
 
 class StreamEvent(NamedTuple):
@@ -76,6 +89,10 @@ class StreamEvent(NamedTuple):
                         # included, as generate() includes them); [] only for a cancelled request
     finished: bool      # the request ended (stop id, max_new_tokens, cancelled, failed)
     error: BaseException | None = None   # it failed inside the engine (isolate_failures)
+    # a logprobs request's: one (logprob, ((id, logprob), ... top k)) per token of `tokens`
+    logprobs: list | None = None
+    # a prompt_logprobs request's first event: one entry per prompt token, None for the first
+    prompt_logprobs: list | None = None
 
 
 WAITING, PREFILL, RUNNING, DONE = "waiting", "prefill", "running", "done"
@@ -87,6 +104,9 @@ class _Request:
     prompt: list
     params: SamplingParams
     status: str = WAITING
+    logprobs: int | None = None          # top logprobs per committed token (None: none)
+    prompt_logprobs: int | None = None   # top logprobs per prompt token (echo; None: none)
+    decode: bool = True                  # False: the prompt's logprobs only, no token
     row: int = -1
     calls: list = field(default_factory=list)    # prefill calls not launched yet
     tokens: list = field(default_factory=list)   # committed (delivered) tokens
@@ -153,15 +173,22 @@ class GenerationStream:
         self._counts = _counters(self.N)
 
     # ------------------------------------------------------------------ public
-    def add(self, prompt, params: SamplingParams) -> int:
-        """Validate the request (ValueError naming the field) and queue it; returns its id."""
+    def add(self, prompt, params: SamplingParams, logprobs: int | None = None,
+            prompt_logprobs: int | None = None, decode: bool = True) -> int:
+        """Validate the request (ValueError naming the field) and queue it; returns its id.
+        `logprobs` / `prompt_logprobs`: the top logprobs (0..MAX_LOGPROBS) to return with each
+        committed / prompt token (the module docstring); `decode=False` (with
+        prompt_logprobs): the prompt's logprobs alone."""
         prompt, params = self._validated(prompt, params)
+        self._check_logprobs(logprobs, prompt_logprobs, decode)
         with self._lock:
             if self.closed:
                 raise RuntimeError("add() on a closed GenerationStream")
             rid = self._next_id
             self._next_id += 1
-            self._incoming.append(_Request(rid, prompt, params))
+            self._incoming.append(_Request(rid, prompt, params, logprobs=logprobs,
+                                           prompt_logprobs=prompt_logprobs,
+                                           decode=bool(decode)))
             self._live.add(rid)
         return rid
 
@@ -236,11 +263,33 @@ class GenerationStream:
         return validate_request(prompt, params, self.engine.cfg.vocab_size, self.max_seq_len,
                                 self.N, f"the engine holds max_seq_len={self.max_seq_len}")
 
+    def _check_logprobs(self, logprobs, prompt_logprobs, decode) -> None:
+        for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if k is None:
+                continue
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, "
+                                 f"got {k!r}")
+        if logprobs is not None and self.speculative:
+            why = self.engine.logprobs_refusal()
+            if why is not None:
+                raise ValueError(f"logprobs: {why}")
+        if logprobs is not None and not self.speculative:
+            raise ValueError("logprobs: only a speculative stream returns them (the target-only "
+                             "programs have no logprobs variant)")
+        if not decode and prompt_logprobs is None:
+            raise ValueError("decode=False needs prompt_logprobs (a request must return "
+                             "something)")
+
     # ------------------------------------------------------------------ the iteration
-    def _event(self, events: dict, r: _Request, tokens: list, finished: bool) -> None:
-        e = events.setdefault(r.id, [[], False])
+    def _event(self, events: dict, r: _Request, tokens: list, finished: bool,
+               logprobs: list | None = None) -> None:
+        # [tokens, finished, error, logprobs, prompt_logprobs]: StreamEvent's fields
+        e = events.setdefault(r.id, [[], False, None, None, None])
         e[0].extend(tokens)
         e[1] = e[1] or finished
+        if logprobs is not None:
+            e[3] = (e[3] or []) + logprobs
 
     def _apply_incoming(self, events: dict) -> None:
         with self._lock:
@@ -277,7 +326,7 @@ class GenerationStream:
             if r.status != DONE:
                 self._end(r)
                 self._event(events, r, [], True)
-                events[r.id].append(exc)
+                events[r.id][2] = exc
 
     def _decoding(self) -> bool:
         return any(r.status == RUNNING for r in self.active.values())
@@ -300,8 +349,17 @@ class GenerationStream:
                 try:
                     r.calls, r.last = eng.prefill_calls(r.prompt), len(r.prompt) - 1
                     eng.set_row_sampling(r.row, r.params)
+                    if r.prompt_logprobs is not None:
+                        # the eager pass over the prompt (its tokens count in the budget)
+                        self._spent += len(r.prompt)
+                        self._event(events, r, [], not r.decode)
+                        events[r.id][4] = eng.prompt_logprobs(r.row, r.prompt,
+                                                              r.prompt_logprobs)
                 except Exception as e:  # noqa: BLE001 -- this request's alone (_failed)
                     self._failed([r], e, events)
+                    continue
+                if not r.decode:
+                    self._end(r)
                     continue
             calls = []
             # the step's first call always runs (progress), later ones within the budget
@@ -311,7 +369,8 @@ class GenerationStream:
             if not calls:
                 break
             try:
-                out = eng.launch_prefill(r.row, r.prompt, calls)
+                out = (eng.launch_prefill(r.row, r.prompt, calls, logprobs=True)
+                       if r.logprobs is not None else eng.launch_prefill(r.row, r.prompt, calls))
             except Exception as e:  # noqa: BLE001 -- this request's alone (_failed)
                 self._failed([r], e, events)
                 continue
@@ -343,10 +402,11 @@ class GenerationStream:
             group = rows[start:start + big]
             b = eng.bucket_for(len(group))
             rows_ = [r.row for r in group]
+            lp = any(r.logprobs is not None for r in group)
             try:
                 key = program_for(eng, b, all(r.params.method == "greedy" for r in group),
-                                  self.speculative)
-                out = eng.launch(rows_, key)
+                                  self.speculative, lp)
+                out = eng.launch(rows_, key, logprobs=True) if lp else eng.launch(rows_, key)
             except Exception as e:  # noqa: BLE001 -- the group's requests (_failed)
                 self._failed(group, e, events)
                 continue
@@ -374,7 +434,8 @@ class GenerationStream:
                 r.inflight -= 1
                 if r.status == RUNNING:
                     r.read += 1
-                    self._commit(r, [int(host[0])], events)
+                    lps = self._logprobs(rec.launched, 1, r, 0, 1)
+                    self._commit(r, [int(host[0])], events, lps)
                 continue
             tokens, num = (t.tolist() for t in unpack(host))
             live = 0
@@ -390,7 +451,8 @@ class GenerationStream:
                 if self.speculative:
                     self.result.record(n, r.params.method)
                     self._count_row(n)
-                self._commit(r, tokens[i][:n], events)
+                lps = self._logprobs(rec.launched, self.N + 1, r, i, n)
+                self._commit(r, tokens[i][:n], events, lps)
             if not live:
                 self.engine.times.discarded += 1
                 continue
@@ -412,7 +474,15 @@ class GenerationStream:
             for k in range(n - 1):
                 c["accepted_at"][k] += 1
 
-    def _commit(self, r: _Request, new: list, events: dict) -> None:
+    def _logprobs(self, launched, n1: int, r: _Request, i: int, n: int) -> list | None:
+        """Row i's logprob entries of its first n positions (of n1 in the payload), for a
+        request that asks; only the asking rows' payloads are decoded."""
+        if r.logprobs is None or launched.payload is None:
+            return None
+        c, v, ids = decode(launched.payload[i:i + 1], n1)
+        return entries(c[0], v[0], ids[0], n, r.logprobs)
+
+    def _commit(self, r: _Request, new: list, events: dict, logprobs: list | None = None) -> None:
         before = len(r.tokens)
         done = append_committed(r.tokens, new, r.params)
         added = r.tokens[before:]
@@ -420,7 +490,8 @@ class GenerationStream:
             self._counts["committed_tokens"] += len(added)
         if done:
             self._end(r)
-        self._event(events, r, added, done)
+        self._event(events, r, added, done,
+                    None if logprobs is None else logprobs[:len(added)])
 
 
 def _device_error(exc: BaseException) -> bool:
