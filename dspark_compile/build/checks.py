@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 from dspark_compile.engine_dir.format import TOKENIZER_FILE
+from dspark_compile.build.memory_plan import check_fits, device_memory, format_plan, memory_plan
 from dspark_compile.engine_dir.write import not_an_engine
 from dspark_compile.kernels.sm12x import ARCHS
 from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
@@ -92,9 +93,11 @@ def check_passes(passes, disabled) -> None:
         raise ValueError(f"disabled_passes: {e}") from None
 
 
-def check_build(ckpt, out, bc):
+def check_build(ckpt, out, bc, log=None, target=None):
     """Checks `bc`, the output directory `out` and the checkpoint's config.json; returns the
-    checkpoint's ModelConfig."""
+    checkpoint's ModelConfig. `log` (a print-like callable) gets the memory plan's table;
+    `target` (memory_plan.DeviceMemory) is the device the engine must fit, default the CUDA
+    device built on (none on a CPU build: the plan is printed, not checked)."""
     import torch
 
 
@@ -138,6 +141,7 @@ def check_build(ckpt, out, bc):
         raise ValueError(f"device {bc.device!r}: CUDA is not available on this machine")
     _check_tokenizer(root)
     _check_state_fits(cfg, bc, dev)
+    _check_memory_plan(cfg, bc, dev, log, target)
     return cfg
 
 
@@ -185,3 +189,16 @@ def _check_state_fits(cfg, bc, dev) -> None:
                      f"max_rows={bc.max_rows} rows (buckets up to {bc.buckets[-1]}), "
                      f"max_seq_len={bc.max_seq_len} positions and {cache.max_step_tokens} tokens "
                      "per forward (prefill_chunk, prefill_chunks, the draft block + 1)")
+
+
+def _check_memory_plan(cfg, bc, dev, log, target) -> None:
+    """Each rank's weights, RoPE tables, decode state, graph pool and workspace, from the
+    config (build/memory_plan.py), printed, and refused when they exceed the target device's
+    memory: a Flash engine that cannot fit fails here, not after minutes of loading 150 GB.
+    The rank count is BuildConfig.tp (issue 53's `build --tp`; 1 where it has none)."""
+    plan = memory_plan(cfg, bc, getattr(bc, "tp", 1))
+    device = target if target is not None else device_memory(cuda_device=dev)
+    if log is not None:
+        log(format_plan(plan, device))
+    if device is not None:
+        check_fits(plan, device)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dspark_compile.cli import engine_commands  # noqa: F401  (registers generate, build, run, inspect)
 from dspark_compile.serve import cli as serve_cli  # noqa: F401  (registers serve)
+from dspark_compile.cli import plan_command  # noqa: F401  (registers plan)
 from dspark_compile.cli.common import (COMMANDS, PROG, USER_ERRORS, Command, Terminated,  # noqa: F401
                                        command, device, path_arg, sigterm_raises, to_flags)
 from dspark_compile.build.checks import writable_sibling
