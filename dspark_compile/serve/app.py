@@ -51,6 +51,7 @@ from dspark_compile.serve.http import (ApiError, EventStream, Run, ServeState, a
                                        cancel_runs, collect, continuous_usage, json_error,
                                        load_json, not_served, off_loop, read_body, usage,
                                        validated)
+from dspark_compile.serve.logprobs import CompletionLogprobs, merge
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.metrics import CONTENT_TYPE
 from dspark_compile.serve.middleware import ACCESS, Access, ApiKey, RequestLog
@@ -173,10 +174,23 @@ async def _json(state: ServeState, req: CompletionRequest, rid: str, runs: list[
     failed = await collect(state, runs, request, acc)
     if failed is not None:
         return failed
-    choices = [CompletionChoice(index=r.job.index, text=r.text.text, token_ids=r.text.ids,
-                                finish_reason=r.finish) for r in runs]
+    choices = [CompletionChoice(index=r.job.index, text=(r.job.prompt_text or "") * r.job.echo
+                                + r.text.text, token_ids=r.text.ids, finish_reason=r.finish,
+                                logprobs=_run_logprobs(state, r)) for r in runs]
     return Completion(id=rid, model=state.model_name, system_fingerprint=state.fingerprint,
                       choices=choices, usage=usage(runs))
+
+
+def _run_logprobs(state: ServeState, run: Run) -> dict | None:
+    """A finished run's completion logprobs (the echoed prompt's first), or None."""
+    if run.job.logprobs is None:
+        return None
+    out = CompletionLogprobs(state.token_pieces())
+    parts = []
+    if run.job.echo and run.prompt_logprobs is not None:
+        parts.append(out.delta(run.job.prompt, run.prompt_logprobs))
+    parts.append(out.delta(run.text.ids, run.logprobs))
+    return merge(parts)
 
 
 def _chunk_base(state: ServeState, rid: str) -> dict:
@@ -203,6 +217,9 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
     merged: asyncio.Queue = asyncio.Queue()
     base = _chunk_base(state, rid)
     every = continuous_usage(req)
+    # per run: its logprobs' text offsets run on across its chunks
+    lps = {id(r): CompletionLogprobs(state.token_pieces()) for r in runs
+           if r.job.logprobs is not None}
 
     async def pump(run: Run):
         try:
@@ -228,9 +245,11 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
                     body = json_error(500, label + str(item), "engine_error")
                 yield f"data: {body}\n\n"
             else:
-                text, ids, finish = item
-                yield _chunk(base, [{"index": run.job.index, "text": text, "token_ids": ids,
-                                     "finish_reason": finish, "logprobs": None}],
+                lp = lps.get(id(run))
+                lp = lp.delta(item.ids, item.logprobs) if lp and item.logprobs else None
+                yield _chunk(base, [{"index": run.job.index, "text": item.text,
+                                     "token_ids": [] if item.prompt else item.ids,
+                                     "finish_reason": item.finish, "logprobs": lp}],
                              usage(runs) if every else None)
         if req.include_usage:
             yield _chunk(base, [], usage(runs))

@@ -17,7 +17,12 @@ endpoint's own, by construction. Chat's own fields:
                              none turns thinking on (DeepSeek's API maps them to high / max)
     thinking                 {"type": "enabled" | "disabled"} (DeepSeek's API)
     chat_template_kwargs     {"thinking" | "enable_thinking": bool, "reasoning_effort"} (vLLM's)
-    logprobs, top_logprobs   only false / null
+    logprobs, top_logprobs   logprobs: true returns each output token's logprob (the
+                             target's raw log-probability, docs/serve.md "Logprobs") and
+                             top_logprobs (0..20, default 0) more per token, in
+                             choices[].logprobs.content, also in stream chunks; the
+                             reasoning's tokens are there too. top_logprobs needs
+                             logprobs: true; `echo` is the completions endpoint's alone
 
 Thinking is off unless the request turns it on (vLLM's default for DeepSeek-V4: a client that
 knows nothing of reasoning gets the plain answer). With thinking on, the reply's text up to
@@ -42,7 +47,8 @@ from dspark_compile.serve.middleware import ACCESS
 from dspark_compile.models.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
-from dspark_compile.serve.protocol import CompletionRequest
+from dspark_compile.serve.logprobs import chat_content
+from dspark_compile.serve.protocol import MAX_LOGPROBS, CompletionRequest
 from dspark_compile.serve.protocol import _unicode as unicode_text
 
 
@@ -120,20 +126,25 @@ def parse_chat(raw: bytes, content_type: str | None) -> Chat:
 
 def chat_of(obj: dict) -> Chat:
     req = validated(ChatCompletionRequest, obj)
-    if req.logprobs:
-        raise ApiError(400, "logprobs: not supported (send false or leave it out)",
-                       "logprobs")
     if req.top_logprobs is not None:
-        raise ApiError(400, "top_logprobs: not supported (send null or leave it out)",
-                       "top_logprobs")
+        if not req.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true (it sets how many more "
+                                "tokens each returned logprob lists)", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}] (as vLLM), got "
+                                f"{req.top_logprobs}", "top_logprobs")
+    extra = dict(req.model_extra or {})
+    if "echo" in extra:
+        raise ApiError(400, "echo: not a chat completions field (the completions endpoint's: "
+                            "a chat reply never repeats its conversation)", "echo")
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = req.max_tokens
     elif req.max_tokens is not None and req.max_tokens != max_tokens:
         raise ApiError(400, f"max_completion_tokens: {max_tokens} contradicts max_tokens "
                             f"{req.max_tokens} (send one)", "max_completion_tokens")
-    forward = {**(req.model_extra or {}), "model": req.model, "prompt": "x",
-               "max_tokens": max_tokens}
+    forward = {**extra, "model": req.model, "prompt": "x", "max_tokens": max_tokens,
+               "logprobs": (req.top_logprobs or 0) if req.logprobs else None}
     completion = validated(CompletionRequest, forward)
     thinking, effort = _mode(req)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -247,7 +258,7 @@ async def chat_completions(state, request):
     body = {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name, "system_fingerprint": state.fingerprint,
             "choices": [{"index": 0, "message": message, "finish_reason": run.finish,
-                         "logprobs": None}],
+                         "logprobs": _logprobs(state, run, run.text.ids, run.logprobs)}],
             "usage": usage([run]).model_dump()}
     return JSONResponse(body)
 
@@ -262,9 +273,9 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
     every = continuous_usage(chat.completion)
     split = ReasoningSplit(chat.thinking)
 
-    def chunk(delta: dict, finish=None) -> str:
+    def chunk(delta: dict, finish=None, logprobs=None) -> str:
         body = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                     "logprobs": None}]}
+                                     "logprobs": logprobs}]}
         if every:
             body["usage"] = usage([run]).model_dump()
         return f"data: {json.dumps(body)}\n\n"
@@ -272,7 +283,8 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
     try:
         yield chunk({"role": "assistant", "content": ""})
         try:
-            async for text, _ids, finish in run.deltas():
+            async for d in run.deltas():
+                text, finish = d.text, d.finish
                 reasoning, content = split.add(text)
                 if finish:
                     r, c = split.finish()
@@ -282,8 +294,9 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
                     delta["reasoning_content"] = reasoning
                 if content:
                     delta["content"] = content
-                if delta or finish:
-                    yield chunk(delta, finish)
+                lps = _logprobs(state, run, d.ids, d.logprobs) if d.logprobs else None
+                if delta or finish or lps:
+                    yield chunk(delta, finish, lps)
         except EngineDown as e:
             yield f"data: {json_error(503, str(e))}\n\n"
         except RequestFailed as e:
@@ -295,6 +308,14 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
     finally:
         cancel_runs([run])
         account(acc, [run])
+
+
+def _logprobs(state, run, ids: list, entries: list | None) -> dict | None:
+    """Chat's choices[].logprobs of `ids` (None: the request asked none)."""
+    if run.job.logprobs is None:
+        return None
+    return {"content": chat_content(state.token_pieces(), ids, entries or []),
+            "refusal": None}
 
 
 # ---- /tokenize and /detokenize (vLLM's) --------------------------------------------------------

@@ -12,6 +12,7 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -54,6 +55,13 @@ class ServeState:
     chat: object = None         # chat_format.ChatFormat: how conversations become prompts
     api_key: str | None = None  # requests must send `Authorization: Bearer <key>`
     allowed_origins: tuple = () # CORS: browser origins allowed ('*': any); () none
+    pieces: object = None       # logprobs.Pieces of the tokenizer (made at first use)
+
+    def token_pieces(self):
+        if self.pieces is None:
+            from dspark_compile.serve.logprobs import Pieces
+            self.pieces = Pieces(self.tokenizer)
+        return self.pieces
 
 
 class ApiError(Exception):
@@ -184,7 +192,7 @@ def submit(loop: EngineLoop, jobs: list[Job], request_id: str) -> list[Ticket]:
         for job in jobs:
             try:
                 tickets.append(loop.submit(job.prompt, job.params, aloop,
-                                           f"{request_id} (prompt {job.index})"))
+                                           f"{request_id} (prompt {job.index})", job.options))
             except ValueError as e:       # the stream's own validation
                 raise BadRequest(api_field(str(e)), api_message(str(e))) from None
     except BaseException:
@@ -196,8 +204,17 @@ def submit(loop: EngineLoop, jobs: list[Job], request_id: str) -> list[Ticket]:
 
 # ---- the request in the engine --------------------------------------------------------------
 
+class Delta(NamedTuple):
+    text: str
+    ids: list
+    finish: str | None
+    logprobs: list | None = None   # a logprobs job's entries, one per id (runtime/logprobs.py)
+    prompt: bool = False           # the echo: the prompt's text, ids and entries
+
+
 class Run:
-    """One job in flight: its ticket's events -> (text delta, ids delta, finish reason)."""
+    """One job in flight: its ticket's events -> Deltas (text, ids, finish reason, logprobs);
+    with echo the first is the prompt's. `logprobs`: the output's entries so far."""
 
     def __init__(self, state: ServeState, job: Job, ticket: Ticket, arrival: float):
         self.state, self.job, self.ticket, self.arrival = state, job, ticket, arrival
@@ -207,6 +224,9 @@ class Run:
         self.text = TextStream(tok, job.prompt, job.stop_strings, job.params.stop_ids)
         self.finish: str | None = None
         self.last: float | None = None
+        self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
+        self.echoed = not job.echo
 
     async def deltas(self):
         m = self.state.metrics
@@ -216,6 +236,14 @@ class Run:
                 self.finish = "error"
                 m.outcome("error")
                 raise item
+            plp = getattr(item, "prompt_logprobs", None)     # (a test double's events: none)
+            if plp is not None:
+                self.prompt_logprobs = plp
+            if not self.echoed:
+                self.echoed = True
+                yield Delta(self.job.prompt_text or "", list(self.job.prompt), None,
+                            self.prompt_logprobs if self.job.logprobs is not None else None,
+                            True)
             now = time.monotonic()
             if item.tokens:
                 if self.last is None:
@@ -235,8 +263,12 @@ class Run:
                 self.finish = "stop" if self.text.stopped else "length"
                 m.outcome(self.finish)
                 m.e2e.observe(now - self.arrival)
+            lps = None
+            if self.job.logprobs is not None:
+                lps = list(getattr(item, "logprobs", None) or ())[:len(ids)]
+                self.logprobs += lps
             if text or ids or self.finish:
-                yield text, ids, self.finish
+                yield Delta(text, ids, self.finish, lps)
 
     def _failed(self, e: Exception):
         log.error("request %s: detokenizing its output failed (the request ends, the others "

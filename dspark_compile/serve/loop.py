@@ -77,8 +77,9 @@ class EngineLoop:
 
     # ---- HTTP side (any thread)
     def submit(self, prompt: list[int], params, loop: asyncio.AbstractEventLoop,
-               tag: str = "") -> Ticket:
-        """Add a request; raises QueueFull, EngineDown, or the stream's ValueError."""
+               tag: str = "", options: dict | None = None) -> Ticket:
+        """Add a request (`options`: GenerationStream.add's logprobs keywords); raises
+        QueueFull, EngineDown, or the stream's ValueError."""
         with self._lock:
             if (self.error is not None or self._stopping.is_set()
                     or self._draining.is_set()):
@@ -86,7 +87,8 @@ class EngineLoop:
             if len(self._tickets) >= self.capacity:
                 raise QueueFull(f"{len(self._tickets)} requests in flight: {self.max_rows} "
                                 f"state rows and a queue of {self.max_queue} are full")
-            rid = self.stream.add(prompt, params)
+            rid = (self.stream.add(prompt, params, **options) if options
+                   else self.stream.add(prompt, params))
             ticket = Ticket(rid, loop, asyncio.Queue(), tag)
             self._tickets[rid] = ticket
             self._gauge()

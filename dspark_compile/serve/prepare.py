@@ -33,6 +33,8 @@ class EngineLimits:
     # prompts could never be admitted (one engine request per prompt)
     max_prompts: int | None = None
     queue: str = ""         # how max_prompts is made up, for the message
+    # why the engine cannot return logprobs (Engine.logprobs_refusal); None: it can
+    no_logprobs: str | None = None
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most new tokens a prompt of this length can get (<= 0: the prompt alone is too
@@ -52,6 +54,19 @@ class Job:
     params: SamplingParams
     stop_strings: tuple[str, ...]
     skip_special_tokens: bool = True    # False: the text keeps special tokens' strings
+    logprobs: int | None = None         # top logprobs per output token (None: none)
+    echo: bool = False                  # the prompt's text (and logprobs) ahead of the output
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (echo with logprobs)
+    decode: bool = True                 # False: echo with max_tokens 0, no output token
+    prompt_text: str | None = None      # the prompt as sent (echo of a text prompt)
+
+    @property
+    def options(self) -> dict:
+        """GenerationStream.add's logprobs options (none for a plain request)."""
+        if self.logprobs is None and self.prompt_logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs,
+                "decode": self.decode}
 
 
 # SamplingParams' fields (as its messages name them) -> the API's names for them
@@ -63,7 +78,8 @@ def api_field(message: str) -> str | None:
     for lib, api in API_FIELDS.items():
         if lib in message:
             return api
-    for name in ("temperature", "top_k", "top_p", "seed", "verify", "prompt"):
+    for name in ("temperature", "top_k", "top_p", "seed", "verify", "prompt_logprobs",
+                 "logprobs", "prompt"):
         if name in message:
             return name
     return None
@@ -85,6 +101,11 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None,
     prompts = req.prompts
     # the sampling fields first: cheap, and refused before any prompt is tokenized
     base = _sampling(req, limits, fields)
+    logprobs = _logprobs(req, limits, fields)
+    # echo with max_tokens 0: the prompt alone (its logprobs: what an evaluation harness's
+    # loglikelihood asks); the request's row still needs room for its prompt
+    decode = not (req.echo and req.max_tokens == 0)
+    texts = prompts if isinstance(prompts[0], str) else None
     if limits.max_prompts is not None and len(prompts) > limits.max_prompts:
         raise BadRequest("prompt", f"{len(prompts)} prompts in one request: this server holds "
                                    f"at most {limits.max_prompts} requests at once "
@@ -108,11 +129,16 @@ def prepare(req: CompletionRequest, limits: EngineLimits, tokenizer=None,
         seeds = prompt_seeds(base.seed, len(prompts), fields)
         for i, p in enumerate(prompts):
             max_new = limits.max_new_tokens(len(p)) if req.max_tokens is None else req.max_tokens
+            max_new = max_new if decode else 1
             check_room(len(p), max_new, limits.block, limits.max_seq_len, limits.holds,
                        label(i), fields)
             sp = dataclasses.replace(base, seed=seeds[i], max_new_tokens=max_new)
             jobs.append(Job(i, list(p), sp.validate(limits.vocab_size, fields), req.stop,
-                            req.skip_special_tokens))
+                            req.skip_special_tokens, logprobs, req.echo,
+                            # the eager pass over the prompt runs only for what needs it
+                            (logprobs if logprobs is not None else 0)
+                            if req.echo and (logprobs is not None or not decode) else None,
+                            decode, _echo_text(req, texts, i, p, tokenizer)))
     except RequestError as e:
         raise _bad_request(e, fields) from None
     return jobs
@@ -128,12 +154,36 @@ def _sampling(req: CompletionRequest, limits: EngineLimits, fields: dict) -> Sam
     seed = secrets.randbits(62) if req.seed is None else req.seed
     sp = SamplingParams(
         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p, seed=seed,
-        max_new_tokens=1 if req.max_tokens is None else req.max_tokens, stop_ids=stop_ids,
+        max_new_tokens=1 if not req.max_tokens else req.max_tokens, stop_ids=stop_ids,
         verify=req.verify)
     try:
         return sp.validate(limits.vocab_size, fields)
     except RequestError as e:
         raise _bad_request(e, fields) from None
+
+
+def _echo_text(req: CompletionRequest, texts, i: int, ids: list[int], tokenizer) -> str | None:
+    """The prompt's text for echo: as sent, or its ids decoded ("" without a tokenizer)."""
+    if not req.echo:
+        return None
+    if texts is not None:
+        return texts[i]
+    if tokenizer is None:
+        return ""
+    return (tokenizer if req.skip_special_tokens else tokenizer.keeping_special()).decode(ids)
+
+
+def _logprobs(req: CompletionRequest, limits: EngineLimits, fields: dict) -> int | None:
+    """The request's top logprobs per token (None: it asks none), refused by name where the
+    engine has none (Engine.logprobs_refusal: an Inductor engine)."""
+    name = fields.get("logprobs", "logprobs")
+    if req.logprobs is not None and limits.no_logprobs is not None:
+        raise BadRequest(name, limits.no_logprobs)
+    if req.max_tokens == 0 and not req.echo:
+        raise BadRequest(fields.get("max_new_tokens", "max_tokens"),
+                         "must be >= 1, got 0 (0 only with echo: the prompt alone, with its "
+                         "logprobs)")
+    return req.logprobs
 
 
 def _bad_request(e: RequestError, fields: dict) -> BadRequest:

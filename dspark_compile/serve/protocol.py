@@ -15,8 +15,12 @@ vLLM's extensions: `stream_options.continuous_usage_stats` (usage in every chunk
 where it cannot bind: with ignore_eos and no stop / stop_token_ids), `repetition_penalty`
 (only 1).
 
-Fields of OpenAI's schema that an engine cannot honour (`n` > 1, `best_of` > 1, `echo`,
-`logprobs`, `suffix`, `logit_bias`, penalties) are refused by name rather than ignored.
+`logprobs` (0..20, vLLM's cap) and `echo` (with max_tokens 0: the prompt's logprobs alone, as
+evaluation harnesses ask for loglikelihoods) are served (docs/serve.md, "Logprobs"): the
+target's raw log-probabilities (before temperature / top-k / top-p).
+
+Fields of OpenAI's schema that an engine cannot honour (`n` > 1, `best_of` > 1, `suffix`,
+`logit_bias`, penalties) are refused by name rather than ignored.
 Unknown fields are refused too, so a misspelt `top_k` is a 400, not a silent default.
 
 The sampling fields' ranges (max_tokens, temperature, top_p, top_k, seed, stop_token_ids) are
@@ -31,6 +35,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+# the most top logprobs per token (vLLM's default max_logprobs; the engine computes this many,
+# runtime/logprobs.py MAX_LOGPROBS)
+MAX_LOGPROBS = 20
 # the text held back while it could start a stop string is at most one stop string long, and
 # every committed token compares that tail with each stop string: 16 x 1024 characters bound
 # that work per token
@@ -44,8 +51,6 @@ _PENALTIES = ("not supported: penalties need the sampler to see each request's p
 OFF_ONLY = {
     "n": ((1,), "only 1 is supported (one choice per prompt)"),
     "best_of": ((None, 1), "only 1 is supported (one choice per prompt)"),
-    "echo": ((False,), "echo is not supported"),
-    "logprobs": ((None,), "not supported (send null or leave it out)"),
     "suffix": ((None,), "not supported (send null or leave it out)"),
     "logit_bias": ((None, {}), "not supported (send null or {})"),
     "presence_penalty": ((0,), f"{_PENALTIES} (only 0, off)"),
@@ -136,6 +141,14 @@ class CompletionRequest(_Request):
             _unicode(s, f"stop string {i}")
         return tuple(dict.fromkeys(v))
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}] (the top logprobs per token; "
+                             f"{MAX_LOGPROBS} at most, as vLLM), got {v}")
+        return v
+
     @field_validator("stream_options")
     @classmethod
     def _stream_only(cls, v, info):
@@ -204,12 +217,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completion logprobs: per token its string, logprob (None: a prompt's first
+    token), the top logprobs by token string, and its character offset in the choice's text."""
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     token_ids: list[int]
     finish_reason: Optional[FinishReason] = None     # None in a stream chunk until the last
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class Completion(BaseModel):

@@ -115,7 +115,8 @@ class Server:
                                    block=cfg.dspark_block_size,
                                    eos_token_id=getattr(cfg, "eos_token_id", None),
                                    max_prompts=rows + max_queue,
-                                   queue=f"{rows} state rows + --max-queue {max_queue}")
+                                   queue=f"{rows} state rows + --max-queue {max_queue}",
+                                   no_logprobs=_logprobs_refusal(engine))
         self.http = HttpLimits(max_request_bytes, body_timeout, send_timeout)
         self.header_timeout, self.drain_timeout = header_timeout, drain_timeout
         self.model_name = model_name or Path(engine.dir).resolve().name
@@ -430,3 +431,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _logprobs_refusal(engine) -> str | None:
+    """Why the engine cannot return logprobs (None: it can; an engine double without the
+    method: it cannot)."""
+    refusal = getattr(engine, "logprobs_refusal", None)
+    return refusal() if refusal is not None else "this engine returns no logprobs"

@@ -138,3 +138,97 @@ def test_the_payload_is_log_softmax_of_raw_logits():
         for j in range(3):
             assert abs(c[b][j] - ls[b, j, max(int(tokens[b, j]), 0)].item()) < 1e-6
             assert ids[b][j] == ls[b, j].topk(5).indices.tolist()
+
+
+# ---- through the server: the openai client's requests ------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(small_loaded, tmp_path_factory):
+    from serve.serve_helpers import train_tokenizer
+    from dspark_compile.serve.server import Server
+    from dspark_compile.serve.text import Tokenizer
+    tok = Tokenizer.load(train_tokenizer(tmp_path_factory.mktemp("lp_tok") / "tokenizer.json"))
+    with Server(small_loaded, model_name="tiny", max_queue=8, tokenizer=tok) as srv:
+        yield srv.start(), tok
+
+
+def _client(url):
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_completions_logprobs_streamed_and_not_are_the_engines(served, small_loaded, ref_model):
+    """A greedy and a seeded sampled request with `logprobs` 2: the same tokens as without;
+    token_logprobs the reference's; top_logprobs holds the top 2 and the token itself; the
+    stream's chunks concatenate to the non-streamed logprobs."""
+    url, _ = served
+    c = _client(url)
+    prompt = [5, 6, 7, 8, 9]
+    for kw in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 11}):
+        plain = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, **kw)
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2, **kw)
+        ids = got.choices[0].model_extra["token_ids"]
+        assert ids == plain.choices[0].model_extra["token_ids"], "logprobs changed the tokens"
+        lp = got.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids)
+        ls = _reference_logsoftmax(small_loaded, ref_model, prompt + ids)
+        for t, (tok, v, top) in enumerate(zip(ids, lp.token_logprobs, lp.top_logprobs)):
+            assert abs(v - ls[len(prompt) - 1 + t, tok].item()) < TOL
+            # keyed by string: ids that decode alike (bytes of one character) share a key
+            assert lp.tokens[t] in top and 1 <= len(top) <= 3
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(ids))]
+        chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=4,
+                                           logprobs=2, stream=True, **kw))
+        streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs
+                                                 if ch.choices[0].logprobs else [])]
+        assert streamed == lp.token_logprobs
+        offsets = [x for ch in chunks for x in (ch.choices[0].logprobs.text_offset
+                                                if ch.choices[0].logprobs else [])]
+        assert offsets == lp.text_offset
+
+
+def test_loglikelihood_as_an_evaluation_harness_asks(served, small_loaded, ref_model):
+    """Prompt token ids, echo, logprobs 1, max_tokens 0 (and 1): the prompt's text, one
+    logprob per prompt token, the first None, the others the reference's; max_tokens 1 adds
+    the one generated token after them."""
+    url, tok = served
+    c = _client(url)
+    prompt = tok.encode("The quick brown fox jumps")
+    ls = _reference_logsoftmax(small_loaded, ref_model, prompt)
+    r = c.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0,
+                             temperature=0)
+    ch = r.choices[0]
+    assert ch.text == tok.decode(prompt) and ch.finish_reason == "length"
+    assert ch.model_extra["token_ids"] == [] and r.usage.completion_tokens == 0
+    lp = ch.logprobs
+    assert len(lp.token_logprobs) == len(prompt) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[p] - ls[p - 1, prompt[p]].item()) < TOL
+    one = c.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                               temperature=0)
+    assert one.choices[0].logprobs.token_logprobs[:len(prompt)] == lp.token_logprobs
+    assert len(one.choices[0].logprobs.token_logprobs) == len(prompt) + 1
+    assert one.choices[0].text.startswith(ch.text)
+
+
+def test_chat_logprobs_with_the_openai_client(served):
+    """logprobs: true, top_logprobs 2: one content entry per completion token, each with 2
+    top entries sorted, the first the (greedy) token itself, its bytes its token's UTF-8;
+    the stream's entries are the same."""
+    url, _ = served
+    c = _client(url)
+    msgs = [{"role": "user", "content": "servers stream text"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                  logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode())
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    streamed = [e for ch in c.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True) if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]

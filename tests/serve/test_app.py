@@ -189,7 +189,9 @@ BAD = [  # (body changes, the field the 400 must name)
     ({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[]]}, "prompt"),
     ({"prompt": [600]}, "prompt"), ({"prompt": [-1]}, "prompt"), ({"prompt": None}, "prompt"),
     ({"prompt": list(range(2, 200))}, "prompt"), ({"stop_token_ids": [512]}, "stop_token_ids"),
-    ({"stop": [""]}, "stop"), ({"n": 2}, "n"), ({"echo": True}, "echo"),
+    ({"stop": [""]}, "stop"), ({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"), ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    # this fake engine has no logprobs: refused by name, never a 500
     ({"logprobs": 3}, "logprobs"), ({"best_of": 3}, "best_of"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"verify": "maybe"}, "verify"),
     ({"topk": 3}, "topk"), ({"stream": "yes"}, "stream"), ({"max_tokens": "many"}, "max_tokens"),

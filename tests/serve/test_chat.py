@@ -119,7 +119,11 @@ def test_a_streamed_chat_splits_reasoning_across_token_boundaries(client):
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": TURNS[:3]}, "messages[2].role"),
     ({"messages": []}, "messages"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),              # this fake engine has none
+    ({"logprobs": 1}, "logprobs"),                 # a bool in chat
+    ({"top_logprobs": 2}, "top_logprobs"),         # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"echo": True}, "echo"),                      # the completions endpoint's alone
     ({"top_k": "5"}, "top_k"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),

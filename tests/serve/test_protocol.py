@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from dspark_compile.serve.protocol import OFF_ONLY, CompletionRequest
 
 # a value that is not "off", per field
-ON = {"n": 2, "best_of": 3, "echo": True, "logprobs": 0, "suffix": "", "logit_bias": {"5": 1.0},
+ON = {"n": 2, "best_of": 3, "suffix": "", "logit_bias": {"5": 1.0},
       "presence_penalty": 0.5, "frequency_penalty": -1e-9, "repetition_penalty": 1.2}
 
 
