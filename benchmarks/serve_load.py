@@ -26,6 +26,10 @@ token p50 / p99; then the server's overhead, 1 - server tokens/s / engine tokens
 tokens equal the engine's (`tokens_match`, `generate_tokens_match`: the server adds nothing to
 or takes nothing from a request, greedy or sampled).
 
+`--logprobs K`: every request of the engine and server sides asks K top logprobs (the
+`generate` side cannot: Engine.generate returns none); the cost of logprobs is a run with the
+flag against one without, on the same machine (issue 54's target: <= 3 % at 16 clients).
+
 Writes serve_load.json (rewritten after every level, "complete": false until the end),
 serve_load.csv and, with matplotlib, serve_load.png (tokens/s and ITL vs concurrency).
 `--dry-run`: CPU, concurrency 1 and 2, one round, 4 tokens (tests/runtime/test_serve_load.py).
@@ -67,6 +71,9 @@ def _args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); > 0 sampled with --top-p")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request asks this many top logprobs (0..20) on both sides: "
+                        "the cost of logprobs, against a run without the flag")
     p.add_argument("--server", choices=("subprocess", "thread"), default=None,
                    help="the server in its own process (default) or in this one (--dry-run)")
     p.add_argument("--seed", type=int, default=0)
@@ -130,7 +137,8 @@ def run_engine(eng, args, reqs: list[dict], c: int) -> tuple[dict, list[list[int
 
         def add():
             nonlocal nxt
-            r = s.add(reqs[nxt]["prompt"], _params(args, reqs[nxt]["seed"]))
+            r = s.add(reqs[nxt]["prompt"], _params(args, reqs[nxt]["seed"]),
+                      **({} if args.logprobs is None else {"logprobs": args.logprobs}))
             ids[r], start[r] = nxt, time.perf_counter()
             nxt += 1
 
@@ -227,7 +235,8 @@ async def _server_level(host, port, model, args, reqs, c) -> tuple[dict, list[li
         for i in range(k, len(reqs), c):
             body = {"model": model, "prompt": reqs[i]["prompt"], "max_tokens": args.max_tokens,
                     "temperature": args.temperature, "top_p": args.top_p,
-                    "seed": reqs[i]["seed"], "ignore_eos": True, "stream": True}
+                    "seed": reqs[i]["seed"], "ignore_eos": True, "stream": True,
+                    "logprobs": args.logprobs}
             out[i] = await _sse_request(host, port, body)
 
     t0 = time.perf_counter()
@@ -291,7 +300,8 @@ def run(args, eng=None, log=print) -> dict:
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "engine": str(args.engine), "server": args.server, "concurrency": args.concurrency,
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-           "temperature": args.temperature, "top_p": args.top_p, "rows": []}
+           "temperature": args.temperature, "top_p": args.top_p, "logprobs": args.logprobs,
+           "rows": []}
 
     def write():
         bench_args.write_record(out / "serve_load.json", rec)

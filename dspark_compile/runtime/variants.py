@@ -12,6 +12,10 @@ Inductor backend compiles the same switch on the lifted graph (dspark_compile/bu
 Rejection switches too: its greedy plan (kernels/sampling/rejection.py) reads each target row
 once for its argmax, where the general plan runs the top-k/top-p passes over every row, and it
 never reads the draft logits, which the Markov greedy plan neither computes nor stores.
+
+The logprobs variants are not written here: the runtime derives them at load from each loaded
+step and prefill program (dspark_compile/runtime/logprobs.py), full and greedy alike, so no
+engine needs a rebuild for them.
 """
 from __future__ import annotations
 
