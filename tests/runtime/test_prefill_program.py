@@ -385,3 +385,33 @@ def test_a_long_prompt_is_spread_over_steps_while_a_request_decodes(chunk_engine
     assert report.ok and len(out[1]) == 5, report.line()
     assert 0 < len(out[0]) < 30
     assert out[0] == greedy_reference(eng.model, prompts[0], len(out[0]))[0]
+
+
+def test_the_first_tokens_logprob_comes_from_the_prefill_programs_variant(chunk_engine):
+    """A logprobs request's first token is scored by the prompt's last chunk program's
+    logprobs variant (runtime/logprobs.py): the same token as without, its logprob the eager
+    reference prefill's log_softmax at the prompt's last position (fp32 rounding)."""
+    _, eng = chunk_engine
+    pp = eng.prefill_programs
+    assert C in pp.logprob_modules, "the chunk program has no logprobs variant"
+    prompt = [random.Random(5).randrange(eng.cfg.vocab_size) for _ in range(C + 3)]
+    sp = SamplingParams(max_new_tokens=1)
+    calls = []
+    module = pp.logprob_modules[C]
+    pp.logprob_modules[C] = lambda x, state: (calls.append(int(x[2])), module(x, state))[1]
+    try:
+        with eng.open_stream() as s:
+            rid = s.add(prompt, sp, logprobs=2)
+            events = [e for _ in range(3) if s.has_work for e in s.step() if e.request == rid]
+    finally:
+        pp.logprob_modules[C] = module
+    assert calls == [3], "the last call did not run the variant (and only it)"
+    tokens = [t for e in events for t in e.tokens]
+    (lp, top), = [x for e in events for x in (e.logprobs or ())]
+    state = eng.state
+    set_row_sampling(state, 0, sp)
+    first, logits = prefill(eng.model, state, 0, prompt, C, speculative=True, return_logits=True)
+    assert tokens == [first]
+    ls = torch.log_softmax(logits.double(), -1)
+    assert abs(lp - ls[first].item()) < 2e-6
+    assert [i for i, _ in top] == ls.topk(2).indices.tolist()
