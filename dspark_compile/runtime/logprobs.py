@@ -37,7 +37,7 @@ import operator
 import torch
 from torch.utils import _pytree as pytree
 
-from dspark_compile.engine_dir.format import STEP
+from dspark_compile.engine_dir.format import STEP, ProgramKey
 from dspark_compile.engine_dir.graph_read import GraphProgram, _Ref
 
 # the most top logprobs a request may ask (vLLM's cap, and OpenAI's top_logprobs <= 20); the
@@ -197,12 +197,17 @@ def prompt_logprobs(model, state: dict, row: int, prompt: list[int], chunk: int,
 
 
 def refusal(engine) -> str | None:
-    """Why `engine` cannot return logprobs (None: it can)."""
-    if getattr(engine, "logprob_programs", None):
+    """Why `engine` cannot return logprobs (None: it can): every bucket's step and every
+    prefill chunk's program need their variant (a logprobs step may run at any bucket)."""
+    have = getattr(engine, "logprob_programs", {})
+    pp = getattr(engine, "prefill_programs", None)
+    if (all(ProgramKey(STEP, b) in have for b in engine.buckets)
+            and (pp is None or set(pp.logprob_modules) == set(pp.chunks))):
         return None
     if getattr(engine, "backend", "aten") == "inductor":
         return ("this engine was built with --backend inductor, whose compiled steps return no "
                 "logprobs: rebuild it with --backend aten to serve logprobs")
-    return ("this engine's step programs have no fused sampler call to read the target's "
-            "logits from (built without the fuse_sampler pass, or loaded with "
-            "logprobs=False): rebuild it with the default passes to serve logprobs")
+    return ("this engine's step or prefill programs have no logprobs variant (built without "
+            "the fuse_sampler pass, whose sampler call the variant reads the target's logits "
+            "at; loaded with logprobs=False; or a variant's CUDA-graph capture failed, as the "
+            "load warned): rebuild it with the default passes to serve logprobs")

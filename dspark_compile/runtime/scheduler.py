@@ -451,7 +451,8 @@ class GenerationStream:
                 if self.speculative:
                     self.result.record(n, r.params.method)
                     self._count_row(n)
-                lps = self._logprobs(rec.launched, self.N + 1, r, i, n)
+                lps = (None if r.logprobs is None
+                       else self._logprobs(rec.launched, self.N + 1, r, i, n))
                 self._commit(r, tokens[i][:n], events, lps)
             if not live:
                 self.engine.times.discarded += 1
