@@ -64,6 +64,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="S", help="on SIGTERM / SIGINT: new requests get 503 while those in "
                                      "flight get this long to finish; the rest then end with "
                                      f"an error (default {DEFAULT_DRAIN_TIMEOUT:g})")
+    p.add_argument("--no-logprobs", action="store_true",
+                   help="load no logprobs variants (saves their load and, on CUDA, their "
+                        "graph captures); requests asking logprobs or echo's prompt logprobs "
+                        "are then refused by name")
     p.add_argument("--no-access-log", action="store_true",
                    help="no line per request on stdout (failures are still logged)")
     key = p.add_mutually_exclusive_group()
@@ -125,7 +129,8 @@ def cmd_serve(args) -> int:
     with engine_errors():
         # a server decodes speculatively only: the target-only programs are not loaded
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
-                          target=False, trust_code=args.trust_engine_code)
+                          target=False, trust_code=args.trust_engine_code,
+                          logprobs=not args.no_logprobs)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s", flush=True)
     Server(eng, model_name=args.model_name, max_queue=args.max_queue,
            max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
