@@ -23,13 +23,14 @@ def _one_line_error(err: str, command: str) -> str:
 def test_build_prints_progress_per_stage_and_the_pass_table(small_engine):
     rc, out, err = small_engine.log
     assert rc == 0
-    for s in ("[load] checkpoint", "[load] done", "[export] bucket 2:", "[export] bucket 1:",
-              "[export] target bucket 2:", "[export] target bucket 1:", "[write]"):
+    # the default: one program of dynamic batch for both buckets, exported at the largest
+    for s in ("[load] checkpoint", "[load] done", "[export] bucket 2 (every bucket):",
+              "[export] target bucket 2 (every bucket):", "[write]"):
         assert s in out, s
+    assert "[export] bucket 1" not in out and "[export] target bucket 1" not in out
     names = PassManager().names
-    for b in (1, 2):
-        for name in names:
-            assert f"[pass] bucket {b}: {name}" in out, (b, name)
+    for name in names:
+        assert f"[pass] bucket 2 (every bucket): {name}" in out, name
     table = out[out.index("index  name"):].splitlines()
     assert table[0].split()[:4] == ["index", "name", "stage", "time_ms"]
     assert [row.split()[1] for row in table[2:2 + len(names)]] == names
@@ -164,7 +165,7 @@ def test_run_on_a_directory_that_is_not_an_engine(tmp_path, capsys):
 def test_run_on_a_damaged_program_file(small_engine, tmp_path, capsys, damage):
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
-    prog = eng / "programs" / "step_b1.json"
+    prog = eng / "programs" / "step.json"
     data = bytearray(prog.read_bytes())
     if damage == "corrupted":
         data[len(data) // 2] ^= 0xFF
@@ -173,9 +174,9 @@ def test_run_on_a_damaged_program_file(small_engine, tmp_path, capsys, damage):
     prog.write_bytes(bytes(data))
     assert main(["run", str(eng), "--prompt-ids", "1,2", "--device", "cpu"]) == 1
     line = _one_line_error(capsys.readouterr().err, "run")
-    assert f"engine file 'programs/step_b1.json' is {damage}" in line
+    assert f"engine file 'programs/step.json' is {damage}" in line
     assert main(["inspect", str(eng)]) == 1
-    assert "programs/step_b1.json" in _one_line_error(capsys.readouterr().err, "inspect")
+    assert "programs/step.json" in _one_line_error(capsys.readouterr().err, "inspect")
 
 
 def test_run_check_lossless_needs_greedy(small_engine, capsys):
@@ -334,8 +335,8 @@ def test_hand_edited_manifest_tables_are_named(small_engine, tmp_path, capsys, e
 def test_an_engine_file_replaced_by_a_directory_is_named(small_engine, tmp_path, capsys):
     eng = tmp_path / "engine"
     shutil.copytree(small_engine.path, eng)
-    (eng / "programs" / "step_b1.json").unlink()
-    (eng / "programs" / "step_b1.json").mkdir()
+    (eng / "programs" / "step.json").unlink()
+    (eng / "programs" / "step.json").mkdir()
     assert main(["run", str(eng), "--prompt-ids", "1"]) == 1
-    assert "engine file 'programs/step_b1.json' is not a file" in _one_line_error(
+    assert "engine file 'programs/step.json' is not a file" in _one_line_error(
         capsys.readouterr().err, "run")
