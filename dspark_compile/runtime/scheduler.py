@@ -67,7 +67,7 @@ from dspark_compile.engine_dir.format import STEP, TARGET, ProgramKey
 from dspark_compile.models.generate import GenerationResult, append_committed
 from dspark_compile.models.request import SamplingParams, validate_request
 from dspark_compile.runtime.cuda_graphs import unpack
-from dspark_compile.runtime.logprobs import MAX_LOGPROBS, decode, entries
+from dspark_compile.runtime.logprobs import MAX_LOGPROBS, Entries
 
 
 def program_for(engine, bucket: int, all_greedy: bool, speculative: bool = True,
@@ -90,7 +90,8 @@ class StreamEvent(NamedTuple):
     finished: bool      # the request ended (stop id, max_new_tokens, cancelled, failed)
     error: BaseException | None = None   # it failed inside the engine (isolate_failures)
     # a logprobs request's: one (logprob, ((id, logprob), ... top k)) per token of `tokens`
-    logprobs: list | None = None
+    # (runtime/logprobs.py Entries: decoded when first read, by the consumer)
+    logprobs: Entries | None = None
     # a prompt_logprobs request's first event: one entry per prompt token, None for the first
     prompt_logprobs: list | None = None
 
@@ -283,13 +284,15 @@ class GenerationStream:
 
     # ------------------------------------------------------------------ the iteration
     def _event(self, events: dict, r: _Request, tokens: list, finished: bool,
-               logprobs: list | None = None) -> None:
+               logprobs: tuple | None = None) -> None:
         # [tokens, finished, error, logprobs, prompt_logprobs]: StreamEvent's fields
         e = events.setdefault(r.id, [[], False, None, None, None])
         e[0].extend(tokens)
         e[1] = e[1] or finished
         if logprobs is not None:
-            e[3] = (e[3] or []) + logprobs
+            if e[3] is None:
+                e[3] = Entries()
+            e[3].add(*logprobs)
 
     def _apply_incoming(self, events: dict) -> None:
         with self._lock:
@@ -475,15 +478,14 @@ class GenerationStream:
             for k in range(n - 1):
                 c["accepted_at"][k] += 1
 
-    def _logprobs(self, launched, n1: int, r: _Request, i: int, n: int) -> list | None:
-        """Row i's logprob entries of its first n positions (of n1 in the payload), for a
-        request that asks; only the asking rows' payloads are decoded."""
+    def _logprobs(self, launched, n1: int, r: _Request, i: int, n: int) -> tuple | None:
+        """Row i's logprobs of its first n positions (of n1 in the payload), for a request that
+        asks: (its payload row, n1, n, k), decoded by whoever reads the event (Entries)."""
         if r.logprobs is None or launched.payload is None:
             return None
-        c, v, ids = decode(launched.payload[i:i + 1], n1)
-        return entries(c[0], v[0], ids[0], n, r.logprobs)
+        return launched.payload[i:i + 1], n1, n, r.logprobs
 
-    def _commit(self, r: _Request, new: list, events: dict, logprobs: list | None = None) -> None:
+    def _commit(self, r: _Request, new: list, events: dict, logprobs: tuple | None = None) -> None:
         before = len(r.tokens)
         done = append_committed(r.tokens, new, r.params)
         added = r.tokens[before:]
@@ -491,8 +493,10 @@ class GenerationStream:
             self._counts["committed_tokens"] += len(added)
         if done:
             self._end(r)
-        self._event(events, r, added, done,
-                    None if logprobs is None else logprobs[:len(added)])
+        if logprobs is not None:      # the tokens a stop id or max_new_tokens cut off: none
+            row, n1, n, k = logprobs
+            logprobs = row, n1, min(n, len(added)), k
+        self._event(events, r, added, done, logprobs)
 
 
 def _device_error(exc: BaseException) -> bool:
