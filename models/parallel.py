@@ -92,4 +92,6 @@ class ParallelConfig:
         if self.tp == 1:
             return x
         g = self._gather0(x)                                   # [tp, ..., n]
-        return g.movedim(0, -2).reshape(*x.shape[:-1], self.tp * x.shape[-1])
+        # a concatenation, not movedim + reshape: the reshape of the permuted gather guards on
+        # the row count being 1 (256 * B != 256) and fails a dynamic-batch export
+        return torch.cat([g[r] for r in range(self.tp)], dim=-1)

@@ -205,6 +205,10 @@ class ParallelDeepseekV4(DeepseekV4):
         self.cfg, self.full_cfg, self.pc = rank_cfg, cfg, pc
         self.vocab_lo, _ = pc.span(cfg.vocab_size, "vocab_size")
         self.expert_lo, _ = pc.span(cfg.n_routed_experts, "n_routed_experts")
+        # the split buffers at this rank's shapes from the start (the gates at all E, the vocab
+        # rows and the shared expert's I at 1 / tp), so a model built on the meta device has
+        # the shard's shapes (engine_dir/fields.py checks an engine's weights against it)
+        _resize_split_buffers(self, rank_shapes(cfg, pc, with_draft))
         # row-parallel partials stay in the accumulation dtype until summed across ranks,
         # then round once to the compute dtype, as the unsharded K-sum does (bf16 compute:
         # [M, D] fp32 moves 2x the bf16 bytes, 96 KB at B = 1's 6 verify tokens: latency-bound)
@@ -252,19 +256,37 @@ def build_rank_model(path: str | Path, pc: ParallelConfig, prec: Precision | Non
     with torch.device(device):
         model = ParallelDeepseekV4(cfg, pc, prec, max_positions, with_draft)
     named = {local_name(n, pc, cfg.n_routed_experts): t for n, t in tensors.items()}
-    _resize_split_buffers(model, named)
+    _resize_split_buffers(model, {n: tuple(t.shape) for n, t in named.items()})
     load_native(model, named)
     return model.eval(), read
 
 
-def _resize_split_buffers(model: torch.nn.Module, named: dict[str, torch.Tensor]) -> None:
-    """The buffers built at another size re-made at the loaded tensors' (the gates at all E,
-    the vocab rows and the shared expert's I at their 1 / tp), so load_native's shape check
-    holds."""
+def rank_shapes(cfg: ModelConfig, pc: ParallelConfig, with_draft: bool = True) -> dict:
+    """{native name, routed experts by their local index: shape} of every checkpoint tensor
+    this rank holds, from the schema alone."""
+    out = {}
+    for name, spec in checkpoint_schema(cfg).items():
+        if not with_draft and name.startswith("mtp."):
+            continue
+        index = rank_index(name, spec.shape, pc, cfg.n_routed_experts)
+        if index is None:
+            continue
+        shape = list(spec.shape)
+        for d, sl in enumerate(index):
+            if sl != slice(None):
+                shape[d] = sl.stop - sl.start
+        out[local_name(name, pc, cfg.n_routed_experts)] = tuple(shape)
+    return out
+
+
+def _resize_split_buffers(model: torch.nn.Module, named: dict[str, tuple]) -> None:
+    """The buffers built at another size re-made at the shapes {native name: shape} (the gates
+    at all E, the vocab rows and the shared expert's I at their 1 / tp), so load_native's
+    shape check holds."""
     shapes: dict[str, tuple] = {}
-    for native, t in named.items():
+    for native, shape in named.items():
         name, idx = model_name(native)
-        shape = tuple(t.shape)
+        shape = tuple(shape)
         if idx is not None:
             n = max(shapes.get(name, (0,))[0], idx + 1)
             shape = (n, *shape)

@@ -34,6 +34,7 @@ from dspark_compile.build.checks import check_build
 from dspark_compile.build.compile_workers import compile_programs
 from dspark_compile.build.dynamic_batch import hoist_sizes
 from dspark_compile.build.kernel_compile import compile_engine_kernels
+from dspark_compile.build.tp_build import build_ranks
 from dspark_compile.engine_dir.write import engine_bytes, occupied, tensor_bytes
 from dspark_compile.kernels.sm12x import resource_report
 from dspark_compile.models import load_model
@@ -267,16 +268,28 @@ def _tokenizer_files(ckpt: Path, cfg, bc: BuildConfig) -> dict:
 
 
 def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
-
+    if bc.tp > 1:
+        # each rank's programs and shard, built by tp spawned processes (gloo on CPU), each
+        # running build_model on its sharded model
+        return build_ranks(ckpt, out, bc, build_model, log)
     t0 = time.perf_counter()
     log(f"[load] checkpoint {ckpt}")
     cfg, tensors = load_checkpoint(ckpt, device=bc.device)   # names a missing/bad checkpoint
-    raw_config = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
     prec = bc.precision()
     # one model for every program: the step and prefill programs share its weight tensors
     model = load_model(None, prec, bc.rope_positions(cfg.dspark_block_size), True, bc.device,
                        tensors=tensors, cfg=cfg)
     del tensors
+    return build_model(model, cfg, ckpt, out, bc, log, free_bytes, t0)
+
+
+def build_model(model, cfg, ckpt, out: Path, bc: BuildConfig, log, free_bytes,
+                t0: float, manifest_fields: dict | None = None) -> dict:
+    """The engine of the loaded `model` (the checkpoint's `cfg`: the decode state and the
+    manifest's model_config) written to `out`; a tensor-parallel rank passes its sharded model
+    (build/tp_build.py) and `manifest_fields` to add. Returns the manifest."""
+    raw_config = json.loads((Path(ckpt) / "config.json").read_text(encoding="utf-8"))
+    prec = bc.precision()
     # the MoE experts in their kernel's weight layout, once (models/moe.py use_kernel_layouts);
     # each moe_experts call in the programs names the layout it reads
     use_kernel_layouts(model, prec.dtype)
@@ -307,6 +320,7 @@ def _build(ckpt, out: Path, bc: BuildConfig, log, free_bytes) -> dict:
         "passes": pm.manifest_entries(),
         "pass_config_hash": pconf.hash(),
         "pass_stats": stats,
+        **(manifest_fields or {}),
     }
     if compiled is not None:
         fields["compiled"] = compiled

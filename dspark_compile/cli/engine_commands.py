@@ -17,6 +17,7 @@ from pathlib import Path
 from dspark_compile.cli.common import command, device, engine_errors, engine_load_args, path_arg
 from dspark_compile.build.checks import writable_dir, writable_file
 from dspark_compile.build.pipeline import build_engine
+from dspark_compile.engine_dir.tp_format import RANKS_FILE, rank_dir
 from dspark_compile.engine_dir.build_config import BuildConfig, DEFAULT_BUCKETS, DTYPES
 from dspark_compile.engine_dir.fields import engine_configs
 from dspark_compile.engine_dir.format import BACKENDS
@@ -258,6 +259,11 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                         "program exported with a dynamic size for every bucket / chunk length, "
                         "so export, passes and load do not grow with the bucket count; each "
                         "bucket still gets its own CUDA graph)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (a power of two dividing the model's heads, "
+                        "output groups, experts and vocabulary; default 1): one engine "
+                        "directory with each rank's programs and weight shard, built by N "
+                        "processes this command starts (gloo on the CPU)")
     p.add_argument("--no-target-programs", action="store_true",
                    help="leave out each bucket's target-only program (one token per row, no "
                         "draft: the engine's own non-speculative decoding, which run "
@@ -282,7 +288,7 @@ def _build_device(args) -> str:
                 "out_dir": "--out", "compile_workers": "--compile-workers",
                 "disabled_passes": "--disable-pass", "arch": "--arch", "dump_dir": "--dump-graphs",
                 "prefill_chunks": "--prefill-chunks", "target_programs": "--no-target-programs",
-                "dynamic_batch": "--static-batch",
+                "dynamic_batch": "--static-batch", "tp": "--tp",
                 "overwrite=True": "--overwrite"})
 def cmd_build(args) -> int:
 
@@ -301,9 +307,9 @@ def cmd_build(args) -> int:
                      device=dev, backend=args.backend, compile_workers=args.compile_workers or 0,
                      prefill_chunks=args.prefill_chunks,
                      target_programs=not args.no_target_programs, overwrite=args.overwrite,
-                     dynamic_batch=not args.static_batch)
+                     dynamic_batch=not args.static_batch, tp=args.tp)
     out = Path(args.out)
-    if (out / MANIFEST).is_file() and not args.overwrite:
+    if ((out / MANIFEST).is_file() or (out / RANKS_FILE).is_file()) and not args.overwrite:
         raise ValueError(f"--out {out} already holds an engine; pass --overwrite to replace it")
     with engine_errors():   # e.g. --out names a directory that is not an engine
         build_engine(args.checkpoint, out, bc, log=lambda s: print(s, flush=True))
@@ -322,11 +328,22 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "compare token for token (exit 3 on a difference: 'lossless:'), then "
                         "report how far that decoding is from the eager reference's "
                         "('reference:', exit 4 beyond its rounding tolerance)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="run an engine built with build --tp N on N ranks, which this command "
+                        "starts (gloo on the CPU, NCCL with rank r on cuda:r); must be the "
+                        "engine's rank count")
     engine_load_args(p)
 
 
 @command("run", "generate with a built engine", _run_args, flags=SAMPLING_FLAGS)
 def cmd_run(args) -> int:
+    from dspark_compile.engine_dir.tp_format import check_tp
+
+    tp = 1 if args.tp is None else args.tp
+    with engine_errors():
+        check_tp(args.engine, tp)
+    if tp > 1:
+        return _run_tp(args, tp)
 
     params = _params(args)
     if args.check_lossless and params[0].method != "greedy":
@@ -365,6 +382,54 @@ def cmd_run(args) -> int:
     if args.check_lossless:
         return _check_lossless(eng, args.prompt_ids, params, res.tokens)
     return 0
+
+
+def _run_tp(args, tp: int) -> int:
+    """run --tp N: the request checks against rank 0's manifest, then N ranks started here
+    (dspark_compile/runtime/ranks.py run_ranks), each generating; rank 0 prints and its exit
+    status is the command's."""
+    import tempfile
+    from dspark_compile.runtime.ranks import run_ranks
+
+    params = _params(args)
+    if args.check_lossless and params[0].method != "greedy":
+        raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
+    if args.check_lossless and args.no_speculation:
+        raise ValueError("--check-lossless compares speculative decoding with --no-speculation "
+                         "decoding: pass one of them")
+    rank0 = Path(args.engine) / rank_dir(0)
+    with engine_errors():
+        cfg, build = engine_configs(load_manifest(rank0, check_files=False))
+    _check_requests(args, params, cfg.vocab_size, build.max_seq_len, cfg.dspark_block_size)
+    need_target = args.no_speculation or args.check_lossless
+    if need_target and not build.target_programs:
+        raise ValueError(f"engine {args.engine} has no target-only programs (built with "
+                         "--no-target-programs): rebuild it without that flag")
+    dev = str(device(args.device)) if args.device else build.device.split(":")[0]
+    with tempfile.TemporaryDirectory() as d:
+        rc = Path(d) / "rc"
+        run_ranks(args.engine, tp, _rank_run,
+                  (args.prompt_ids, params, not args.no_speculation, args.check_lossless,
+                   str(rc)), device=dev,
+                  load_options={"use_graphs": False if args.no_graphs else None,
+                                "target": need_target, "trust_code": args.trust_engine_code})
+        return int(rc.read_text())
+
+
+def _rank_run(eng, rank: int, prompts, params, spec: bool, check: bool, rc: str) -> None:
+    """One rank of run --tp: every rank decodes (the same steps: runtime/ranks.py); rank 0
+    prints and writes the exit status to `rc`."""
+    import contextlib
+    import os
+    quiet = open(os.devnull, "w") if rank else None
+    with contextlib.redirect_stdout(quiet) if quiet else contextlib.nullcontext():
+        print(f"loaded {eng.dir} on {eng.device} (rank {rank} of {eng.pc.tp})")
+        t = time.perf_counter()
+        res = eng.generate(prompts, params, speculative=spec)
+        _report(res, time.perf_counter() - t, spec)
+        status = _check_lossless(eng, prompts, params, res.tokens) if check else 0
+    if rank == 0:
+        Path(rc).write_text(str(status))
 
 
 def _check_lossless(eng, prompts, params, outputs) -> int:

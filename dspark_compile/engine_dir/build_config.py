@@ -65,8 +65,15 @@ class BuildConfig:
     # (the CLI without --overwrite): an output that is not absent or empty is refused, also one
     # that appears while the build runs (dspark_compile/engine_dir/write.py save_engine)
     overwrite: bool = True
+    # tensor-parallel ranks (build --tp): each rank's programs and weight shard in rank{r}/ of
+    # the engine directory (dspark_compile/build/tp_build.py; models/sharding.py the split); a
+    # power of two that divides the split shapes; 1: one device, the plain engine
+    tp: int = 1
 
     def __post_init__(self):
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1 \
+                or self.tp & (self.tp - 1):
+            raise ValueError(f"tp must be a power of two >= 1 (ranks), got {self.tp!r}")
         if not self.backend:
             self.backend = "aten"
         if self.backend == "inductor":

@@ -38,6 +38,7 @@ _TYPES = {
     "arch": ((str, type(None)), "an arch name or null"),
     "device": (_STR, "a device name"),
     "backend": (_STR, "a backend name"),
+    "tp": (_INT, "a rank count >= 1"),
 }
 
 
@@ -81,6 +82,8 @@ def engine_configs(manifest: dict):
     bc.setdefault("prefill_chunks", ())
     # and before target_programs existed they had none
     bc.setdefault("target_programs", False)
+    # and before tp existed they ran on one device
+    bc.setdefault("tp", 1)
     want = [f.name for f in dataclasses.fields(BuildConfig) if f.name not in NOT_RECORDED]
     missing = [k for k in want if k not in bc]
     unknown = sorted(set(bc) - set(want))
@@ -153,9 +156,16 @@ def check_weights_table(cfg, build, tensors: dict) -> None:
     # format must not (a load registers them itself, after its checks: test_artifact's fresh
     # process), so the model is imported where it is built
     from dspark_compile.models.target import DeepseekV4
+    positions = rope_positions(build.max_seq_len, cfg.dspark_block_size)
     with torch.device("meta"):
-        model = DeepseekV4(cfg, build.precision(), rope_positions(build.max_seq_len,
-                                                                  cfg.dspark_block_size))
+        if build.tp > 1:
+            # one rank's shard (build --tp; every rank's shapes are the same)
+            from dspark_compile.models.parallel import ParallelConfig
+            from dspark_compile.models.sharding import ParallelDeepseekV4
+            model = ParallelDeepseekV4(cfg, ParallelConfig(0, build.tp), build.precision(),
+                                       positions)
+        else:
+            model = DeepseekV4(cfg, build.precision(), positions)
     want = {f"model.{k}": v for k, v in model.state_dict().items()}
     for name, info in sorted(tensors.items()):
         if name not in want:

@@ -37,7 +37,12 @@ float / a string as itself, a list as a JSON array, and otherwise an object of o
 {"node": name} (a placeholder or an earlier node), {"tuple": [...]}, {"dtype": "float32"},
 {"device": "cuda:0"}, {"layout": "strided"}, {"memory_format": "contiguous_format"},
 {"float": "inf" | "-inf" | "nan"}. An op is "operator.getitem" or "<ns>.<op>.<overload>" of the
-aten, prims and dspark namespaces, resolved to a registered operator overload.
+aten, prims and dspark namespaces, resolved to a registered operator overload, or one of the
+functional collectives of `COLLECTIVES` (a tensor-parallel rank's program, models/parallel.py):
+"_c10d_functional.all_gather_into_tensor.default" (tensor, group_size, group_name) and
+"_c10d_functional.wait_tensor.default" (tensor). Their process group is named by a string
+literal (`group_name`, checked against `GROUP_NAME`; the runtime checks at load that it names
+its own group of group_size ranks, dspark_compile/runtime/ranks.py): a name, never code.
 
 `kind` is "user" (an argument of forward, one per leaf of in_spec, in order), "parameter",
 "buffer" or "constant" (lifted: `target` is the tensor's name; "stored" says whether it comes
@@ -57,6 +62,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import re
 from typing import Optional
 
 import torch
@@ -68,6 +74,12 @@ FORMAT, VERSION = "dspark-graph", 1
 # tensors (index.Tensor, depth 2); twice that leaves room and bounds the reader's recursion
 MAX_DEPTH = 4
 NAMESPACES = ("aten", "prims", "dspark")
+# the functional collectives a rank's program may call (models/parallel.py gathers, then sums in
+# rank order: no all_reduce), each with the position of its process group's name (None: none)
+COLLECTIVES = {"_c10d_functional.all_gather_into_tensor.default": 2,
+               "_c10d_functional.wait_tensor.default": None}
+# a process group's name as torch.distributed makes it ("0", "1", ...) or a user's group_desc
+GROUP_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 GETITEM = "operator.getitem"
 DTYPES = {n: getattr(torch, n) for n in (
     "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -203,9 +215,12 @@ def _op_name(n) -> str:
         return GETITEM
     if t in SIZE_OP_NAMES:
         return SIZE_OP_NAMES[t]
-    if isinstance(t, torch._ops.OpOverload) and t.namespace in NAMESPACES:
-        return f"{t._schema.name.replace('::', '.')}.{t._overloadname}"
-    raise ValueError(f"node '{n.name}' calls {t}, not an aten, prims or dspark operator")
+    if isinstance(t, torch._ops.OpOverload):
+        name = f"{t._schema.name.replace('::', '.')}.{t._overloadname}"
+        if t.namespace in NAMESPACES or name in COLLECTIVES:
+            return name
+    raise ValueError(f"node '{n.name}' calls {t}, not an aten, prims or dspark operator or a "
+                     f"functional collective of {sorted(COLLECTIVES)}")
 
 
 def _enc(v, node, depth: int = 1):

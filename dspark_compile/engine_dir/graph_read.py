@@ -2,7 +2,9 @@
 what a program holds): `read_program` checks a program's graph and constants as data and
 `GraphProgram.module(weights)` builds the module `ep.module()` would, by torch.fx from the
 checked data alone: no pickle, no eval, no name from the file looked up anywhere but the
-operator table of the aten, prims and dspark namespaces and the format's own tables.
+operator table of the aten, prims and dspark namespaces, the format's own tables and its
+functional collectives (graph_format.COLLECTIVES, each process group named by a checked string
+literal).
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from torch.utils import _pytree as pytree
 
 from dspark_compile.engine_dir.format import ArtifactError, unique_keys
 from dspark_compile.engine_dir.graph_format import (
-    DTYPES, FORMAT, GETITEM, LAYOUTS, MAX_DEPTH, MEMORY_FORMATS, NAMESPACES, SIZE_OPS,
-    SPECIAL_FLOATS, VERSION)
+    COLLECTIVES, DTYPES, FORMAT, GETITEM, GROUP_NAME, LAYOUTS, MAX_DEPTH, MEMORY_FORMATS,
+    NAMESPACES, SIZE_OPS, SPECIAL_FLOATS, VERSION)
 
 _TOP = {"format", "version", "arg_names", "in_spec", "out_spec", "inputs", "nodes", "outputs"}
 _NODE = {"name", "op", "args", "kwargs"}
@@ -147,6 +149,8 @@ class _Reader:
             return SIZE_OPS[v][0]
         if v in self.ops:
             return self.ops[v]
+        if v in COLLECTIVES:
+            return self.collective(v)
         m = _OP.fullmatch(v) if isinstance(v, str) else None
         op = None
         if m is not None and m.group(1) in NAMESPACES:
@@ -159,6 +163,20 @@ class _Reader:
                 and op._overloadname == m.group(3)):
             raise self.fail(f"{what} calls {str(v)[:120]!r}, which is not a registered aten, "
                             "prims or dspark operator")
+        self.ops[v] = op
+        return op
+
+    def collective(self, v: str):
+        """A functional collective of COLLECTIVES, resolved in torch.ops._c10d_functional (a
+        torch built without distributed lacks it: the program cannot run here)."""
+        ns, name, overload = v.split(".")
+        try:
+            op = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        except (AttributeError, RuntimeError):
+            op = None
+        if not isinstance(op, torch._ops.OpOverload):
+            raise self.fail(f"it calls the collective {v!r}, which this torch does not register "
+                            "(a build without torch.distributed?)")
         self.ops[v] = op
         return op
 
@@ -590,6 +608,9 @@ def _check_call(r: _Reader, op, args: tuple, kwargs: dict, what: str) -> None:
             raise r.fail(f"{what} calls {op.__name__} with other than {arity} sizes or ints")
         return
     schema = op._schema.arguments
+    name = f"{op._schema.name.replace('::', '.')}.{op._overloadname}"
+    if name in COLLECTIVES:
+        _check_collective(r, op, name, args, kwargs, what)
     positional = sum(not a.kwarg_only for a in schema)
     if len(args) > positional:
         raise r.fail(f"{what} passes {len(args)} positional arguments to {op}, which takes "
@@ -598,6 +619,26 @@ def _check_call(r: _Reader, op, args: tuple, kwargs: dict, what: str) -> None:
     bad = sorted(k for k in kwargs if k not in names)
     if bad:
         raise r.fail(f"{what} passes the keyword {bad[0][:40]!r}, which {op} does not take")
+
+
+def _check_collective(r: _Reader, op, name: str, args: tuple, kwargs: dict, what: str) -> None:
+    """A collective's call: every argument positional, a node for each tensor, an int >= 1 for
+    a group size, and its process group named by a GROUP_NAME string literal."""
+    schema = op._schema.arguments
+    if kwargs or len(args) != len(schema):
+        raise r.fail(f"{what} calls {name} with other than its {len(schema)} positional "
+                     "arguments")
+    group = COLLECTIVES[name]
+    for k, (a, s) in enumerate(zip(args, schema)):
+        if k == group:
+            if not (isinstance(a, str) and GROUP_NAME.fullmatch(a)):
+                raise r.fail(f"{what} names the process group {str(a)[:40]!r}, not a name of "
+                             "letters, digits and underscores")
+        elif s.type.kind() == "TensorType":
+            if not isinstance(a, _Ref):
+                raise r.fail(f"{what} passes {s.name!r} to {name} as a literal, not a node")
+        elif not (_is_int(a) and 1 <= a <= 1 << 16):
+            raise r.fail(f"{what} passes {s.name!r} = {str(a)[:20]} to {name}, not a rank count")
 
 
 def _read_outputs(r: _Reader, entries, inputs: list) -> list:

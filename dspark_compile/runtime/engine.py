@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from dspark_compile.engine_dir.format import ArtifactError
+from dspark_compile.engine_dir.tp_format import RANKS_FILE
 from dspark_compile.engine_dir.load import check_state_layout, load_engine, _read_manifest
 from dspark_compile.engine_dir.write import update_manifest_field
 # warm_up / capture_graph: imported here too for callers of the runtime's old names
@@ -206,7 +207,13 @@ class Engine:
         engine whose programs are code (--backend inductor: generated Python in compiled/),
         refused otherwise; an aten engine's load executes nothing from its directory.
         `logprobs`: also derive (and on CUDA capture) each step's and prefill program's
-        logprobs variant (runtime/logprobs.py), run for calls where a request asks."""
+        logprobs variant (runtime/logprobs.py), run for calls where a request asks.
+        An engine built with `build --tp N` is loaded rank by rank:
+        dspark_compile/runtime/ranks.py load_rank (its RankEngine subclasses this class)."""
+        if (Path(engine_dir) / RANKS_FILE).is_file():
+            raise ValueError(f"engine {engine_dir} is built for several ranks (build --tp): "
+                             "load one with dspark_compile.runtime.ranks.load_rank(dir, rank, "
+                             "tp), or run it with run --tp")
         t0 = time.perf_counter()
         if prefill not in (None, "programs", "eager"):
             raise ValueError(f"prefill must be 'programs', 'eager' or None, got {prefill!r}")

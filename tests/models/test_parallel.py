@@ -3,20 +3,16 @@ ranks run the sharded reference and match the unsharded model; the per-rank load
 its rank's bytes; a split that would cut a 128 x 128 FP8 scale block is refused by name.
 
 The sharded checkpoint is the tiny one widened so every split holds whole blocks at tp = 2
-(o_lora_rank 64 -> 128, moe_intermediate_size 128 -> 256; the tiny preset itself is refused at
-tp = 2, tested below): each widened tensor is two of the tiny checkpoint's tensors laid side by
-side along the widened axis (the next layer's as the second half), which keeps every FP8 block
-and MXFP4 group whole and the values the synthetic ones, without a second synth (~15 s).
+(dspark_compile/factory/tp_checkpoint.py: o_lora_rank 64 -> 128, moe_intermediate_size 128 ->
+256; the tiny preset itself is refused at tp = 2, tested below).
 """
-import json
-import re
 
 import pytest
 import torch
 
-from dspark_compile.factory.checkpoint_dir import write_checkpoint
 from dspark_compile.models.checkpoint import load_checkpoint
 from dspark_compile.models.config import Precision
+from dspark_compile.factory.tp_checkpoint import tp_checkpoint
 from dspark_compile.models.parallel_check import run_check
 from dspark_compile.models.parallel import ParallelConfig, ParallelError
 from dspark_compile.factory.presets import preset
@@ -28,31 +24,11 @@ from dspark_compile.models.schema import checkpoint_schema
 
 TP = 2
 PREC = Precision(dtype=torch.float64)
-# the axis each widened tensor doubles along, by its name inside the layer
-_WIDEN = ((re.compile(r"attn\.wo_a\.|ffn\.shared_experts\.w[13]\.|ffn\.experts\.\d+\.w[13]\."), 0),
-          (re.compile(r"attn\.wo_b\.|ffn\.shared_experts\.w2\.|ffn\.experts\.\d+\.w2\."), 1))
-_IN_LAYER = re.compile(r"^(layers|mtp)\.(\d+)\.(.*)$")
-
-
-def _widen(name: str, tensors: dict, counts: dict) -> torch.Tensor:
-    """`name` widened: itself and the next layer's same tensor (same stack) side by side."""
-    m = _IN_LAYER.match(name)
-    for pat, dim in _WIDEN if m else ():
-        if pat.match(m.group(3)):
-            partner = f"{m.group(1)}.{(int(m.group(2)) + 1) % counts[m.group(1)]}.{m.group(3)}"
-            return torch.cat([tensors[name], tensors[partner]], dim)
-    return tensors[name]
 
 
 @pytest.fixture(scope="module")
 def tp_ckpt(tiny_ckpt, tmp_path_factory):
-    raw = json.loads((tiny_ckpt / "config.json").read_text())
-    raw.update(o_lora_rank=2 * raw["o_lora_rank"],
-               moe_intermediate_size=2 * raw["moe_intermediate_size"])
-    _, tensors = load_checkpoint(tiny_ckpt)
-    counts = {"layers": raw["num_hidden_layers"], "mtp": 3}
-    wide = {n: _widen(n, tensors, counts) for n in tensors}
-    return write_checkpoint(raw, wide, tmp_path_factory.mktemp("tp") / "tiny-wide")
+    return tp_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("tp") / "tiny-wide")
 
 
 @pytest.fixture(scope="module")
