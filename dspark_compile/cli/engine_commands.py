@@ -386,8 +386,8 @@ def cmd_run(args) -> int:
 
 def _run_tp(args, tp: int) -> int:
     """run --tp N: the request checks against rank 0's manifest, then N ranks started here
-    (dspark_compile/runtime/ranks.py run_ranks), each generating; rank 0 prints and its exit
-    status is the command's."""
+    (dspark_compile/runtime/ranks.py run_ranks): rank 0 decodes and prints, the others follow
+    its calls; rank 0's exit status is the command's."""
     import tempfile
     from dspark_compile.runtime.ranks import run_ranks
 
@@ -417,19 +417,20 @@ def _run_tp(args, tp: int) -> int:
 
 
 def _rank_run(eng, rank: int, prompts, params, spec: bool, check: bool, rc: str) -> None:
-    """One rank of run --tp: every rank decodes (the same steps: runtime/ranks.py); rank 0
-    prints and writes the exit status to `rc`."""
-    import contextlib
-    import os
-    quiet = open(os.devnull, "w") if rank else None
-    with contextlib.redirect_stdout(quiet) if quiet else contextlib.nullcontext():
-        print(f"loaded {eng.dir} on {eng.device} (rank {rank} of {eng.pc.tp})")
+    """One rank of run --tp: rank 0 decodes, prints and writes the exit status to `rc`; the
+    others run its calls (dspark_compile/runtime/ranks.py RankEngine.follow)."""
+    if rank:
+        eng.follow()
+        return
+    try:
+        print(f"loaded {eng.dir.parent} on {eng.device} ({eng.pc.tp} ranks)")
         t = time.perf_counter()
         res = eng.generate(prompts, params, speculative=spec)
         _report(res, time.perf_counter() - t, spec)
         status = _check_lossless(eng, prompts, params, res.tokens) if check else 0
-    if rank == 0:
-        Path(rc).write_text(str(status))
+    finally:
+        eng.stop()
+    Path(rc).write_text(str(status))
 
 
 def _check_lossless(eng, prompts, params, outputs) -> int:
@@ -439,11 +440,19 @@ def _check_lossless(eng, prompts, params, outputs) -> int:
     target = eng.generate(prompts, params, speculative=False).tokens
     report = compare_outputs(target, outputs)
     print(report.line())
-    ref = check_lossless(eng.model, prompts, params, target, device=eng.device, label="reference")
+    # a tensor-parallel rank 0 runs the eager reference on every rank (its collectives)
+    everywhere = getattr(eng, "run_everywhere", lambda fn, *a: fn(eng, *a))
+    ref = everywhere(_reference, prompts, params, target)
     ref.expected_name, ref.got_name = "eager reference", "engine target-only"
     tol = reference_tolerance(eng.model.prec)
     print(ref.line(tol))
     return 0 if report.ok and ref.within(tol) else 3 if not report.ok else 4
+
+
+def _reference(eng, prompts, params, target):
+    """The engine's target-only tokens against its eager reference (runtime/lossless.py)."""
+    return check_lossless(eng.model, prompts, params, target, device=eng.device,
+                          label="reference")
 
 
 # ---- inspect ---------------------------------------------------------------------------------

@@ -77,9 +77,14 @@ def run_program_check(engine: str | Path, ckpt: str | Path, tp: int, out_dir: st
 
 
 def exit_on_rank(eng, rank: int, victim: int, code: int) -> None:
-    """A run_ranks body for the dead-rank check: rank `victim` exits with `code` at once, the
-    others start generating (blocked in their first collective on the dead peer)."""
+    """A run_ranks body for the dead-rank check: rank `victim` exits with `code` at once; rank 0
+    decodes (blocked in its first broadcast or collective on the dead peer), the others
+    follow."""
     import os
     if rank == victim:
         os._exit(code)
+    if rank:
+        eng.follow()
+        return
     eng.generate([[1, 2, 3]], [SamplingParams(max_new_tokens=4)])
+    eng.stop()

@@ -9,14 +9,17 @@ name a process group that this process has, of N ranks (checked at load).
 
 `run_ranks(dir, tp, fn, ...)` starts the N ranks itself (torch.multiprocessing spawn; gloo on
 the CPU, NCCL with rank r on cuda:r), each loading its engine and calling `fn(engine, rank,
-...)`. Every rank runs the same driver (the scheduler, prefill, steps) on the same requests: the
-programs' outputs are bitwise the same on every rank (the reductions add gathered operands in
-rank order, models/parallel.py; the samplers draw with the same Philox keys), so every rank's
-scheduler decides the same next step. Rank 0 is the reference: before each program call it
-broadcasts the call (program, bucket, rows) and every other rank runs rank 0's rows, refusing
-to go on if its own scheduler chose otherwise (a divergence is a bug, named, never silent).
-A rank that dies ends the others (spawn terminates them; a rank blocked in a collective with
-a dead peer gets gloo's connection error) and `run_ranks` raises one RanksFailed naming it.
+...)`. Rank 0 holds the scheduler: it drives its RankEngine like any Engine (generate, streams,
+run_step), and each call that runs a program or writes the decode state (launch, prefill,
+launch_prefill, set_row_sampling, prompt_logprobs, and `run_everywhere(fn, ...)` for an eager
+reference) is first broadcast to the other ranks — the call's name and its small arguments
+(rows, ProgramKey, prompt, sampling parameters; torch.distributed.broadcast_object_list, a
+few hundred bytes) — which run it in `follow()` until rank 0's `stop()`. Every rank so
+executes the same programs on the same state in the same order; their outputs are bitwise the
+same on every rank (the reductions add gathered operands in rank order, models/parallel.py; the
+samplers draw with the same Philox keys). A rank that dies ends the others (spawn terminates
+them; a rank blocked in a collective with a dead peer gets gloo's connection error) and
+`run_ranks` raises one RanksFailed naming it.
 """
 from __future__ import annotations
 
@@ -29,16 +32,12 @@ from pathlib import Path
 
 import torch
 
-from dspark_compile.engine_dir.format import MANIFEST, PREFILL, STEP, TARGET, ArtifactError
+from dspark_compile.engine_dir.format import MANIFEST, ArtifactError
 from dspark_compile.engine_dir.graph_format import COLLECTIVES
 from dspark_compile.engine_dir.tp_format import RANKS_FILE, check_tp, rank_dir, read_ranks
 from dspark_compile.runtime.engine import Engine
 
-_KINDS = (STEP, TARGET, PREFILL)
-_VARIANTS = ("full", "greedy")
-# the call broadcast before each program call: kind, bucket, variant, logprobs, n, then the
-# rows padded to the largest bucket
-_HEAD = 5
+_STOP = "stop"
 
 
 # ---- the ranks as processes ---------------------------------------------------------------
@@ -99,8 +98,11 @@ def init_rank(rank: int, tp: int, port: int, device: str, threads: int = 1) -> s
 
 class RankEngine(Engine):
     """One rank's Engine (module docstring). `pc` (models/parallel.py ParallelConfig) is set
-    on the class load_rank makes, before Engine.__init__ builds the reference model."""
+    on the class load_rank makes, before Engine.__init__ builds the reference model. Rank 0
+    drives it like any Engine and each call that runs a program is sent to the others, which
+    run `follow()` until rank 0's `stop()`."""
     pc = None
+    _depth = 0          # > 0 inside a call already sent (or being followed)
 
     def _reference_model(self, weights: dict):
         """The rank's ParallelDeepseekV4 over the engine's shard (no copy): every buffer whose
@@ -133,29 +135,62 @@ class RankEngine(Engine):
         sync_kernel_layouts(model)
         return model.eval()
 
+    # ---- rank 0 leads, the others follow (module docstring) --------------------------------
+    # the Engine calls that run a program or the eager model, or write the decode state: the
+    # scheduler reaches the engine through these (and has / times / read-only checks)
     def launch(self, rows, key, use_graph: bool = True, logprobs: bool = False):
-        rows = self._agree(list(rows), key, logprobs)
-        return super().launch(rows, key, use_graph, logprobs)
+        return self._lead("launch", [int(r) for r in rows], key, use_graph, logprobs)
 
-    def _agree(self, rows: list, key, logprobs: bool) -> list:
-        """Rank 0's call (program, bucket, rows), broadcast; another rank runs rank 0's rows
-        and refuses a call its own driver did not choose."""
+    def set_row_sampling(self, row: int, params) -> None:
+        return self._lead("set_row_sampling", row, params)
+
+    def prefill(self, row: int, prompt: list[int]) -> int:
+        return self._lead("prefill", row, list(prompt))
+
+    def launch_prefill(self, row: int, prompt: list[int], calls: list, logprobs: bool = False):
+        return self._lead("launch_prefill", row, list(prompt), list(calls), logprobs)
+
+    def prompt_logprobs(self, row: int, prompt: list[int], k: int) -> list:
+        return self._lead("prompt_logprobs", row, list(prompt), k)
+
+    def run_everywhere(self, fn, *args):
+        """`fn(engine, *args)` on every rank (a module-level function: rank 0 sends it by
+        name), e.g. an eager reference decoding whose collectives need every rank; rank 0's
+        result."""
+        return self._lead(None, fn, *args)
+
+    def _lead(self, name, *args):
+        """Rank 0: send the call to the others (unless it is inside a call already sent: the
+        base method's own calls of these methods run on every rank anyway), then run it."""
         import torch.distributed as dist
-        top = max(self.buckets)
-        msg = torch.full((_HEAD + top,), -1, dtype=torch.int64)
-        msg[:_HEAD] = torch.tensor([_KINDS.index(key.kind), key.size,
-                                    _VARIANTS.index(key.variant), int(logprobs), len(rows)])
-        msg[_HEAD:_HEAD + len(rows)] = torch.tensor(rows, dtype=torch.int64)
-        mine = msg.clone()
-        dev = "cpu" if dist.get_backend() == "gloo" else self.device
-        sent = msg.to(dev)
-        dist.broadcast(sent, 0)
-        sent = sent.cpu()
-        if not torch.equal(sent, mine):
-            raise RuntimeError(f"rank {self.pc.rank} diverged from rank 0: it would run "
-                               f"{mine.tolist()}, rank 0 runs {sent.tolist()} (kind, bucket, "
-                               "variant, logprobs, rows, then the rows)")
-        return sent[_HEAD:_HEAD + int(sent[4])].tolist()
+        if self.pc.rank == 0 and not self._depth:
+            dist.broadcast_object_list([(name, args)], src=0)
+        self._depth += 1
+        try:
+            if name is None:
+                return args[0](self, *args[1:])
+            return getattr(Engine, name)(self, *args)
+        finally:
+            self._depth -= 1
+
+    def follow(self) -> None:
+        """Another rank's loop: run rank 0's calls, in its order, until it stops."""
+        import torch.distributed as dist
+        if self.pc.rank == 0:
+            raise RuntimeError("rank 0 leads: it does not follow")
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            name, args = box[0]
+            if name == _STOP:
+                return
+            self._lead(name, *args)
+
+    def stop(self) -> None:
+        """Rank 0: end the others' follow() loops."""
+        import torch.distributed as dist
+        if self.pc.rank == 0:
+            dist.broadcast_object_list([(_STOP, ())], src=0)
 
 
 def check_groups(eng: Engine, tp: int) -> None:
