@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from dspark_compile.engine_dir.format import TOKENIZER_FILE
 from dspark_compile.build.memory_plan import check_fits, device_memory, format_plan, memory_plan
-from dspark_compile.engine_dir.write import not_an_engine
 from dspark_compile.kernels.sm12x import ARCHS
 from dspark_compile.models.checkpoint import CheckpointError, missing_dir, read_config
 from dspark_compile.models.config import request_positions
@@ -102,7 +101,8 @@ def check_build(ckpt, out, bc, log=None, target=None):
 
 
     out = Path(out)
-    why = not_an_engine(out)
+    from dspark_compile.build.tp_build import replace_refusal   # (tp_build imports this module)
+    why = replace_refusal(out)       # absent, empty, an engine or a tp engine (ranks.json)
     if why:
         raise ValueError(f"out_dir {out}: {why}; refusing to replace it")
     writable_sibling(out, "out_dir")

@@ -202,7 +202,7 @@ def build_engine(ckpt: str | Path, out: str | Path, bc: BuildConfig,
 
     out = canonical(Path(out).absolute())
     # options, output and config.json first: loading and exporting take minutes
-    check_build(ckpt, out, bc)
+    check_build(ckpt, out, bc, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out, "build"):
         why = None if bc.overwrite else occupied(out)

@@ -106,12 +106,12 @@ def test_a_program_holding_anything_but_data_is_refused(small_engine, tmp_path, 
     from dspark_compile.runtime.engine import Engine
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
-    rewrite_program(eng, "programs/step_b1.json", make_edit(marker))
+    rewrite_program(eng, "programs/step.json", make_edit(marker))
     load_manifest(eng)                   # checksum and file table agree: the author's view
-    with pytest.raises(ArtifactError, match="program 'programs/step_b1.json' is refused") as e:
+    with pytest.raises(ArtifactError, match="program 'programs/step.json' is refused") as e:
         Engine.load(eng, device="cpu", target=False)
     assert says in str(e.value)
-    assert e.value.path == "programs/step_b1.json"
+    assert e.value.path == "programs/step.json"
     assert not marker.exists()
 
 
@@ -122,12 +122,12 @@ def test_a_pickle_as_a_programs_constants_is_refused(small_engine, tmp_path):
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
     m = read_manifest(eng)
-    rel = "programs/step_b1.constants.safetensors"
+    rel = "programs/step.constants.safetensors"
     (eng / rel).write_bytes(pickled(marker))
     m["programs"]["1"]["constants"] = rel
     write_manifest(eng, m)
     refresh(eng, rel)
-    with pytest.raises(ArtifactError, match="programs/step_b1.json") as e:
+    with pytest.raises(ArtifactError, match="programs/step.json") as e:
         Engine.load(eng, device="cpu", target=False)
     assert "constants" in str(e.value)
     assert not marker.exists()
@@ -172,11 +172,11 @@ def test_serve_refuses_a_tampered_program_and_runs_nothing(small_engine, tmp_pat
     monkeypatch.setattr(server.Server, "run", lambda self, *a, **k: served.append(self))
     marker = tmp_path / "marker"
     eng = copy_engine(small_engine, tmp_path)
-    rewrite_program(eng, "programs/step_b2.json", _first_node("op", "builtins.exec")(marker))
+    rewrite_program(eng, "programs/step.json", _first_node("op", "builtins.exec")(marker))
     rc = main(["serve", str(eng), "--port", "0"])
     err = capsys.readouterr().err
     assert rc == 1 and not served, err
-    assert "program 'programs/step_b2.json' is refused" in err
+    assert "program 'programs/step.json' is refused" in err
     assert not marker.exists()
 
 
@@ -303,19 +303,19 @@ def _absolute(eng, outside):
 
 
 def _dotdot_program(eng, outside):
-    """Bucket 2's program from ../outside/step_b2.json (the issue's case)."""
-    shutil.move(eng / "programs/step_b2.json", outside / "step_b2.json")
+    """Bucket 2's program (the one step program) from ../outside/step.json (the issue's case)."""
+    shutil.move(eng / "programs/step.json", outside / "step.json")
     m = read_manifest(eng)
-    m["files"]["../outside/step_b2.json"] = m["files"].pop("programs/step_b2.json")
-    m["programs"]["2"]["path"] = "../outside/step_b2.json"
+    m["files"]["../outside/step.json"] = m["files"].pop("programs/step.json")
+    m["programs"]["2"]["path"] = "../outside/step.json"
     write_manifest(eng, m)
-    return "files.../outside/step_b2.json"
+    return "files.../outside/step.json"
 
 
 def _file_link(eng, outside):
-    shutil.move(eng / "programs/step_b2.json", outside / "step_b2.json")
-    (eng / "programs/step_b2.json").symlink_to(outside / "step_b2.json")
-    return "programs/step_b2.json"
+    shutil.move(eng / "programs/step.json", outside / "step.json")
+    (eng / "programs/step.json").symlink_to(outside / "step.json")
+    return "programs/step.json"
 
 
 def _dir_link(eng, outside):
@@ -401,7 +401,7 @@ def test_a_symlinked_engine_directory_itself_loads(small_engine, tmp_path):
 
 
 # ------------------------------------------------------------------ other hostile directories
-@pytest.mark.parametrize("where", ["manifest.json", "programs/step_b1.json", "notes.fifo"])
+@pytest.mark.parametrize("where", ["manifest.json", "programs/step.json", "notes.fifo"])
 def test_a_fifo_in_the_engine_is_refused_without_blocking(small_engine, tmp_path, where):
     """Opening a FIFO for reading blocks until a writer comes: the load must not try."""
     from dspark_compile.runtime.engine import Engine
@@ -424,7 +424,7 @@ def test_a_tokenizer_outside_the_file_table_is_refused(small_engine, tmp_path):
 
 
 @pytest.mark.parametrize("path, says", [
-    ("programs/step_b1.json\x00.txt", "holds a NUL character"),
+    ("programs/step.json\x00.txt", "holds a NUL character"),
     ("programs\\step_b1.json", "holds a backslash"),
     ("programs//step_b1.json", "empty, '.' or '..' component"),
     ("programs/x\udcff.json", "is not valid UTF-8"),
