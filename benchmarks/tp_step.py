@@ -415,7 +415,9 @@ def _write_md(path: Path, rec: dict, table: str) -> None:
                   f"ratio_to_tp1 = rank 0's step / the TP = 1 step, same bucket (target <= "
                   f"0.55); predicted_2gpu_us = rank 0's step + calls x {rec['collective_us']} "
                   f"µs.", ""]
-    lines += ["```", table, "```", ""]
+    lines += ["collective_calls / collective_kb: the gathers of one step and the bytes this rank "
+              "contributes to them (an all-gather at tp = 2 also receives as many).", "",
+              "```", table, "```", ""]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines))
     os.replace(tmp, path)
