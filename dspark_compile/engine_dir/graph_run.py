@@ -28,7 +28,7 @@ import torch
 from torch.fx._pytree import tree_flatten_spec
 from torch.utils import _pytree as pytree
 
-from dspark_compile.engine_dir.graph_read import GraphProgram, _assign, _InputCheck, _Ref
+from dspark_compile.engine_dir.graph_program import GraphProgram, _assign, _InputCheck, _Ref
 
 _COPY = torch.ops.aten.copy_.default
 

@@ -39,7 +39,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dspark_compile.engine_dir.format import STEP, ProgramKey
-from dspark_compile.engine_dir.graph_read import GraphProgram, _Ref
+from dspark_compile.engine_dir.graph_program import GraphProgram, _Ref
 
 # the most top logprobs a request may ask (vLLM's cap, and OpenAI's top_logprobs <= 20); the
 # programs compute this many for every row of a logprobs step, a request takes its first k
