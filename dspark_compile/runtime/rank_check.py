@@ -19,12 +19,13 @@ from dspark_compile.models.step import DraftVerifyStep, TargetStep
 from dspark_compile.runtime.ranks import free_port, init_rank, load_rank
 
 
-def program_scenario(eng, model, bucket: int, chunk: int, seed: int = 1) -> dict:
+def program_scenario(eng, model, bucket: int, chunk: int | None, seed: int = 1) -> dict:
     """{program: (outputs, state after)} of each kind of the rank engine `eng` (its step,
     target-only step and prefill program as loaded from the engine directory) and of `model`
     (the rank's eager ParallelDeepseekV4) on the same prefilled state: random requests in a
     `bucket`-row batch (its last row the trash row); the prefill chunk of `chunk` fresh ids
-    into a further row behind live caches. Keys "<kind>:program" and "<kind>:eager"."""
+    into a further row behind live caches (chunk None: an engine without prefill programs,
+    no prefill kind). Keys "<kind>:program" and "<kind>:eager"."""
     import random
 
     from dspark_compile.engine_dir.format import PREFILL, STEP, TARGET, ProgramKey
@@ -35,13 +36,14 @@ def program_scenario(eng, model, bucket: int, chunk: int, seed: int = 1) -> dict
     rng = random.Random(seed)
     row = bucket if bucket < eng.cache.max_rows else 0
     start = int(state["row.last_pos"][row]) + 1
-    ids = [rng.randrange(model.full_cfg.vocab_size) for _ in range(chunk)]
-    x = chunk_inputs(row, start, ids, chunk)
     calls = {
         STEP: (eng.table[ProgramKey(STEP, bucket)].fn, DraftVerifyStep(model), rows),
         TARGET: (eng.table[ProgramKey(TARGET, bucket)].fn, TargetStep(model), rows),
-        PREFILL: (eng.prefill_programs.modules[chunk], PrefillChunk(model, chunk), x),
     }
+    if chunk is not None:
+        ids = [rng.randrange(model.full_cfg.vocab_size) for _ in range(chunk)]
+        calls[PREFILL] = (eng.prefill_programs.modules[chunk], PrefillChunk(model, chunk),
+                          chunk_inputs(row, start, ids, chunk))
     out = {}
     with torch.no_grad():
         for kind, (program, eager, first) in calls.items():
@@ -52,12 +54,12 @@ def program_scenario(eng, model, bucket: int, chunk: int, seed: int = 1) -> dict
 
 
 def _program_rank(rank: int, tp: int, port: int, engine: str, ckpt: str, out_dir: str,
-                  bucket: int, chunk: int) -> None:
+                  bucket: int, chunk: int | None) -> None:
     from dspark_compile.models.moe import use_kernel_layouts
 
     init_rank(rank, tp, port, "cpu", threads=1)
     try:
-        eng = load_rank(engine, rank, tp, prefill="programs")
+        eng = load_rank(engine, rank, tp, prefill="programs" if chunk else "eager")
         b = eng.build
         model, _ = build_rank_model(ckpt, eng.pc, b.precision(),
                                     b.rope_positions(eng.cfg.dspark_block_size))
@@ -68,7 +70,7 @@ def _program_rank(rank: int, tp: int, port: int, engine: str, ckpt: str, out_dir
 
 
 def run_program_check(engine: str | Path, ckpt: str | Path, tp: int, out_dir: str | Path,
-                      bucket: int, chunk: int) -> list:
+                      bucket: int, chunk: int | None) -> list:
     """Each rank's program_scenario, run on `tp` spawned gloo ranks loading the engine at
     `engine` (build --tp) and the checkpoint `ckpt` it was built from."""
     mp.spawn(_program_rank, args=(tp, free_port(), str(engine), str(ckpt), str(out_dir),

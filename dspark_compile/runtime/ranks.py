@@ -228,9 +228,6 @@ def load_rank(engine_dir, rank: int, tp: int, device=None, **options) -> RankEng
     root = Path(engine_dir)
     check_tp(root, tp)
     doc = read_ranks(root)
-    if not dist.is_initialized() or dist.get_world_size() != tp or dist.get_rank() != rank:
-        raise ValueError(f"load_rank: torch.distributed must be initialised as rank {rank} of "
-                         f"{tp} (init_rank)")
     sub = root / rank_dir(rank)
     data = (sub / MANIFEST).read_bytes()
     if hashlib.sha256(data).hexdigest() != doc["ranks"][rank]["manifest_sha256"]:
@@ -241,6 +238,10 @@ def load_rank(engine_dir, rank: int, tp: int, device=None, **options) -> RankEng
         raise ArtifactError(f"{sub}/{MANIFEST} is not rank {rank} of {tp} (build_config.tp "
                             f"{m.get('build_config', {}).get('tp')}, tp_rank {m.get('tp_rank')})",
                             path=str(sub))
+    # the directory's checks above need no process group (tests make them in-process)
+    if not dist.is_initialized() or dist.get_world_size() != tp or dist.get_rank() != rank:
+        raise ValueError(f"load_rank: torch.distributed must be initialised as rank {rank} of "
+                         f"{tp} (init_rank)")
     cls = type("RankEngine", (RankEngine,), {"pc": ParallelConfig.from_group()})
     # the load records nothing in the rank's manifest: ranks.json pins its hash
     eng = cls.load(sub, device=device, record_graph_memory=False, **options)
@@ -249,17 +250,44 @@ def load_rank(engine_dir, rank: int, tp: int, device=None, **options) -> RankEng
 
 
 def run_ranks(engine_dir, tp: int, fn, args: tuple = (), device: str = "cpu",
-              load_options: dict | None = None) -> None:
+              load_options: dict | None = None, what: str = "run",
+              grace_s: float = 60.0) -> None:
     """Start `tp` ranks (spawned processes), each loading its engine and calling
     `fn(engine, rank, *args)` (a module-level function); returns when all have returned. A rank
-    that raises or dies ends the others: one RanksFailed naming it. Each rank runs this
-    process's intra-op thread count."""
+    that raises or dies ends the others: one RanksFailed naming it ("`what` --tp: rank r ...").
+    Each rank runs this process's intra-op thread count. When this process is interrupted
+    (cli/common.py's Terminated on SIGTERM, KeyboardInterrupt), rank 0 gets SIGTERM (a
+    server drains) and `grace_s` to end, then every rank left is killed; the exception goes
+    on."""
     import torch.multiprocessing as mp
     check_tp(engine_dir, tp)
     ctx = mp.spawn(_rank_main, args=(tp, free_port(), str(engine_dir), device, fn, args,
                                      load_options or {}, torch.get_num_threads()),
                    nprocs=tp, join=False)
-    join_ranks(ctx, "run")
+    try:
+        join_ranks(ctx, what)
+    except RanksFailed:
+        raise
+    except BaseException:
+        end_ranks(ctx.processes, grace_s)
+        raise
+
+
+def end_ranks(procs, grace_s: float) -> None:
+    """SIGTERM to rank 0 (it stops the others' follow() loops), `grace_s` for all to end, then
+    SIGKILL to any left."""
+    import os
+    import signal
+    import time
+    if procs[0].is_alive():
+        os.kill(procs[0].pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _rank_main(rank, tp, port, engine_dir, device, fn, args, load_options, threads) -> None:

@@ -46,6 +46,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the engine directory's name)")
     engine_load_args(p)
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="serve an engine built with build --tp N on N ranks, which this "
+                        "command starts (gloo on the CPU, NCCL with rank r on cuda:r): rank 0 "
+                        "holds the server, the others follow its engine calls; must be the "
+                        "engine's rank count")
     p.add_argument("--max-request-bytes", type=_bytes, default=None, metavar="N",
                    help="a larger request body gets HTTP 413 before it is read (default: "
                         f"{BODY_BYTES_PER_TOKEN} bytes a token for every state row's positions, "
@@ -121,9 +126,15 @@ def _origins(text: str | None) -> tuple[str, ...]:
 def cmd_serve(args) -> int:
     require_extra()          # before the engine loads: a missing extra fails in a second
     # the runtime (torch) only when the command runs: the CLI starts without it
+    from dspark_compile.engine_dir.tp_format import check_tp
     from dspark_compile.runtime.engine import Engine
 
     api_key, origins = _api_key(args), _origins(args.allowed_origins)   # before the load
+    tp = 1 if args.tp is None else args.tp
+    with engine_errors():
+        check_tp(args.engine, tp)       # a rank count the engine was not built for: one line
+    if tp > 1:
+        return _serve_tp(args, tp, _server_options(args, api_key, origins))
     dev = device(args.device) if args.device else None
     t = time.perf_counter()
     with engine_errors():
@@ -132,11 +143,67 @@ def cmd_serve(args) -> int:
                           target=False, trust_code=args.trust_engine_code,
                           logprobs=not args.no_logprobs)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s", flush=True)
-    Server(eng, model_name=args.model_name, max_queue=args.max_queue,
-           max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
-           body_timeout=args.body_timeout, send_timeout=args.send_timeout,
-           drain_timeout=args.drain_timeout, api_key=api_key,
-           allowed_origins=origins).run(
+    Server(eng, **_server_options(args, api_key, origins)).run(
         args.host, args.port, log=lambda line: print(line, flush=True),
         access_log=not args.no_access_log)
     return 0
+
+
+def _server_options(args, api_key, origins) -> dict:
+    return dict(model_name=args.model_name, max_queue=args.max_queue,
+                max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+                body_timeout=args.body_timeout, send_timeout=args.send_timeout,
+                drain_timeout=args.drain_timeout, api_key=api_key, allowed_origins=origins)
+
+
+def _serve_tp(args, tp: int, options: dict) -> int:
+    """serve --tp N: N ranks started here (runtime/ranks.py run_ranks); rank 0 serves, its
+    engine thread driving its RankEngine, the others follow its calls. A rank that dies ends
+    the others and this command (RanksFailed: one line, exit 1); SIGTERM / SIGINT drains rank
+    0's server as without --tp."""
+    from pathlib import Path
+
+    from dspark_compile.engine_dir.tp_format import read_ranks
+    from dspark_compile.runtime.ranks import run_ranks
+
+    with engine_errors():
+        built = read_ranks(args.engine)["build_config"].get("device", "cpu")
+    dev = str(device(args.device)) if args.device else str(built).split(":")[0]
+    # the rank directory's name is not the model's
+    options["model_name"] = options["model_name"] or Path(args.engine).resolve().name
+    # rank 0's drain, then uvicorn's own graceful shutdown (Server._server), then a margin
+    grace = args.drain_timeout + max(args.body_timeout, args.send_timeout) + 15
+    with engine_errors():
+        run_ranks(args.engine, tp, _rank_serve,
+                  (options, args.host, args.port, not args.no_access_log), device=dev,
+                  load_options={"use_graphs": False if args.no_graphs else None,
+                                "target": False, "trust_code": args.trust_engine_code,
+                                "logprobs": not args.no_logprobs},
+                  what="serve", grace_s=grace)
+    return 0
+
+
+def _rank_serve(eng, rank: int, options: dict, host: str, port: int, access_log: bool) -> None:
+    """One rank of serve --tp (a spawned process's main thread): rank 0 runs the Server on its
+    RankEngine and stops the others when the server ends; they follow its calls until then."""
+    import signal
+
+    from dspark_compile.cli.common import Terminated, sigterm_raises
+    if rank:
+        # Ctrl-C reaches every process of the terminal's group: rank 0 drains, then stops
+        # this one's loop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        eng.follow()
+        return
+    print(f"loaded {eng.dir.parent} on {eng.device} ({eng.pc.tp} ranks)", flush=True)
+    server = Server(eng, **options)
+    try:
+        with sigterm_raises():      # uvicorn raises the signal again once it has drained
+            server.run(host, port, log=lambda line: print(line, flush=True),
+                       access_log=access_log)
+    except (Terminated, KeyboardInterrupt):
+        pass                        # the parent, signalled too, reports it (exit 143 / 130)
+    try:
+        eng.stop()
+    except RuntimeError:            # gloo's error: a peer is gone, and the parent names it
+        pass

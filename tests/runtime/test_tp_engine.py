@@ -5,8 +5,12 @@ into one directory; each rank's programs, read back, equal its eager sharded mod
 
 The checkpoint is the tiny one widened to whole FP8 blocks at tp = 2 (dspark_compile/factory/
 tp_checkpoint.py; the tiny preset itself is refused at tp = 2) and cut to 3 target layers (a hash
-layer, a compressed and an indexed one) so the two ranks' exports take about a minute on 2
-cores. Every rank sets one intra-op thread.
+layer, a compressed and an indexed one). One engine, built once for the module, serves every
+test, with the least that still shows the invariants: one bucket (2 rows) of static batch and
+no prefill programs (the runtime prefills through each rank's eager sharded model), so each rank
+exports two programs, the step and the target-only step. On the shared 2-core machine (load ~4)
+that build took 90 s; buckets 1-2 of dynamic batch with one prefill program took 162 s (step
+export 78 s dynamic vs 52 s static, prefill program 35 s). Every rank sets one intra-op thread.
 """
 import json
 import shutil
@@ -27,9 +31,9 @@ from dspark_compile.models.loading import load_model
 from dspark_compile.runtime.rank_check import exit_on_rank, run_program_check
 from dspark_compile.models.request import SamplingParams
 from dspark_compile.runtime.engine import Engine
-from dspark_compile.runtime.ranks import RanksFailed, run_ranks
+from dspark_compile.runtime.ranks import RanksFailed, join_ranks, load_rank, run_ranks
 
-TP, BUCKET, CHUNK = 2, 2, 8
+TP, BUCKET = 2, 2
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
 
@@ -41,10 +45,18 @@ def tp_ckpt(tiny_ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp_engine(tp_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_engine") / "engine"
-    bc = BuildConfig(tp=TP, buckets=(1, BUCKET), max_seq_len=64, prefill_chunks=(CHUNK,),
-                     target_programs=True)
+    bc = BuildConfig(tp=TP, buckets=(BUCKET,), dynamic_batch=False, max_seq_len=64,
+                     prefill_chunks=(), target_programs=True)
     build_engine(tp_ckpt, out, bc, log=lambda s: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def tp_ref(tp_ckpt):
+    """The unsharded model's (TP = 1) greedy tokens on PROMPTS, 8 each."""
+    model = load_model(tp_ckpt, Precision(dtype=torch.float32), max_positions=128)
+    return generate(model, PROMPTS, [SamplingParams(max_new_tokens=8)] * len(PROMPTS),
+                    speculative=False).tokens
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -104,13 +116,13 @@ def test_programs_hold_the_collectives_in_the_format(tp_engine):
 
 
 def test_each_rank_program_equals_its_eager_sharded_model(tp_engine, tp_ckpt, tmp_path):
-    """On the same prefilled state, every rank's step, target-only step and prefill program,
-    written by the build and read back, give the eager sharded model's outputs and whole
-    decode state bit for bit (fusions and collectives included); both ranks hold the same
-    bits."""
-    ranks = run_program_check(tp_engine, tp_ckpt, TP, tmp_path, BUCKET, CHUNK)
+    """On the same prefilled state, every rank's step and target-only step program, written
+    by the build and read back, give the eager sharded model's outputs and whole decode state
+    bit for bit (fusions and collectives included); both ranks hold the same bits."""
+    ranks = run_program_check(tp_engine, tp_ckpt, TP, tmp_path, BUCKET, None)
     for r, out in enumerate(ranks):
-        for kind in ("step", "target", "prefill"):
+        assert {k.split(":")[0] for k in out} == {"step", "target"}
+        for kind in ("step", "target"):
             (o1, s1), (o2, s2) = out[f"{kind}:program"], out[f"{kind}:eager"]
             assert _same(o1, o2), (r, kind, o1, o2)
             bad = [k for k in s1 if not _same(s1[k], s2[k])]
@@ -118,7 +130,7 @@ def test_each_rank_program_equals_its_eager_sharded_model(tp_engine, tp_ckpt, tm
     assert _same(ranks[0], ranks[1])
 
 
-def test_run_tp2_is_lossless_and_equals_tp1(tp_engine, tp_ckpt, capfd):
+def test_run_tp2_is_lossless_and_equals_tp1(tp_engine, tp_ref, capfd):
     """run --tp 2 --check-lossless: the greedy speculative tokens equal TP = 2's own
     target-only decoding (exit 0, 'lossless: ... identical'), and equal the unsharded
     model's greedy tokens (TP = 1) on the prompts."""
@@ -130,17 +142,14 @@ def test_run_tp2_is_lossless_and_equals_tp1(tp_engine, tp_ckpt, capfd):
     got = [[int(t) for t in line.split(": ")[1].split(",")]
            for line in out.splitlines() if line.startswith("tokens[")]
     assert len(got) == len(PROMPTS) and "lossless:" in out
-    model = load_model(tp_ckpt, Precision(dtype=torch.float32), max_positions=128)
-    ref = generate(model, PROMPTS, [SamplingParams(max_new_tokens=8)] * len(PROMPTS),
-                   speculative=False)
-    assert got == ref.tokens
+    assert got == tp_ref
 
 
 def test_rank_count_mismatch_is_one_clear_error(tp_engine, tmp_path, capfd):
     """An engine runs only on the rank count it was built for: --tp 1 (or no --tp), --tp 4,
     Engine.load of the whole directory and a one-device engine at --tp 2 are each one line
     naming the counts (or load_rank); a rank whose manifest is not the one ranks.json pins is
-    refused."""
+    refused by load_rank."""
     with pytest.raises(ValueError, match=r"built for 2 ranks \(build --tp 2\): pass --tp 2; "
                                          r"--tp 1 given"):
         check_tp(tp_engine, 1)
@@ -157,9 +166,28 @@ def test_rank_count_mismatch_is_one_clear_error(tp_engine, tmp_path, capfd):
     doc = json.loads((bad / RANKS_FILE).read_text())
     doc["ranks"][1]["manifest_sha256"] = "0" * 64
     (bad / RANKS_FILE).write_text(json.dumps(doc))
-    assert main(["run", str(bad), "--prompt-ids", "1,2", "--tp", "2"]) != 0
-    err = capfd.readouterr().err
-    assert "run --tp: rank 1 failed" in err and "is not the manifest ranks.json lists for rank 1" in err
+    # load_rank checks the directory before it needs a process group: no ranks spawned here
+    with pytest.raises(ArtifactError, match="is not the manifest ranks.json lists for rank 1"):
+        load_rank(bad, 1, TP)
+
+
+def test_a_rank_that_raises_is_one_line_naming_it():
+    """A rank's exception (torch.multiprocessing's ProcessRaisedException, the rank's whole
+    traceback) becomes one RanksFailed line: the command, the rank and its error line."""
+    import torch.multiprocessing as mp
+
+    class Ctx:
+        def join(self):
+            raise mp.ProcessRaisedException(
+                "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent "
+                "call last):\n  File \"x.py\", line 1, in f\ndspark_compile.engine_dir.format."
+                "ArtifactError: ENGINE/rank1/manifest.json is not the manifest ranks.json lists "
+                "for rank 1\n", 1, 1234)
+    with pytest.raises(RanksFailed) as e:
+        join_ranks(Ctx(), "run")
+    assert str(e.value) == ("run --tp: rank 1 failed: dspark_compile.engine_dir.format."
+                            "ArtifactError: ENGINE/rank1/manifest.json is not the manifest "
+                            "ranks.json lists for rank 1")
 
 
 def test_a_dead_rank_ends_the_others(tp_engine):
@@ -178,3 +206,66 @@ def test_bad_tp_flags_are_named(tiny_ckpt, tmp_path, capfd):
     assert main(["build", str(tiny_ckpt), "--out", str(tmp_path / "e"), "--tp", "2",
                  "--device", "cpu"]) == 1
     assert "'layers.0.attn.wo_a.weight'" in capfd.readouterr().err
+
+
+def _spawned_ranks(pid: int) -> list[int]:
+    """The rank processes (torch.multiprocessing spawn's children) of process `pid`, in
+    start order (rank 0 first)."""
+    from pathlib import Path
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return sorted(k for k in kids
+                  if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes())
+
+
+def test_serve_tp2_answers_with_run_tp2_tokens_and_a_dead_rank_ends_it(tp_engine, tp_ref):
+    """`serve ENGINE --tp 2` in its own process starts both ranks; rank 0's server answers a
+    greedy completion with the tokens run --tp 2 decodes (the TP = 1 model's, which
+    test_run_tp2_is_lossless_and_equals_tp1 holds run --tp 2 to); when rank 1 is killed,
+    the command ends rank 0 and exits 1 with one line naming rank 1."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    cmd = [sys.executable, "-m", "dspark_compile.cli.main", "serve", str(tp_engine), "--tp",
+           "2", "--port", "0", "--no-access-log"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if m := re.search(r"serving engine on (http://127\.0\.0\.1:\d+) ", line):
+                break
+        assert m, "".join(lines)
+        url = m.group(1)
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+            {"model": "engine", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+             "ignore_eos": True}).encode(), headers={"Content-Type": "application/json"})
+        out = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert out["choices"][0]["token_ids"] == tp_ref[0]
+        ranks = _spawned_ranks(proc.pid)
+        assert len(ranks) == TP, ranks
+        import os
+        os.kill(ranks[1], signal.SIGKILL)
+        rest = proc.communicate(timeout=90)[0]
+        assert proc.returncode == 1, "".join(lines) + rest
+        assert re.search(r"^dspark-compile serve: error: serve --tp: rank 1 died \(exit code "
+                         r"-9\); the other ranks were ended$", rest, re.M), rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_serve_rank_count_mismatch_is_one_line_before_listening(tp_engine, capfd):
+    """serve at a rank count the engine was not built for (no --tp, --tp 4) exits 1 with one
+    line naming the counts, before any rank starts or a port is bound."""
+    assert main(["serve", str(tp_engine), "--port", "0"]) == 1
+    err = capfd.readouterr().err
+    assert "is built for 2 ranks (build --tp 2): pass --tp 2; --tp 1 given" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert main(["serve", str(tp_engine), "--port", "0", "--tp", "4"]) == 1
+    assert "--tp 4 given" in capfd.readouterr().err
