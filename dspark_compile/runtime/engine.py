@@ -382,6 +382,7 @@ class Engine:
                     # all-greedy batches of this bucket then run the full program (correct,
                     # slower); the warning says why
                     del self.table[key]
+                    self.logprob_programs.pop(key, None)     # its logprobs copy goes unused
                     warnings.warn(f"bucket {b}: the greedy variant could not be captured "
                                   f"({type(e).__name__}: {str(e)[:200]}); all-greedy batches run "
                                   f"the full program")

@@ -400,6 +400,8 @@ def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeyp
     import copy
     eng = copy.copy(small_loaded)
     eng.table = {k: dataclasses.replace(p) for k, p in small_loaded.table.items()}
+    eng.logprob_programs = {k: dataclasses.replace(p)
+                            for k, p in small_loaded.logprob_programs.items()}
     eng.capture_seconds, eng.graph_pool_bytes = {}, {}
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -418,7 +420,10 @@ def test_a_greedy_variant_that_fails_to_capture_is_dropped(small_loaded, monkeyp
                                     + [ProgramKey(TARGET, b) for b in eng.buckets])
     assert all(eng.program(k).graph == f"graph {k.size}" for k in eng.captured())
     assert not any(eng.has(ProgramKey(STEP, b, "greedy")) for b in eng.buckets)
-    assert eng.graph_pool_bytes == {b: 2048 for b in eng.buckets}
+    # the full step's logprobs copy is captured too (runtime/logprobs.py); the greedy one's
+    # goes with its program
+    assert sorted(eng.logprob_programs) == sorted(ProgramKey(STEP, b) for b in eng.buckets)
+    assert eng.graph_pool_bytes == {b: 3 * 1024 for b in eng.buckets}
     assert eng._step_key([0], eng.buckets[0], None) == ProgramKey(STEP, eng.buckets[0])
 
 
