@@ -352,7 +352,8 @@ def precompile(run: Callable[[], None], protect: set, workers: int, device: torc
     from triton.runtime.driver import driver
     from dspark_compile.engine_dir.kernel_store import _PROC, StoreCacheManager
     why = supported()
-    manager = knobs.cache.manager_class
+    # None: Triton's default, the file cache (triton 3.6 leaves the knob unset)
+    manager = knobs.cache.manager_class or FileCacheManager
     if manager is StoreCacheManager:
         manager = _PROC.fallback or FileCacheManager
     if why is None and manager is not FileCacheManager:
