@@ -345,12 +345,7 @@ def cmd_run(args) -> int:
     if tp > 1:
         return _run_tp(args, tp)
 
-    params = _params(args)
-    if args.check_lossless and params[0].method != "greedy":
-        raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
-    if args.check_lossless and args.no_speculation:
-        raise ValueError("--check-lossless compares speculative decoding with --no-speculation "
-                         "decoding: pass one of them")
+    params = _run_params(args)
     dev = device(args.device) if args.device else None
     # the manifest alone decides whether these requests fit: read it before the programs
     with engine_errors():
@@ -370,8 +365,10 @@ def cmd_run(args) -> int:
             raise ValueError(f"engine {args.engine} has no target-only programs (built with "
                              f"--no-target-programs): rebuild it without that flag for "
                              f"{'--no-speculation' if args.no_speculation else '--check-lossless'}")
+        # run asks no logprobs: their copies of the programs are neither built nor captured
         eng = Engine.load(args.engine, device=dev, use_graphs=False if args.no_graphs else None,
-                          target=need_target, trust_code=args.trust_engine_code)
+                          target=need_target, trust_code=args.trust_engine_code,
+                          logprobs=False)
     print(f"loaded {args.engine} on {eng.device} in {time.perf_counter() - t:.2f}s"
           + (f" (graphs captured: {sorted({k.size for k in eng.captured()})})"
              if eng.captured() else ""))
@@ -384,6 +381,17 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _run_params(args) -> list:
+    """run's sampling parameters, one per prompt, with --check-lossless's conditions checked."""
+    params = _params(args)
+    if args.check_lossless and params[0].method != "greedy":
+        raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
+    if args.check_lossless and args.no_speculation:
+        raise ValueError("--check-lossless compares speculative decoding with --no-speculation "
+                         "decoding: pass one of them")
+    return params
+
+
 def _run_tp(args, tp: int) -> int:
     """run --tp N: the request checks against rank 0's manifest, then N ranks started here
     (dspark_compile/runtime/ranks.py run_ranks): rank 0 decodes and prints, the others follow
@@ -391,12 +399,7 @@ def _run_tp(args, tp: int) -> int:
     import tempfile
     from dspark_compile.runtime.ranks import run_ranks
 
-    params = _params(args)
-    if args.check_lossless and params[0].method != "greedy":
-        raise ValueError("--check-lossless compares greedy decoding; use --temperature 0")
-    if args.check_lossless and args.no_speculation:
-        raise ValueError("--check-lossless compares speculative decoding with --no-speculation "
-                         "decoding: pass one of them")
+    params = _run_params(args)
     rank0 = Path(args.engine) / rank_dir(0)
     with engine_errors():
         cfg, build = engine_configs(load_manifest(rank0, check_files=False))
