@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,6 +62,7 @@ from dspark_compile.models.target import DeepseekV4
 from dspark_compile.runtime.inductor import compiled_entries, compiled_table_paths, CompiledStep
 from dspark_compile.runtime import logprobs as lp
 from dspark_compile.runtime.logprobs import logprob_table
+from dspark_compile.runtime.calls import Launched, Program, StepTimes  # noqa: F401  (callers import them here)
 from dspark_compile.runtime.prefill import PrefillPrograms
 from dspark_compile.runtime.scheduler import GenerationStream, program_for
 
@@ -77,58 +77,6 @@ def _build_device(engine_dir: Path) -> str | None:
         return dev
     except (ArtifactError, KeyError, TypeError, RuntimeError):
         return None
-
-
-@dataclass
-class StepTimes:
-    """Program calls of the engine's steps (run_step, and the launches of a GenerationStream)."""
-    steps: int = 0
-    greedy_steps: int = 0          # of which ran the greedy draft-sampler variant
-    target_steps: int = 0          # of which ran the target-only program (no speculation)
-    seconds: float = 0.0           # host seconds inside the launches and the waits for them
-    per_bucket: dict = field(default_factory=dict)
-    # calls launched ahead (GenerationStream's overlap) whose every row had ended by the time
-    # their outputs were read: their tokens went to no request
-    discarded: int = 0
-
-
-@dataclass
-class Launched:
-    """One program call in flight: its packed outputs (cuda_graphs.pack: tokens | num, or a
-    prefill's first token) reach `host` once `event` has completed (None: already there).
-    `key`: the step program it ran (None: a prefill)."""
-    host: torch.Tensor
-    event: object = None
-    key: ProgramKey | None = None
-    # a logprobs call's payload columns (the same host copy; runtime/logprobs.py), else None
-    payload: torch.Tensor | None = None
-
-    @property
-    def bucket(self) -> int:
-        return self.key.size if self.key is not None else 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.key is not None and self.key.variant == "greedy"
-
-    @property
-    def target(self) -> bool:
-        return self.key is not None and self.key.kind == TARGET
-
-    def wait(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        return self.host
-
-
-@dataclass
-class Program:
-    """A loaded program as the engine runs it: its callable `fn(rows, state)` (the exported
-    program's module, its greedy variant, or the Inductor-compiled step) and, once captured on
-    CUDA, its graph."""
-    fn: object
-    graph: StepGraph | None = None
 
 
 class Engine:
