@@ -26,6 +26,21 @@ token p50 / p99; then the server's overhead, 1 - server tokens/s / engine tokens
 tokens equal the engine's (`tokens_match`, `generate_tokens_match`: the server adds nothing to
 or takes nothing from a request, greedy or sampled).
 
+`--chat`: the server side sends each request to `/v1/chat/completions` (streamed, one user
+message, the same sampling fields, ignore_eos, seed and max_tokens) instead of `/v1/completions`.
+The message is the level's random prompt ids decoded by the engine's tokenizer.json (the same
+seeded workload as without the flag, no word list to ship, the whole vocabulary exercised), and
+the engine and generate sides run the ids the server's own chat rendering gives that message
+(serve/chat.py: chat_of + prompt_ids), so every side runs the same prompt; a request's prompt
+length is then the rendered ids' length (`chat_prompt_tokens`: min / mean / max), not
+--prompt-len. Chat chunks carry text, not token ids (serve/chat.py has no opt-in for them), so
+the server side is checked and timed through the engine side's ids: `tokens_match` is the
+server's text equal to the engine's ids through the server's detokenizer (serve/text.py:
+TextStream), and the usage chunk's prompt / completion tokens equal the rendered prompt's and
+the engine's counts; a chunk's tokens are those of the engine's ids whose text it completes
+(a token of no text of its own counts with the next chunk that has text, when the client
+sees it). An engine without tokenizer.json: refused in one line.
+
 `--logprobs K`: every request of the engine and server sides asks K top logprobs (the
 `generate` side cannot: Engine.generate returns none); the cost of logprobs is a run with the
 flag against one without, on the same machine (issue 54's target: <= 3 % at 16 clients).
@@ -33,6 +48,7 @@ flag against one without, on the same machine (issue 54's target: <= 3 % at 16 c
 Writes serve_load.json (rewritten after every level, "complete": false until the end),
 serve_load.csv and, with matplotlib, serve_load.png (tokens/s and ITL vs concurrency).
 `--dry-run`: CPU, concurrency 1 and 2, one round, 4 tokens (tests/runtime/test_serve_load.py).
+serve_load.json's "endpoint": "completions" or "chat".
 """
 from __future__ import annotations
 
@@ -74,6 +90,9 @@ def _args(argv=None):
     p.add_argument("--logprobs", type=int, default=None,
                    help="every request asks this many top logprobs (0..20) on both sides: "
                         "the cost of logprobs, against a run without the flag")
+    p.add_argument("--chat", action="store_true",
+                   help="the server side on /v1/chat/completions (one user message: the prompt "
+                        "ids as text); the engine sides on its rendered ids")
     p.add_argument("--server", choices=("subprocess", "thread"), default=None,
                    help="the server in its own process (default) or in this one (--dry-run)")
     p.add_argument("--seed", type=int, default=0)
@@ -101,6 +120,79 @@ def workload(args, vocab: int, c: int) -> list[dict]:
     n = c * args.rounds
     return [{"prompt": [rng.randrange(2, vocab) for _ in range(args.prompt_len)],
              "seed": args.seed * 100_000 + c * 1000 + i} for i in range(n)]
+
+
+class Chat:
+    """The server's chat rendering, as `dspark-compile serve` builds it (server.py): the
+    engine's tokenizer.json and chat format; `prompt_ids` of serve/chat.py maps a request body
+    to the ids the server runs."""
+
+    def __init__(self, eng):
+        from types import SimpleNamespace
+
+        from dspark_compile.models.chat_format import ChatFormat
+        from dspark_compile.serve.text import Tokenizer
+        try:
+            tok = Tokenizer.of_engine(eng.dir)
+        except ValueError as e:          # a tokenizer.json that does not load, named
+            raise SystemExit(f"--chat: {e}") from None
+        if tok is None:
+            raise SystemExit(_no_tokenizer(eng.dir))
+        fmt = ChatFormat.of_engine(eng.dir, tok, getattr(eng.cfg, "bos_token_id", None),
+                                   getattr(eng.cfg, "eos_token_id", None))
+        self.tokenizer = tok
+        self.state = SimpleNamespace(tokenizer=tok, chat=fmt, limits=SimpleNamespace(
+            max_seq_len=eng.cache.max_seq_len))
+
+    def render(self, args, reqs: list[dict]) -> list[dict]:
+        """Each request's random ids -> one user message (their text) and its rendered ids."""
+        from dspark_compile.serve.chat import chat_of, prompt_ids
+        from dspark_compile.serve.http import ApiError
+        from dspark_compile.serve.prepare import BadRequest
+        known = self.tokenizer.tok.get_vocab_size()
+        out = []
+        for r in reqs:
+            text = self.tokenizer.decode([t % known for t in r["prompt"]])
+            r = {**r, "messages": [{"role": "user", "content": text}]}
+            try:
+                ids = prompt_ids(chat_of(request_body(args, "bench", r)), self.state)
+            except (ApiError, BadRequest) as e:
+                raise SystemExit(f"--chat: the server would refuse the message {text!r}: "
+                                 f"{e}") from None
+            out.append({**r, "prompt": ids})
+        return out
+
+    def marks(self, prompt: list[int], ids: list[int]) -> tuple[str, list[int]]:
+        """The server's text of output `ids` (serve/text.py's TextStream, as http.Run makes
+        it) and, per token k, the text's length once token k is in (the last: with what the
+        end flushes)."""
+        from dspark_compile.serve.text import TextStream
+        ts = TextStream(self.tokenizer, prompt)
+        marks = []
+        for t in ids:
+            ts.add([t])
+            marks.append(len(ts.text))
+        ts.finish()
+        if marks:
+            marks[-1] = len(ts.text)
+        return ts.text, marks
+
+
+def _no_tokenizer(engine_dir) -> str:
+    return (f"--chat: the engine {engine_dir} has no tokenizer.json (the chat endpoint renders "
+            "text): build it from a checkpoint that has one, or drop --chat")
+
+
+def request_body(args, model: str, r: dict) -> dict:
+    """One request's body: completions with the prompt's ids, or chat with its message."""
+    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "seed": r["seed"], "ignore_eos": True, "stream": True}
+    if "messages" not in r:
+        return {**body, "prompt": r["prompt"], "logprobs": args.logprobs}
+    body.update(messages=r["messages"], stream_options={"include_usage": True})
+    if args.logprobs is not None:
+        body.update(logprobs=True, top_logprobs=args.logprobs)
+    return body
 
 
 def _params(args, seed: int):
@@ -181,13 +273,18 @@ def run_generate(eng, args, reqs: list[dict], c: int) -> tuple[dict, list[list[i
 # ---- the server --------------------------------------------------------------------------------
 
 async def _sse_request(host: str, port: int, body: dict) -> dict:
-    """One streamed completion over raw HTTP/1.1 (chunked transfer): its token ids and the
-    arrival time of each chunk."""
+    """One streamed request over raw HTTP/1.1 (chunked transfer). Completions: its token ids
+    and each chunk's arrival with its count of ids. Chat (`messages` in the body): its text,
+    each chunk of text's arrival with the text's length so far (chat chunks carry no ids), and
+    the usage chunk's counts."""
     t0 = time.perf_counter()
+    chat = "messages" in body
+    path = b"/v1/chat/completions" if chat else b"/v1/completions"
     reader, writer = await asyncio.open_connection(host, port)
     data = json.dumps(body).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(data))
+    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                 % (path, host.encode(), len(data))
                  + data)
     await writer.drain()
     status = (await reader.readline()).decode()
@@ -199,7 +296,7 @@ async def _sse_request(host: str, port: int, body: dict) -> dict:
         writer.close()
         raise RuntimeError(f"server answered {status.strip()}")
     chunked = headers.get("transfer-encoding", "") == "chunked"
-    buf, tokens, arrivals = b"", [], []
+    buf, tokens, arrivals, text, used = b"", [], [], "", None
     while True:
         if chunked:
             size = int((await reader.readline()).strip() or b"0", 16)
@@ -220,29 +317,61 @@ async def _sse_request(host: str, port: int, body: dict) -> dict:
             msg = json.loads(payload)
             if "error" in msg:
                 raise RuntimeError(msg["error"]["message"])
+            if chat:
+                used = msg.get("usage") or used
+                # thinking is off (the request turns it on): reasoning_content stays empty,
+                # read all the same so the text is the whole output
+                piece = "".join(ch["delta"].get("reasoning_content", "")
+                                + (ch["delta"].get("content") or "") for ch in msg["choices"])
+                if piece:
+                    text += piece
+                    arrivals.append((time.perf_counter(), len(text)))
+                continue
             ids = [t for ch in msg["choices"] for t in ch["token_ids"]]
             if ids:
                 tokens += ids
                 arrivals.append((time.perf_counter(), len(ids)))
     writer.close()
-    return {"t0": t0, "tokens": tokens, "arrivals": arrivals}
+    return {"t0": t0, "tokens": tokens, "arrivals": arrivals, "text": text, "usage": used}
 
 
-async def _server_level(host, port, model, args, reqs, c) -> tuple[dict, list[list[int]]]:
+def _chat_counts(r: dict, marks: list[int]) -> list[tuple[float, int]]:
+    """A chat request's arrivals (time, text length so far) -> (time, tokens delivered): the
+    engine's tokens whose text the chunk completes (`marks`: Chat.marks of the engine's ids
+    for the request); a chunk that completes none is no delivery."""
+    import bisect
+    out, done = [], 0
+    for t, length in r["arrivals"]:
+        k = min(bisect.bisect_left(marks, length) + 1, len(marks))
+        if k > done:
+            out.append((t, k - done))
+            done = k
+    return out
+
+
+async def _server_level(host, port, model, args, reqs, c, chat=None,
+                        expected=None) -> tuple[dict, list]:
+    """One level over HTTP: (its summary, each request's token ids; chat: whether each
+    request's text and usage equal the engine's `expected` ids')."""
     out: list = [None] * len(reqs)
 
     async def client(k: int):
         for i in range(k, len(reqs), c):
-            body = {"model": model, "prompt": reqs[i]["prompt"], "max_tokens": args.max_tokens,
-                    "temperature": args.temperature, "top_p": args.top_p,
-                    "seed": reqs[i]["seed"], "ignore_eos": True, "stream": True,
-                    "logprobs": args.logprobs}
-            out[i] = await _sse_request(host, port, body)
+            out[i] = await _sse_request(host, port, request_body(args, model, reqs[i]))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(min(c, len(reqs)))))
     wall = time.perf_counter() - t0
     itl, ttft = [], []
+    if chat is not None:
+        same = []
+        for r, req, ids in zip(out, reqs, expected or [[] for _ in reqs]):
+            text, marks = chat.marks(req["prompt"], ids)
+            u = r["usage"] or {}
+            same.append(r["text"] == text and u.get("completion_tokens") == len(ids)
+                        and u.get("prompt_tokens") == len(req["prompt"]))
+            r["arrivals"] = _chat_counts(r, marks) if expected is not None else []
+            r["tokens"] = u.get("completion_tokens") or 0
     for r in out:
         prev = None
         for t, n in r["arrivals"]:
@@ -251,6 +380,8 @@ async def _server_level(host, port, model, args, reqs, c) -> tuple[dict, list[li
             else:
                 itl += [(t - prev) / n] * n
             prev = t
+    if chat is not None:
+        return summary("server", sum(r["tokens"] for r in out), wall, itl, ttft), same
     tokens = [r["tokens"] for r in out]
     return summary("server", sum(map(len, tokens)), wall, itl, ttft), tokens
 
@@ -292,6 +423,10 @@ class _ServerProcess:
 
 def run(args, eng=None, log=print) -> dict:
     """The benchmark; `eng`: an already loaded Engine (tests), else --engine is loaded here."""
+    if args.chat and eng is None:
+        from dspark_compile.serve.text import TOKENIZER_FILE
+        if not (Path(args.engine) / TOKENIZER_FILE).is_file():      # before the engine loads
+            raise SystemExit(_no_tokenizer(args.engine))
     import torch
 
     from dspark_compile.runtime.engine import Engine
@@ -301,7 +436,7 @@ def run(args, eng=None, log=print) -> dict:
            "engine": str(args.engine), "server": args.server, "concurrency": args.concurrency,
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "temperature": args.temperature, "top_p": args.top_p, "logprobs": args.logprobs,
-           "rows": []}
+           "endpoint": "chat" if args.chat else "completions", "rows": []}
 
     def write():
         bench_args.write_record(out / "serve_load.json", rec)
@@ -311,16 +446,29 @@ def run(args, eng=None, log=print) -> dict:
         eng = Engine.load(args.engine, device="cpu" if args.dry_run else None, target=False,
                           trust_code=True)  # an engine of this checkout
     from dspark_compile.models.config import request_positions
-    need = request_positions(args.prompt_len, args.max_tokens, eng.cfg.dspark_block_size)
-    if need > eng.cache.max_seq_len:
-        raise SystemExit(f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens} need "
-                         f"{need} positions, the engine has {eng.cache.max_seq_len}")
     rec["max_rows"], rec["device"] = eng.cache.max_rows, str(eng.device)
     vocab = eng.cfg.vocab_size
-    levels = {c: workload(args, vocab, c) for c in args.concurrency}
+    chat = Chat(eng) if args.chat else None
+
+    def requests(c: int) -> list[dict]:
+        reqs = workload(args, vocab, c)
+        return chat.render(args, reqs) if chat else reqs
+
+    levels = {c: requests(c) for c in args.concurrency}
+    longest = max(len(r["prompt"]) for reqs in levels.values() for r in reqs)
+    need = request_positions(longest, args.max_tokens, eng.cfg.dspark_block_size)
+    if need > eng.cache.max_seq_len:
+        what = (f"the longest rendered chat prompt ({longest} tokens)" if chat
+                else f"--prompt-len {args.prompt_len}")
+        raise SystemExit(f"{what} + --max-tokens {args.max_tokens} need {need} positions, the "
+                         f"engine has {eng.cache.max_seq_len}")
+    if chat:
+        lens = [len(r["prompt"]) for reqs in levels.values() for r in reqs]
+        rec["chat_prompt_tokens"] = {"min": min(lens), "mean": round(sum(lens) / len(lens), 2),
+                                     "max": max(lens)}
     rows = {c: {"concurrency": c, "requests": len(r)} for c, r in levels.items()}
     engine_tokens = {}
-    run_engine(eng, args, workload(args, vocab, 1)[:1], 1)        # warm-up, untimed
+    run_engine(eng, args, requests(1)[:1], 1)        # warm-up, untimed
     for c, reqs in levels.items():
         res, engine_tokens[c] = run_engine(eng, args, reqs, c)
         rows[c].update(res)
@@ -347,13 +495,14 @@ def run(args, eng=None, log=print) -> dict:
         server = _ServerProcess(str(args.engine), args.threads)
         host, port = server.host, server.port
     try:
-        warm = workload(args, vocab, 1)[:1]
-        asyncio.run(_server_level(host, port, "bench", args, warm, 1))
+        warm = requests(1)[:1]
+        asyncio.run(_server_level(host, port, "bench", args, warm, 1, chat))
         for c, reqs in levels.items():
-            res, tokens = asyncio.run(_server_level(host, port, "bench", args, reqs, c))
+            res, tokens = asyncio.run(_server_level(host, port, "bench", args, reqs, c, chat,
+                                                    engine_tokens[c]))
             row = rows[c]
             row.update(res)
-            row["tokens_match"] = tokens == engine_tokens[c]
+            row["tokens_match"] = all(tokens) if chat else tokens == engine_tokens[c]
             e, s = row["engine_tokens_per_s"], row["server_tokens_per_s"]
             g = row["generate_tokens_per_s"]
             row["overhead_pct"] = round(100 * (1 - s / e), 2) if e and s else None

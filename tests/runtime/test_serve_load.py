@@ -45,3 +45,50 @@ def test_dry_run_reports_every_level_and_the_servers_tokens_match(small_engine, 
     assert (tmp_path / "serve_load.png").stat().st_size > 0
     # the engine went back closed: the next stream opens
     small_loaded.open_stream().close()
+
+
+def test_chat_dry_run_runs_the_servers_rendered_ids_on_every_side(small_engine, small_loaded,
+                                                                 tmp_path):
+    """--chat: the engine sides run the ids serve/chat.py renders for each request's message
+    (the engine's tokenizer.json and tokenizer_config.json, the trained tiny model's), and the
+    server's chat stream (text, usage) equals the engine's output on them."""
+    from dspark_compile.serve.chat import chat_of, prompt_ids
+    tool = load_tool()
+    args = tool._args(["--dry-run", "--chat", "--engine", str(small_engine.path), "--out",
+                       str(tmp_path)])
+    rec = tool.run(args, eng=small_loaded, log=lambda line: None)
+    saved = json.loads((tmp_path / "serve_load.json").read_text())
+    assert saved["endpoint"] == "chat" and saved["complete"]
+    # the prompts are the rendered conversations: the format's tokens around the message
+    chat = tool.Chat(small_loaded)
+    tok = chat.tokenizer
+    reqs = chat.render(args, tool.workload(args, small_loaded.cfg.vocab_size, 2))
+    for r in reqs:
+        assert r["prompt"] == prompt_ids(chat_of(tool.request_body(args, "bench", r)),
+                                         chat.state)
+        assert len(r["prompt"]) > len(tok.encode(r["messages"][0]["content"]))
+    lens = saved["chat_prompt_tokens"]
+    assert 0 < lens["min"] <= lens["mean"] <= lens["max"]
+    for r in rec["rows"]:
+        c = r["concurrency"]
+        assert r["engine_tokens"] == r["server_tokens"] == c * args.rounds * args.max_tokens
+        assert r["tokens_match"] is True and r["generate_tokens_match"] is True
+        assert 0 < r["server_itl_p50_ms"] <= r["server_itl_p99_ms"]
+        assert 0 < r["server_ttft_p50_ms"] <= r["server_ttft_p99_ms"]
+    small_loaded.open_stream().close()
+
+
+def test_chat_without_a_tokenizer_is_one_line_before_the_engine_loads(tmp_path):
+    """An engine directory without tokenizer.json (an empty one here: refused before it is
+    loaded, which would fail otherwise)."""
+    tool = load_tool()
+    (tmp_path / "engine").mkdir()
+    args = tool._args(["--dry-run", "--chat", "--engine", str(tmp_path / "engine"), "--out",
+                       str(tmp_path / "out")])
+    try:
+        tool.run(args, log=lambda line: None)
+    except SystemExit as e:
+        msg = str(e.code)
+    else:
+        raise AssertionError("--chat ran without a tokenizer")
+    assert msg.startswith("--chat:") and "tokenizer.json" in msg and "\n" not in msg
