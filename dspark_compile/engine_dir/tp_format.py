@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from dspark_compile.engine_dir.format import MANIFEST, WEIGHTS_FILE, ArtifactError
+from dspark_compile.engine_dir.paths import read_file
 
 RANKS_FILE = "ranks.json"
 TP_FORMAT, TP_VERSION = "dspark-tp-engine", 1
@@ -48,11 +49,14 @@ def read_ranks(engine_dir) -> dict | None:
     rank{r} directory entry per rank with its manifest's hash); None for a one-device engine."""
     root = Path(engine_dir)
     path = root / RANKS_FILE
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
     where = f"{root}/{RANKS_FILE}"
     try:
-        doc = json.loads(path.read_bytes()[:1 << 20])
+        # the engine's checked reader: no link followed, no FIFO, at most 1 MiB read
+        doc = json.loads(read_file(root, RANKS_FILE, 1 << 20))
+    except ArtifactError as e:
+        raise ArtifactError(f"{where}: {e}", path=str(path)) from None
     except (OSError, ValueError) as e:
         raise ArtifactError(f"{where} is not readable JSON ({type(e).__name__})",
                             path=str(path)) from None

@@ -34,6 +34,8 @@ import torch
 
 from dspark_compile.engine_dir.format import MANIFEST, ArtifactError
 from dspark_compile.engine_dir.graph_format import COLLECTIVES
+from dspark_compile.engine_dir.load import MAX_MANIFEST_BYTES
+from dspark_compile.engine_dir.paths import read_file
 from dspark_compile.engine_dir.tp_format import RANKS_FILE, check_tp, rank_dir, read_ranks
 from dspark_compile.runtime.engine import Engine
 
@@ -229,7 +231,9 @@ def load_rank(engine_dir, rank: int, tp: int, device=None, **options) -> RankEng
     check_tp(root, tp)
     doc = read_ranks(root)
     sub = root / rank_dir(rank)
-    data = (sub / MANIFEST).read_bytes()
+    # through the engine's checked reader: a rank directory or manifest that is a link (to
+    # outside the engine) is refused, not followed
+    data = read_file(root, f"{rank_dir(rank)}/{MANIFEST}", MAX_MANIFEST_BYTES)
     if hashlib.sha256(data).hexdigest() != doc["ranks"][rank]["manifest_sha256"]:
         raise ArtifactError(f"{sub}/{MANIFEST} is not the manifest {RANKS_FILE} lists for rank "
                             f"{rank} (changed since the build?) — rebuild", path=str(sub))

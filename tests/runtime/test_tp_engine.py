@@ -173,6 +173,25 @@ def test_rank_count_mismatch_is_one_clear_error(tp_engine, tmp_path, capfd):
         load_rank(bad, 1, TP)
 
 
+def test_links_out_of_a_tp_engine_are_refused_not_followed(tp_engine, tmp_path):
+    """ranks.json or a rank directory that is a symbolic link (here: to a copy outside the
+    engine) is refused by name before anything behind the link is read."""
+    outside = tmp_path / "outside"
+    shutil.copytree(tp_engine, outside)
+    linked = tmp_path / "linked_ranks"
+    shutil.copytree(tp_engine, linked)
+    (linked / RANKS_FILE).unlink()
+    (linked / RANKS_FILE).symlink_to(outside / RANKS_FILE)
+    with pytest.raises(ArtifactError, match="ranks.json.*symbolic link"):
+        read_ranks(linked)
+    linked = tmp_path / "linked_rank"
+    shutil.copytree(tp_engine, linked)
+    shutil.rmtree(linked / "rank1")
+    (linked / "rank1").symlink_to(outside / "rank1")
+    with pytest.raises(ArtifactError, match="rank1/manifest.json.*symbolic link"):
+        load_rank(linked, 1, TP)
+
+
 def test_a_rank_that_raises_is_one_line_naming_it():
     """A rank's exception (torch.multiprocessing's ProcessRaisedException, the rank's whole
     traceback) becomes one RanksFailed line: the command, the rank and its error line."""
