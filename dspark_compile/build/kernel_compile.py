@@ -135,17 +135,28 @@ def compile_engine_kernels(programs: dict, prefill_programs: dict, cfg, cache, p
     trash = cache.max_rows
     target_programs = target_programs or {}
 
+    # each program's module built once: a program of dynamic size serves every bucket (the
+    # build's default) and run() runs twice (the pool's discovery, then the recording run),
+    # while each unlift of a step costs ~0.5 s on the tiny model and grows with depth
+    modules: dict = {}
+
+    def module(ep, greedy: bool = False):
+        key = (id(ep), greedy)
+        if key not in modules:
+            modules[key] = sampler_mode_variant(ep) if greedy else ep.module()
+        return modules[key]
+
     def run() -> None:
         state = allocate_state(cfg, cache, prec, device)
         for b, ep in sorted(programs.items()):
             rows = torch.full((b,), trash, dtype=torch.int64, device=device)
-            for module in (ep.module(), sampler_mode_variant(ep)):
-                if module is not None:
-                    module(rows, state)
+            for m in (module(ep), module(ep, greedy=True)):
+                if m is not None:
+                    m(rows, state)
         for b, ep in sorted(target_programs.items()):
-            ep.module()(torch.full((b,), trash, dtype=torch.int64, device=device), state)
+            module(ep)(torch.full((b,), trash, dtype=torch.int64, device=device), state)
         for c, ep in sorted(prefill_programs.items()):
-            ep.module()(chunk_inputs(trash, 0, [0], c).to(device), state)
+            module(ep)(chunk_inputs(trash, 0, [0], c).to(device), state)
         torch.cuda.synchronize(device)
 
     if workers < 0:
