@@ -47,7 +47,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
 from dspark_compile.engine_dir.format import STEP, ProgramKey  # noqa: E402
+from dspark_compile.factory.presets import PRESETS as MODEL_PRESETS  # noqa: E402
 import step_floor  # noqa: E402
+import step_predict  # noqa: E402
+import step_roofline  # noqa: E402
 # the parts of the benchmark, in the order a run uses them
 from bench_setup import begin, log, setup_engine  # noqa: E402
 from step_launches import (_counts, _sync, dspark_kernel_names,  # noqa: E402
@@ -84,6 +87,18 @@ def _args(argv=None):
                    help="buckets that get the per-layer attribution (an export of the reference "
                         "step each: ~10-30 s)")
     bench_args.add_backend(p)
+    p.add_argument("--mma-tflops", type=_rates, default=None,
+                   help="peak dense MMA TFLOP/s by operand dtype for the honest floor, e.g. "
+                        "bf16=989.4,fp8=1978.9 (default: the datasheet's for H100 / H200; "
+                        "another device without it gets the byte floor only)")
+    p.add_argument("--predict", type=bench_args.names(tuple(MODEL_PRESETS), empty_ok=True),
+                   default=None,
+                   help="presets whose step is predicted from this one's per-layer times "
+                        "(default: flash-0731 from flash-slice, tiny-deep from tiny)")
+    p.add_argument("--accepted-lengths", type=_floats, default=[1.0, 2.6, 4.33],
+                   help="mean accepted lengths for the predicted tokens/s (default 1: nothing "
+                        "accepted; 2.6: DSpark's published at temperature 1; 4.33: the trained "
+                        "tiny pair's greedy on the H100)")
     bench_args.add_run_flags(p, "step", "CPU, tiny, one bucket, no timing")
     a = p.parse_args(argv)
     if a.dry_run:
@@ -92,7 +107,29 @@ def _args(argv=None):
     # prompts up to 64 tokens put the SWA rings (window 128 at Flash dims, 8 tiny) and the C4 /
     # C128 compressed caches part-way full; the dry run keeps its prefill short
     a.max_prompt_len = a.max_prompt_len or (12 if a.dry_run else 64)
+    if a.predict is None:
+        a.predict = [step_predict.PREDICT_FOR[a.preset]] if a.preset in step_predict.PREDICT_FOR else []
     return a
+
+
+def _rates(text: str) -> dict:
+    try:
+        out = {k.strip(): float(v) for k, v in (kv.split("=") for kv in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected dtype=TFLOPS[,dtype=TFLOPS], got {text!r}")
+    if not out or any(v <= 0 for v in out.values()):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    if any(not x > 0 for x in out):
+        raise argparse.ArgumentTypeError(f"accepted lengths must be > 0, got {text!r}")
+    return out
 
 
 def prefill_case(eng, case: str, args) -> dict:
@@ -111,7 +148,7 @@ def prefill_case(eng, case: str, args) -> dict:
 
 TABLE = ["case", "B", "variant", "status", "us_median", "us_p10", "us_p90", "launches_total",
          "launches_dspark", "launches_inductor", "launches_library", "launches_aten",
-         "floor_us", "ratio_to_floor", "compile_s"]
+         "floor_us", "ratio_to_floor", "honest_us", "ratio_to_honest", "compile_s"]
 
 
 def main(argv=None) -> int:
@@ -141,8 +178,10 @@ def _record(args, env: dict) -> dict:
             "launch_counting": (
                 "ops: top-level aten/dspark ops in torch.profiler (CPU)" if args.dry_run else
                 "kernels: CUDA events torch.profiler (CUPTI) records over one call"),
+            "mma_tflops": step_roofline.peak_tflops(env.get("device"), args.mma_tflops),
+            "predict": args.predict, "accepted_lengths": args.accepted_lengths,
             "rows": [], "floors": {}, "per_layer": {}, "kernel_names": {},
-            "kernel_us": {}}
+            "kernel_us": {}, "predictions": {}}
 
 
 class StepRun:
@@ -214,8 +253,18 @@ class StepRun:
         log(f"[eager] {key}: routing recorded")
         floor = step_floor.byte_floor(eng.model, eng.state, list(range(B)), routing)
         floor["us"] = floor["bytes"] / self.bw * 1e6
+        # the honest floor: one more eager step, every matmul-like op's FLOPs and bytes
+        with torch.no_grad(), step_roofline.ledger(eng.model, eng.state, floor) as led:
+            self.step(self.ctx["rows"][B], eng.state)
+        self.restore()
+        head = eng.model.head.weight
+        floor["honest"] = step_roofline.honest_floor(
+            floor, led.ops, head.numel() * head.element_size(), self.bw, self.rec["mma_tflops"])
+        floor["honest_us"] = floor["honest"]["honest_us"]
         self.rec["floors"][key] = floor
-        log(f"[floor] {key}: {floor['bytes'] / 1e6:.2f} MB -> {floor['us']:.2f} us")
+        log(f"[floor] {key}: {floor['bytes'] / 1e6:.2f} MB -> {floor['us']:.2f} us; honest "
+            f"{floor['honest_us']:.2f} us (head again {floor['honest']['head_second_read_us']:.1f}"
+            f", FLOP-bound ops +{floor['honest']['flop_excess_us']:.1f})")
         return floor, tokens_per_row
 
     def variant(self, case: str, B: int, v: str, floor: dict, tokens_per_row: float) -> dict:
@@ -263,6 +312,8 @@ class StepRun:
         if self.dev.type == "cuda":
             row.update(time_runner(r, self.ctx, self.args.replays, self.args.warmup))
             row["ratio_to_floor"] = row["us_median"] / floor["us"]
+            row["honest_us"] = floor["honest_us"]
+            row["ratio_to_honest"] = row["us_median"] / floor["honest_us"]
         else:
             row["us_median"] = None     # dry run: no timing
 
@@ -293,9 +344,36 @@ class StepRun:
         self.restore()
         del progs
         self.rec["per_layer"][key] = layers
+        self.predict(case, B, layers.get("engine"))
         log(f"[per-layer] {key} in {time.perf_counter() - t:.1f}s: "
             + ", ".join(f"{n} {sum(c.get('total', 0) for c in d.values() if isinstance(c, dict))}"
                         for n, d in layers.items()))
+        self.write()
+
+
+    def predict(self, case: str, B: int, layers: dict | None) -> None:
+        """The --predict presets' step at this bucket from the engine's per-layer times (CUDA:
+        they need device µs; step_predict.py)."""
+        from dspark_compile.factory.presets import preset
+        from dspark_compile.models.config import ModelConfig
+        key = f"{case}/B{B}"
+        row = next((r for r in self.rec["rows"] if r["case"] == case and r["B"] == B
+                    and r["variant"] == "engine" and r.get("us_median")), None)
+        if not layers or "error" in layers or row is None:
+            return
+        floors = step_predict.part_floors(self.rec["floors"][key], self.eng.model, self.bw)
+        replay = sum(self.rec["kernel_us"].get(f"{key}/engine", {}).values())
+        out = {}
+        for name in self.args.predict:
+            try:
+                out[name] = step_predict.predict(
+                    self.eng.model.cfg, ModelConfig.from_dict(preset(name)), layers, row, replay,
+                    floors, B, self.args.accepted_lengths)
+                log(f"[predict] {key} {name}: {out[name]['step_us']:.0f} us, floor "
+                    f"{out[name]['floor_us']:.0f} us")
+            except (KeyError, ValueError) as e:
+                out[name] = {"error": str(e)}
+        self.rec["predictions"][key] = out
         self.write()
 
 

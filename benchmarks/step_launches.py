@@ -172,8 +172,8 @@ def _label_of(e) -> str | None:
 def per_layer(gm, rows: torch.Tensor, state: dict, device: torch.device, dspark: set[str]) -> dict:
     """Launches per model part of one uncaptured run of `gm(rows, state)` (the state is
     mutated: the caller restores it). CUDA: every kernel the profiler attaches to a CPU event
-    under a layer:: range; kernels it attaches nowhere are "unattributed". CPU: the top-level
-    aten / dspark ops under each range."""
+    under a layer:: range, with their summed device µs ("us"); kernels it attaches nowhere are
+    "unattributed". CPU: the top-level aten / dspark ops under each range."""
     from torch.fx._pytree import tree_flatten_spec
     from torch.profiler import ProfilerActivity, profile
     flat = tree_flatten_spec(((rows, state), {}), gm._in_spec)
@@ -183,6 +183,7 @@ def per_layer(gm, rows: torch.Tensor, state: dict, device: torch.device, dspark:
         _sync(device)
     events = prof.events()
     names: dict[str, list] = {}
+    us: dict[str, float] = {}       # device µs of the part's kernels (CUDA)
     if device.type == "cuda":
         attributed = 0
         for e in events:
@@ -190,6 +191,7 @@ def per_layer(gm, rows: torch.Tensor, state: dict, device: torch.device, dspark:
                 lab = _label_of(e) or "unattributed"
                 for k in e.kernels:
                     names.setdefault(lab, []).append(k.name)
+                    us[lab] = us.get(lab, 0.0) + float(k.duration)
                     attributed += 1
         total = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
         if total > attributed:
@@ -197,4 +199,7 @@ def per_layer(gm, rows: torch.Tensor, state: dict, device: torch.device, dspark:
     else:
         for e in _top_level_ops(events):
             names.setdefault(_label_of(e) or "unattributed", []).append(e.name)
-    return {lab: _counts(ns, dspark) for lab, ns in sorted(names.items())}
+    out = {lab: _counts(ns, dspark) for lab, ns in sorted(names.items())}
+    for lab, t in us.items():
+        out[lab]["us"] = round(t, 2)
+    return out

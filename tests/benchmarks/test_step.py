@@ -32,6 +32,15 @@ def test_dry_run_writes_every_variant_floor_and_layers(dry_run):
     assert floor["experts_used_per_moe"] and all(
         1 <= n <= 8 for n in floor["experts_used_per_moe"].values())
     assert floor["state_fallback"] == [] and floor["sampled_rows"] == 0
+    # the honest floor: the LM head read again, FLOP-bound ops at their FLOP time (a CPU has no
+    # MMA peak in the table: no FLOP correction here, said in the record)
+    hon = floor["honest"]
+    assert hon["head_second_read_us"] > 0 and rec["mma_tflops"] is None
+    assert floor["honest_us"] == hon["byte_floor_us"] + hon["head_second_read_us"] + hon["flop_excess_us"]
+    assert hon["flop_excess_us"] == 0 and hon["byte_floor_us"] == floor["us"]
+    assert {"dspark.fp8_linear", "dspark.linear", "dspark.moe_experts",
+            "dspark.sparse_attention", "dspark.draft_attention"} <= set(hon["op_classes"])
+    assert rec["predict"] == ["tiny-deep"] and rec["predictions"] == {}   # needs device µs
 
     rows = {r["variant"]: r for r in rec["rows"] if r["case"] == "greedy" and r["B"] == 2}
     assert set(rows) == set(VARIANTS)
