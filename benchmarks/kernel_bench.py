@@ -8,8 +8,9 @@ Cases come from this file (groups "qkv", "act_quant" and "moe", Flash dims: H=64
 64, nope 448, hidden 4096, shared-expert I=2048, 256 routed MXFP4 experts of I=2048, top 6;
 B requests, T = 6B tokens = B * (N+1) verify rows)
 and from every `benchmarks/*_cases.py` module exposing `cases(batches) -> list[harness.Case]`
-(benchmarks/README.md). The moe cases (one name per routing: moe_experts:top6-random,
-:one-expert, :every-expert) take bytes_moved = the touched-expert byte floor, and time the
+(benchmarks/README.md). The moe_tp2 group times each rank's share of the routed experts at
+tp = 2 under the expert split and the intermediate split (tp2_moe_cases). The moe cases (one
+name per routing: moe_experts:top6-random, :one-expert, :every-expert) take bytes_moved = the touched-expert byte floor, and time the
 `bf16-grouped` baseline, the new kernels on the checkpoint layout and the previous launcher
 (benchmarks/_moe_previous/, when present) too; a dry run on a CPU builds them at
 MOE_DRY_RUN_CPU dims.
@@ -212,7 +213,7 @@ def _moe_inputs(T, dims: MoeDims, ids: torch.Tensor):
     checkpoint layout (w1, s1, ...) and in the kernel's tiled layout (tiled, layout), as the
     engine stores them (kernels/moe_layout.py)."""
     E, D, I, k = dims.experts, dims.hidden, dims.inter, dims.top_k
-    touched = sorted(set(ids.reshape(-1).tolist()))
+    touched = sorted(i for i in set(ids.reshape(-1).tolist()) if i >= 0)   # -1: another rank's
 
     def make(device, seed):
         g = _gen(device, seed)
@@ -374,6 +375,40 @@ def moe_cases(batches, dims: MoeDims = MoeDims()):
     return out
 
 
+def tp2_moe_cases(batches, dims: MoeDims = MoeDims()):
+    """Issue 53's choice between the two ways to split the routed experts over tp = 2 ranks,
+    each rank's share timed on one GPU, on the same top6-random routing as moe_experts:
+    - `moe_experts:tp2-expert-r0` / `-r1` (expert parallel, models/sharding.py): rank r holds
+      experts [r E/2, (r+1) E/2) whole and computes the pairs routed to them (the others' ids
+      -1, which the op skips); the step waits for the slower rank;
+    - `moe_experts:tp2-intermediate`: every rank holds every expert's I / 2 slice (w1 / w3 rows,
+      w2 columns: whole MXFP4 blocks) and computes every pair at half width.
+    Both end in the one all-reduce of the MoE's [T, D] output; what differs is this time."""
+    out = []
+    half_e = dims._replace(experts=dims.experts // 2)
+    half_i = dims._replace(inter=dims.inter // 2)
+    for B in batches:
+        T = TOKENS_PER_REQUEST * B
+        ids = _moe_ids(T, dims, "top6-random")
+        shares = {f"tp2-expert-r{r}": (half_e, torch.where(
+            (ids >= r * half_e.experts) & (ids < (r + 1) * half_e.experts),
+            ids - r * half_e.experts, torch.full_like(ids, -1))) for r in range(2)}
+        shares["tp2-intermediate"] = (half_i, ids)
+        for name, (d, rank_ids) in shares.items():
+            make, touched = _moe_inputs(T, d, rank_ids)
+            pairs = int((rank_ids >= 0).sum())
+            nbytes = (len(touched) * d.expert_bytes() + T * d.hidden * (2 + 4)
+                      + rank_ids.numel() * (8 + 4))
+            ref = lambda x: moe.moe_experts_reference(*_moe_args(x))
+            ours = lambda x: torch.ops.dspark.moe_experts(*_moe_tiled_args(x))
+            out.append(Case("moe_tp2", f"moe_experts:{name}",
+                            {"B": B, "T": T, "routing": "top6-random", "touched": len(touched),
+                             "pairs": pairs, "experts": d.experts, "inter": d.inter},
+                            make, ref, ours, nbytes,
+                            check=_check_against_reference(make, ours, ref), compile=False))
+    return out
+
+
 # a CPU dry run builds the moe cases at these dims: the Flash reference (256 experts, every
 # expert on every token) takes minutes per call on a CPU
 MOE_DRY_RUN_CPU = MoeDims(experts=8, hidden=128, inter=64, top_k=6)
@@ -381,7 +416,10 @@ MOE_DRY_RUN_CPU = MoeDims(experts=8, hidden=128, inter=64, top_k=6)
 
 def cases(batches, moe_dims: MoeDims = MoeDims()):
     """This file's own cases, by the same protocol as benchmarks/*_cases.py."""
-    return qkv_cases(batches) + act_quant_cases(batches) + moe_cases(batches, moe_dims)
+    return (qkv_cases(batches) + act_quant_cases(batches) + moe_cases(batches, moe_dims)
+            # the half-width experts need I / 2 a multiple of the layout's 128-wide K tile
+            + tp2_moe_cases(batches, moe_dims if moe_dims.inter % 256 == 0
+                            else moe_dims._replace(inter=256)))
 
 
 CASE_DIR = os.path.dirname(os.path.abspath(__file__))
