@@ -34,11 +34,17 @@ demo: venv
 	rc=0; $(BIN)/dspark-compile run $(DEMO_DIR)/engine $$args --max-new-tokens 32 --check-lossless \
 		> $(DEMO_DIR)/run.txt || rc=$$?; cat $(DEMO_DIR)/run.txt; [ $$rc -eq 0 ] || exit $$rc; \
 	$(TOK) decode $(DEMO_DIR)/ckpt --from-run $(DEMO_DIR)/run.txt; grep '^lossless' $(DEMO_DIR)/run.txt
+	@echo "sampled (temperature 1.0, top-p 0.95, block verification; the model card's sampling), the same prompts:"
+	set -e; args=""; for p in $(DEMO_PROMPTS); do \
+		args="$$args --prompt-ids $$($(TOK) encode $(DEMO_DIR)/ckpt "$$p" --escapes)"; done; \
+	$(BIN)/dspark-compile run $(DEMO_DIR)/engine $$args --max-new-tokens 32 --temperature 1.0 \
+		--top-p 0.95 --seed 0 --verify block > $(DEMO_DIR)/run_sampled.txt; \
+	cat $(DEMO_DIR)/run_sampled.txt; $(TOK) decode $(DEMO_DIR)/ckpt --from-run $(DEMO_DIR)/run_sampled.txt
 
 # two processes (pytest-xdist; CI has 2 cores): the kernel tests run the Triton interpreter one
 # thread each; the engine tests stay in one process (tests/conftest.py, pytest_xdist_make_scheduler)
 test: venv
-	$(BIN)/python -m pytest -q -x -n 2 tests
+	$(BIN)/python -m pytest -q -x -n 2 --durations=30 tests
 
 clean:
 	rm -rf $(VENV) build
