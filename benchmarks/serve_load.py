@@ -387,16 +387,20 @@ async def _server_level(host, port, model, args, reqs, c, chat=None,
 
 
 class _ServerProcess:
-    """`dspark-compile serve ENGINE --port 0` in its own process; the URL from its banner."""
+    """`dspark-compile serve ENGINE --port 0` (or `cmd`: another server command that prints
+    the same banner, serve_synthetic.py's) in its own process; the URL from its banner."""
 
-    def __init__(self, engine_dir: str, threads: int, timeout: float = 1800):
-        exe = Path(sys.executable).with_name("dspark-compile")
-        cmd = ([str(exe)] if exe.exists() else [sys.executable, "-m", "dspark_compile.cli.main"])
-        self.proc = subprocess.Popen(cmd + ["serve", engine_dir, "--port", "0", "--threads",
-                                            str(threads), "--model-name", "bench",
-                                            # one access line a request would go unread here
-                                            "--no-access-log"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, engine_dir: str | None, threads: int, timeout: float = 1800,
+                 cmd: list[str] | None = None):
+        if cmd is None:
+            exe = Path(sys.executable).with_name("dspark-compile")
+            cmd = ([str(exe)] if exe.exists()
+                   else [sys.executable, "-m", "dspark_compile.cli.main"])
+            cmd = cmd + ["serve", engine_dir, "--port", "0", "--threads", str(threads),
+                         "--model-name", "bench",
+                         "--no-access-log"]     # one access line a request would go unread
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         deadline = time.monotonic() + timeout
         self.log = []
         for line in self.proc.stdout:

@@ -105,7 +105,8 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         acc: Access = request.scope[ACCESS]
-        admitted = await admit(state, request, acc, parse_request, _prepare_completion)
+        admitted = await admit(state, request, acc, parse_request, _prepare_completion,
+                               _has_text)
         if not isinstance(admitted, tuple):
             return admitted                  # a refusal
         req, jobs, tickets = admitted
@@ -157,6 +158,16 @@ async def _utility(state: ServeState, request: Request, handle) -> Response:
     except BadRequest as e:
         return _error(e.status, str(e), e.param)
     return JSONResponse(out)
+
+
+def _has_text(req: CompletionRequest) -> bool:
+    """Whether the prompt has text to tokenize (else token ids: a list of ints, or of lists
+    of ints); an unexpected shape counts as text (prepare.py refuses it off the loop)."""
+    p = req.prompt
+    if not isinstance(p, list) or not p:
+        return True
+    return not all(type(x) is int or (isinstance(x, list) and all(type(t) is int for t in x))
+                   for x in p)
 
 
 def _prepare_completion(req: CompletionRequest, state: ServeState) -> list[Job]:
@@ -214,30 +225,15 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
     stream_options.include_usage, then `data: [DONE]`. A prompt the engine failed on,
     or every prompt when the server stops, ends with an error event (OpenAI's error body);
     the others go on, and the stream still ends with `data: [DONE]`."""
-    merged: asyncio.Queue = asyncio.Queue()
     base = _chunk_base(state, rid)
     every = continuous_usage(req)
     # per run: its logprobs' text offsets run on across its chunks
     lps = {id(r): CompletionLogprobs(state.token_pieces()) for r in runs
            if r.job.logprobs is not None}
-
-    async def pump(run: Run):
-        try:
-            async for delta in run.deltas():
-                await merged.put((run, delta))
-        except (EngineDown, RequestFailed) as e:
-            await merged.put((run, e))
-        finally:
-            await merged.put((run, None))
-
-    tasks = [asyncio.ensure_future(pump(r)) for r in runs]
+    items = _merged(runs)
     try:
-        left = len(runs)
-        while left:
-            run, item = await merged.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
+        async for run, item in items:
+            if isinstance(item, BaseException):
                 label = f"prompt {run.job.index}: " if len(runs) > 1 else ""
                 if isinstance(item, EngineDown):
                     body = json_error(503, label + str(item))
@@ -255,7 +251,43 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
             yield _chunk(base, [], usage(runs))
         yield "data: [DONE]\n\n"
     finally:
-        for t in tasks:
-            t.cancel()
+        await items.aclose()
         cancel_runs(runs)
         account(acc, runs)
+
+
+async def _merged(runs: list[Run]):
+    """(run, Delta | EngineDown | RequestFailed) of every run as they come, until each run
+    ended. One run (most requests) is read directly: no task and no queue between its
+    ticket and its chunks (two task switches a chunk fewer on the event loop)."""
+    if len(runs) == 1:
+        run = runs[0]
+        try:
+            async for delta in run.deltas():
+                yield run, delta
+        except (EngineDown, RequestFailed) as e:
+            yield run, e
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Run):
+        try:
+            async for delta in run.deltas():
+                await merged.put((run, delta))
+        except (EngineDown, RequestFailed) as e:
+            await merged.put((run, e))
+        finally:
+            await merged.put((run, None))
+
+    tasks = [asyncio.ensure_future(pump(r)) for r in runs]
+    try:
+        left = len(runs)
+        while left:
+            run, item = await merged.get()
+            if item is None:
+                left -= 1
+            else:
+                yield run, item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -90,11 +90,17 @@ def fake_dir(served):
     return served[0].engine.dir
 
 
-def test_stream_chunks_add_up_to_the_unstreamed_completion(client):
+def test_stream_chunks_add_up_to_the_unstreamed_completion(client, served):
     kw = dict(model="tiny", prompt="The quick brown", max_tokens=24, seed=9, temperature=1.0)
     whole = client.completions.create(**kw).choices[0]
-    chunks = list(client.completions.create(**kw, stream=True,
-                                            stream_options={"include_usage": True}))
+    # steps of 10 ms: the stream keeps up with them (a stream behind its engine sends the
+    # steps waiting as one chunk: test_keeps_up.py), so each step is a chunk of its own
+    served[2].step_hook = lambda: time.sleep(0.01)
+    try:
+        chunks = list(client.completions.create(**kw, stream=True,
+                                                stream_options={"include_usage": True}))
+    finally:
+        served[2].step_hook = None
     *body, last = chunks
     assert last.choices == [] and last.usage.completion_tokens == len(whole.token_ids)
     assert all(ch.usage is None for ch in body)

@@ -151,3 +151,38 @@ def test_a_stop_string_is_seen_at_the_token_that_completes_it():
     ts.add([b"a"])
     delta, ids = ts.add([b"b" + rocket[:2], rocket[2:]])
     assert ts.stopped and ids == [b"b" + rocket[:2]] and ts.text == ""
+
+
+def test_a_steps_tokens_detokenized_together_give_the_per_token_text(tok):
+    """Without stop strings TextStream detokenizes a step's tokens in one go (add_many): at
+    every step boundary the text given out equals feeding them one at a time, and the whole
+    output is the whole decode -- random ids (invalid UTF-8, unknown ids) and multi-byte text,
+    at random splits."""
+    rng = random.Random(2)
+    cases = [tok.encode(TEXT)] + [[rng.randrange(0, 520) for _ in range(rng.randrange(1, 60))]
+                                  for _ in range(30)]
+    for k, ids in enumerate(cases):
+        prompt = [rng.randrange(0, 512) for _ in range(3)] if k % 2 else []
+        one, many, pos = Detokenizer(tok, prompt), TextStream(tok, prompt), 0
+        got_one = ""
+        while pos < len(ids):
+            n = rng.randint(1, 6)
+            got_one += "".join(one.add(t) for t in ids[pos:pos + n])
+            delta, got = many.add(ids[pos:pos + n])
+            assert got == ids[pos:pos + n]
+            pos += n
+            assert many.text == got_one
+        assert many.text + many.finish() == got_one + one.flush()
+        assert many.ids == ids
+        if not prompt:
+            assert many.text == tok.decode(ids)
+
+
+def test_a_step_holding_a_stop_id_still_ends_at_it(tok):
+    """The batched path is taken only when no stop id is among the step's tokens."""
+    ids = tok.encode(" the lazy dog jumps")
+    ts = TextStream(tok, [], stop_ids=(ids[2],))
+    assert ts.add(ids[:2])[1] == ids[:2] and not ts.stopped
+    delta, got = ts.add(ids[2:])
+    assert got == [ids[2]] and ts.stopped
+    assert ts.text + ts.finish() == tok.decode(ids[:2])
