@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,14 +46,14 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from dspark_compile.serve import chat, package_version
-from dspark_compile.serve.http import (ApiError, EventStream, Run, ServeState, account, admit,
-                                       cancel_runs, collect, continuous_usage, json_error,
-                                       load_json, not_served, off_loop, read_body, usage,
-                                       validated)
+from dspark_compile.serve.http import (ApiError, EventStream, Last, Run, ServeState, account,
+                                       admit, cancel_runs, collect, continuous_usage,
+                                       json_error, load_json, not_served, off_loop, read_body,
+                                       usage, validated)
 from dspark_compile.serve.logprobs import CompletionLogprobs, merge
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.metrics import CONTENT_TYPE
-from dspark_compile.serve.middleware import ACCESS, Access, ApiKey, RequestLog
+from dspark_compile.serve.middleware import ACCESS, Access, ApiKey, RequestLog, new_id
 from dspark_compile.serve.middleware import error as _error
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
 from dspark_compile.serve.protocol import (Completion, CompletionChoice, CompletionRequest,
@@ -110,7 +109,7 @@ def create_app(state: ServeState) -> FastAPI:
         if not isinstance(admitted, tuple):
             return admitted                  # a refusal
         req, jobs, tickets = admitted
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{new_id()}"
         runs = [Run(state, job, ticket, acc.start) for job, ticket in zip(jobs, tickets)]
         if req.stream:
             return EventStream(_sse(state, req, rid, runs, acc),
@@ -231,6 +230,7 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
     lps = {id(r): CompletionLogprobs(state.token_pieces()) for r in runs
            if r.job.logprobs is not None}
     items = _merged(runs)
+    tail = ""           # one run's finish chunk: sent with the end (http.Last)
     try:
         async for run, item in items:
             if isinstance(item, BaseException):
@@ -243,13 +243,17 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
             else:
                 lp = lps.get(id(run))
                 lp = lp.delta(item.ids, item.logprobs) if lp and item.logprobs else None
-                yield _chunk(base, [{"index": run.job.index, "text": item.text,
-                                     "token_ids": [] if item.prompt else item.ids,
-                                     "finish_reason": item.finish, "logprobs": lp}],
-                             usage(runs) if every else None)
+                chunk = _chunk(base, [{"index": run.job.index, "text": item.text,
+                                       "token_ids": [] if item.prompt else item.ids,
+                                       "finish_reason": item.finish, "logprobs": lp}],
+                               usage(runs) if every else None)
+                if item.finish is not None and len(runs) == 1:
+                    tail = chunk
+                else:
+                    yield chunk
         if req.include_usage:
-            yield _chunk(base, [], usage(runs))
-        yield "data: [DONE]\n\n"
+            tail += _chunk(base, [], usage(runs))
+        yield Last(tail + "data: [DONE]\n\n")
     finally:
         await items.aclose()
         cancel_runs(runs)

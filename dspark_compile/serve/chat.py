@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dspark_compile.serve.http import (ApiError, EventStream, Run, account, admit, cancel_runs,
-                                       collect, continuous_usage, json_error, load_json,
-                                       not_served, usage, validated)
-from dspark_compile.serve.middleware import ACCESS
+from dspark_compile.serve.http import (ApiError, EventStream, Last, Run, account, admit,
+                                       cancel_runs, collect, continuous_usage, json_error,
+                                       load_json, not_served, usage, validated)
+from dspark_compile.serve.middleware import ACCESS, new_id
 from dspark_compile.models.chat_format import EFFORTS, ChatError, ReasoningSplit, split_reasoning
 from dspark_compile.serve.loop import EngineDown, RequestFailed
 from dspark_compile.serve.prepare import BadRequest, Job, prepare
@@ -242,7 +241,7 @@ async def chat_completions(state, request):
     if not isinstance(admitted, tuple):
         return admitted                      # a refusal
     chat, jobs, tickets = admitted
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{new_id()}"
     run = Run(state, jobs[0], tickets[0], acc.start)
     if chat.stream:
         return EventStream(_sse(state, chat, rid, run, acc),
@@ -280,6 +279,7 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
             body["usage"] = usage([run]).model_dump()
         return f"data: {json.dumps(body)}\n\n"
 
+    tail = ""           # the finish chunk: sent with the end (http.Last)
     try:
         yield chunk({"role": "assistant", "content": ""})
         try:
@@ -295,7 +295,9 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
                 if content:
                     delta["content"] = content
                 lps = _logprobs(state, run, d.ids, d.logprobs) if d.logprobs else None
-                if delta or finish or lps:
+                if finish:
+                    tail = chunk(delta, finish, lps)
+                elif delta or lps:
                     yield chunk(delta, finish, lps)
         except EngineDown as e:
             yield f"data: {json_error(503, str(e))}\n\n"
@@ -303,8 +305,8 @@ async def _sse(state, chat: Chat, rid: str, run, acc):
             yield f"data: {json_error(500, str(e), 'engine_error')}\n\n"
         if chat.completion.include_usage:
             body = {**base, "choices": [], "usage": usage([run]).model_dump()}
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+            tail += f"data: {json.dumps(body)}\n\n"
+        yield Last(tail + "data: [DONE]\n\n")
     finally:
         cancel_runs([run])
         account(acc, [run])

@@ -125,6 +125,10 @@ def test_a_stream_behind_its_engine_catches_up_in_one_chunk(tmp_path):
         assert len(chunks) == 1, [c["choices"][0]["token_ids"] for c in chunks]
         assert chunks[0]["choices"][0]["finish_reason"] == "length"
         assert eng.fake.c["steps"] > 3            # many steps' events in that one chunk
+        # the finish chunk, [DONE] and the response's end: one message (one write)
+        bodies = [m for m in sent if m["type"] == "http.response.body"]
+        assert len(bodies) == 1 and bodies[0]["more_body"] is False
+        assert bodies[0]["body"].decode().endswith("data: [DONE]\n\n")
 
     try:
         asyncio.run(main())
