@@ -54,7 +54,7 @@ FIRST_ID = 3          # the tiny tokenizer's special tokens are ids 0..2: never 
 TABLE = ["concurrency", "requests", "engine_tokens_per_s", "server_tokens_per_s",
          "overhead_pct", "engine_itl_p50_ms", "server_itl_p50_ms", "engine_itl_p99_ms",
          "server_itl_p99_ms", "server_ttft_p50_ms", "server_cpu_us_per_token", "server_cpu_cores",
-         "tokens_match"]
+         "client_cpu_cores", "tokens_match"]
 
 
 class StreamEvent(NamedTuple):
@@ -326,11 +326,14 @@ def run(args, log=print) -> dict:
         asyncio.run(serve_load._server_level(host, port, "bench", args, levels[
             args.concurrency[0]][:1], 1))                           # warm-up, untimed
         for c, reqs in levels.items():
-            cpu = _cpu_s(server)
+            cpu, client = _cpu_s(server), time.process_time()
             res, tokens = asyncio.run(serve_load._server_level(host, port, "bench", args,
                                                                reqs, c))
             row = rows[c]
             row.update(res, tokens_match=tokens == engine_tokens[c])
+            if args.server == "subprocess":     # the client's share of the machine
+                row["client_cpu_cores"] = round((time.process_time() - client)
+                                                / res["server_wall_s"], 3)
             if cpu is not None:
                 spent = _cpu_s(server) - cpu
                 row["server_cpu_us_per_token"] = round(1e6 * spent / max(1, res["server_tokens"]),

@@ -217,6 +217,20 @@ def _chunk(base: dict, choices: list, usage: Usage | None = None) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def _text_chunks(base: dict):
+    """`_chunk` of one choice without logprobs or usage (a stream's every chunk but the
+    usage one, unless it asks logprobs or continuous usage), from a prefix made once a
+    stream: ~3 us a chunk instead of json.dumps' ~11 us of the whole dict (tests/serve
+    checks both parse to the same JSON)."""
+    prefix = f'data: {json.dumps(base)[:-1]}, "choices": [{{"index": '
+
+    def chunk(index: int, text: str, ids: list, finish: str | None) -> str:
+        return (f'{prefix}{index:d}, "text": {json.dumps(text)}, "token_ids": '
+                f'[{", ".join(map(str, map(int, ids)))}], "finish_reason": '
+                f'{json.dumps(finish)}, "logprobs": null}}], "usage": null}}\n\n')
+    return chunk
+
+
 async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[Run],
                acc: Access):
     """OpenAI's completion stream: `data: {chunk}` per delta (with the usage so far in each
@@ -225,6 +239,7 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
     or every prompt when the server stops, ends with an error event (OpenAI's error body);
     the others go on, and the stream still ends with `data: [DONE]`."""
     base = _chunk_base(state, rid)
+    text_chunk = _text_chunks(base)
     every = continuous_usage(req)
     # per run: its logprobs' text offsets run on across its chunks
     lps = {id(r): CompletionLogprobs(state.token_pieces()) for r in runs
@@ -243,10 +258,13 @@ async def _sse(state: ServeState, req: CompletionRequest, rid: str, runs: list[R
             else:
                 lp = lps.get(id(run))
                 lp = lp.delta(item.ids, item.logprobs) if lp and item.logprobs else None
-                chunk = _chunk(base, [{"index": run.job.index, "text": item.text,
-                                       "token_ids": [] if item.prompt else item.ids,
-                                       "finish_reason": item.finish, "logprobs": lp}],
-                               usage(runs) if every else None)
+                ids = [] if item.prompt else item.ids
+                if lp is None and not every:
+                    chunk = text_chunk(run.job.index, item.text, ids, item.finish)
+                else:
+                    chunk = _chunk(base, [{"index": run.job.index, "text": item.text,
+                                           "token_ids": ids, "finish_reason": item.finish,
+                                           "logprobs": lp}], usage(runs) if every else None)
                 if item.finish is not None and len(runs) == 1:
                     tail = chunk
                 else:

@@ -225,3 +225,21 @@ def test_coalescing_keeps_a_failure_queued_behind_tokens_for_after_them():
         return got
 
     assert asyncio.run(main()) == [([5, 6, 8], [(-0.5, ()), (-0.25, ()), (-1.0, ())])]
+
+
+def test_a_text_chunk_is_the_json_of_the_chunk_dict():
+    """app._text_chunks (a prefix made once a stream) gives the same JSON as app._chunk, for
+    text that JSON must escape (quotes, backslashes, control and non-ASCII characters, a
+    lone surrogate's escape) and each finish reason."""
+    from dspark_compile.serve.app import _chunk, _chunk_base, _text_chunks
+    base = _chunk_base(type("S", (), {"model_name": 'm "q" \\', "fingerprint": None})(),
+                       "cmpl-1")
+    chunk = _text_chunks(base)
+    for text, ids, finish in [("", [], None), ('a "b" \\ c\n\t\x00', [1, 22], "stop"),
+                              ("caf\u00e9 \U0001F680 \u65e5", [3], "length"),
+                              ("\ud800", [4, 5, 6], None)]:
+        fast = chunk(2, text, ids, finish)
+        slow = _chunk(base, [{"index": 2, "text": text, "token_ids": ids,
+                              "finish_reason": finish, "logprobs": None}])
+        assert fast.startswith("data: ") and fast.endswith("\n\n")
+        assert json.loads(fast[6:]) == json.loads(slow[6:])
