@@ -117,12 +117,13 @@ class RequestLog:
                 await error(503, "the server shut down before this request "
                                   "finished")(scope, receive, send_)
         finally:
-            access_log.info("request_id=%s method=%s path=%s status=%s prompt_tokens=%d "
-                            "completion_tokens=%d finish=%s duration_ms=%.1f", acc.request_id,
-                            scope.get("method"), json.dumps(clip(scope.get("path", ""), 200)),
-                            acc.status if acc.status is not None else "-", acc.prompt_tokens,
-                            acc.completion_tokens, ",".join(acc.finish) or "-",
-                            1000 * (time.monotonic() - acc.start))
+            if access_log.isEnabledFor(logging.INFO):     # --no-access-log: no line to build
+                access_log.info("request_id=%s method=%s path=%s status=%s prompt_tokens=%d "
+                                "completion_tokens=%d finish=%s duration_ms=%.1f", acc.request_id,
+                                scope.get("method"), json.dumps(clip(scope.get("path", ""), 200)),
+                                acc.status if acc.status is not None else "-", acc.prompt_tokens,
+                                acc.completion_tokens, ",".join(acc.finish) or "-",
+                                1000 * (time.monotonic() - acc.start))
 
 
 _ID_PREFIX = uuid.uuid4().hex[:16]      # this process's, random: ids differ across restarts
