@@ -51,6 +51,9 @@ SCHEMA = "dspark-serve-synthetic-benchmark/1"
 TOKENIZER = bench_args.REPO / "dspark_compile" / "factory" / "data" / "tiny-trained" / \
     "tokenizer.json"
 FIRST_ID = 3          # the tiny tokenizer's special tokens are ids 0..2: never drawn
+# a level's fewest requests when --rounds is not given: 1 client x 8 rounds was 0.2 s, a few
+# 10 ms ticks of the server's CPU clock
+MIN_REQUESTS = 64
 TABLE = ["concurrency", "requests", "engine_tokens_per_s", "server_tokens_per_s",
          "overhead_pct", "engine_itl_p50_ms", "server_itl_p50_ms", "engine_itl_p99_ms",
          "server_itl_p99_ms", "server_ttft_p50_ms", "server_cpu_us_per_token", "server_cpu_cores",
@@ -203,7 +206,8 @@ def _args(argv=None):
     p.add_argument("--concurrency", type=bench_args.ordered_ints, default=None,
                    help="clients in flight per level (default 1,4,16,64; --dry-run 1,2)")
     p.add_argument("--rounds", type=bench_args.at_least(1), default=None,
-                   help="requests per client per level (default 8; --dry-run 1)")
+                   help=f"requests per client per level (default 8, and at least "
+                        f"{MIN_REQUESTS} requests a level; --dry-run 1)")
     p.add_argument("--prompt-len", type=bench_args.at_least(1), default=None,
                    help="default 32; --dry-run 4")
     p.add_argument("--max-tokens", type=bench_args.at_least(1), default=None,
@@ -234,6 +238,7 @@ def _args(argv=None):
     if not a.tokenizer.is_file():
         p.error(f"--tokenizer {a.tokenizer}: no such file")
     a.concurrency = a.concurrency or ([1, 2] if d else [1, 4, 16, 64])
+    a.min_requests = 0 if (d or a.rounds) else MIN_REQUESTS
     a.rounds = a.rounds or (1 if d else 8)
     a.prompt_len = a.prompt_len or (4 if d else 32)
     a.max_tokens = a.max_tokens or (8 if d else 64)
@@ -241,6 +246,14 @@ def _args(argv=None):
     # serve_load's request body and engine side read these
     a.temperature, a.top_p, a.logprobs = 0.0, 1.0, None
     return a
+
+
+def _level_args(args, c: int):
+    """args with the level's rounds: --rounds, raised to MIN_REQUESTS requests a level."""
+    import copy
+    out = copy.copy(args)
+    out.rounds = max(args.rounds, -(-args.min_requests // c))
+    return out
 
 
 def _engine(args) -> SyntheticEngine:
@@ -308,7 +321,8 @@ def run(args, log=print) -> dict:
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "levels": []}
     eng = _engine(args)
-    levels = {c: serve_load.workload(args, eng.cfg.vocab_size, c) for c in args.concurrency}
+    levels = {c: serve_load.workload(_level_args(args, c), eng.cfg.vocab_size, c)
+              for c in args.concurrency}
     rows, engine_tokens = {}, {}
     serve_load.run_engine(eng, args, levels[args.concurrency[0]][:1], 1)   # warm-up, untimed
     for c, reqs in levels.items():

@@ -434,8 +434,8 @@ class EventStream(StreamingResponse):
                     "headers": self.raw_headers})
         async for chunk in self.body_iterator:
             last = isinstance(chunk, Last)
-            await send({"type": "http.response.body", "body": chunk.encode("utf-8"),
-                        "more_body": not last})
+            body = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
+            await send({"type": "http.response.body", "body": body, "more_body": not last})
             if last:
                 return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
