@@ -96,6 +96,9 @@ def _args(argv=None):
     p.add_argument("--server", choices=("subprocess", "thread"), default=None,
                    help="the server in its own process (default) or in this one (--dry-run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-alive", action="store_true",
+                   help="each client keeps its connection from one request to the next (as "
+                        "the openai client's pool does); default: a connection a request")
     bench_args.add_threads(p)
     p.add_argument("--dry-run", action="store_true", help="CPU smoke run: 2 levels, 4 tokens")
     bench_args.add_git_commit(p)
@@ -272,19 +275,27 @@ def run_generate(eng, args, reqs: list[dict], c: int) -> tuple[dict, list[list[i
 
 # ---- the server --------------------------------------------------------------------------------
 
-async def _sse_request(host: str, port: int, body: dict) -> dict:
+async def _sse_request(host: str, port: int, body: dict, conn: dict | None = None) -> dict:
     """One streamed request over raw HTTP/1.1 (chunked transfer). Completions: its token ids
     and each chunk's arrival with its count of ids. Chat (`messages` in the body): its text,
     each chunk of text's arrival with the text's length so far (chat chunks carry no ids), and
-    the usage chunk's counts."""
+    the usage chunk's counts. `conn` (--keep-alive): the client's connection, opened by its
+    first request and kept for the next (as the openai client's pool does); None: a
+    connection a request, closed by the server after it."""
     t0 = time.perf_counter()
     chat = "messages" in body
     path = b"/v1/chat/completions" if chat else b"/v1/completions"
-    reader, writer = await asyncio.open_connection(host, port)
+    if conn is not None and conn:
+        reader, writer = conn["reader"], conn["writer"]
+    else:
+        reader, writer = await asyncio.open_connection(host, port)
+        if conn is not None:
+            conn.update(reader=reader, writer=writer)
     data = json.dumps(body).encode()
     writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-                 % (path, host.encode(), len(data))
+                 b"\r\nContent-Length: %d\r\n%s\r\n"
+                 % (path, host.encode(), len(data),
+                    b"" if conn is not None else b"Connection: close\r\n")
                  + data)
     await writer.drain()
     status = (await reader.readline()).decode()
@@ -301,6 +312,7 @@ async def _sse_request(host: str, port: int, body: dict) -> dict:
         if chunked:
             size = int((await reader.readline()).strip() or b"0", 16)
             if size == 0:
+                await reader.readline()          # the blank line that ends the body
                 break
             piece = await reader.readexactly(size)
             await reader.readline()
@@ -331,7 +343,10 @@ async def _sse_request(host: str, port: int, body: dict) -> dict:
             if ids:
                 tokens += ids
                 arrivals.append((time.perf_counter(), len(ids)))
-    writer.close()
+    if conn is None or not chunked:
+        writer.close()
+        if conn:
+            conn.clear()
     return {"t0": t0, "tokens": tokens, "arrivals": arrivals, "text": text, "usage": used}
 
 
@@ -356,8 +371,14 @@ async def _server_level(host, port, model, args, reqs, c, chat=None,
     out: list = [None] * len(reqs)
 
     async def client(k: int):
-        for i in range(k, len(reqs), c):
-            out[i] = await _sse_request(host, port, request_body(args, model, reqs[i]))
+        conn = {} if getattr(args, "keep_alive", False) else None
+        try:
+            for i in range(k, len(reqs), c):
+                out[i] = await _sse_request(host, port, request_body(args, model, reqs[i]),
+                                            conn)
+        finally:
+            if conn:
+                conn["writer"].close()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client(k) for k in range(min(c, len(reqs)))))
@@ -440,7 +461,8 @@ def run(args, eng=None, log=print) -> dict:
            "engine": str(args.engine), "server": args.server, "concurrency": args.concurrency,
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
            "temperature": args.temperature, "top_p": args.top_p, "logprobs": args.logprobs,
-           "endpoint": "chat" if args.chat else "completions", "rows": []}
+           "endpoint": "chat" if args.chat else "completions",
+           "keep_alive": args.keep_alive, "rows": []}
 
     def write():
         bench_args.write_record(out / "serve_load.json", rec)

@@ -226,6 +226,8 @@ def _args(argv=None):
     p.add_argument("--server", choices=("subprocess", "thread"), default=None,
                    help="the server in its own process (default) or in this one (--dry-run)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-alive", action="store_true",
+                   help="serve_load.py's: each client keeps its connection between requests")
     p.add_argument("--dry-run", action="store_true", help="2 levels, 1 round, 8 tokens")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     bench_args.add_git_commit(p)
@@ -319,6 +321,7 @@ def run(args, log=print) -> dict:
            "tokens_per_step": args.tokens_per_step, "rows": args.rows,
            "tokenizer": str(args.tokenizer), "concurrency": args.concurrency,
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+           "keep_alive": args.keep_alive,
            "levels": []}
     eng = _engine(args)
     levels = {c: serve_load.workload(_level_args(args, c), eng.cfg.vocab_size, c)

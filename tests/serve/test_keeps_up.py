@@ -165,14 +165,19 @@ def load_bench():
     return mod
 
 
-def test_synthetic_benchmark_dry_run_serves_every_token_of_the_stream(tmp_path):
-    """--dry-run: the real server over the synthetic stream, serve_load's client; every
-    level's server tokens equal the stream's own, and the record is complete."""
+@pytest.mark.parametrize("keep_alive", [False, True])
+def test_synthetic_benchmark_dry_run_serves_every_token_of_the_stream(tmp_path, keep_alive):
+    """--dry-run: the real server over the synthetic stream, serve_load's client (a
+    connection a request, or one a client with --keep-alive: 2 rounds, so a connection
+    carries a second request); every level's server tokens equal the stream's own, and the
+    record is complete."""
     tool = load_bench()
-    args = tool._args(["--dry-run", "--out", str(tmp_path)])
+    args = tool._args(["--dry-run", "--out", str(tmp_path)]
+                      + (["--keep-alive", "--rounds", "2"] if keep_alive else []))
     rec = tool.run(args, log=lambda line: None)
     saved = json.loads((tmp_path / "serve_synthetic.json").read_text())
     assert saved["schema"] == tool.SCHEMA and saved["complete"]
+    assert saved["keep_alive"] is keep_alive
     assert [r["concurrency"] for r in saved["levels"]] == [1, 2]
     for r in rec["levels"]:
         n = r["concurrency"] * args.rounds * args.max_tokens
