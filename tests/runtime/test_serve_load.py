@@ -16,6 +16,18 @@ def load_tool():
     return mod
 
 
+def assert_itl(row: dict, side: str) -> None:
+    """ITL p50 <= p99, both > 0. The server's may be absent: a stream behind its engine sends
+    the steps waiting as one chunk (serve/http.py Run._coalesce), so a 4-token request of the
+    dry run may arrive in one delivery, which has no gap to time. The engine's never is (it
+    reads every step)."""
+    p50, p99 = row[f"{side}_itl_p50_ms"], row[f"{side}_itl_p99_ms"]
+    if side == "server" and p50 is None:
+        assert p99 is None
+        return
+    assert 0 < p50 <= p99
+
+
 def test_dry_run_reports_every_level_and_the_servers_tokens_match(small_engine, small_loaded,
                                                                    tmp_path):
     tool = load_tool()
@@ -34,7 +46,7 @@ def test_dry_run_reports_every_level_and_the_servers_tokens_match(small_engine, 
         assert r["generate_tokens"] == r["engine_tokens"] and r["generate_tokens_per_s"] > 0
         for side in ("engine", "server"):
             assert r[f"{side}_tokens_per_s"] > 0
-            assert 0 < r[f"{side}_itl_p50_ms"] <= r[f"{side}_itl_p99_ms"]
+            assert_itl(r, side)
             assert 0 < r[f"{side}_ttft_p50_ms"] <= r[f"{side}_ttft_p99_ms"]
         assert r["overhead_pct"] == round(100 * (1 - r["server_tokens_per_s"]
                                                  / r["engine_tokens_per_s"]), 2)
@@ -73,7 +85,7 @@ def test_chat_dry_run_runs_the_servers_rendered_ids_on_every_side(small_engine, 
         c = r["concurrency"]
         assert r["engine_tokens"] == r["server_tokens"] == c * args.rounds * args.max_tokens
         assert r["tokens_match"] is True and r["generate_tokens_match"] is True
-        assert 0 < r["server_itl_p50_ms"] <= r["server_itl_p99_ms"]
+        assert_itl(r, "server")
         assert 0 < r["server_ttft_p50_ms"] <= r["server_ttft_p99_ms"]
     small_loaded.open_stream().close()
 
