@@ -73,9 +73,9 @@ class SyntheticStream:
     isolate_failures = False
 
     def __init__(self, vocab: int, rows: int, step_s: float, per_step: int,
-                 row_s: float = 0.0):
+                 row_s: float = 0.0, hops: int = 1):
         self.vocab, self.rows, self.step_s, self.per_step = vocab, rows, step_s, per_step
-        self.row_s = row_s
+        self.row_s, self.hops = row_s, hops
         self.ids = range(FIRST_ID, vocab)
         self._lock = threading.Lock()
         self._next = 0
@@ -119,7 +119,9 @@ class SyntheticStream:
     def step(self) -> list[StreamEvent]:
         with self._lock:
             rows = min(self.rows, len(self._running) + len(self._waiting))
-        time.sleep(self.step_s + self.row_s * rows)     # the device's wait: the GIL is free
+        wait = (self.step_s + self.row_s * rows) / self.hops
+        for _ in range(self.hops):          # the device's waits: the GIL is free in each,
+            time.sleep(wait)                # and taken back after it (a torch call's way)
         events = []
         with self._lock:
             for rid in self._cancels:
@@ -174,7 +176,7 @@ class SyntheticEngine:
     directory holds the tokenizer (a temporary copy)."""
 
     def __init__(self, tokenizer: Path, rows: int, step_s: float, per_step: int,
-                 row_s: float = 0.0, max_seq_len: int = 4096):
+                 row_s: float = 0.0, hops: int = 1, max_seq_len: int = 4096):
         from tokenizers import Tokenizer as HFTokenizer
         try:
             vocab = HFTokenizer.from_file(str(tokenizer)).get_vocab_size()
@@ -188,7 +190,7 @@ class SyntheticEngine:
         self.cache = type("Cache", (), {"max_rows": rows, "max_seq_len": max_seq_len})()
         self.manifest = {"checksum": "synthetic"}
         self.device = "cpu (synthetic)"
-        self.args = (vocab, rows, step_s, per_step, row_s)
+        self.args = (vocab, rows, step_s, per_step, row_s, hops)
 
     def open_stream(self) -> SyntheticStream:
         return SyntheticStream(*self.args)
@@ -217,6 +219,9 @@ def _args(argv=None):
     p.add_argument("--step-ms-per-row", type=float, default=0.11,
                    help="and this much more per row it runs (default 0.11: with --step-ms 1.0 "
                         "the tiny engine's steps on an H100; 0: a fixed step)")
+    p.add_argument("--gil-hops", type=bench_args.at_least(1), default=1,
+                   help="the step's wait in this many pieces, the GIL taken back after each "
+                        "(an engine step's host calls, each of which releases it; default 1)")
     p.add_argument("--tokens-per-step", type=bench_args.at_least(1), default=4,
                    help="tokens a running row commits per step (default 4)")
     p.add_argument("--rows", type=bench_args.at_least(1), default=64,
@@ -260,7 +265,7 @@ def _level_args(args, c: int):
 
 def _engine(args) -> SyntheticEngine:
     return SyntheticEngine(args.tokenizer, args.rows, args.step_ms / 1e3, args.tokens_per_step,
-                           args.step_ms_per_row / 1e3)
+                           args.step_ms_per_row / 1e3, args.gil_hops)
 
 
 def serve_child(args) -> int:
@@ -283,7 +288,7 @@ def serve_child(args) -> int:
 def _child_cmd(args) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--serve-child",
             "--step-ms", repr(args.step_ms), "--step-ms-per-row", repr(args.step_ms_per_row),
-            "--tokens-per-step", str(args.tokens_per_step),
+            "--tokens-per-step", str(args.tokens_per_step), "--gil-hops", str(args.gil_hops),
             "--rows", str(args.rows), "--tokenizer", str(args.tokenizer)]
 
 
@@ -317,7 +322,7 @@ def run(args, log=print) -> dict:
     out = bench_args.out_dir(args, env, "serve_synthetic")
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "server": args.server, "step_ms": args.step_ms,
-           "step_ms_per_row": args.step_ms_per_row,
+           "step_ms_per_row": args.step_ms_per_row, "gil_hops": args.gil_hops,
            "tokens_per_step": args.tokens_per_step, "rows": args.rows,
            "tokenizer": str(args.tokenizer), "concurrency": args.concurrency,
            "rounds": args.rounds, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,

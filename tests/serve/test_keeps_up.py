@@ -195,6 +195,7 @@ def test_synthetic_benchmark_dry_run_serves_every_token_of_the_stream(tmp_path, 
     (["--step-ms-per-row", "-1"], "--step-ms-per-row must be in [0, 1000]"),
     (["--tokenizer", "/nonexistent/tokenizer.json"], "no such file"),
     (["--tokens-per-step", "0"], "must be >= 1"),
+    (["--gil-hops", "0"], "--gil-hops: must be >= 1"),
 ])
 def test_synthetic_benchmark_refuses_bad_flags_naming_them(argv, piece, capsys):
     tool = load_bench()
