@@ -68,9 +68,9 @@ LOG_QUEUE = 10_000              # log lines waiting for stdout; past that, lines
 # The GIL's switch interval while serving (Python's default: 5 ms). A thread that wants the
 # GIL waits this long before the holder is asked to drop it: the engine thread, back from its
 # step's device wait, waited up to 5 ms for the event loop's thread -- longer than the tiny
-# engine's 1-2 ms step. At 0.5 ms, benchmarks/serve_synthetic.py (H100-like steps, 2 cores)
-# served 14.7k instead of 9.2k tokens/s at 16 clients and 20.6k instead of 11.6k at 64;
-# 0.1 ms was no better than 0.5 (more switches on the event loop's thread).
+# engine's 1-2 ms step. At 0.5 ms, benchmarks/serve_synthetic.py (H100-like steps, 2 shared
+# cores, one run each) served 14.7k instead of 9.2k tokens/s at 16 clients and 20.6k instead
+# of 11.6k at 64; 0.1 ms was no better (more switches on the event loop's thread).
 SWITCH_INTERVAL_S = 0.0005
 log = logging.getLogger("dspark_compile.serve")
 
