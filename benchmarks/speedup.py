@@ -4,12 +4,15 @@ without speculation, for the trained tiny pair on held-out standard-library prom
     python benchmarks/speedup.py --out DIR                    # CUDA if present, else the CPU
     python benchmarks/speedup.py --device cpu --batches 1,16,64 --new-tokens 64 --out DIR
     python benchmarks/speedup.py --dry-run --out DIR          # CPU smoke run (seconds of work)
+    python benchmarks/speedup.py --modes sampled --verify block --batches 1 --out DIR
 
 checkpoint (`synth --preset tiny-trained` into --work, or --ckpt) -> engine for the batch
 buckets (built into --work, reused when its build config matches, or --engine) -> prompts: the
 first --batches max windows of --prompt-len tokens, evenly spaced over the held-out modules
 (f*, g*, h* of the standard library: never trained on) -> per mode (greedy; sampled at the
-model card's temperature 1.0, top-p 0.95, request i seeded --seed + i) and batch B:
+model card's temperature 1.0, top-p 0.95, request i seeded --seed + i, its drafts verified by
+each --verify rule: "block", the accepted prefix decided jointly, or "token", token-wise
+rejection) and batch B:
 
   - `engine-speculative`: Engine.generate over B requests (prefill included), timed once after
     one untimed warm-up call; acceptance per draft position and the mean accepted length;
@@ -42,12 +45,13 @@ import harness  # noqa: E402
 
 SCHEMA = "dspark-speedup-benchmark/1"
 MODES = ("greedy", "sampled")
+VERIFY = ("block", "token")     # SamplingParams.verify: how a sampled row's drafts are verified
 VARIANTS = ("engine-speculative", "engine-target-only", "reference-target-only",
             "reference-speculative")
 BASELINE = "engine-target-only"
 BASELINE_NOTE = ("baseline: the engine's own non-speculative decoding (its target-only "
                  "programs: Engine.generate(speculative=False))")
-TABLE = ["mode", "B", "variant", "tokens", "seconds", "tokens_per_s", "speedup",
+TABLE = ["mode", "B", "variant", "verify", "tokens", "seconds", "tokens_per_s", "speedup",
          "mean_accepted_length", "acceptance", "greedy_match"]
 
 
@@ -61,6 +65,9 @@ def _args(argv=None):
                    help="requests per generate call")
     p.add_argument("--modes", type=bench_args.names(MODES), default=",".join(MODES),
                    help=f"subset of {','.join(MODES)}")
+    p.add_argument("--verify", type=bench_args.names(VERIFY), default=",".join(VERIFY),
+                   help=f"subset of {','.join(VERIFY)}: the verification rules of the sampled "
+                   "mode's speculative variants (one row each; greedy rows need none)")
     p.add_argument("--variants", type=bench_args.names(VARIANTS, empty_ok=True),
                    default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}"
                    f" ({BASELINE} is the baseline of the speed-up)")
@@ -159,12 +166,15 @@ def held_out_prompts(ckpt: Path, n: int, length: int) -> list[list[int]]:
     return spaced_windows(held, n, length).tolist()
 
 
-def sampling(mode: str, B: int, args) -> list:
+def sampling(mode: str, B: int, args, verify: str | None = None) -> list:
+    """The B requests' SamplingParams: greedy, or the model card's sampling with drafts
+    verified by `verify` (the target-only variants have no drafts: None, the default rule)."""
     from dspark_compile.models.request import SamplingParams
     if mode == "greedy":
         return [SamplingParams(max_new_tokens=args.new_tokens) for _ in range(B)]
     return [SamplingParams(temperature=1.0, top_p=0.95, seed=args.seed + i,
-                           max_new_tokens=args.new_tokens) for i in range(B)]
+                           max_new_tokens=args.new_tokens, verify=verify or VERIFY[0])
+            for i in range(B)]
 
 
 def run_variant(variant: str, eng, prompts, params):
@@ -209,8 +219,8 @@ def main(argv=None) -> int:
     out = bench_args.out_dir(args, env, "speedup")
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "device": args.device, "dtype": args.dtype, "batches": args.batches,
-           "modes": args.modes, "variants": args.variants, "prompt_len": args.prompt_len,
-           "new_tokens": args.new_tokens, "threads": args.threads, "baseline": BASELINE,
+           "modes": args.modes, "verify": args.verify, "variants": args.variants,
+           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "threads": args.threads, "baseline": BASELINE,
            "baseline_note": BASELINE_NOTE, "rows": []}
     with bench_args.work_dir(args, "speedup_") as work, \
             bench_args.result_file(out / "speedup.json", rec) as write:
@@ -223,7 +233,8 @@ def main(argv=None) -> int:
             for B in args.batches:
                 measure(mode, B, eng, prompts[:B], args, rec, write)
                 log(f"[{mode} B={B}] " + "  ".join(
-                    f"{r['variant']} {r['tokens_per_s']:.1f} tok/s"
+                    f"{r['variant']}{'/' + r['verify'] if 'verify' in r else ''} "
+                    f"{r['tokens_per_s']:.1f} tok/s"
                     for r in rec["rows"] if (r["mode"], r["B"]) == (mode, B)))
         rec["complete"] = True
     harness.write_csv(str(out / "speedup.csv"),
@@ -236,13 +247,22 @@ def main(argv=None) -> int:
 
 
 def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
-    """Every variant's row for one (mode, batch), then each row's speed-up over the baseline
-    and, greedy, its share of requests whose tokens equal the baseline's."""
-    results = {}
+    """Every variant's row for one (mode, batch) -- a sampled speculative variant once per
+    --verify rule -- then each row's speed-up over the baseline and, greedy, its share of
+    requests whose tokens equal the baseline's."""
+    runs = []
     for variant in args.variants:
-        res, sec = timed(variant, eng, prompts, sampling(mode, B, args), warm=not results)
-        results[variant] = res
-        rec["rows"].append(row_of(mode, B, variant, res, sec))
+        spec = variant.endswith("-speculative") and mode == "sampled"
+        runs += [(variant, v) for v in args.verify] if spec else [(variant, None)]
+    results = {}
+    for variant, verify in runs:
+        res, sec = timed(variant, eng, prompts, sampling(mode, B, args, verify),
+                         warm=not results)
+        results[(variant, verify)] = res
+        row = row_of(mode, B, variant, res, sec)
+        if verify is not None:
+            row["verify"] = verify
+        rec["rows"].append(row)
         write()
     base = next((r for r in rec["rows"] if (r["mode"], r["B"], r["variant"])
                  == (mode, B, BASELINE)), None)
@@ -251,9 +271,9 @@ def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
             continue
         if base is not None:
             r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-        if mode == "greedy" and BASELINE in results and r["variant"] != BASELINE:
-            same = sum(a == b for a, b in zip(results[r["variant"]].tokens,
-                                              results[BASELINE].tokens))
+        if mode == "greedy" and (BASELINE, None) in results and r["variant"] != BASELINE:
+            same = sum(a == b for a, b in zip(results[(r["variant"], None)].tokens,
+                                              results[(BASELINE, None)].tokens))
             r["greedy_match"] = round(same / B, 3)
     write()
 

@@ -32,8 +32,8 @@ def test_each_benchmark_keeps_its_own_defaults():
         ([512], "bfloat16", "aten", 1024, [1])
     assert prefill._args(["--dry-run"]).chunks == [16]
     u = speedup._args(["--device", "cpu"])
-    assert (u.batches, u.modes, u.dtype, u.variants) == \
-        ([1, 16, 64], ["greedy", "sampled"], "float32", list(speedup.VARIANTS))
+    assert (u.batches, u.modes, u.dtype, u.variants, u.verify) == \
+        ([1, 16, 64], ["greedy", "sampled"], "float32", list(speedup.VARIANTS), ["block", "token"])
     assert serve_load._args(["--engine", "e", "--concurrency", "4,1"]).concurrency == [4, 1]
 
 
@@ -49,7 +49,8 @@ BAD = {step: [("--buckets", "1,x"), ("--buckets", "0,4"), ("--buckets", ""),
               ("--variants", "eager,nope"), ("--cases", "mixed,huge"), ("--max-seq-len", "0")],
        host_overhead: [("--modes", "sideways"), ("--buckets", "-1")],
        prefill: [("--chunks", "16,abc")],
-       speedup: [("--batches", "1.5"), ("--modes", ""), ("--threads", "0")],
+       speedup: [("--batches", "1.5"), ("--modes", ""), ("--threads", "0"),
+                 ("--verify", "rejection"), ("--verify", "")],
        serve_load: [("--concurrency", "2,0")]}
 REQUIRED = {serve_load: ["--engine", "e"]}
 

@@ -15,16 +15,20 @@ def test_dry_run_times_every_variant_against_the_engine_target_baseline(dry_run)
     assert rec["baseline"] == "engine-target-only"
     for k in ("device", "torch", "triton", "git_commit", "date_utc"):
         assert k in rec["environment"], k
-    rows = {(r["mode"], r["B"], r["variant"]): r for r in rec["rows"]}
-    want = {(m, b, v) for m in ("greedy", "sampled") for b in (1, 2)
+    rows = {(r["mode"], r["B"], r["variant"], r.get("verify")): r for r in rec["rows"]}
+    # a sampled speculative variant runs once per verification rule (block, token); greedy rows
+    # and the target-only variants have no drafts to verify
+    want = {(m, b, v, ver) for m in ("greedy", "sampled") for b in (1, 2)
             for v in ("engine-speculative", "engine-target-only", "reference-target-only",
-                      "reference-speculative")}
-    assert set(rows) == want
+                      "reference-speculative")
+            for ver in (("block", "token") if m == "sampled" and v.endswith("speculative")
+                        else (None,))}
+    assert set(rows) == want and rec["verify"] == ["block", "token"]
     N = 5
-    for (mode, B, variant), r in rows.items():
+    for (mode, B, variant, _), r in rows.items():
         assert r["tokens"] == B * rec["new_tokens"], (mode, B, variant)
         assert r["tokens_per_s"] > 0 and r["seconds"] > 0
-        base = rows[(mode, B, "engine-target-only")]
+        base = rows[(mode, B, "engine-target-only", None)]
         assert abs(r["speedup"] - r["tokens_per_s"] / base["tokens_per_s"]) < 1e-2
         if variant.endswith("target-only"):
             assert "mean_accepted_length" not in r
