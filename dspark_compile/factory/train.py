@@ -90,7 +90,7 @@ class TrainConfig:
     # accepted)
     teacher_temperature: float = 1.0
     teacher_top_p: float = 0.95
-    draft_steps: int = 1000
+    draft_steps: int = 2000
     draft_batch: int = 8        # continuations per step
     anchors: int = 16           # blocks per continuation per step
     draft_lr: float = 6e-3
