@@ -20,6 +20,13 @@ The table (`SPLITS`, matched on a tensor's name inside its layer; everything els
     wq_a, wkv, q_norm, kv_norm, compressor, indexer, gate, mHC, norms, main_proj, the Markov
     and confidence heads: replicated
 
+Routed experts whole per rank (expert parallel) rather than every expert's I / tp slice: on
+one H100 each rank's `moe_experts` share at tp = 2 (Flash dims, uniform top-6 routing) takes
+123 / 608 / 687 µs at B = 1 / 16 / 64 for the slower rank against 120 / 597 / 710 µs for the
+intermediate split (benchmarks/results/h100_tp_serve_2026-12-07): a tie within 3 %, so the
+split whose per-expert tiles stay the kernel's is kept; a skewed real routing (the expert
+split pays the busier rank) is what would change the choice.
+
 The shared latent KV is replicated, with its caches: it is ONE 512-d head (MQA) that every query
 head reads, so each rank needs all of it; split, every attention would first all-gather it. Its
 projection is [512, D] (4 MB of FP8 at Flash), its caches ~1/64 of what a per-head KV would be.
