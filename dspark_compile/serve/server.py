@@ -67,10 +67,11 @@ LOG_QUEUE = 10_000              # log lines waiting for stdout; past that, lines
                                 # rather than stall the event loop on an unread pipe
 # The GIL's switch interval while serving (Python's default: 5 ms). A thread that wants the
 # GIL waits this long before the holder is asked to drop it: the engine thread, back from its
-# step's device wait, waited up to 5 ms for the event loop's thread -- longer than the tiny
-# engine's 1-2 ms step. At 0.5 ms, benchmarks/serve_synthetic.py (H100-like steps, 2 shared
-# cores, one run each) served 14.7k instead of 9.2k tokens/s at 16 clients and 20.6k instead
-# of 11.6k at 64; 0.1 ms was no better (more switches on the event loop's thread).
+# step's device wait, could wait up to 5 ms for the event loop's thread -- longer than the tiny
+# engine's 1-2 ms step. On the 2-core development machine (serve_synthetic, one run each) 0.5
+# ms served 14.7k instead of 9.2k tokens/s at 16 clients; on an H100 host serve_load with the
+# real engine still lost 33 / 41 % at 16 / 64 clients (benchmarks/results/
+# h100_tp_serve_2026-12-07): the shared GIL's total work, not its hand-over, is that bound.
 SWITCH_INTERVAL_S = 0.0005
 log = logging.getLogger("dspark_compile.serve")
 
