@@ -2,14 +2,25 @@
 two-GPU step can be predicted before it is measured (issue 53 item 5):
 
     python benchmarks/tp_step.py --cpu --out DIR                  # CPU: gloo, 2 processes
-    python benchmarks/tp_step.py --out DIR                        # one GPU: flash-slice, B 1,16
+    python benchmarks/tp_step.py --out DIR                        # one GPU: the engines' programs
+    python benchmarks/tp_step.py --eager --out DIR                # one GPU: the eager step
+    python benchmarks/tp_step.py --dry-run --out DIR              # CPU, untimed (CI)
 
-What runs is the EAGER step (models/step.py DraftVerifyStep) of the unsharded model (TP = 1,
+One GPU (default): the ENGINES' step programs, benchmarks/tp_program.py: the TP = 1 engine's
+and rank 0's of the TP = 2 engine (one build config, built under --work), each bucket's step
+captured in one CUDA graph and timed in the same run, rank 0's program with its COLLECTIVES
+REPLACED BY LOCAL COPIES (benchmarks/tp_standin.py: each all-gather node -> rank 0's tensor then
+zeros, the same shape and bytes; each wait -> identity; no process group). --dry-run runs that
+path on the CPU untimed (one step each, outputs checked) on the tp checkpoint.
+
+--eager (one GPU): the EAGER step (models/step.py DraftVerifyStep) of the unsharded model (TP = 1,
 models/loading.py load_model) and of each rank's sharded model (TP = 2, models/sharding.py
 build_rank_model), both with the build's kernel weight layouts (use_kernel_layouts), every state
 row holding a random live request (models/random_requests.py, the same prompts on every rank).
-Not the rank engines' programs: their collectives are traced ops a Python shim cannot time, and
-exporting them costs minutes per rank on a 2-core CPU.
+Its unfused aten glue, which sharding does not shrink, dominates it (flash-slice B = 1 on an
+H100: TP = 1 17,162 us, rank 0 16,543 us, while the engine's step is ~3,200 us), and its local
+gather (x repeated, so every all-reduce doubles) drove ids out of range at B = 16: it says
+nothing about the engine. --cpu also runs the eager step (the ranks' real gloo collectives).
 
 --cpu: TP = 1 in one spawned process, then TP = 2 in two spawned gloo processes on loopback,
 torch.set_num_threads(1) each, on the tp checkpoint (dspark_compile/factory/tp_checkpoint.py: the
@@ -22,7 +33,7 @@ all_reduce and all_gather_last call) with a timing shim, here only; the model's 
 unchanged. Collective time includes waiting for the slower rank. compute = step - collectives,
 per step, then the median.
 
-One GPU (default): the preset's (flash-slice) TP = 1 step and rank 0's TP = 2 step on the one
+--eager on one GPU: the preset's (flash-slice) TP = 1 step and rank 0's TP = 2 step on the one
 device, each captured in one CUDA graph and timed over --steps replays (CUDA events, state
 restored and L2 flushed outside the timed region: benchmarks/step_variants.py), in the same run.
 Rank 0 runs in this single process as ParallelConfig(rank=0, tp=2) with no process group: the
@@ -51,6 +62,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_args  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import harness  # noqa: E402
+import tp_program  # noqa: E402
 from dspark_compile.models.parallel import ParallelConfig, ParallelError  # noqa: E402
 
 SCHEMA = "dspark-tp-step-benchmark/1"
@@ -59,6 +71,7 @@ TABLE = ["TP", "rank", "B", "step_ms", "collectives_ms", "compute_ms", "ratio_to
 GPU_TABLE = ["TP", "rank", "B", "step_us", "step_us_p10", "step_us_p90", "step_us_again",
              "drift", "ratio_to_tp1",
              "collective_calls", "collective_kb", "predicted_2gpu_us"]
+DRY_TABLE = ["TP", "rank", "B", "collective_calls", "collective_kb", "collective_kb_written"]
 
 
 def _args(argv=None):
@@ -66,6 +79,16 @@ def _args(argv=None):
     p.add_argument("--cpu", action="store_true",
                    help="CPU mode: TP = 1 and TP = 2 as spawned gloo processes on the tp "
                         "checkpoint (default: one-GPU mode, rank 0 with local-copy collectives)")
+    p.add_argument("--eager", action="store_true",
+                   help="one-GPU mode: time the EAGER reference step (models/step.py "
+                        "DraftVerifyStep) instead of the engines' programs (the default)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the engines' programs on the CPU, untimed: one step each on the tp "
+                        "checkpoint (tiny widened, 3 target layers), outputs checked (CI)")
+    p.add_argument("--build-only", action="store_true",
+                   help="the engines' programs mode: synthesise and build under --work, then "
+                        "stop (a later call with the same --work and flags reuses them: one "
+                        "command per part on a machine with a per-command time limit)")
     p.add_argument("--preset", default="flash-slice", choices=bench_args.PRESETS,
                    help="one-GPU mode's checkpoint preset (--cpu: the tp checkpoint, always)")
     p.add_argument("--buckets", type=bench_args.ints, default=None,
@@ -91,7 +114,18 @@ def _args(argv=None):
     bench_args.add_out(p, "tp_step")
     bench_args.add_git_commit(p)
     a = p.parse_args(argv)
+    if a.dry_run and (a.cpu or a.eager):
+        p.error("argument --dry-run: the programs' dry run; not with --cpu or --eager")
+    if a.build_only and (a.cpu or a.eager or not a.work):
+        p.error("argument --build-only: builds the programs mode's engines under --work "
+                "(needs --work; not with --cpu or --eager)")
     cpu = a.cpu
+    if a.dry_run:
+        a.buckets = a.buckets or [1, 2]
+        a.steps = a.steps or 3
+        a.dtype = a.dtype or "float32"
+        a.max_seq_len = a.max_seq_len or 64
+        a.max_prompt_len = a.max_prompt_len or 12
     a.buckets = a.buckets or ([1, 4] if cpu else [1, 16])
     a.steps = a.steps or (10 if cpu else 30)
     a.dtype = a.dtype or ("float32" if cpu else "bfloat16")
@@ -347,13 +381,15 @@ def _log(line: str) -> None:
 
 def main(argv=None) -> int:
     args = _args(argv)
-    if not args.cpu and not torch.cuda.is_available():
-        print("tp_step: no CUDA device; the one-GPU mode needs one (use --cpu for the CPU run)",
-              file=sys.stderr)
+    program = not args.cpu and not args.eager
+    if not args.cpu and not args.dry_run and not torch.cuda.is_available():
+        print("tp_step: no CUDA device; the one-GPU mode needs one (use --cpu for the CPU run, "
+              "--dry-run for the programs' untimed CPU run)", file=sys.stderr)
         return 1
     env = harness.environment(args.git_commit)
     out = bench_args.out_dir(args, env, "tp_step")
-    rec = {"schema": SCHEMA, "complete": False, "mode": "cpu" if args.cpu else "one-gpu",
+    mode = "cpu" if args.cpu else "dry-run" if args.dry_run else "one-gpu"
+    rec = {"schema": SCHEMA, "complete": False, "mode": mode,
            "environment": env, "dtype": args.dtype, "buckets": args.buckets,
            "steps": args.steps, "warmup": args.warmup, "max_seq_len": args.max_seq_len,
            "max_prompt_len": args.max_prompt_len, "seed": args.seed,
@@ -365,19 +401,31 @@ def main(argv=None) -> int:
             "host clock; collectives = time inside ParallelConfig._gather0 (all_gather_single + "
             "wait, incl. waiting for the other rank); compute = step - collectives, per step; "
             "medians"))
+    elif args.dry_run:
+        rec.update(timing="none (dry run: one uncaptured step per TP and bucket, outputs "
+                          "checked)")
     else:
         rec.update(preset=args.preset, collective_us=args.collective_us, timing=(
             "CUDA graph replays, CUDA events, state restored and L2 flushed outside the timed "
             "region; medians"))
+    if program:
+        tp_program.describe(rec)
     with bench_args.work_dir(args, "tp_step_") as work, \
             bench_args.result_file(out / "tp_step.json", rec) as write:
         try:
-            (run_cpu if args.cpu else run_gpu)(args, work, rec, write)
+            if args.cpu:
+                run_cpu(args, work, rec, write)
+            elif program:
+                dev = cuda_device() if not args.dry_run else torch.device("cpu")
+                tp_program.run_program(args, work, rec, write, _log, dev)
+            else:
+                run_gpu(args, work, rec, write)
         except ParallelError as e:      # a preset whose splits tp = 2 does not allow (tiny)
             print(f"tp_step: {e}", file=sys.stderr)
             return 2
         rec["complete"] = True
-    table = harness.format_table(_display(rec["rows"]), TABLE if args.cpu else GPU_TABLE)
+    table = harness.format_table(_display(rec["rows"]), TABLE if args.cpu else
+                                 DRY_TABLE if args.dry_run else GPU_TABLE)
     _write_md(out / "tp_step.md", rec, table)
     print(f"\n{env.get('device')}  torch {env['torch']}  triton {env['triton']}  "
           f"commit {env['git_commit'][:12]}  {env['date_utc']}")
@@ -405,16 +453,25 @@ def _write_md(path: Path, rec: dict, table: str) -> None:
              f"{env.get('device')}, torch {env['torch']}, triton {env['triton']}, commit "
              f"{env['git_commit'][:12]}{' (dirty)' if env.get('git_dirty') else ''}, "
              f"{env['date_utc']}", "",
-             f"Step: {rec['step']}. Checkpoint: {rec['checkpoint']}. dtype {rec['dtype']}, "
-             f"{rec['steps']} timed steps after {rec['warmup']} untimed. Timing: {rec['timing']}.",
+             f"Step: {rec['step']}. Checkpoint: {rec['checkpoint']}. dtype {rec['dtype']}"
+             + ("" if rec["mode"] == "dry-run" else
+                f", {rec['steps']} timed steps after {rec['warmup']} untimed")
+             + f". Timing: {rec['timing']}.",
              ""]
     if rec["mode"] == "cpu":
         lines += ["ratio_to_tp1 = this rank's compute / the TP = 1 step, same bucket.", ""]
+    elif rec["mode"] == "dry-run":
+        lines += [rec["collectives"] + ".", "Dry run: one uncaptured step per TP and bucket, "
+                  "untimed; outputs checked (ids in range, counts, no NaN in the state).", ""]
     else:
         lines += [rec["collectives"] + ".",
                   f"ratio_to_tp1 = rank 0's step / the TP = 1 step, same bucket (target <= "
                   f"0.55); predicted_2gpu_us = rank 0's step + calls x {rec['collective_us']} "
                   f"µs.", ""]
+    if rec.get("rewritten_nodes"):
+        lines += ["Collective nodes rewritten in rank 0's programs: " + "; ".join(
+            f"{rel}: " + ", ".join(f"{n} x {op.split('.')[1]}" for op, n in c.items())
+            for rel, c in rec["rewritten_nodes"].items()) + ".", ""]
     lines += ["collective_calls / collective_kb: the gathers of one step and the bytes this rank "
               "contributes to them (an all-gather at tp = 2 also receives as many).", "",
               "```", table, "```", ""]
