@@ -18,9 +18,9 @@ models/loading.py load_model) and of each rank's sharded model (TP = 2, models/s
 build_rank_model), both with the build's kernel weight layouts (use_kernel_layouts), every state
 row holding a random live request (models/random_requests.py, the same prompts on every rank).
 Its unfused aten glue, which sharding does not shrink, dominates it (flash-slice B = 1 on an
-H100: TP = 1 17,162 us, rank 0 16,543 us, while the engine's step is ~3,200 us), and its local
-gather (x repeated, so every all-reduce doubles) drove ids out of range at B = 16: it says
-nothing about the engine. --cpu also runs the eager step (the ranks' real gloo collectives).
+H100: TP = 1 17,162 us, rank 0 16,543 us, while the engine's step is ~3,200 us): it says
+nothing about the engine. (That run's local gather copied x tp times, so every all-reduce
+doubled and ids went out of range at B = 16; it now writes x then zeros, as the programs'.) --cpu also runs the eager step (the ranks' real gloo collectives).
 
 --cpu: TP = 1 in one spawned process, then TP = 2 in two spawned gloo processes on loopback,
 torch.set_num_threads(1) each, on the tp checkpoint (dspark_compile/factory/tp_checkpoint.py: the
@@ -38,7 +38,7 @@ device, each captured in one CUDA graph and timed over --steps replays (CUDA eve
 restored and L2 flushed outside the timed region: benchmarks/step_variants.py), in the same run.
 Rank 0 runs in this single process as ParallelConfig(rank=0, tp=2) with no process group: the
 benchmark monkeypatches ParallelConfig._gather0 so the "gather" returns a [tp, ...] tensor built
-from the rank's own data (its tensor copied tp times: the same bytes an all-gather writes), i.e.
+from the rank's own data (its tensor, then zeros: the same bytes an all-gather writes), i.e.
 COLLECTIVES REPLACED BY LOCAL COPIES; the result is rank 0's step before communication (the
 numbers differ from a real rank's, so routing differs too). The issue's target: rank-0 step
 <= 0.55 x the TP = 1 step at B = 1 and 16. The predicted two-GPU step adds calls x
@@ -144,8 +144,8 @@ def _args(argv=None):
 class CollectiveShim:
     """Installs a wrapper of ParallelConfig._gather0 for this process: counts each call and the
     bytes the rank contributes; `time_it` adds the host time inside the real gather (CPU);
-    `local` replaces the gather by a local copy of the rank's tensor, tp times (one GPU, no
-    process group). `uninstall` puts the original back."""
+    `local` replaces the gather by a local copy: the rank's tensor then zeros, the bytes of
+    a gather of tp ranks (one GPU, no process group). `uninstall` puts the original back."""
 
     def __init__(self, time_it: bool = False, local: bool = False):
         self.time_it, self.local = time_it, local
@@ -162,8 +162,13 @@ class CollectiveShim:
             shim.calls += 1
             shim.nbytes += x.numel() * x.element_size()
             if shim.local:
+                # rank 0's tensor then zeros (tp_standin.py's stand-in): every all-reduce is
+                # the rank's own partial sum; x copied tp times doubled each one, and the
+                # residual stream's growth drove ids out of range at B = 16
                 x = x.contiguous()
-                return x.unsqueeze(0).expand(pc.tp, *x.shape).clone()
+                g = x.new_zeros((pc.tp, *x.shape))
+                g[0].copy_(x)
+                return g
             if not shim.time_it:
                 return orig(pc, x)
             t = time.perf_counter()
@@ -312,8 +317,8 @@ def run_gpu(args, work: Path, rec: dict, write) -> None:
         rec["setup"]["synth_s"] = round(time.perf_counter() - t, 1)
     rec["checkpoint"] = f"{args.preset} (synthetic)"
     rec["collectives"] = ("TP = 2 rank 0: collectives replaced by local copies (the benchmark "
-                          "monkeypatches ParallelConfig._gather0: the rank's tensor copied tp "
-                          "times, no process group)")
+                          "monkeypatches ParallelConfig._gather0: the rank's tensor then zeros, "
+                          "no process group)")
     shim = CollectiveShim(local=True).install()
     flush = _l2_flusher(dev)
     try:

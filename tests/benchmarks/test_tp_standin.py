@@ -107,7 +107,7 @@ def test_rank0_program_runs_alone_finite_in_range_every_collective_rewritten(ran
 def test_the_stand_in_gather_keeps_reductions_finite():
     """The stand-in gather writes rank 0's tensor then zeros (tp x the bytes): the sharded
     model's all-reduce (a gather then a sum) gives rank 0's own partial sum, not tp x it, and
-    the vocab-parallel logits are rank 0's block then zeros."""
+    the vocab-parallel logits are rank 0's block then zeros; tp_step.py --eager's shim too."""
     s = tp_standin.LocalCollectives()
     x = torch.randn(3, 4)
     g = s.gather(x, 2, "0")
@@ -116,6 +116,15 @@ def test_the_stand_in_gather_keeps_reductions_finite():
     pc = tp_standin.LocalParallelConfig(rank=0, tp=2)
     assert torch.equal(pc.all_reduce(x), x)
     assert torch.equal(pc.all_gather_last(x), torch.cat([x, torch.zeros_like(x)], -1))
+    # tp_step.py --eager's shim of ParallelConfig._gather0 writes the same
+    import tp_step
+    from dspark_compile.models.parallel import ParallelConfig
+    shim = tp_step.CollectiveShim(local=True).install()
+    try:
+        assert torch.equal(ParallelConfig(rank=0, tp=2).all_reduce(x), x)
+    finally:
+        shim.uninstall()
+    assert (shim.calls, shim.nbytes) == (1, 48)
 
 
 def test_an_unexpected_collective_is_refused_naming_the_op(rank0_dir):
