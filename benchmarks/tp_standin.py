@@ -28,6 +28,9 @@ runner is built) and refuses a program with any other collective, naming the op;
 or `build_rank_standin`'s) with every program rewritten; `build_rank_standin` builds ONE rank's
 engine in this process under torch.distributed's "fake" process group (no communication, what
 export needs to trace the functional collectives), for a machine with fewer devices than ranks.
+Checked on the CPU (2026-12-07, the tp checkpoint cut to 3 target layers, buckets 1 and 2,
+float32): its step and greedy-step programs and its weight shard are byte-identical to rank0/ of
+`build --tp 2` (two gloo processes) with the same build config.
 """
 from __future__ import annotations
 
