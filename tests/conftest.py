@@ -76,10 +76,25 @@ def pytest_collection_modifyitems(config, items):
 
 # `make test` runs the tests in two processes (pytest-xdist, -n 2). The engine tests
 # (tests/runtime) share session fixtures that build engines, minutes each on 2 cores, so they go
-# to one process as one unit, which builds each engine once; every other test is a unit of its
-# own. (xdist's own `--dist loadgroup` marks do not group on pytest 9.2 with xdist 3.8: the
+# to one process as one unit, which builds each engine once; so do the tests of a file with a
+# module-scoped fixture; every other test is a unit of its own. (xdist's own `--dist loadgroup` marks do not group on pytest 9.2 with xdist 3.8: the
 # group goes into a node-id attribute pytest no longer reads.)
 ENGINE_TESTS = "tests/runtime/"
+_MODULE_FIXTURES: dict = {}
+
+
+def _has_module_fixture(path: str) -> bool:
+    """Whether a test file defines a module-scoped fixture: its tests then go to one process
+    as one unit, so the fixture (an engine build, a server, an export: 45-100 s each) is made
+    once, not once in each process its tests land on (the CI log of 802e71c showed
+    test_dynamic_batch's 90 s and test_dynamic_prefill's 46 s set-ups twice)."""
+    if path not in _MODULE_FIXTURES:
+        try:
+            text = (Path(__file__).resolve().parent.parent / path).read_text()
+        except OSError:
+            text = ""
+        _MODULE_FIXTURES[path] = 'scope="module"' in text
+    return _MODULE_FIXTURES[path]
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
@@ -90,7 +105,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class EngineTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "engine tests" if nodeid.startswith(ENGINE_TESTS) else nodeid
+            if nodeid.startswith(ENGINE_TESTS):
+                return "engine tests"
+            path = nodeid.split("::", 1)[0]
+            return path if _has_module_fixture(path) else nodeid
 
     return EngineTestsTogether(config, log)
 
