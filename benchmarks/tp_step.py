@@ -304,18 +304,11 @@ def run_cpu(args, work: Path, rec: dict, write) -> None:
 # ------------------------------------------------------------------------------------------------
 
 def run_gpu(args, work: Path, rec: dict, write) -> None:
-    from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.models.state import restore_state
     from dspark_compile.models.step import DraftVerifyStep
     from step_variants import _l2_flusher, capture, time_runner
     dev = cuda_device()
-    ckpt = work / f"ckpt_{args.preset}"
-    if not (ckpt / "config.json").exists():
-        t = time.perf_counter()
-        _log(f"[synth] {args.preset} -> {ckpt}")
-        synth_checkpoint(args.preset, ckpt, seed=0, device="cuda", overwrite=True)
-        rec["setup"]["synth_s"] = round(time.perf_counter() - t, 1)
-    rec["checkpoint"] = f"{args.preset} (synthetic)"
+    ckpt = tp_program.checkpoint(args, work, rec, _log, dev)     # the program mode's, shared
     rec["collectives"] = ("TP = 2 rank 0: collectives replaced by local copies (the benchmark "
                           "monkeypatches ParallelConfig._gather0: the rank's tensor then zeros, "
                           "no process group)")
