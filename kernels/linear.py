@@ -119,9 +119,10 @@ def _check(x, w, out_dtype):
 
 
 def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, plan: tuple | None = None) -> torch.Tensor:
     """The Triton path for bf16 compute (bf16 operands) and fp32 compute (fp32 x, the weight
-    widened in registers); fp64 and other dtypes run the reference."""
+    widened in registers); fp64 and other dtypes run the reference. `plan`: linear_plan's
+    tuple for this M (benchmarks' A/B variants; None: linear_plan's choice)."""
     _check(x, w, out_dtype)
     acc = _acc_dtype(dtype)
     a = x.to(w.dtype) if acc != dtype else x
@@ -136,7 +137,7 @@ def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M and N:
-        bm, bn, swap, split, per, warps, stages = linear_plan(
+        bm, bn, swap, split, per, warps, stages = plan or linear_plan(
             M, N, K, max(x2.element_size(), w.element_size()), invariant=batch_invariant(),
             interpret=interpreting(_linear_kernel))
         out = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 \
