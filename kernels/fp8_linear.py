@@ -69,6 +69,25 @@ SM_COUNT_HINT = 132         # H200: sizes split-K for the compile configs and CP
 TARGET_WAVES = 2            # programs per SM the split-K aims for (hides one tile's latency)
 MIN_KB_PER_SPLIT = 4        # K blocks of 128 per split: below this the workspace traffic dominates
 SMEM_BUDGET = 96 * 1024     # SM12x allows 99 KB a block; the epilogue's layout change needs a few
+# The pipeline's budget by compute capability major where a block may take more: sm_90 / sm_100
+# allow 227 KB. Under 96 KB the LM head's 128-token tile (48 KB a stage) ran ONE stage on the
+# H100 too (gemm_tiles_cases.py). Stages change no bits: the K order is the loop's.
+SMEM_BUDGETS = {9: 200 * 1024, 10: 200 * 1024}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def smem_budget(device) -> int:
+    """The shared memory a GEMM's stages may take on `device` (CPU / interpreter: SMEM_BUDGET,
+    the plans of the compile configs and the CPU tests)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return SMEM_BUDGET
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return SMEM_BUDGETS.get(_capability_major(index), SMEM_BUDGET)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -150,10 +169,10 @@ def m_bucket(M: int) -> int:
     return next((b for b in M_BUCKETS if M <= b), M_BUCKETS[-1])
 
 
-def _stages(block_m, block_n, a_bytes, stages):
-    """Pipeline depth within SMEM_BUDGET: a stage holds an x tile and a weight tile of 128 K."""
+def _stages(block_m, block_n, a_bytes, stages, smem: int = SMEM_BUDGET):
+    """Pipeline depth within `smem` bytes: a stage holds an x tile and a weight tile of 128 K."""
     per_stage = GROUP * (block_m * a_bytes + block_n)
-    return max(1, min(stages, SMEM_BUDGET // per_stage - 1))
+    return max(1, min(stages, smem // per_stage - 1))
 
 
 def invariant_tile(M: int, interpret: bool = False) -> tuple:
@@ -166,12 +185,14 @@ def invariant_tile(M: int, interpret: bool = False) -> tuple:
 @functools.lru_cache(maxsize=None)
 def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
                     sm_count: int = SM_COUNT_HINT, fp32_out: bool = False,
-                    invariant: bool = True, interpret: bool = False) -> Fp8LinearPlan:
+                    invariant: bool = True, interpret: bool = False,
+                    smem: int = SMEM_BUDGET) -> Fp8LinearPlan:
     """The plan for x [M, groups*K] (a_bytes per element) times W [N, K] into a bf16 output
     (fp32 with `fp32_out`). M is the step's static token count (one exported bucket), so each
     linear of a bucket has one plan. `invariant` (kernels/invariance.py): the split of K is
     sized for one 16-token tile whatever M, and the tile is an INVARIANT_TILES one, so an
-    output's sum order and instructions depend on (N, K) alone."""
+    output's sum order and instructions depend on (N, K) alone. `smem`: the device's stage
+    budget (smem_budget)."""
     n_group = N // groups
     if invariant:
         block_m, block_n, swap, warps, stages = invariant_tile(M, interpret)
@@ -180,7 +201,7 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
                              f"{INVARIANT_TILES}")
         split, per = split_k(M, N, K // GROUP, block_m, block_n, sm_count, invariant)
         return Fp8LinearPlan(block_m, block_n, swap, split, per, warps,
-                             _stages(block_m, block_n, a_bytes, stages),
+                             _stages(block_m, block_n, a_bytes, stages, smem),
                              fp8_mma=a_bytes == 1 and not fp32_out)
     # a tile must not straddle two groups: the largest bucket's tile at most M's whose block_n
     # divides the group (only declared tiles, so every launch has a compile config)
@@ -191,7 +212,7 @@ def fp8_linear_plan(M: int, N: int, K: int, groups: int = 1, a_bytes: int = 1,
     block_m, block_n, swap, warps, stages = TILES[fits[-1]]
     split, per = split_k(M, N, K // GROUP, block_m, block_n, sm_count, invariant)
     return Fp8LinearPlan(block_m, block_n, swap, split, per, warps,
-                         _stages(block_m, block_n, a_bytes, stages),
+                         _stages(block_m, block_n, a_bytes, stages, smem),
                          fp8_mma=a_bytes == 1 and not fp32_out)
 
 
@@ -419,7 +440,8 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
         a_fp8 = xs2 is not None
         p = plan or fp8_linear_plan(M, N, K, groups, 1 if a_fp8 else x2.element_size(),
                                     fp32_out=out_dtype == torch.float32,
-                                    invariant=batch_invariant(), interpret=interpreting(kernel))
+                                    invariant=batch_invariant(), interpret=interpreting(kernel),
+                                    smem=smem_budget(x.device))
         if p.split_k * p.kb_per_split < K // GROUP or (groups > 1 and (N // groups) % p.block_n):
             raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
         check_offsets(M, N)

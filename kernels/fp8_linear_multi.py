@@ -113,7 +113,7 @@ def _plans(x2, a_fp8, ws, out_dtype, plans):
     interp = interpreting(_fp8_linear_multi_kernel)
     return [fl.fp8_linear_plan(M, w.shape[0], K, 1, 1 if a_fp8 else x2.element_size(),
                                fp32_out=out_dtype == torch.float32, invariant=batch_invariant(),
-                               interpret=interp) for w in ws]
+                               interpret=interp, smem=fl.smem_budget(x2.device)) for w in ws]
 
 
 def _one_launch_fits(ws, w_ss, plans) -> bool:

@@ -26,7 +26,7 @@ import triton.language as tl
 from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.fp8_linear import (
     INVARIANT_TILES, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _splitk_sum_kernel,
-    invariant_tile, m_bucket, split_k)
+    invariant_tile, m_bucket, smem_budget, split_k)
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
@@ -45,20 +45,22 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
 
 
 def linear_plan(M: int, N: int, K: int, w_bytes: int, sm_count: int = SM_COUNT_HINT,
-                invariant: bool = True, interpret: bool = False):
+                invariant: bool = True, interpret: bool = False, smem: int = SMEM_BUDGET):
     """(block_m, block_n, swap_ab, split, kb_per_split, num_warps, num_stages): the FP8 GEMM's
     tiles for M (an INVARIANT_TILES one when invariant, kernels/fp8_linear.py says why), its
-    split of K (by (N, K) when invariant), stages within the shared memory that w_bytes-wide
-    operands leave."""
+    split of K (by (N, K) when invariant), stages within the `smem` bytes (the device's,
+    fp8_linear.smem_budget) that w_bytes-wide operands leave."""
     block_m, block_n, swap, warps, stages = (invariant_tile(M, interpret) if invariant else
                                              TILES[m_bucket(M)])
     split, per = split_k(M, N, triton.cdiv(K, BLOCK_K), block_m, block_n, sm_count, invariant)
-    return block_m, block_n, swap, split, per, warps, _stages(block_m, block_n, w_bytes, stages)
+    return block_m, block_n, swap, split, per, warps, _stages(block_m, block_n, w_bytes, stages,
+                                                               smem)
 
 
-def _stages(block_m, block_n, w_bytes, stages):
-    """Pipeline depth within SMEM_BUDGET: a stage holds an x tile and a weight tile of BLOCK_K."""
-    return max(1, min(stages, SMEM_BUDGET // (BLOCK_K * (block_m + block_n) * w_bytes) - 1))
+def _stages(block_m, block_n, w_bytes, stages, smem: int = SMEM_BUDGET):
+    """Pipeline depth within `smem` bytes: a stage holds an x tile and a weight tile of
+    BLOCK_K."""
+    return max(1, min(stages, smem // (BLOCK_K * (block_m + block_n) * w_bytes) - 1))
 
 
 @triton.jit
@@ -139,7 +141,7 @@ def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
     if M and N:
         bm, bn, swap, split, per, warps, stages = plan or linear_plan(
             M, N, K, max(x2.element_size(), w.element_size()), invariant=batch_invariant(),
-            interpret=interpreting(_linear_kernel))
+            interpret=interpreting(_linear_kernel), smem=smem_budget(x.device))
         out = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 \
             else y
         kernel = _linear_kernel

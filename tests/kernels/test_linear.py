@@ -106,6 +106,26 @@ def test_plan_split_follows_the_weight_not_the_rows():
         assert len(splits) == 1, (N, K, splits)
 
 
+def test_hopper_budget_deepens_the_pipeline_and_changes_nothing_else(monkeypatch):
+    """The LM head's 128-token tile (48 KB a stage) fits one stage in SM12x's 96 KB and three in
+    sm_90's budget; the tile, the split and the warps (every output's sum order) stay."""
+    from dspark_compile.kernels import fp8_linear as fl
+    assert fl.smem_budget("cpu") == fl.SMEM_BUDGET
+    monkeypatch.setattr(fl, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(torch.version, "hip", None)
+    hopper = fl.smem_budget(torch.device("cuda", 0))
+    assert hopper == fl.SMEM_BUDGETS[9] > fl.SMEM_BUDGET
+    monkeypatch.setattr(fl, "_capability_major", lambda index: 12)
+    assert fl.smem_budget(torch.device("cuda", 0)) == fl.SMEM_BUDGET
+    for M in (1, 6, 24, 96, 384):
+        small = lk.linear_plan(M, 129280, 4096, 2)
+        big = lk.linear_plan(M, 129280, 4096, 2, smem=hopper)
+        assert big[:6] == small[:6] and big[6] >= small[6], (M, small, big)
+        assert big[6] * 128 * (big[0] + big[1]) * 2 <= hopper
+    assert lk.linear_plan(384, 129280, 4096, 2)[6] == 1
+    assert lk.linear_plan(384, 129280, 4096, 2, smem=hopper)[6] == 3
+
+
 def test_op_dispatch_and_errors():
     x = torch.randn(3, 128).bfloat16()
     w = torch.randn(64, 128).bfloat16()
