@@ -25,13 +25,15 @@ import triton.language as tl
 
 from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.fp8_linear import (
-    INVARIANT_TILES, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _splitk_sum_kernel,
-    invariant_tile, m_bucket, smem_budget, split_k)
+    INVARIANT_TILES, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _finish_tile,
+    _splitk_sum_kernel, invariant_tile, m_bucket, smem_budget, split_k)
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
+from dspark_compile.kernels.semaphores import tile_counters
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
 
 BLOCK_K = 128
+OFFSET_LIMIT = 2 ** 31 - 1      # outputs a launch may address (int32 offsets, _finish_tile)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
@@ -64,12 +66,14 @@ def _stages(block_m, block_n, w_bytes, stages, smem: int = SMEM_BUDGET):
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KB_PER_SPLIT, stride_xm, stride_wn, stride_ym,
-                   stride_ys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _linear_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, SPLIT_K, KB_PER_SPLIT,
+                   stride_xm, stride_wn, stride_ps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   SOFT: tl.constexpr):
-    """One (N tile, M tile, K split): the split's K blocks in order into an fp32 (or the
-    operands' fp64) accumulator; SWAP_AB computes (W x^T) so N fills the MMA's wide side."""
+                   FOLD: tl.constexpr, SOFT: tl.constexpr):
+    """One (N tile, M tile, K split): the split's K blocks in order into an fp32 accumulator;
+    SWAP_AB computes (W x^T) so N fills the MMA's wide side. The output and a split's partials
+    are fp8_linear's (_finish_tile: y [M, N] rounded once; split K: fp32 partials p [S, M, N]
+    summed in split order by the tile's last program with FOLD, else by _splitk_sum_kernel)."""
     # M tiles fastest: the programs sharing a weight tile run together (one HBM read)
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,31 +84,28 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, KB_PER_SPLIT, stride_xm, stride
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     kb_lo = pid_s * KB_PER_SPLIT
     kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
-    ACC: tl.constexpr = tl.float64 if x_ptr.dtype.element_ty == tl.float64 else tl.float32
     if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), ACC)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in tl.range(kb_lo, kb_hi, num_stages=NUM_STAGES):
         k0 = kb * BLOCK_K
         kmask = (k0 + offs_k) < K
         a = tl.load(x_rows + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(w_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if SOFT and ACC == tl.float32:     # the interpreter's bf16 dot is wrong; exact widening
+        if SOFT:                           # the interpreter's bf16 dot is wrong; exact widening
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         else:
             b = b.to(a.dtype)              # fp32 compute: the bf16 weight widened exactly
         if SWAP_AB:
-            acc += tl.dot(b, tl.trans(a), input_precision="ieee", out_dtype=ACC)
+            acc += tl.dot(b, tl.trans(a), input_precision="ieee", out_dtype=tl.float32)
         else:
-            acc += tl.dot(a, tl.trans(b), input_precision="ieee", out_dtype=ACC)
+            acc += tl.dot(a, tl.trans(b), input_precision="ieee", out_dtype=tl.float32)
     if SWAP_AB:
         acc = tl.trans(acc)
-    dt = y_ptr.dtype.element_ty
-    y = round_to(acc.to(tl.float32), dt, SOFT).to(dt) if ACC == tl.float32 else acc.to(dt)
-    y_rows = y_ptr + pid_s * stride_ys + offs_m.to(tl.int64)[:, None] * stride_ym
-    tl.store(y_rows + offs_n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+    _finish_tile(acc, y_ptr, p_ptr, cnt_ptr + pid_m + pid_n * tl.num_programs(0), pid_m, pid_n,
+                 pid_s, M, N, SPLIT_K, stride_ps, BLOCK_M, BLOCK_N, FOLD, SOFT)
 
 
 _X_DTYPES = (torch.bfloat16, torch.float32)
@@ -138,23 +139,38 @@ def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
     w = w if w.stride(-1) == 1 else w.contiguous()
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if M and N:
-        bm, bn, swap, split, per, warps, stages = plan or linear_plan(
-            M, N, K, max(x2.element_size(), w.element_size()), invariant=batch_invariant(),
-            interpret=interpreting(_linear_kernel), smem=smem_budget(x.device))
-        out = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 \
-            else y
-        kernel = _linear_kernel
-        launch(kernel)[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
-            x2, w, out, M, N, K, per, x2.stride(0), w.stride(0), out.stride(-2),
-            out.stride(0) if split > 1 else 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-            SWAP_AB=swap, NUM_STAGES=stages, SOFT=interpreting(kernel), num_warps=warps)
-        if split > 1:
-            sk = _splitk_sum_kernel
-            launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
-                out, y, M * N, split, out.stride(0), BLOCK=SUM_BLOCK, SOFT=interpreting(sk),
-                num_warps=4)
+    # the tiles address outputs with int32 offsets (fp8_linear._finish_tile): row chunks under
+    # 2^31 elements; a row's bits do not depend on its chunk (the plans are batch invariant)
+    rows = max(1, OFFSET_LIMIT // max(N, 1))
+    for m0 in range(0, M, rows):
+        _launch(x2[m0:m0 + rows], w, y[m0:m0 + rows], plan)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, plan: tuple | None) -> None:
+    """y [M, N] (contiguous) = x2 [M, K] w^T: one launch, two where the split-K sum cannot be
+    folded (fp8_linear._counters)."""
+    (M, K), N = x2.shape, w.shape[0]
+    if not (M and N):
+        return
+    kernel = _linear_kernel
+    bm, bn, swap, split, per, warps, stages = plan or linear_plan(
+        M, N, K, max(x2.element_size(), w.element_size()), invariant=batch_invariant(),
+        interpret=interpreting(kernel), smem=smem_budget(x2.device))
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    cnt = tile_counters(x2.device, grid[0] * grid[1]) if split > 1 else None
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x2.device) if split > 1 \
+        else y.new_empty(0, dtype=torch.float32)
+    launch(kernel)[grid](
+        x2, w, y, part, cnt if cnt is not None else y.new_empty(0, dtype=torch.int32), M, N, K,
+        split, per, x2.stride(0), w.stride(0), M * N, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+        SWAP_AB=swap, NUM_STAGES=stages, FOLD=cnt is not None, SOFT=interpreting(kernel),
+        num_warps=warps)
+    if split > 1 and cnt is None:
+        sk = _splitk_sum_kernel
+        launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
+            part, y, M * N, split, part.stride(0), BLOCK=SUM_BLOCK, SOFT=interpreting(sk),
+            num_warps=4)
 
 
 def _linear_fake(x, w, dtype, out_dtype):
@@ -167,16 +183,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
     return linear_launch(x, w, dtype, out_dtype)
 
 
-# SM12x readiness: every tile (M buckets' and the invariant ones), bf16 operands into bf16 / fp32 outputs (or the split
-# partials), fp32 operands into fp32.
+# SM12x readiness: every tile (M buckets' and the invariant ones), bf16 operands into bf16 / fp32
+# outputs, fp32 operands into fp32; the split-K sum folded or not.
 _D16 = "i32:16"
 for _bm, _bn, _swap, _warps, _st in sorted(set(TILES.values()) | set(INVARIANT_TILES.values())):
-    for _xt, _wt, _yt in (("*bf16", "*bf16", "*bf16"), ("*bf16", "*bf16", "*fp32"),
-                          ("*fp32", "*bf16", "*fp32")):
+    for (_xt, _wt, _yt), _fold in ((r, f) for r in (("*bf16", "*bf16", "*bf16"),
+                                                    ("*bf16", "*bf16", "*fp32"),
+                                                    ("*fp32", "*bf16", "*fp32"))
+                                   for f in (True, False)):
         _stg = _stages(_bm, _bn, 2 if _xt == "*bf16" else 4, _st)
         add_compile_configs("linear", [compile_config(
             _linear_kernel,
-            dict(x_ptr=_xt, w_ptr=_wt, y_ptr=_yt, M="i32", N="i32", K=_D16, KB_PER_SPLIT="i32",
-                 stride_xm=_D16, stride_wn=_D16, stride_ym="i32", stride_ys="i32"),
+            dict(x_ptr=_xt, w_ptr=_wt, y_ptr=_yt, p_ptr="*fp32", cnt_ptr="*i32", M="i32",
+                 N="i32", K=_D16, SPLIT_K="i32", KB_PER_SPLIT="i32", stride_xm=_D16,
+                 stride_wn=_D16, stride_ps="i32"),
             dict(BLOCK_M=_bm, BLOCK_N=_bn, BLOCK_K=BLOCK_K, SWAP_AB=_swap, NUM_STAGES=_stg,
-                 SOFT=False), _warps)])
+                 FOLD=_fold, SOFT=False), _warps)])

@@ -106,6 +106,26 @@ def test_plan_split_follows_the_weight_not_the_rows():
         assert len(splits) == 1, (N, K, splits)
 
 
+def test_folded_split_k_is_the_two_launch_sum_and_row_chunks_change_no_bit(monkeypatch):
+    """The split-K partials summed by the tile's last program (one launch) equal, bit for bit,
+    the second launch's sum (no ring: tile_counters None); outputs past the int32 offset limit
+    go in row chunks that change no row."""
+    g = _gen(7)
+    x = torch.randn(21, 640, generator=g).bfloat16()
+    w = torch.randn(200, 640, generator=g).bfloat16()
+    plan = lk.linear_plan
+    monkeypatch.setattr(lk, "linear_plan", lambda *a, **k: plan(*a, **k)[:3] + (3, 2) +
+                        plan(*a, **k)[5:])
+    folded = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
+    monkeypatch.setattr(lk, "tile_counters", lambda *a, **k: None)
+    two = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
+    assert torch.equal(folded, two)
+    assert torch.allclose(folded, lk.linear_reference(x, w, torch.bfloat16, torch.float32),
+                          rtol=0, atol=_atol(x, w, 640))
+    monkeypatch.setattr(lk, "OFFSET_LIMIT", 200 * 8)          # chunks of 8 rows
+    assert torch.equal(lk.linear_launch(x, w, torch.bfloat16, torch.float32), two)
+
+
 def test_hopper_budget_deepens_the_pipeline_and_changes_nothing_else(monkeypatch):
     """The LM head's 128-token tile (48 KB a stage) fits one stage in SM12x's 96 KB and three in
     sm_90's budget; the tile, the split and the warps (every output's sum order) stay."""
