@@ -223,8 +223,10 @@ def test_counters_reset_between_calls_of_any_shape(monkeypatch):
         x, x_s = _acts(M, K, M)
         want = fl.fp8_linear_reference(x, x_s, w, w_s, 1, torch.float32)
         for _ in range(2):
+            # fp32 output: the widened bf16 MMA (fp8_linear_plan's for fp32_out; the FP8 MMA's
+            # narrow accumulation is outside the fp32 tolerance, measured on the H100)
             got.append(fl.fp8_linear_launch(x, x_s, w, w_s, 1, torch.float32,
-                                             plan=_split_plan(K, K // 128)))
+                                             plan=_split_plan(K, K // 128, fp8_mma=False)))
             _assert_matches(got[-1], want, _fp32_atol(x, x_s, w, w_s, 1), torch.float32)
             assert _ring_is_zero()
         assert torch.equal(got[-1], got[-2])

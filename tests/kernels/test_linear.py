@@ -111,8 +111,8 @@ def test_folded_split_k_is_the_two_launch_sum_and_row_chunks_change_no_bit(monke
     the second launch's sum (no ring: tile_counters None); outputs past the int32 offset limit
     go in row chunks that change no row."""
     g = _gen(7)
-    x = torch.randn(21, 640, generator=g).bfloat16()
-    w = torch.randn(200, 640, generator=g).bfloat16()
+    x = torch.randn(21, 640, generator=g).bfloat16().to(DEV)
+    w = torch.randn(200, 640, generator=g).bfloat16().to(DEV)
     plan = lk.linear_plan
     monkeypatch.setattr(lk, "linear_plan", lambda *a, **k: plan(*a, **k)[:3] + (3, 2) +
                         plan(*a, **k)[5:])
