@@ -14,8 +14,10 @@ model card's temperature 1.0, top-p 0.95, request i seeded --seed + i, its draft
 each --verify rule: "block", the accepted prefix decided jointly, or "token", token-wise
 rejection) and batch B:
 
-  - `engine-speculative`: Engine.generate over B requests (prefill included), timed once after
-    one untimed warm-up call; acceptance per draft position and the mean accepted length;
+  - `engine-speculative`: Engine.generate over B requests (prefill included): one untimed
+    warm-up call on the same B requests, then the median of --repeats timed calls (each the
+    same tokens: greedy, or sampled from the same seeds); acceptance per draft position and
+    the mean accepted length;
   - `engine-target-only`: THE BASELINE. Engine.generate(speculative=False): the same engine's
     non-speculative decoding through its target-only programs (one token per row and step,
     the same kernels, the same prefill, CUDA graphs on the GPU);
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -73,6 +76,9 @@ def _args(argv=None):
                    f" ({BASELINE} is the baseline of the speed-up)")
     p.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 32)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed calls per row after its warm-up, the median reported (default 3; "
+                   "--dry-run 1)")
     bench_args.add_dtype(p, help="compute dtype (default bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="default: cuda when present")
@@ -88,7 +94,8 @@ def _args(argv=None):
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     a.prompt_len = a.prompt_len or (12 if a.dry_run else 32)
     a.new_tokens = a.new_tokens or (6 if a.dry_run else 64)
-    for name in ("prompt_len", "new_tokens"):
+    a.repeats = a.repeats or (1 if a.dry_run else 3)
+    for name in ("prompt_len", "new_tokens", "repeats"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     return a
@@ -185,22 +192,30 @@ def run_variant(variant: str, eng, prompts, params):
                     device=eng.device)
 
 
-def timed(variant: str, eng, prompts, params, warm: bool) -> tuple[object, float]:
-    if warm:    # first calls pay one-time costs (allocations, kernel compiles, CUDA graphs)
-        run_variant(variant, eng, prompts[:1], params[:1])
-    _sync(eng.device)
-    t = time.perf_counter()
+def timed(variant: str, eng, prompts, params, repeats: int) -> tuple[object, list[float]]:
+    """One untimed call on these very requests (a variant's first call at a batch size pays
+    one-time costs: allocations, prefill lengths, the bucket's first replays; 2026-12-07 on the
+    H100 only the first variant of each row warmed, on one request), then `repeats` timed ones:
+    the last call's result and every call's seconds."""
     with torch.no_grad():
-        res = run_variant(variant, eng, prompts, params)
-    _sync(eng.device)
-    return res, time.perf_counter() - t
+        run_variant(variant, eng, prompts, params)
+    secs = []
+    for _ in range(repeats):
+        _sync(eng.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            res = run_variant(variant, eng, prompts, params)
+        _sync(eng.device)
+        secs.append(time.perf_counter() - t)
+    return res, secs
 
 
-def row_of(mode: str, B: int, variant: str, res, seconds: float) -> dict:
+def row_of(mode: str, B: int, variant: str, res, secs: list[float]) -> dict:
     tokens = sum(len(t) for t in res.tokens)
+    seconds = statistics.median(secs)
     row = {"mode": mode, "B": B, "variant": variant, "tokens": tokens,
            "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
-           "steps": res.steps}
+           "seconds_each": [round(x, 4) for x in secs], "steps": res.steps}
     if variant.endswith("-speculative"):
         row["mean_accepted_length"] = round(res.mean_accepted_length, 4)
         row["acceptance_per_position"] = [round(a, 4) for a in res.acceptance_per_position]
@@ -220,7 +235,8 @@ def main(argv=None) -> int:
     rec = {"schema": SCHEMA, "complete": False, "dry_run": args.dry_run, "environment": env,
            "device": args.device, "dtype": args.dtype, "batches": args.batches,
            "modes": args.modes, "verify": args.verify, "variants": args.variants,
-           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "threads": args.threads, "baseline": BASELINE,
+           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+           "threads": args.threads, "baseline": BASELINE,
            "baseline_note": BASELINE_NOTE, "rows": []}
     with bench_args.work_dir(args, "speedup_") as work, \
             bench_args.result_file(out / "speedup.json", rec) as write:
@@ -256,10 +272,9 @@ def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
         runs += [(variant, v) for v in args.verify] if spec else [(variant, None)]
     results = {}
     for variant, verify in runs:
-        res, sec = timed(variant, eng, prompts, sampling(mode, B, args, verify),
-                         warm=not results)
+        res, secs = timed(variant, eng, prompts, sampling(mode, B, args, verify), args.repeats)
         results[(variant, verify)] = res
-        row = row_of(mode, B, variant, res, sec)
+        row = row_of(mode, B, variant, res, secs)
         if verify is not None:
             row["verify"] = verify
         rec["rows"].append(row)

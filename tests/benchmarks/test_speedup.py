@@ -28,6 +28,7 @@ def test_dry_run_times_every_variant_against_the_engine_target_baseline(dry_run)
     for (mode, B, variant, _), r in rows.items():
         assert r["tokens"] == B * rec["new_tokens"], (mode, B, variant)
         assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+        assert r["seconds_each"] == [r["seconds"]] and rec["repeats"] == 1    # the dry run's
         base = rows[(mode, B, "engine-target-only", None)]
         assert abs(r["speedup"] - r["tokens_per_s"] / base["tokens_per_s"]) < 1e-2
         if variant.endswith("target-only"):
