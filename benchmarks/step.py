@@ -181,7 +181,7 @@ def _record(args, env: dict) -> dict:
             "mma_tflops": step_roofline.peak_tflops(env.get("device"), args.mma_tflops),
             "predict": args.predict, "accepted_lengths": args.accepted_lengths,
             "rows": [], "floors": {}, "per_layer": {}, "kernel_names": {},
-            "kernel_us": {}, "predictions": {}}
+            "kernel_us": {}, "op_class_us": {}, "predictions": {}}
 
 
 class StepRun:
@@ -316,6 +316,13 @@ class StepRun:
             row["ratio_to_honest"] = row["us_median"] / floor["honest_us"]
         else:
             row["us_median"] = None     # dry run: no timing
+        if times and "honest" in floor:
+            table = step_roofline.op_class_table(self.rec["kernel_us"][key], row["us_median"],
+                                                 floor["honest"]["op_classes"])
+            self.rec["op_class_us"][key] = table
+            log(f"[classes] {key}: " + ", ".join(
+                f"{c['class']} {c['us']:.0f}" + (f" ({c['ratio']:.2f}x)" if c["ratio"] else "")
+                for c in table))
 
     def per_layer(self, case: str, B: int) -> None:
         """The reference step's and the engine's programs run per layer, each kernel attributed

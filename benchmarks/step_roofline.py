@@ -223,6 +223,48 @@ def honest_floor(floor: dict, ops: list[dict], head_bytes: int, bw: float,
             "op_classes": classes, "op_parts": parts}
 
 
+# A replay's kernels by op class (the first pattern a kernel name matches), and the ledger's ops
+# whose floors a class's floor sums: the GEMM classes, whose ledger entries carry every byte and
+# FLOP they must move. The others have no floor yet (share only): the ledger counts attention's
+# FLOPs and state reads but not its activations, so its "floor" read 450x at B = 1.
+KERNEL_CLASSES = (
+    ("linear", r"^_linear_kernel$|^_splitk_sum_kernel$"),
+    ("moe", r"^_moe_"),
+    ("fp8_linear", r"^_fp8_linear"),
+    ("samplers", r"markov|^row_|rows_stats|resample|accept|bound_walk|block_sums|rejection"),
+    ("attention", r"attention|^_combine_kernel$|index_scores|topk_select|compress|context_kv|"
+                  r"ring_slots"),
+    ("mhc", r"^_hc_"),
+    ("norm/quant/rope", r"rmsnorm|act_quant|swiglu|rope|qkv"),
+    ("aten", r"at::|^void |cutlass|cublas|^sm\d+_xmma"),
+)
+CLASS_OPS = {"linear": ("dspark.linear",), "moe": ("dspark.moe_experts",),
+             "fp8_linear": ("dspark.fp8_linear",)}
+
+
+def kernel_class(name: str) -> str:
+    return next((c for c, pat in KERNEL_CLASSES if re.search(pat, name)), "other")
+
+
+def op_class_table(kernel_us: dict, step_us: float | None, op_classes: dict) -> list[dict]:
+    """Per op class of one replay, largest first: device µs summed over its kernels, its share
+    of the step, and its floor (the max of bytes and FLOP time of the ledger's ops of that
+    class, honest_floor's op_classes) with the ratio, where the ledger has the class."""
+    us: dict = {}
+    for name, t in kernel_us.items():
+        c = kernel_class(name)
+        us[c] = us.get(c, 0.0) + t
+    rows = []
+    for c, t in sorted(us.items(), key=lambda kv: -kv[1]):
+        ops = [op_classes[o] for o in CLASS_OPS.get(c, ()) if o in op_classes]
+        floor = sum(max(o["byte_us"], o["flop_us"]) for o in ops) if ops else None
+        rows.append({"class": c, "us": round(t, 2),
+                     "share": round(t / step_us, 4) if step_us else None,
+                     "floor_us": round(floor, 2) if floor else None,
+                     "ratio": round(t / floor, 3) if floor else None})
+    return rows
+
+
 def bytes_by_part(floor: dict, model) -> dict:
     """The byte floor split by part (layers.N, mtp.N, head, other): weights (experts at their
     routed share) and decode state read + written; the logits written go to `head`."""

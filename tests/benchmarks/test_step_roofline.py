@@ -134,3 +134,33 @@ def test_prediction_sums_the_target_layers_by_type():
     with pytest.raises(KeyError, match="c128 not measured"):
         step_predict.predict(measured, target, {k: v for k, v in layers.items() if k != "layers.2"},
                              row, 260.0, floors, 4, [2.0])
+
+
+def test_op_class_table_sums_each_kernel_once_against_its_class_floor():
+    """Kernel names as the H100 profile of 2026-12-07 records them: every kernel lands in one
+    class (the first pattern), the classes sum to the replay, floors only where the ledger has
+    the class's ops (the max of bytes and FLOPs per op class), largest class first."""
+    kernel_us = {"_linear_kernel": 700.0, "_splitk_sum_kernel": 40.0, "_moe_gate_up_kernel": 500.0,
+                 "_moe_down_kernel": 280.0, "_fp8_linear_kernel": 330.0,
+                 "_fp8_linear_multi_kernel": 130.0, "_markov_logits_kernel": 125.0,
+                 "row_refine_kernel": 76.0, "_hc_gates_kernel": 83.0, "_hc_mix_kernel": 59.0,
+                 "_sparse_attention_kernel": 80.0, "_combine_kernel": 18.0,
+                 "_rmsnorm_quant_kernel": 38.0,
+                 "void at::native::unrolled_elementwise_kernel<direct_copy>": 93.0,
+                 "some_new_kernel": 1.0}
+    op_classes = {"dspark.linear": {"byte_us": 725.0, "flop_us": 190.0},
+                  "dspark.moe_experts": {"byte_us": 600.0, "flop_us": 700.0},
+                  "dspark.fp8_linear": {"byte_us": 288.0, "flop_us": 5.0}}
+    rows = R.op_class_table(kernel_us, 3300.0, op_classes)
+    by = {r["class"]: r for r in rows}
+    assert sum(r["us"] for r in rows) == sum(kernel_us.values())
+    assert by["linear"]["us"] == 740 and by["linear"]["floor_us"] == 725
+    assert by["moe"]["us"] == 780 and by["moe"]["floor_us"] == 700       # FLOP-bound
+    assert by["fp8_linear"]["us"] == 460 and by["fp8_linear"]["ratio"] == round(460 / 288, 3)
+    assert by["samplers"]["us"] == 201 and by["samplers"]["floor_us"] is None
+    assert by["mhc"]["us"] == 142 and by["attention"]["us"] == 98
+    assert by["aten"]["us"] == 93 and by["other"]["us"] == 1 and by["norm/quant/rope"]["us"] == 38
+    assert by["linear"]["share"] == round(740 / 3300, 4)
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
+    assert R.op_class_table(kernel_us, None, {})[0]["share"] is None
+
