@@ -29,7 +29,6 @@ HEAD = (129280, 4096)       # Flash's LM head [V, hidden], bf16
 # (N, K, groups) of the FP8 linears with the most bytes a layer (fp8_linear_cases.SHAPES)
 FP8_SHAPES = {(32768, 1024, 1): "wq_b", (8192, 4096, 8): "wo_a", (4096, 8192, 1): "wo_b"}
 SMEM_LIMIT = 220 * 1024     # H100 / H200: 227 KB a block, less the epilogue's scratch
-TOKENS_PER_REQUEST = 6
 # (weight rows, warps, stages) per token tile: the plan's tile deeper, wider weight tiles with
 # one or two warpgroups. The FP8 plans already run 3 stages (24 KB a stage at 128 tokens).
 HEAD_TILES = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
@@ -49,7 +48,7 @@ def _label(v) -> str:
     return "t{}x{}w{}s{}".format(*v)
 
 
-# --- linear (the LM head) -------------------------------------------------------------------------
+# --- linear (the LM head) -------------------------------------------------------------------
 
 def _make_head(M):
     def make(device, seed):
@@ -79,22 +78,19 @@ def _head_variant(v):
     return fn
 
 
-def _bit_check(make, ours, variants):
-    """ours against the reference (dtype tolerance), then every variant against ours bit for
-    bit: a tile that changes a single bit is not batch invariant and is named."""
+def _bit_check(make, reference, ours, variants):
+    """ours against the reference (harness.compare's tolerance), then every variant against ours
+    bit for bit: a tile that changes a single bit is not batch invariant and is named."""
     def check(device):
         d = make(device, 123)
         y = ours(d)
-        bad = [compare("ours", y, d["_ref"]) if "_ref" in d else ""]
-        for name, fn in variants.items():
-            msg = compare(name, fn(d), y, exact=True)
-            if msg:
-                bad.append(msg)
+        bad = [compare("ours", y, reference(d))]
+        bad += [compare(name, fn(d), y, exact=True) for name, fn in variants.items()]
         return "; ".join(b for b in bad if b)
     return check
 
 
-# --- fp8_linear ------------------------------------------------------------------------------------
+# --- fp8_linear -----------------------------------------------------------------------------
 
 def _fp8_variant(v):
     bm, bn, warps, st = v
@@ -109,7 +105,7 @@ def _fp8_variant(v):
 
 
 def cases(batches):
-    from fp8_linear_cases import _make, _ours, _reference, floor_bytes
+    from fp8_linear_cases import TOKENS_PER_REQUEST, _make, _ours, _reference, floor_bytes
     out = []
     for M in sorted({TOKENS_PER_REQUEST * B for B in batches}):
         make = _make_head(M)
@@ -118,7 +114,8 @@ def cases(batches):
         out.append(Case("gemm_tiles", "linear.lm_head", {"B": M / TOKENS_PER_REQUEST, "T": M,
                                                          "N": N, "K": K},
                         make, _head_ref, _head_ours, N * K * 2 + M * K * 2 + M * N * 4,
-                        check=_bit_check(make, _head_ours, extra), extra=extra, compile=False))
+                        check=_bit_check(make, _head_ref, _head_ours, extra), extra=extra,
+                        compile=False))
         for (N, K, G), use in FP8_SHAPES.items():
             make = _make(M, N, K, G)
             extra = {}
@@ -128,5 +125,6 @@ def cases(batches):
             out.append(Case("gemm_tiles", f"fp8_linear.{use}",
                             {"B": M / TOKENS_PER_REQUEST, "T": M, "N": N, "K": K, "groups": G},
                             make, _reference, _ours, int(floor_bytes(M, N, K, G)),
-                            check=_bit_check(make, _ours, extra), extra=extra, compile=False))
+                            check=_bit_check(make, _reference, _ours, extra), extra=extra,
+                            compile=False))
     return out

@@ -194,9 +194,8 @@ def run_variant(variant: str, eng, prompts, params):
 
 def timed(variant: str, eng, prompts, params, repeats: int) -> tuple[object, list[float]]:
     """One untimed call on these very requests (a variant's first call at a batch size pays
-    one-time costs: allocations, prefill lengths, the bucket's first replays; 2026-12-07 on the
-    H100 only the first variant of each row warmed, on one request), then `repeats` timed ones:
-    the last call's result and every call's seconds."""
+    one-time costs: allocations, prefill lengths, the bucket's first replays), then `repeats`
+    timed ones: the last call's result and every call's seconds."""
     with torch.no_grad():
         run_variant(variant, eng, prompts, params)
     secs = []

@@ -410,13 +410,28 @@ def _check(x, x_s, w, w_s, groups):
     return x2, xs2, x2.shape[0], N, K
 
 
-def _counters(device, plan: Fp8LinearPlan, tiles: int):
-    """The launch's tile counters when it folds its split-K sum (plan.fold_splitk, split > 1),
-    else None: the two-launch path (also while a CUDA graph captures on a device whose counter
-    ring does not exist yet: kernels/semaphores.py)."""
-    if plan.split_k == 1 or not plan.fold_splitk:
-        return None
-    return tile_counters(device, tiles)
+def split_k_buffers(y: torch.Tensor, split: int, tiles: int, fold: bool = True):
+    """(partials, counters, folded) of one launch of `tiles` output tiles into y [M, N] whose
+    programs end in _finish_tile: fp32 partials [split, M, N] (empty without a split); the
+    tiles' counters when the launch folds its split-K sum (split > 1 and `fold`), else an empty
+    int32 tensor it never reads -- also while a CUDA graph captures on a device whose counter
+    ring does not exist yet (kernels/semaphores.py): then split_k_sum sums."""
+    M, N = y.shape
+    cnt = tile_counters(y.device, tiles) if split > 1 and fold else None
+    part = torch.empty((split, M, N), dtype=torch.float32, device=y.device) if split > 1 \
+        else y.new_empty(0, dtype=torch.float32)
+    if cnt is None:
+        return part, y.new_empty(0, dtype=torch.int32), False
+    return part, cnt, True
+
+
+def split_k_sum(part: torch.Tensor, y: torch.Tensor) -> None:
+    """The second launch of a split launch that did not fold: the partials in split order into
+    y, rounded once (the folded sum's bits)."""
+    sk = _splitk_sum_kernel
+    MN = y.numel()
+    launch(sk)[(triton.cdiv(MN, SUM_BLOCK),)](part, y, MN, part.shape[0], part.stride(0),
+                                              BLOCK=SUM_BLOCK, SOFT=interpreting(sk), num_warps=4)
 
 
 def check_offsets(M: int, N: int) -> None:
@@ -446,12 +461,7 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
             raise ValueError(f"fp8_linear: {p} does not cover K = {K} / groups of {N // groups}")
         check_offsets(M, N)
         grid = (triton.cdiv(M, p.block_m), triton.cdiv(N, p.block_n), p.split_k)
-        cnt = _counters(x.device, p, grid[0] * grid[1])
-        fold = cnt is not None
-        part = torch.empty((p.split_k, M, N), dtype=torch.float32, device=x.device) \
-            if p.split_k > 1 else y.new_empty(0, dtype=torch.float32)
-        if cnt is None:
-            cnt = y.new_empty(0, dtype=torch.int32)     # never read
+        part, cnt, fold = split_k_buffers(y, p.split_k, grid[0] * grid[1], p.fold_splitk)
         xs_arg = xs2 if a_fp8 else w_s              # unused without A_FP8; any pointer
         launch(kernel)[grid](
             x2.view(torch.uint8) if a_fp8 else x2, xs_arg, w.view(torch.uint8),
@@ -461,10 +471,7 @@ def fp8_linear_launch(x, x_s, w, w_s, groups, out_dtype, plan: Fp8LinearPlan | N
             NUM_STAGES=p.num_stages, FP8_MMA=a_fp8 and p.fp8_mma, FOLD=fold,
             SOFT=interpreting(kernel), num_warps=p.num_warps)
         if p.split_k > 1 and not fold:
-            sk = _splitk_sum_kernel
-            launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
-                part, y, M * N, p.split_k, part.stride(0), BLOCK=SUM_BLOCK,
-                SOFT=interpreting(sk), num_warps=4)
+            split_k_sum(part, y)
     return y.reshape(*x.shape[:-1], N)
 
 

@@ -25,11 +25,10 @@ import triton.language as tl
 
 from dspark_compile.kernels.common import row_matmul
 from dspark_compile.kernels.fp8_linear import (
-    INVARIANT_TILES, SM_COUNT_HINT, SMEM_BUDGET, SUM_BLOCK, TILES, _acc_dtype, _finish_tile,
-    _splitk_sum_kernel, invariant_tile, m_bucket, smem_budget, split_k)
+    INVARIANT_TILES, SM_COUNT_HINT, SMEM_BUDGET, TILES, _acc_dtype, _finish_tile, invariant_tile,
+    m_bucket, smem_budget, split_k, split_k_buffers, split_k_sum)
 from dspark_compile.kernels.invariance import batch_invariant
 from dspark_compile.kernels.registry import add_compile_configs, dspark_op
-from dspark_compile.kernels.semaphores import tile_counters
 from dspark_compile.kernels.tl_helpers import compile_config, interpreting, launch, round_to
 
 BLOCK_K = 128
@@ -149,7 +148,7 @@ def linear_launch(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
 
 def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, plan: tuple | None) -> None:
     """y [M, N] (contiguous) = x2 [M, K] w^T: one launch, two where the split-K sum cannot be
-    folded (fp8_linear._counters)."""
+    folded (fp8_linear.split_k_buffers)."""
     (M, K), N = x2.shape, w.shape[0]
     if not (M and N):
         return
@@ -158,19 +157,13 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, y: torch.Tensor, plan: tuple | No
         M, N, K, max(x2.element_size(), w.element_size()), invariant=batch_invariant(),
         interpret=interpreting(kernel), smem=smem_budget(x2.device))
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    cnt = tile_counters(x2.device, grid[0] * grid[1]) if split > 1 else None
-    part = torch.empty((split, M, N), dtype=torch.float32, device=x2.device) if split > 1 \
-        else y.new_empty(0, dtype=torch.float32)
+    part, cnt, fold = split_k_buffers(y, split, grid[0] * grid[1])
     launch(kernel)[grid](
-        x2, w, y, part, cnt if cnt is not None else y.new_empty(0, dtype=torch.int32), M, N, K,
-        split, per, x2.stride(0), w.stride(0), M * N, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-        SWAP_AB=swap, NUM_STAGES=stages, FOLD=cnt is not None, SOFT=interpreting(kernel),
-        num_warps=warps)
-    if split > 1 and cnt is None:
-        sk = _splitk_sum_kernel
-        launch(sk)[(triton.cdiv(M * N, SUM_BLOCK),)](
-            part, y, M * N, split, part.stride(0), BLOCK=SUM_BLOCK, SOFT=interpreting(sk),
-            num_warps=4)
+        x2, w, y, part, cnt, M, N, K, split, per, x2.stride(0), w.stride(0), M * N,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, SWAP_AB=swap, NUM_STAGES=stages, FOLD=fold,
+        SOFT=interpreting(kernel), num_warps=warps)
+    if split > 1 and not fold:
+        split_k_sum(part, y)
 
 
 def _linear_fake(x, w, dtype, out_dtype):

@@ -77,8 +77,9 @@ def pytest_collection_modifyitems(config, items):
 # `make test` runs the tests in two processes (pytest-xdist, -n 2). The engine tests
 # (tests/runtime) share session fixtures that build engines, minutes each on 2 cores, so they go
 # to one process as one unit, which builds each engine once; so do the tests of a file with a
-# module-scoped fixture; every other test is a unit of its own. (xdist's own `--dist loadgroup` marks do not group on pytest 9.2 with xdist 3.8: the
-# group goes into a node-id attribute pytest no longer reads.)
+# module-scoped fixture; every other test is a unit of its own. (xdist's own `--dist loadgroup`
+# marks do not group on pytest 9.2 with xdist 3.8: the group goes into a node-id attribute
+# pytest no longer reads.)
 ENGINE_TESTS = "tests/runtime/"
 _MODULE_FIXTURES: dict = {}
 

@@ -38,11 +38,6 @@ def test_dry_run_writes_every_variant_floor_and_layers(dry_run):
     assert hon["head_second_read_us"] > 0 and rec["mma_tflops"] is None
     assert floor["honest_us"] == hon["byte_floor_us"] + hon["head_second_read_us"] + hon["flop_excess_us"]
     assert hon["flop_excess_us"] == 0 and hon["byte_floor_us"] == floor["us"]
-    # the replay's kernels by op class, each once, for every profiled replay (device times: a
-    # GPU's; the CPU's profile has none, so both are empty here)
-    assert set(rec["op_class_us"]) == set(rec["kernel_us"])
-    for key, table in rec["op_class_us"].items():
-        assert abs(sum(r["us"] for r in table) - sum(rec["kernel_us"][key].values())) < 0.1, key
     assert {"dspark.fp8_linear", "dspark.linear", "dspark.moe_experts",
             "dspark.sparse_attention", "dspark.draft_attention"} <= set(hon["op_classes"])
     assert rec["predict"] == ["tiny-deep"] and rec["predictions"] == {}   # needs device µs
