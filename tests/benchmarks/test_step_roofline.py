@@ -163,4 +163,3 @@ def test_op_class_table_sums_each_kernel_once_against_its_class_floor():
     assert by["linear"]["share"] == round(740 / 3300, 4)
     assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True)
     assert R.op_class_table(kernel_us, None, {})[0]["share"] is None
-

@@ -10,6 +10,7 @@ value rounded once (one bf16 ulp, rtol 2^-7). fp32 operands round each product t
 import pytest
 import torch
 
+from dspark_compile.kernels import fp8_linear as fl
 from dspark_compile.kernels import linear as lk
 from dspark_compile.kernels.fp8_linear import INVARIANT_TILES
 
@@ -117,7 +118,6 @@ def test_folded_split_k_is_the_two_launch_sum_and_row_chunks_change_no_bit(monke
     monkeypatch.setattr(lk, "linear_plan", lambda *a, **k: plan(*a, **k)[:3] + (3, 2) +
                         plan(*a, **k)[5:])
     folded = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
-    from dspark_compile.kernels import fp8_linear as fl
     monkeypatch.setattr(fl, "tile_counters", lambda *a, **k: None)
     two = lk.linear_launch(x, w, torch.bfloat16, torch.float32)
     assert torch.equal(folded, two)
@@ -130,7 +130,6 @@ def test_folded_split_k_is_the_two_launch_sum_and_row_chunks_change_no_bit(monke
 def test_hopper_budget_deepens_the_pipeline_and_changes_nothing_else(monkeypatch):
     """The LM head's 128-token tile (48 KB a stage) fits one stage in SM12x's 96 KB and three in
     sm_90's budget; the tile, the split and the warps (every output's sum order) stay."""
-    from dspark_compile.kernels import fp8_linear as fl
     assert fl.smem_budget("cpu") == fl.SMEM_BUDGET
     monkeypatch.setattr(fl, "_capability_major", lambda index: 9)
     monkeypatch.setattr(torch.version, "hip", None)
