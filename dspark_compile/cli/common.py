@@ -136,6 +136,21 @@ def engine_load_args(p: argparse.ArgumentParser) -> None:
                         "the directory")
 
 
+def prefill_chunks_arg(text: str):
+    """--prefill-chunks: comma-separated chunk lengths, "auto" (BuildConfig's rule:
+    default_prefill_chunks) or "none" / "0" (no prefill programs)."""
+    low = text.strip().lower()
+    if low == "auto":
+        return "auto"
+    if low in ("none", "0"):
+        return ()
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated chunk lengths, 'auto' or "
+                                         f"'none', got {text!r}") from None
+
+
 def path_arg(text: str) -> str:
     """A path argument: an empty one is refused (it meant the current directory, and `synth
     --out ''` then said the current directory was not empty)."""

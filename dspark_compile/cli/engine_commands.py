@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_compile.cli.common import command, device, engine_errors, engine_load_args, path_arg
+from dspark_compile.cli.common import (command, device, engine_errors, engine_load_args, path_arg,
+                                       prefill_chunks_arg)
 from dspark_compile.build.checks import writable_dir, writable_file
 from dspark_compile.build.pipeline import build_engine
 from dspark_compile.engine_dir.tp_format import RANKS_FILE, rank_dir
@@ -198,20 +199,6 @@ PREFILL_RULE = ("powers of two from 64 up to min(512, --max-seq-len): 64,128,256
                 "default --max-seq-len")
 
 
-def _chunks(text: str):
-    """--prefill-chunks: lengths, "auto" (PREFILL_RULE) or "none" / "0"."""
-    if text.strip().lower() in ("auto",):
-        return "auto"
-    if text.strip().lower() in ("none", "0"):
-        return ()
-    try:
-        c = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated chunk lengths, 'auto' or "
-                                         f"'none', got {text!r}") from None
-    return c
-
-
 def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=path_arg,
                    help="checkpoint directory (config.json + safetensors)")
@@ -224,7 +211,7 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                    help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
     p.add_argument("--max-rows", type=int, default=None,
                    help="concurrent requests, >= the largest bucket (default: the largest bucket)")
-    p.add_argument("--prefill-chunks", type=_chunks, default="auto", metavar="C1,C2|auto|none",
+    p.add_argument("--prefill-chunks", type=prefill_chunks_arg, default="auto", metavar="C1,C2|auto|none",
                    help=f"chunk lengths with a compiled prefill program each (default auto: "
                         f"{PREFILL_RULE}; none: no prefill programs, prompts prefill with the "
                         "eager reference)")

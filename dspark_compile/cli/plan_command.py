@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dspark_compile.build.memory_plan import (DEVICES, check_fits, device_memory, format_plan,
                                               memory_plan)
-from dspark_compile.cli.common import command, int_arg, path_arg
+from dspark_compile.cli.common import command, int_arg, path_arg, prefill_chunks_arg
 from dspark_compile.engine_dir.build_config import DEFAULT_BUCKETS, DTYPES, BuildConfig
 
 
@@ -26,15 +26,6 @@ def _ints(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
             from None
     return out
-
-
-def _chunks(text: str):
-    low = text.strip().lower()
-    if low == "auto":
-        return "auto"
-    if low in ("none", "0"):
-        return ()
-    return _ints(text)
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +41,7 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="positions per request (default 1024)")
     p.add_argument("--buckets", type=_ints, default=None,
                    help="batch buckets (default: build's, up to --max-rows when given)")
-    p.add_argument("--prefill-chunks", type=_chunks, default="auto", metavar="C1,C2|auto|none",
+    p.add_argument("--prefill-chunks", type=prefill_chunks_arg, default="auto", metavar="C1,C2|auto|none",
                    help="prefill program chunk lengths (default auto, as build)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="compute dtype (default bfloat16, a CUDA build's)")

@@ -99,6 +99,10 @@ class TrainConfig:
     anchors: int = 16           # blocks per continuation per step
     draft_lr: float = 6e-3
     position_decay: float = 0.7  # loss weight of draft position k: position_decay ** k
+    # weight of a hard-label term (the cross-entropy to the target's most likely token) added to
+    # the distillation loss, on rows of greedy continuations only (label_rows "greedy") or all
+    label_weight: float = 0.0
+    label_rows: str = "greedy"
     fake_quant: bool = False    # train through the stored formats (straight-through; ~3x slower)
     warmup: int = 20            # linear warm-up steps of the draft (then cosine to 10 %)
     # measurement: held-out prompts (greedy; sampled with token-wise and block verification)
@@ -241,7 +245,8 @@ def target_teacher(S: TrainParams, seqs: torch.Tensor, rope: Rope, tc: TrainConf
 
 
 def draft_loss(P: TrainParams, aux: torch.Tensor, probs: torch.Tensor, seqs: torch.Tensor,
-               last: torch.Tensor, rope: Rope, decay: float):
+               last: torch.Tensor, rope: Rope, decay: float,
+               label_weight: torch.Tensor | None = None):
     """Loss of the blocks drafted after positions last [B, A] of seqs [B, L]: the cross-entropy
     of the draft's distribution to the target's (probs [B, L, V], after each position), weight
     decay^k at draft position k. Also, per position [N] (teacher-forced): top-1 agreement with
@@ -257,6 +262,9 @@ def draft_loss(P: TrainParams, aux: torch.Tensor, probs: torch.Tensor, seqs: tor
     logits = draft_forward(P, aux, anchors, last, prev, rope)
     logq = torch.log_softmax(logits, -1)
     ce = -(p * logq).sum(-1)                                    # [B, A, N]
+    if label_weight is not None:                                # [B]: the hard-label term
+        hard = -logq.gather(-1, p.argmax(-1, keepdim=True))[..., 0]
+        ce = ce + label_weight[:, None, None] * hard
     w = decay ** ar.to(ce.dtype)
     loss = (ce * w).sum(-1).mean() / w.sum()
     with torch.no_grad():
@@ -275,13 +283,18 @@ def train_draft(P: TrainParams, seqs: torch.Tensor, aux: torch.Tensor, probs: to
     if hi < lo:
         raise ValueError(f"train: continuation_len={tc.continuation_len} leaves no draft block "
                          f"(needs >= {N + 2} tokens)")
+    if tc.label_rows not in ("greedy", "all"):
+        raise ValueError(f"train: label_rows must be 'greedy' or 'all', got {tc.label_rows!r}")
+    row_label = torch.full((seqs.shape[0],), tc.label_weight)
+    if tc.label_rows == "greedy":
+        row_label[tc.continuations:] = 0.0          # seqs: the greedy continuations first
     bar = Progress("draft", tc.draft_steps, stream_out)
     losses, agree, overlap = [], None, None
     for step in range(tc.draft_steps):
         rows = torch.randint(0, seqs.shape[0], (tc.draft_batch,), generator=gen)
         last = torch.randint(lo, hi + 1, (tc.draft_batch, tc.anchors), generator=gen)
         loss, a, o = draft_loss(P, aux[rows], probs[rows], seqs[rows], last, rope,
-                                tc.position_decay)
+                                tc.position_decay, row_label[rows] if tc.label_weight else None)
         _step(opt, params, loss, _lr(step, tc.draft_steps, tc.draft_lr, tc.warmup))
         losses.append(float(loss.detach()))
         agree = a if agree is None else 0.9 * agree + 0.1 * a

@@ -7,12 +7,14 @@ import json
 
 
 def test_dry_run_times_every_variant_against_the_engine_target_baseline(dry_run):
-    # the build (one bucket of 2 serving B = 1 and 2: one export) is most of it
-    run, out = dry_run("speedup")
+    # the build (one bucket of 2 serving B = 1 and 2: one export, and a prefill program of
+    # 8 tokens: a 12-token prompt in two calls, as a real run's prompts go through the
+    # engine's prefill programs) is most of it
+    run, out = dry_run("speedup", "--prefill-chunks", "8")
     assert "baseline: the engine's own non-speculative decoding" in run.stdout
     rec = json.loads((out / "speedup.json").read_text())
     assert rec["schema"] == "dspark-speedup-benchmark/1" and rec["complete"] and rec["dry_run"]
-    assert rec["baseline"] == "engine-target-only"
+    assert rec["baseline"] == "engine-target-only" and rec["prefill_chunks"] == [8]
     for k in ("device", "torch", "triton", "git_commit", "date_utc"):
         assert k in rec["environment"], k
     rows = {(r["mode"], r["B"], r["variant"], r.get("verify")): r for r in rec["rows"]}

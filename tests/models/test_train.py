@@ -211,6 +211,32 @@ def test_soft_draft_loss_on_one_hot_targets_is_the_hard_cross_entropy():
         -1, labels[..., None])[..., 0].flatten(0, 1).mean(0), rtol=1e-5)
 
 
+def test_label_term_adds_the_hard_cross_entropy_to_the_teachers_argmax_per_row():
+    """label_weight [B] adds, on each row, weight x the cross-entropy to the teacher's most likely
+    token (decay^k weighted as the soft term); a row of weight 0 keeps the soft loss alone."""
+    cfg, P, seqs, aux, last, rope = _tiny_draft_case(1)
+    V, N = cfg.vocab_size, cfg.dspark_block_size
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(3 * torch.randn(*seqs.shape, V, generator=g), -1)
+    soft, _, _ = draft_loss(P, aux, probs, seqs, last, rope, 0.7)
+    lw = torch.tensor([0.5, 0.0])
+    mixed, _, _ = draft_loss(P, aux, probs, seqs, last, rope, 0.7, lw)
+    from dspark_compile.factory.train_model import draft_forward
+    ar = torch.arange(N)
+    anchors = seqs.gather(1, last + 1)
+    prev = seqs.gather(1, (last[..., None] + 1 + ar).flatten(1)).view(*last.shape, N)
+    at = (last[..., None] + 1 + ar).flatten(1)
+    top = probs.argmax(-1).gather(1, at).view(*last.shape, N)
+    logits = draft_forward(P, aux, anchors, last, prev, rope)
+    hard = torch.nn.functional.cross_entropy(logits.flatten(0, 2), top.reshape(-1),
+                                             reduction="none").view_as(top)
+    w = 0.7 ** ar.float()
+    extra = ((lw[:, None, None] * hard) * w).sum(-1).mean() / w.sum()
+    assert extra > 0 and torch.allclose(mixed, soft + extra, rtol=1e-5)
+    zero, _, _ = draft_loss(P, aux, probs, seqs, last, rope, 0.7, torch.zeros(2))
+    assert torch.allclose(zero, soft, rtol=1e-6)
+
+
 def test_ends_in_loop_counts_short_periods_only():
     text = list(range(40))
     assert not ends_in_loop(text)
