@@ -211,7 +211,8 @@ def _build_args(p: argparse.ArgumentParser) -> None:
                    help=f"batch buckets (default {','.join(map(str, DEFAULT_BUCKETS))})")
     p.add_argument("--max-rows", type=int, default=None,
                    help="concurrent requests, >= the largest bucket (default: the largest bucket)")
-    p.add_argument("--prefill-chunks", type=prefill_chunks_arg, default="auto", metavar="C1,C2|auto|none",
+    p.add_argument("--prefill-chunks", type=prefill_chunks_arg, default="auto",
+                   metavar="C1,C2|auto|none",
                    help=f"chunk lengths with a compiled prefill program each (default auto: "
                         f"{PREFILL_RULE}; none: no prefill programs, prompts prefill with the "
                         "eager reference)")

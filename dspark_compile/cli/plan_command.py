@@ -41,7 +41,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="positions per request (default 1024)")
     p.add_argument("--buckets", type=_ints, default=None,
                    help="batch buckets (default: build's, up to --max-rows when given)")
-    p.add_argument("--prefill-chunks", type=prefill_chunks_arg, default="auto", metavar="C1,C2|auto|none",
+    p.add_argument("--prefill-chunks", type=prefill_chunks_arg, default="auto",
+                   metavar="C1,C2|auto|none",
                    help="prefill program chunk lengths (default auto, as build)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="compute dtype (default bfloat16, a CUDA build's)")

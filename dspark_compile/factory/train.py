@@ -253,9 +253,10 @@ def draft_loss(P: TrainParams, aux: torch.Tensor, probs: torch.Tensor, seqs: tor
                label_weight: torch.Tensor | None = None):
     """Loss of the blocks drafted after positions last [B, A] of seqs [B, L]: the cross-entropy
     of the draft's distribution to the target's (probs [B, L, V], after each position), weight
-    decay^k at draft position k. Also, per position [N] (teacher-forced): top-1 agreement with
-    the target's most likely token, and the overlap sum_v min(p, q) -- what token-wise
-    verification would accept there at the teacher's sampling."""
+    decay^k at draft position k; `label_weight` [B]: plus, on each row, that weight x the
+    cross-entropy to the target's most likely token. Also, per position [N] (teacher-forced):
+    top-1 agreement with the target's most likely token, and the overlap sum_v min(p, q) --
+    what token-wise verification would accept there at the teacher's sampling."""
     N = P.cfg.dspark_block_size
     ar = torch.arange(N)
     anchors = seqs.gather(1, last + 1)
@@ -287,8 +288,6 @@ def train_draft(P: TrainParams, seqs: torch.Tensor, aux: torch.Tensor, probs: to
     if hi < lo:
         raise ValueError(f"train: continuation_len={tc.continuation_len} leaves no draft block "
                          f"(needs >= {N + 2} tokens)")
-    if tc.label_rows not in ("greedy", "all"):
-        raise ValueError(f"train: label_rows must be 'greedy' or 'all', got {tc.label_rows!r}")
     row_label = torch.full((seqs.shape[0],), tc.label_weight)
     if tc.label_rows == "greedy":
         row_label[tc.continuations:] = 0.0          # seqs: the greedy continuations first
@@ -421,6 +420,8 @@ def train_tiny(out_dir: str | Path, tc: TrainConfig = TrainConfig(), overwrite: 
                               "--overwrite to replace it)")
     if target_only and target_from is not None:
         raise ValueError("--target-only and --target-from exclude each other")
+    if tc.label_rows not in ("greedy", "all"):
+        raise ValueError(f"train: label_rows must be 'greedy' or 'all', got {tc.label_rows!r}")
     prior = None if target_from is None else _target_report(Path(target_from), tc)
     threads = torch.get_num_threads()
     torch.set_num_threads(tc.threads)

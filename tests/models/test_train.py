@@ -5,6 +5,7 @@ checkpoint (copied by synth, its report's acceptance re-measured in float64)."""
 import json
 import shutil
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -235,6 +236,13 @@ def test_label_term_adds_the_hard_cross_entropy_to_the_teachers_argmax_per_row()
     assert extra > 0 and torch.allclose(mixed, soft + extra, rtol=1e-5)
     zero, _, _ = draft_loss(P, aux, probs, seqs, last, rope, 0.7, torch.zeros(2))
     assert torch.allclose(zero, soft, rtol=1e-6)
+
+
+def test_unknown_label_rows_is_refused_before_any_work(tmp_path):
+    tc = replace(TrainConfig.small(), label_rows="sampled")
+    with pytest.raises(ValueError, match="label_rows must be 'greedy' or 'all'"):
+        train_tiny(tmp_path / "out", tc)
+    assert not (tmp_path / "out").exists()
 
 
 def test_ends_in_loop_counts_short_periods_only():
