@@ -27,13 +27,18 @@ rejection) and batch B:
     speculation buys at equal implementation with no compilation on either side.
 
 tokens/s counts every committed token of the B requests over the call's wall time; the
-speed-up of a row is its tokens/s over the baseline's. Greedy rows also report the fraction of
+speed-up of a row is its tokens/s over the baseline's. A request's time is its prompt's prefill
+and then its decoding: each row also times the same calls with max_new_tokens=1 (the prefill
+and its first token, no step; `prefill_s`, the median of --repeats after a warm-up), and
+reports the decoding alone: `decode_tokens_per_s`, the tokens after the first over the
+difference, and its `decode_speedup` over the baseline's. Greedy rows also report the fraction of
 requests whose tokens equal the baseline's (FP8 rounding can flip a near-tie between a batched
 verify and a one-token decode). -> JSON (rewritten after every row), CSV, a table.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -58,7 +63,8 @@ BASELINE = "engine-target-only"
 BASELINE_NOTE = ("baseline: the engine's own non-speculative decoding (its target-only "
                  "programs: Engine.generate(speculative=False))")
 TABLE = ["mode", "B", "variant", "verify", "tokens", "seconds", "tokens_per_s", "speedup",
-         "mean_accepted_length", "acceptance", "greedy_match"]
+         "prefill_s", "decode_tokens_per_s", "decode_speedup", "mean_accepted_length",
+         "acceptance", "greedy_match"]
 
 
 def _args(argv=None):
@@ -225,12 +231,18 @@ def timed(variant: str, eng, prompts, params, repeats: int) -> tuple[object, lis
     return res, secs
 
 
-def row_of(mode: str, B: int, variant: str, res, secs: list[float]) -> dict:
+def row_of(mode: str, B: int, variant: str, res, secs: list[float],
+           prefill_secs: list[float]) -> dict:
     tokens = sum(len(t) for t in res.tokens)
-    seconds = statistics.median(secs)
+    seconds, prefill_s = statistics.median(secs), statistics.median(prefill_secs)
     row = {"mode": mode, "B": B, "variant": variant, "tokens": tokens,
            "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2),
-           "seconds_each": [round(x, 4) for x in secs], "steps": res.steps}
+           "seconds_each": [round(x, 4) for x in secs], "steps": res.steps,
+           "prefill_s": round(prefill_s, 4)}
+    # the decoding alone: the tokens after each request's first (the prefill's) over the time
+    # the call spent past its prefill; none when timing noise leaves no time (a few tokens)
+    if seconds > prefill_s and tokens > B:
+        row["decode_tokens_per_s"] = round((tokens - B) / (seconds - prefill_s), 2)
     if variant.endswith("-speculative"):
         row["mean_accepted_length"] = round(res.mean_accepted_length, 4)
         row["acceptance_per_position"] = [round(a, 4) for a in res.acceptance_per_position]
@@ -288,9 +300,12 @@ def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
         runs += [(variant, v) for v in args.verify] if spec else [(variant, None)]
     results = {}
     for variant, verify in runs:
-        res, secs = timed(variant, eng, prompts, sampling(mode, B, args, verify), args.repeats)
+        params = sampling(mode, B, args, verify)
+        res, secs = timed(variant, eng, prompts, params, args.repeats)
+        first = [dataclasses.replace(p, max_new_tokens=1) for p in params]
+        prefill_secs = timed(variant, eng, prompts, first, args.repeats)[1]
         results[(variant, verify)] = res
-        row = row_of(mode, B, variant, res, secs)
+        row = row_of(mode, B, variant, res, secs, prefill_secs)
         if verify is not None:
             row["verify"] = verify
         rec["rows"].append(row)
@@ -302,6 +317,9 @@ def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
             continue
         if base is not None:
             r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            if "decode_tokens_per_s" in r and "decode_tokens_per_s" in base:
+                r["decode_speedup"] = round(r["decode_tokens_per_s"]
+                                            / base["decode_tokens_per_s"], 3)
         if mode == "greedy" and (BASELINE, None) in results and r["variant"] != BASELINE:
             same = sum(a == b for a, b in zip(results[(r["variant"], None)].tokens,
                                               results[(BASELINE, None)].tokens))
