@@ -124,15 +124,7 @@ def _buckets(args) -> tuple:
     return (2,) if args.dry_run else tuple(args.batches)
 
 
-def _prefill_chunks(args, max_seq_len: int) -> tuple:
-    """--prefill-chunks as the build resolves it ("auto": default_prefill_chunks)."""
-    from dspark_compile.engine_dir.build_config import default_prefill_chunks
-    if args.prefill_chunks == "auto":
-        return default_prefill_chunks(max_seq_len)
-    return tuple(sorted(set(args.prefill_chunks)))
-
-
-def _build_matches(engine_dir: Path, args, max_seq_len: int) -> bool:
+def _build_matches(engine_dir: Path, args, max_seq_len: int, chunks: tuple) -> bool:
     try:
         bc = json.loads((engine_dir / "manifest.json").read_text())["build_config"]
         return (set(_buckets(args)) <= {int(b) for b in bc["buckets"]}
@@ -140,7 +132,7 @@ def _build_matches(engine_dir: Path, args, max_seq_len: int) -> bool:
                 and torch.device(bc["device"]).type == args.device
                 and int(bc["max_rows"]) >= max(args.batches)
                 and bc.get("target_programs") is True
-                and tuple(bc.get("prefill_chunks") or ()) == _prefill_chunks(args, max_seq_len)
+                and tuple(bc.get("prefill_chunks") or ()) == chunks
                 and (args.backend is None or bc.get("backend") == args.backend))
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -150,7 +142,7 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
     """(loaded engine, checkpoint directory, setup times)."""
     import shutil
 
-    from dspark_compile.engine_dir.build_config import BuildConfig
+    from dspark_compile.engine_dir.build_config import BuildConfig, resolve_prefill_chunks
     from dspark_compile.models.config import ModelConfig, request_positions
     from dspark_compile.factory.synth import synth_checkpoint
     from dspark_compile.runtime.engine import Engine
@@ -162,8 +154,12 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
         synth_checkpoint("tiny-trained", ckpt, overwrite=True)
     cfg = ModelConfig.from_file(ckpt / "config.json")
     need = request_positions(args.prompt_len, args.new_tokens, cfg.dspark_block_size)
+    try:    # as the build resolves it ("auto": default_prefill_chunks(need))
+        chunks = resolve_prefill_chunks(args.prefill_chunks, need)
+    except ValueError as e:
+        raise SystemExit(f"--prefill-chunks: {e}") from None
     engine_dir = Path(args.engine) if args.engine else work / f"engine_{args.device}_{args.dtype}"
-    if not args.engine and not _build_matches(engine_dir, args, need):
+    if not args.engine and not _build_matches(engine_dir, args, need, chunks):
         if engine_dir.exists():      # made by an earlier run of this script for other options
             log(f"[build] {engine_dir} does not fit this run: rebuilding")
             shutil.rmtree(engine_dir)
@@ -171,7 +167,7 @@ def setup(args, work: Path, log) -> tuple[object, Path, dict]:
         build_engine(ckpt, engine_dir, BuildConfig(
             buckets=_buckets(args), max_rows=max(args.batches), max_seq_len=need,
             dtype=args.dtype, device=args.device, backend=args.backend or "",
-            target_programs=True, prefill_chunks=_prefill_chunks(args, need)), log=log)
+            target_programs=True, prefill_chunks=chunks), log=log)
         times["build_s"] = round(time.perf_counter() - t, 2)
     t = time.perf_counter()
     eng = Engine.load(engine_dir, device=args.device, trust_code=True)  # an engine of this checkout
@@ -303,9 +299,10 @@ def measure(mode: str, B: int, eng, prompts, args, rec: dict, write) -> None:
         params = sampling(mode, B, args, verify)
         res, secs = timed(variant, eng, prompts, params, args.repeats)
         first = [dataclasses.replace(p, max_new_tokens=1) for p in params]
-        prefill_secs = timed(variant, eng, prompts, first, args.repeats)[1]
+        first_res, prefill_secs = timed(variant, eng, prompts, first, args.repeats)
         results[(variant, verify)] = res
         row = row_of(mode, B, variant, res, secs, prefill_secs)
+        row["prefill_steps"] = first_res.steps      # 0: those calls ran no decoding step
         if verify is not None:
             row["verify"] = verify
         rec["rows"].append(row)

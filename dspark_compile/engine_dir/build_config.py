@@ -96,7 +96,7 @@ class BuildConfig:
                              f"{self.max_rows}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        self.prefill_chunks = _chunk_lengths(self.prefill_chunks, self.max_seq_len)
+        self.prefill_chunks = resolve_prefill_chunks(self.prefill_chunks, self.max_seq_len)
 
     def precision(self):
         return Precision(dtype=DTYPES[self.dtype], act_quant=self.act_quant, kv_fp8=self.kv_fp8)
@@ -132,7 +132,7 @@ def default_prefill_chunks(max_seq_len: int) -> tuple:
     return tuple(out)
 
 
-def _chunk_lengths(chunks, max_seq_len) -> tuple:
+def resolve_prefill_chunks(chunks, max_seq_len) -> tuple:
     """prefill_chunks as sorted distinct ints in [1, max_seq_len]; (0,) and () mean none,
     "auto" default_prefill_chunks(max_seq_len)."""
     if chunks == "auto":

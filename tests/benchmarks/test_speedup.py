@@ -34,7 +34,7 @@ def test_dry_run_times_every_variant_against_the_engine_target_baseline(dry_run)
         base = rows[(mode, B, "engine-target-only", None)]
         assert abs(r["speedup"] - r["tokens_per_s"] / base["tokens_per_s"]) < 1e-2
         # the decoding alone: the call's time past its prefill (max_new_tokens=1 calls)
-        assert 0 < r["prefill_s"]
+        assert 0 < r["prefill_s"] and r["prefill_steps"] == 0, r
         if "decode_tokens_per_s" in r:
             rate = (r["tokens"] - B) / (r["seconds"] - r["prefill_s"])
             assert abs(r["decode_tokens_per_s"] / rate - 1) < 1e-2, r
